@@ -1,0 +1,343 @@
+"""Configuration: nested frozen dataclasses, loaded from YAML, with dotted command-line overrides.
+
+    cfg = load_config("configs/tiny.yaml", ["model.num_layers=4", "training.steps=50"])
+
+Unknown keys and bad values raise `ConfigError` naming the key, the value seen and what is allowed.
+Every check runs here, before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config key or value that jaxgen cannot use."""
+
+
+def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is not allowed: {allowed}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """One decoder-only transformer; GPT-2 and Llama styles are field choices, not code copies."""
+
+    vocab_size: int = 512
+    num_layers: int = 2
+    d_model: int = 64  # D
+    num_heads: int = 4  # N
+    num_kv_heads: int | None = None  # K; None = num_heads (MHA), 1 = MQA, else GQA
+    head_dim: int | None = None  # H; None = d_model // num_heads
+    d_ff: int = 256  # F
+    max_seq_len: int = 256
+    position: Literal["learned", "rope"] = "rope"
+    rope_theta: float = 10000.0
+    norm: Literal["layernorm", "rmsnorm"] = "rmsnorm"
+    norm_eps: float = 1e-5
+    mlp: Literal["gelu", "swiglu"] = "swiglu"
+    use_bias: bool = False  # biases in attention and MLP projections (GPT-2: True)
+    tie_embeddings: bool = False  # the LM head reuses the token embedding (GPT-2: True)
+    sliding_window: int | None = None  # attend to at most this many previous positions
+    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; params stay float32
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        for name in ("vocab_size", "num_layers", "d_model", "num_heads", "d_ff", "max_seq_len"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and value > 0, f"model.{name}", value, "a positive integer")
+        _check(self.position in ("learned", "rope"), "model.position", self.position, "learned, rope")
+        _check(self.norm in ("layernorm", "rmsnorm"), "model.norm", self.norm, "layernorm, rmsnorm")
+        _check(self.mlp in ("gelu", "swiglu"), "model.mlp", self.mlp, "gelu, swiglu")
+        _check(self.dtype in ("float32", "bfloat16"), "model.dtype", self.dtype, "float32, bfloat16")
+        k = self.kv_heads
+        _check(
+            k > 0 and self.num_heads % k == 0,
+            "model.num_kv_heads",
+            self.num_kv_heads,
+            f"a divisor of num_heads={self.num_heads} (1 = multi-query, num_heads = multi-head)",
+        )
+        if self.head_dim is None:
+            _check(
+                self.d_model % self.num_heads == 0,
+                "model.num_heads",
+                self.num_heads,
+                f"a divisor of d_model={self.d_model} (or set model.head_dim)",
+            )
+        if self.position == "rope":
+            _check(self.head_size % 2 == 0, "model.head_dim", self.head_size, "an even number with rope")
+        if self.sliding_window is not None:
+            _check(self.sliding_window > 0, "model.sliding_window", self.sliding_window, "null or > 0")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
+
+    @property
+    def groups(self) -> int:
+        """Query heads per kv head (G); 1 for multi-head attention."""
+        return self.num_heads // self.kv_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    source: Literal["stdlib", "files", "jsonl"] = "stdlib"
+    paths: tuple[str, ...] = ()  # globs, for files and jsonl
+    text_field: str = "text"
+    prompt_field: str | None = None  # jsonl fine-tuning: loss only on the response
+    response_field: str | None = None
+    tokenizer: str = "byte"  # "byte" or a path to a Hugging Face tokenizer.json
+    seq_len: int = 128  # T: tokens per training sequence
+    eval_fraction: float = 0.02  # share of documents held out
+    eval_batches: int = 4
+    cache_dir: str = "~/.cache/jaxgen/tokens"
+    seed: int = 0
+
+    def __post_init__(self):
+        _check(self.source in ("stdlib", "files", "jsonl"), "data.source", self.source, "stdlib, files, jsonl")
+        _check(self.seq_len > 0, "data.seq_len", self.seq_len, "a positive integer")
+        _check(0 < self.eval_fraction < 1, "data.eval_fraction", self.eval_fraction, "a number in (0, 1)")
+        if self.source != "stdlib":
+            _check(bool(self.paths), "data.paths", self.paths, f"at least one glob for source={self.source}")
+        _check(
+            (self.prompt_field is None) == (self.response_field is None),
+            "data.prompt_field",
+            self.prompt_field,
+            "set together with data.response_field",
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    learning_rate: float = 1e-3  # peak, reached after warmup
+    min_lr_ratio: float = 0.1  # cosine decays to learning_rate * min_lr_ratio
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # global-norm clipping; 0 disables
+
+    def __post_init__(self):
+        _check(self.learning_rate > 0, "optimizer.learning_rate", self.learning_rate, "a number > 0")
+        _check(0 <= self.min_lr_ratio <= 1, "optimizer.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
+        _check(self.warmup_steps >= 0, "optimizer.warmup_steps", self.warmup_steps, "an integer >= 0")
+        _check(self.grad_clip >= 0, "optimizer.grad_clip", self.grad_clip, "a number >= 0 (0 disables)")
+        for name in ("b1", "b2"):
+            value = getattr(self, name)
+            _check(0 <= value < 1, f"optimizer.{name}", value, "a number in [0, 1)")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingConfig:
+    steps: int = 200  # total optimizer steps of the run
+    batch_size: int = 8  # sequences per optimizer step (global, all devices)
+    grad_accum: int = 1  # micro-batches per step; batch_size must divide by it
+    eval_every: int = 50
+    log_every: int = 10
+    seed: int = 0
+    max_nonfinite_in_row: int = 5  # stop after this many skipped (non-finite) updates in a row
+    steps_per_run: int = 0  # stop this invocation after N steps (time-sliced jobs); 0 = run to the end
+    peak_flops: float = 0.0  # for MFU; 0 = measure the matmul rate of this machine at start
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "grad_accum", "eval_every", "log_every", "max_nonfinite_in_row"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and value > 0, f"training.{name}", value, "a positive integer")
+        _check(
+            self.batch_size % self.grad_accum == 0,
+            "training.grad_accum",
+            self.grad_accum,
+            f"a divisor of training.batch_size={self.batch_size}",
+        )
+        _check(self.steps_per_run >= 0, "training.steps_per_run", self.steps_per_run, "an integer >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh sizes; -1 takes all remaining devices. Default: all devices on `data`."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        sizes = (self.data, self.fsdp, self.tensor)
+        _check(
+            all(s == -1 or s > 0 for s in sizes) and sizes.count(-1) <= 1,
+            "mesh",
+            dict(data=self.data, fsdp=self.fsdp, tensor=self.tensor),
+            "positive sizes, with at most one -1 (all remaining devices)",
+        )
+
+    def shape(self, num_devices: int) -> tuple[int, int, int]:
+        sizes = [self.data, self.fsdp, self.tensor]
+        fixed = math.prod(s for s in sizes if s != -1)
+        if -1 in sizes:
+            _check(num_devices % fixed == 0, "mesh", sizes, f"sizes whose product divides {num_devices} devices")
+            sizes[sizes.index(-1)] = num_devices // fixed
+        _check(math.prod(sizes) == num_devices, "mesh", sizes, f"sizes whose product is {num_devices} devices")
+        return tuple(sizes)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 100  # save every N steps (also at the end and on SIGTERM / Ctrl-C)
+    keep: int = 3  # keep the last K checkpoints
+
+    def __post_init__(self):
+        _check(self.every > 0, "checkpoint.every", self.every, "a positive integer")
+        _check(self.keep > 0, "checkpoint.keep", self.keep, "a positive integer")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    name: str = "run"
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    training: TrainingConfig = TrainingConfig()
+    mesh: MeshConfig = MeshConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+
+    def __post_init__(self):
+        _check(
+            self.data.seq_len <= self.model.max_seq_len,
+            "data.seq_len",
+            self.data.seq_len,
+            f"at most model.max_seq_len={self.model.max_seq_len}",
+        )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# --- building configs from plain data -------------------------------------------------------------
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Checks and converts one YAML/CLI value to the field's annotated type."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0])
+    if origin is Literal:
+        _check(value in args, key, value, ", ".join(map(str, args)))
+        return value
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [value]
+        _check(isinstance(value, list | tuple), key, value, "a list")
+        return tuple(_coerce(v, args[0], key) for v in value)
+    if dataclasses.is_dataclass(tp):
+        _check(isinstance(value, dict), key, value, "a mapping of " + ", ".join(_field_names(tp)))
+        return _build(tp, value, key + ".")
+    if tp is bool:
+        _check(isinstance(value, bool), key, value, "true or false")
+        return value
+    if tp is int:
+        _check(isinstance(value, int) and not isinstance(value, bool), key, value, "an integer")
+        return value
+    if tp is float:
+        _check(isinstance(value, int | float) and not isinstance(value, bool), key, value, "a number")
+        return float(value)
+    if tp is str:
+        _check(isinstance(value, str), key, value, "a string")
+        return value
+    raise TypeError(f"unsupported config type {tp} for {key}")
+
+
+def _field_names(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _build(cls, data: dict, prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(data) - set(hints))
+    if unknown:
+        raise ConfigError(
+            f"unknown config key {prefix}{unknown[0]}; allowed keys under "
+            f"{prefix.rstrip('.') or 'the top level'}: {', '.join(_field_names(cls))}"
+        )
+    kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def _parse_scalar(text: str) -> Any:
+    """A CLI value is read as YAML, so `4`, `1e-3`, `true`, `null` and `[a, b]` all work."""
+    return yaml.safe_load(text)
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Applies `a.b=value` strings to a nested dict (copied)."""
+    data = _deep_copy(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. model.num_layers=4)")
+        key, text = item.split("=", 1)
+        node = data
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part} is not a section")
+        node[parts[-1]] = _parse_scalar(text)
+    return data
+
+
+def _deep_copy(data: dict) -> dict:
+    return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in data.items()}
+
+
+def config_from_dict(data: dict) -> Config:
+    try:
+        return _build(Config, data or {})
+    except TypeError as e:  # a wrong nesting, e.g. `model: 4`
+        raise ConfigError(str(e)) from e
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Reads a YAML config (or the defaults when `path` is None) and applies dotted overrides."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            shipped = sorted(p.name for p in Path(__file__).parent.parent.joinpath("configs").glob("*.yaml"))
+            raise ConfigError(f"config file {str(path)!r} does not exist; shipped configs: {', '.join(shipped)}")
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
+        data.setdefault("name", path.stem)
+    return config_from_dict(apply_overrides(data, list(overrides)))
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(_plain(cfg.to_dict()), sort_keys=False))
+
+
+def _plain(value):
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    return value

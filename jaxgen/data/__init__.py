@@ -1,0 +1,1 @@
+"""Data: corpus sources, a cached memory-mapped token store, packing and the grain iterator."""

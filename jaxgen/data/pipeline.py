@@ -1,0 +1,70 @@
+"""Packing token streams into fixed-length training examples, and the grain iterators over them.
+
+Each example is a window of T + 1 tokens of the stream (documents back to back, each ending in
+end-of-text). Inputs are the first T, targets the last T (teacher forcing). Documents inside a
+window get their own segment id and positions restarting at 0, so attention never crosses a
+document boundary; the target that would predict the next document's first token is masked out.
+"""
+
+from __future__ import annotations
+
+import grain
+import jax
+import numpy as np
+
+from jaxgen.data.tokens import DOC_START, NO_LOSS
+
+
+class PackedSequences:
+    """Random-access source of packed examples over a memory-mapped token stream."""
+
+    def __init__(self, tokens: np.ndarray, flags: np.ndarray, seq_len: int):
+        self.tokens, self.flags, self.seq_len = tokens, flags, seq_len
+        self._len = (len(tokens) - 1) // seq_len
+        if self._len < 1:
+            raise ValueError(f"only {len(tokens)} tokens: too few for one sequence of data.seq_len={seq_len}")
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        lo = int(i) * self.seq_len
+        return pack_window(self.tokens[lo : lo + self.seq_len + 1], self.flags[lo : lo + self.seq_len + 1])
+
+
+def pack_window(tokens: np.ndarray, flags: np.ndarray) -> dict[str, np.ndarray]:
+    """One example from T + 1 tokens and their flags. All arrays are (T,) int32."""
+    starts = (flags & DOC_START).astype(bool)
+    segment = np.cumsum(starts) - int(starts[0]) + 1  # the window's first document is segment 1
+    idx = np.arange(len(tokens))
+    last_start = np.maximum.accumulate(np.where(starts, idx, 0))
+    positions = idx - last_start
+    same_doc = segment[1:] == segment[:-1]
+    loss_mask = same_doc & ((flags[1:] & NO_LOSS) == 0)
+    return {
+        "inputs": tokens[:-1].astype(np.int32),
+        "targets": tokens[1:].astype(np.int32),
+        "positions": positions[:-1].astype(np.int32),
+        "segment_ids": segment[:-1].astype(np.int32),
+        "loss_mask": loss_mask.astype(np.int32),
+    }
+
+
+def train_iterator(source: PackedSequences, batch_size: int, seed: int) -> grain.DatasetIterator:
+    """Shuffled, repeating, deterministic batches for this process; `get_state()` makes it resumable."""
+    per_process = batch_size // jax.process_count()
+    ds = grain.MapDataset.source(source)[jax.process_index() :: jax.process_count()]
+    ds = ds.shuffle(seed=seed).repeat(None)  # shuffle then repeat: every epoch sees every example once
+    ds = ds.batch(per_process, drop_remainder=True)
+    return iter(ds.to_iter_dataset())
+
+
+def eval_batches(source: PackedSequences, batch_size: int, num_batches: int) -> list[dict[str, np.ndarray]]:
+    """A fixed list of held-out batches (wrapping around a small held-out set)."""
+    n = batch_size * num_batches
+    idx = np.arange(n) % len(source)
+    examples = [source[i] for i in idx]
+    return [
+        {k: np.stack([e[k] for e in examples[b * batch_size : (b + 1) * batch_size]]) for k in examples[0]}
+        for b in range(num_batches)
+    ]

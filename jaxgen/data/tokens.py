@@ -1,0 +1,95 @@
+"""Tokenize a corpus once into cached, memory-mapped token files, split into train and held-out.
+
+A store is a folder `<cache_dir>/<key>/` with, per split, `tokens.npy` (uint16 or uint32) and
+`flags.npy` (uint8 per token: bit 0 = first token of a document, bit 1 = no loss, i.e. prompt).
+The key hashes the files (path, size, mtime), the tokenizer and the split settings, so a changed
+corpus or tokenizer is tokenized again, and an unchanged one is read back at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from jaxgen.config import DataConfig
+from jaxgen.data.sources import iter_documents, resolve_paths
+from jaxgen.tokenizer import Tokenizer
+
+DOC_START = 1
+NO_LOSS = 2
+_BATCH_DOCS = 256
+
+
+def store_key(cfg: DataConfig, tokenizer: Tokenizer) -> str:
+    h = hashlib.sha256()
+    for p in resolve_paths(cfg):
+        st = p.stat()
+        h.update(f"{p}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    h.update(tokenizer.tok.to_str().encode())
+    settings = (cfg.source, cfg.text_field, cfg.prompt_field, cfg.response_field, cfg.eval_fraction, cfg.seed)
+    h.update(repr(settings).encode())
+    return h.hexdigest()[:16]
+
+
+def load_splits(cfg: DataConfig, tokenizer: Tokenizer) -> dict[str, dict[str, np.ndarray]]:
+    """{'train': {'tokens', 'flags'}, 'eval': {...}} as read-only memory maps, building them if needed."""
+    folder = Path(os.path.expanduser(cfg.cache_dir)) / store_key(cfg, tokenizer)
+    if not (folder / "meta.json").exists():
+        _build(cfg, tokenizer, folder)
+    return {
+        split: {name: np.load(folder / f"{split}.{name}.npy", mmap_mode="r") for name in ("tokens", "flags")}
+        for split in ("train", "eval")
+    }
+
+
+def _encode_document_batch(docs, tokenizer: Tokenizer):
+    texts = tokenizer.encode_batch([d.text for d in docs])
+    prompts = tokenizer.encode_batch([d.prompt for d in docs]) if any(d.prompt for d in docs) else None
+    for i, ids in enumerate(texts):
+        prompt = prompts[i] if prompts else []
+        tokens = np.asarray(prompt + ids + [tokenizer.eos_id], np.uint32)
+        flags = np.zeros(len(tokens), np.uint8)
+        flags[: len(prompt)] |= NO_LOSS
+        flags[0] |= DOC_START
+        yield tokens, flags
+
+
+def _build(cfg: DataConfig, tokenizer: Tokenizer, folder: Path) -> None:
+    docs = list(iter_documents(cfg))
+    if len(docs) < 2:
+        raise ValueError(f"the corpus has {len(docs)} document(s); at least 2 are needed (one held out)")
+    is_eval = np.random.default_rng(cfg.seed).random(len(docs)) < cfg.eval_fraction
+    if not is_eval.any():
+        is_eval[-1] = True
+    if is_eval.all():
+        is_eval[0] = False
+    parts = {"train": ([], []), "eval": ([], [])}
+    with tqdm(total=len(docs), desc="tokenizing", unit="doc", leave=False) as bar:
+        for start in range(0, len(docs), _BATCH_DOCS):
+            batch = docs[start : start + _BATCH_DOCS]
+            for j, (tokens, flags) in enumerate(_encode_document_batch(batch, tokenizer)):
+                split = "eval" if is_eval[start + j] else "train"
+                parts[split][0].append(tokens)
+                parts[split][1].append(flags)
+            bar.update(len(batch))
+    dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
+    meta = {"documents": {}, "tokens": {}, "vocab_size": tokenizer.vocab_size}
+    for split, (tokens, flags) in parts.items():
+        np.save(tmp / f"{split}.tokens.npy", np.concatenate(tokens).astype(dtype))
+        np.save(tmp / f"{split}.flags.npy", np.concatenate(flags))
+        meta["documents"][split] = len(tokens)
+        meta["tokens"][split] = int(sum(len(t) for t in tokens))
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    try:
+        tmp.rename(folder)  # atomic: a killed build leaves only a .tmp- folder, never half a store
+    except OSError:  # another process built it first
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,80 @@
+"""The building blocks of the transformer: norms, rotary positions, masks, attention, MLP.
+
+Shapes use the glossary in `jaxgen.sharding` (B, T, S, D, N, K, G, H, F).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxgen.config import ModelConfig
+
+NEG_INF = jnp.finfo(jnp.float32).min  # finite, so a fully masked row (padding) gives no NaN
+
+
+def norm(x_btd, p: dict, cfg: ModelConfig):
+    """LayerNorm (scale and bias) or RMSNorm (scale only), computed in float32."""
+    x = x_btd.astype(jnp.float32)
+    if cfg.norm == "layernorm":
+        x = x - x.mean(-1, keepdims=True)
+    x = x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + cfg.norm_eps)
+    x = x * p["scale_d"].astype(jnp.float32)
+    if "bias_d" in p:
+        x = x + p["bias_d"].astype(jnp.float32)
+    return x.astype(x_btd.dtype)
+
+
+def rope(x_btnh, positions_bt, theta: float):
+    """Rotary position embedding, rotate-half convention (as in Llama)."""
+    h = x_btnh.shape[-1]
+    inv_freq = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)  # (H/2,)
+    angles = positions_bt.astype(jnp.float32)[..., None] * inv_freq  # (B, T, H/2)
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x = x_btnh.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_btnh.dtype)
+
+
+def attention_mask(q_slot_t, k_slot_s, q_pos_bt, k_pos_bs, q_seg_bt=None, k_seg_bs=None, window=None):
+    """Boolean (B, T, S): may query t attend to key s?
+
+    Causal by slot order, keys with position -1 (padding, empty cache slots) never attended,
+    no attention across packed documents (segment ids), and an optional sliding window.
+    """
+    mask = (k_slot_s[None, :] <= q_slot_t[:, None])[None]  # (1, T, S)
+    mask = mask & (k_pos_bs >= 0)[:, None, :]
+    if q_seg_bt is not None:
+        mask = mask & (q_seg_bt[:, :, None] == k_seg_bs[:, None, :])
+    if window is not None:
+        mask = mask & (q_pos_bt[:, :, None] - k_pos_bs[:, None, :] < window)
+    return mask
+
+
+def attention(q_btnh, k_bskh, v_bskh, mask_bts, num_kv_heads: int):
+    """Grouped-query attention: N query heads share K kv heads (G = N / K per group)."""
+    b, t, n, h = q_btnh.shape
+    q = q_btnh.reshape(b, t, num_kv_heads, n // num_kv_heads, h)  # (B, T, K, G, H)
+    logits = jnp.einsum("btkgh,bskh->bkgts", q, k_bskh, preferred_element_type=jnp.float32)
+    logits = logits * (h**-0.5)
+    logits = jnp.where(mask_bts[:, None, None], logits, NEG_INF)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v_bskh.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh)
+    return out.reshape(b, t, n, h)
+
+
+def mlp(x_btd, p: dict, cfg: ModelConfig):
+    """GELU MLP (GPT-2) or SwiGLU (Llama)."""
+    up = jnp.einsum("btd,df->btf", x_btd, p["w_up_df"])
+    if "b_up_f" in p:
+        up = up + p["b_up_f"]
+    if cfg.mlp == "swiglu":
+        hidden = jax.nn.silu(jnp.einsum("btd,df->btf", x_btd, p["w_gate_df"])) * up
+    else:
+        hidden = jax.nn.gelu(up, approximate=True)
+    out = jnp.einsum("btf,fd->btd", hidden, p["w_down_fd"])
+    if "b_down_d" in p:
+        out = out + p["b_down_d"]
+    return out

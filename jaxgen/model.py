@@ -1,0 +1,219 @@
+"""The decoder-only transformer: its parameter table, initialisation and the pure forward pass.
+
+    params = init_params(cfg, rng)
+    logits, _ = forward(params, tokens, positions, cfg=cfg)               # training: cache=None
+    logits, cache = forward(params, tokens, positions, cache, cfg=cfg)    # prefill / decode
+
+Parameters are a nested dict of arrays. Per-layer weights are stacked on a leading L axis and run
+with `lax.scan`, so compile time does not grow with depth. Names end with their per-layer axes
+(`w_q_dnh` is stored as (L, D, N, H)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxgen import layers
+from jaxgen.cache import KVCache
+from jaxgen.config import ModelConfig
+from jaxgen.sharding import constrain, named_sharding
+
+
+class ParamSpec(NamedTuple):
+    shape: tuple[int, ...]
+    names: tuple[str | None, ...]  # logical axis names, see jaxgen.sharding
+    init: str  # "normal", "out" (normal scaled by 1/sqrt(2L), GPT-2), "ones", "zeros"
+
+
+def _norm_specs(cfg: ModelConfig, stacked: bool) -> dict:
+    lead, lead_names = ((cfg.num_layers,), ("layers",)) if stacked else ((), ())
+    d = cfg.d_model
+    specs = {"scale_d": ParamSpec(lead + (d,), lead_names + ("act_embed",), "ones")}
+    if cfg.norm == "layernorm":
+        specs["bias_d"] = ParamSpec(lead + (d,), lead_names + ("act_embed",), "zeros")
+    return specs
+
+
+def param_specs(cfg: ModelConfig) -> dict:
+    """The single table of parameters: shape, logical axes and initialiser of each."""
+    L, D, N, K, H, F, V = (
+        cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_size, cfg.d_ff, cfg.vocab_size,
+    )  # fmt: skip
+    layer = {
+        "attn_norm": _norm_specs(cfg, stacked=True),
+        "w_q_dnh": ParamSpec((L, D, N, H), ("layers", "embed", "heads", "head_dim"), "normal"),
+        "w_k_dkh": ParamSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
+        "w_v_dkh": ParamSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
+        "w_o_nhd": ParamSpec((L, N, H, D), ("layers", "heads", "head_dim", "embed"), "out"),
+        "mlp_norm": _norm_specs(cfg, stacked=True),
+        "mlp": {
+            "w_up_df": ParamSpec((L, D, F), ("layers", "embed", "mlp"), "normal"),
+            "w_down_fd": ParamSpec((L, F, D), ("layers", "mlp", "embed"), "out"),
+        },
+    }
+    if cfg.mlp == "swiglu":
+        layer["mlp"]["w_gate_df"] = ParamSpec((L, D, F), ("layers", "embed", "mlp"), "normal")
+    if cfg.use_bias:
+        layer |= {
+            "b_q_nh": ParamSpec((L, N, H), ("layers", "heads", "head_dim"), "zeros"),
+            "b_k_kh": ParamSpec((L, K, H), ("layers", "kv_heads", "head_dim"), "zeros"),
+            "b_v_kh": ParamSpec((L, K, H), ("layers", "kv_heads", "head_dim"), "zeros"),
+            "b_o_d": ParamSpec((L, D), ("layers", "act_embed"), "zeros"),
+        }
+        layer["mlp"] |= {
+            "b_up_f": ParamSpec((L, F), ("layers", "mlp"), "zeros"),
+            "b_down_d": ParamSpec((L, D), ("layers", "act_embed"), "zeros"),
+        }
+    specs = {
+        "embed_vd": ParamSpec((V, D), ("vocab", "embed"), "normal"),
+        "layers": layer,
+        "final_norm": _norm_specs(cfg, stacked=False),
+    }
+    if cfg.position == "learned":
+        specs["pos_embed_td"] = ParamSpec((cfg.max_seq_len, D), (None, "embed"), "normal")
+    if not cfg.tie_embeddings:
+        specs["head_dv"] = ParamSpec((D, V), ("embed", "vocab"), "normal")
+    return specs
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def param_shardings(cfg: ModelConfig, mesh) -> dict:
+    return jax.tree.map(lambda s: named_sharding(mesh, s.names, s.shape), param_specs(cfg), is_leaf=_is_spec)
+
+
+def init_params(cfg: ModelConfig, rng: jax.Array) -> dict:
+    """Float32 parameters drawn from `rng`. Jit it with `param_shardings` to create them sharded."""
+    specs = param_specs(cfg)
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
+    keys = jax.random.split(rng, len(leaves))
+    out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
+
+    def make(spec: ParamSpec, key):
+        if spec.init == "ones":
+            return jnp.ones(spec.shape, jnp.float32)
+        if spec.init == "zeros":
+            return jnp.zeros(spec.shape, jnp.float32)
+        std = out_std if spec.init == "out" else cfg.init_std
+        return std * jax.random.normal(key, spec.shape, jnp.float32)
+
+    return jax.tree.unflatten(treedef, [make(s, k) for s, k in zip(leaves, keys, strict=True)])
+
+
+def count_params(cfg: ModelConfig) -> int:
+    return sum(_size(s.shape) for s in jax.tree.leaves(param_specs(cfg), is_leaf=_is_spec))
+
+
+def _size(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# --- forward ---------------------------------------------------------------------------------------
+
+
+def forward(
+    params: dict,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: KVCache | None = None,
+    *,
+    cfg: ModelConfig,
+    segment_ids: jax.Array | None = None,
+) -> tuple[jax.Array, KVCache | None]:
+    """Logits for every position, and the updated cache.
+
+    tokens, positions: (B, T) int32; a position of -1 marks padding, never attended to.
+    segment_ids: (B, T) int32 or None; packed documents do not attend across segments
+        (training only: a cache holds one sequence per row).
+    cache: None for a training pass over whole sequences; a `KVCache` to prefill or decode, whose
+        slots [end, end + T) receive this call's keys and values.
+    Returns logits (B, T, V) float32 and the cache (None when none was given).
+    """
+    dtype = jnp.dtype(cfg.dtype)
+    params = jax.tree.map(lambda p: p.astype(dtype), params)
+    x = params["embed_vd"][tokens]  # (B, T, D)
+    if cfg.position == "learned":
+        x = x + params["pos_embed_td"][jnp.clip(positions, 0, cfg.max_seq_len - 1)]
+    x = constrain(x, ("batch", "seq", "act_embed"))
+
+    t = tokens.shape[1]
+    if cache is None:
+        q_slot = k_slot = jnp.arange(t)
+        k_pos, k_seg = positions, segment_ids
+        kv = None
+    else:
+        q_slot = cache.end + jnp.arange(t)
+        k_slot = jnp.arange(cache.max_len)
+        k_pos = jax.lax.dynamic_update_slice(cache.pos, positions.astype(jnp.int32), (0, cache.end))
+        k_seg = segment_ids = None
+        kv = (cache.k, cache.v)
+    mask = layers.attention_mask(q_slot, k_slot, positions, k_pos, segment_ids, k_seg, cfg.sliding_window)
+
+    def layer_step(carry, xs):
+        x, kv = carry
+        p, i = xs
+        x, kv = _block(x, p, i, positions, mask, kv, cache, cfg)
+        return (x, kv), None
+
+    (x, kv), _ = jax.lax.scan(layer_step, (x, kv), (params["layers"], jnp.arange(cfg.num_layers)))
+    x = layers.norm(x, params["final_norm"], cfg)
+    head = params["embed_vd"].T if cfg.tie_embeddings else params["head_dv"]
+    logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
+    logits = constrain(logits, ("batch", "seq", "vocab"))
+    if cache is not None:
+        cache = dataclasses.replace(cache, k=kv[0], v=kv[1], pos=k_pos, end=cache.end + t)
+    return logits, cache
+
+
+def _block(x, p, i, positions, mask, kv, cache, cfg: ModelConfig):
+    """One pre-norm transformer block; with a cache, writes this layer's k/v at slot `end`."""
+    h = layers.norm(x, p["attn_norm"], cfg)
+    q = jnp.einsum("btd,dnh->btnh", h, p["w_q_dnh"])
+    k = jnp.einsum("btd,dkh->btkh", h, p["w_k_dkh"])
+    v = jnp.einsum("btd,dkh->btkh", h, p["w_v_dkh"])
+    if "b_q_nh" in p:
+        q, k, v = q + p["b_q_nh"], k + p["b_k_kh"], v + p["b_v_kh"]
+    if cfg.position == "rope":
+        q = layers.rope(q, positions, cfg.rope_theta)
+        k = layers.rope(k, positions, cfg.rope_theta)
+    if kv is not None:
+        # In-place update of layer i's slots [end, end + T): a dynamic_update_slice at scalar offsets.
+        k_all, v_all = kv
+        start = (i, 0, cache.end, 0, 0)
+        k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
+        v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
+        kv = (k_all, v_all)
+        k, v = k_all[i].astype(q.dtype), v_all[i].astype(q.dtype)
+    out = layers.attention(q, k, v, mask, cfg.kv_heads)
+    out = jnp.einsum("btnh,nhd->btd", out, p["w_o_nhd"])
+    if "b_o_d" in p:
+        out = out + p["b_o_d"]
+    x = x + out
+    x = x + layers.mlp(layers.norm(x, p["mlp_norm"], cfg), p["mlp"], cfg)
+    return constrain(x, ("batch", "seq", "act_embed")), kv
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward), counted as PaLM's MFU does.
+
+    Every weight matmul costs 2 FLOPs per weight per token forward and twice that backward: 6 * P,
+    where P counts the matmul weights (the embedding lookup is a gather and is excluded, the LM head
+    included, tied or not). Attention scores and the weighted sum add 2 * 2 * T * N * H per layer
+    forward, so 12 * L * T * N * H in all, with the full T x T square counted (causal masking does not
+    reduce the work our dense kernel does). Norms, softmax and activations are ignored.
+    """
+    D, N, K, H, F, V, L = (
+        cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_size, cfg.d_ff, cfg.vocab_size, cfg.num_layers,
+    )  # fmt: skip
+    per_layer = D * N * H + 2 * D * K * H + N * H * D + (3 if cfg.mlp == "swiglu" else 2) * D * F
+    matmul_weights = L * per_layer + D * V
+    return 6.0 * matmul_weights + 12.0 * L * seq_len * N * H

@@ -1,0 +1,78 @@
+"""Logical axis names and the one rules table that maps them onto the device mesh.
+
+Axis glossary (used in names, einsum strings and shape comments across jaxgen):
+    B batch, T query length, S key/cache length, D model width, N query heads, K kv heads,
+    G query heads per kv head (N = K * G), H head dim, F mlp width, V vocab, L layers.
+
+Every parameter and the main activations carry logical names (below); `RULES` maps each to mesh
+axes. A dimension that the mesh axes do not divide is replicated instead (e.g. one kv head under
+tensor parallelism), so every config runs on every mesh.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from jaxgen.config import MeshConfig
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# logical name -> mesh axes (None: replicated)
+RULES: dict[str, tuple[str, ...] | str | None] = {
+    "batch": ("data", "fsdp"),
+    "embed": "fsdp",  # parameter rows are split by FSDP, gathered for compute
+    "vocab": "tensor",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
+    "head_dim": None,
+    "layers": None,
+    "seq": None,
+    "cache_seq": None,
+    "act_embed": None,  # activations keep the model width whole
+}
+
+
+def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
+    """A (data, fsdp, tensor) mesh with Auto axes (classic GSPMD propagation)."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = cfg.shape(len(devices))
+    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def _axis_size(mesh, axes) -> int:
+    axes = (axes,) if isinstance(axes, str) else axes
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def logical_spec(names: tuple[str | None, ...], shape: tuple[int, ...] | None = None, mesh=None) -> PartitionSpec:
+    """PartitionSpec for logical axis names; drops mesh axes that do not divide the dimension."""
+    spec = []
+    for i, name in enumerate(names):
+        axes = RULES[name] if name is not None else None
+        if axes is not None and shape is not None and mesh is not None:
+            if shape[i] % _axis_size(mesh, axes) != 0:
+                axes = None
+        spec.append(axes)
+    return PartitionSpec(*spec)
+
+
+def named_sharding(mesh: Mesh, names, shape) -> NamedSharding:
+    return NamedSharding(mesh, logical_spec(tuple(names), tuple(shape), mesh))
+
+
+def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """Sharding constraint on an activation under the current mesh (no-op without one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_spec(names, x.shape, mesh))
+
+
+def batch_sharding(mesh: Mesh, shape) -> NamedSharding:
+    """Batches: leading axis over data and fsdp, the rest replicated."""
+    return named_sharding(mesh, ("batch",) + (None,) * (len(shape) - 1), shape)

@@ -1,0 +1,208 @@
+"""The training state, optimizer, teacher-forcing loss and the jitted train step.
+
+    state = create_train_state(cfg, mesh)
+    step_fn = make_train_step(cfg, mesh, state)
+    state, metrics = step_fn(state, batch)     # state is donated
+
+A batch is a dict of (B, T) int32 arrays: inputs, targets, positions, segment_ids, loss_mask.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxgen import model
+from jaxgen.config import Config, OptimizerConfig
+from jaxgen.model import param_shardings
+from jaxgen.sharding import batch_sharding
+
+BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # () int32, optimizer steps taken (skipped ones included)
+    params: dict  # float32 master weights
+    opt_state: optax.OptState
+    rng: jax.Array  # for stochastic layers; folded with the step, never reused
+    nonfinite_in_row: jax.Array  # () int32, consecutive skipped updates
+    nonfinite_total: jax.Array  # () int32
+
+
+def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
+    """AdamW with linear warmup then cosine decay, after global-norm clipping.
+
+    Weight decay applies to matrices only (not to norms' scales and biases).
+    """
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=cfg.learning_rate,
+        warmup_steps=cfg.warmup_steps,
+        decay_steps=max(total_steps, cfg.warmup_steps + 1),
+        end_value=cfg.learning_rate * cfg.min_lr_ratio,
+    )
+    adamw = optax.adamw(
+        schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+        mask=_decay_mask,
+    )  # fmt: skip
+    clip = optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity()
+    return optax.chain(clip, adamw)
+
+
+def _decay_mask(params):
+    """True for weight matrices and embeddings; norms' scales and biases are not decayed."""
+    matrices = ("w_", "embed_", "head_", "pos_embed_")
+    return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key.startswith(matrices), params)
+
+
+def learning_rate(cfg: OptimizerConfig, total_steps: int, step):
+    return optax.warmup_cosine_decay_schedule(
+        0.0, cfg.learning_rate, cfg.warmup_steps, max(total_steps, cfg.warmup_steps + 1),
+        cfg.learning_rate * cfg.min_lr_ratio,
+    )(step)  # fmt: skip
+
+
+def create_train_state(cfg: Config, mesh) -> TrainState:
+    """Fresh state, created directly in its shardings (params and optimizer moments alike)."""
+    tx = make_optimizer(cfg.optimizer, cfg.training.steps)
+    rng = jax.random.key(cfg.training.seed)
+    init_rng, state_rng = jax.random.split(rng)
+    with jax.set_mesh(mesh):
+        init = jax.jit(functools.partial(model.init_params, cfg.model), out_shardings=param_shardings(cfg.model, mesh))
+        params = init(init_rng)
+        opt_state = tx.init(params)  # eager, inside the mesh: moments take the params' shardings
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        def zero():  # separate buffers: donation refuses one buffer passed twice
+            return jax.device_put(jnp.zeros((), jnp.int32), replicated)
+
+        return TrainState(
+            step=zero(), params=params, opt_state=jax.device_put(opt_state, _like(opt_state, replicated)),
+            rng=jax.device_put(state_rng, replicated), nonfinite_in_row=zero(), nonfinite_total=zero(),
+        )  # fmt: skip
+
+
+def _like(tree, default):
+    """Keeps shardings that are already on the mesh; puts stray scalars (optax counts) on `default`."""
+    def pick(x):
+        sh = getattr(x, "sharding", None)
+        return sh if isinstance(sh, jax.sharding.NamedSharding) else default
+
+    return jax.tree.map(pick, tree)
+
+
+def cross_entropy(logits_btv, targets_bt, mask_bt):
+    """Summed next-token negative log-likelihood over unmasked positions, and their count.
+
+    -log softmax(logits)[target] computed as logsumexp(logits) - logits[target], in float32.
+    """
+    logits = logits_btv.astype(jnp.float32)
+    target_logit = jnp.take_along_axis(logits, targets_bt[..., None], axis=-1)[..., 0]
+    nll = jax.nn.logsumexp(logits, axis=-1) - target_logit
+    mask = mask_bt.astype(jnp.float32)
+    return jnp.sum(nll * mask), jnp.sum(mask)
+
+
+def loss_sum(params, batch, cfg: Config):
+    logits, _ = model.forward(
+        params, batch["inputs"], batch["positions"], cfg=cfg.model, segment_ids=batch["segment_ids"]
+    )
+    return cross_entropy(logits, batch["targets"], batch["loss_mask"])
+
+
+def _accumulate_grads(params, batch, cfg: Config):
+    """Gradient of the token-summed loss over `grad_accum` micro-batches (lax.scan)."""
+    a = cfg.training.grad_accum
+    grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
+    if a == 1:
+        (total, count), grads = grad_fn(params, batch, cfg)
+        return total, count, grads
+
+    def split(x):  # (B, T) -> (A, B/A, T), micro-batch j = rows j, A + j, ... (spread over devices)
+        return x.reshape(x.shape[0] // a, a, *x.shape[1:]).swapaxes(0, 1)
+
+    def body(carry, micro):
+        total, count, grads = carry
+        (t, c), g = grad_fn(params, micro, cfg)
+        return (total + t, count + c, jax.tree.map(jnp.add, grads, g)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (total, count, grads), _ = jax.lax.scan(body, (0.0, 0.0, zeros), jax.tree.map(split, batch))
+    return total, count, grads
+
+
+def train_step(state: TrainState, batch: dict, *, cfg: Config, tx: optax.GradientTransformation):
+    """One optimizer step with teacher forcing; a non-finite loss or gradient skips the update."""
+    total, count, grads = _accumulate_grads(state.params, batch, cfg)
+    count = jnp.maximum(count, 1.0)
+    loss = total / count  # token-weighted mean over the whole batch
+    grads = jax.tree.map(lambda g: g / count, grads)
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
+    skipped = (~finite).astype(jnp.int32)
+    state = state.replace(
+        step=state.step + 1,
+        params=keep(params, state.params),
+        opt_state=keep(opt_state, state.opt_state),
+        nonfinite_in_row=(state.nonfinite_in_row + skipped) * skipped,
+        nonfinite_total=state.nonfinite_total + skipped,
+    )
+    lr = learning_rate(cfg.optimizer, cfg.training.steps, state.step - 1)
+    metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count, "finite": finite, "lr": lr}
+    return state, metrics
+
+
+def eval_step(params, batch, *, cfg: Config):
+    total, count = loss_sum(params, batch, cfg)
+    return total, count
+
+
+def state_shardings(state: TrainState):
+    return jax.tree.map(lambda x: x.sharding, state)
+
+
+def make_train_step(cfg: Config, mesh, state: TrainState):
+    """The jitted, state-donating step, with the state's and the batch's shardings fixed."""
+    tx = make_optimizer(cfg.optimizer, cfg.training.steps)
+    shape = (cfg.training.batch_size, cfg.data.seq_len)
+    batch_sh = {k: batch_sharding(mesh, shape) for k in BATCH_KEYS}
+    state_sh = state_shardings(state)
+    step = jax.jit(
+        functools.partial(train_step, cfg=cfg, tx=tx),
+        in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None), donate_argnums=0,
+    )  # fmt: skip
+    return _with_mesh(step, mesh)
+
+
+def make_eval_step(cfg: Config, mesh, state: TrainState):
+    shape = (cfg.training.batch_size, cfg.data.seq_len)
+    batch_sh = {k: batch_sharding(mesh, shape) for k in BATCH_KEYS}
+    fn = jax.jit(functools.partial(eval_step, cfg=cfg), in_shardings=(state_shardings(state).params, batch_sh))
+    return _with_mesh(fn, mesh)
+
+
+def _with_mesh(fn, mesh):
+    @functools.wraps(fn)
+    def call(*args):
+        with jax.set_mesh(mesh):
+            return fn(*args)
+
+    call.jitted = fn
+    return call
+
+
+def put_batch(batch: dict, mesh) -> dict:
+    """Places this process's numpy batch as global arrays sharded over the batch axis."""
+    out = {}
+    for k in BATCH_KEYS:
+        local = batch[k]
+        global_shape = (local.shape[0] * jax.process_count(), *local.shape[1:])
+        out[k] = jax.make_array_from_process_local_data(batch_sharding(mesh, global_shape), local, global_shape)
+    return out

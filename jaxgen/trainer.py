@@ -1,0 +1,195 @@
+"""The training run: data, state, the step loop, evaluation, checkpoints, metrics and resuming.
+
+`train(cfg, run_dir)` is what `train.py` calls. Killed (Ctrl-C, SIGTERM, kill -9) and started again
+with the same command, it continues from the last checkpoint with the same data order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from jaxgen import model
+from jaxgen.checkpoint import Checkpointer
+from jaxgen.config import Config, ConfigError, load_config, save_config
+from jaxgen.data.pipeline import PackedSequences, eval_batches, train_iterator
+from jaxgen.data.tokens import load_splits
+from jaxgen.metrics import MetricsWriter, measure_matmul_flops, plot_loss
+from jaxgen.sharding import make_mesh
+from jaxgen.tokenizer import Tokenizer
+from jaxgen.train_step import create_train_state, make_eval_step, make_train_step, put_batch
+
+
+class NonFiniteError(RuntimeError):
+    """Too many non-finite losses or gradients in a row; no checkpoint was written for them."""
+
+
+@dataclass
+class TrainResult:
+    step: int
+    status: str  # "finished", "already finished", "stopped" (signal or steps_per_run)
+    losses: list[float] = field(default_factory=list)
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    nonfinite_total: int = 0
+
+
+def prepare_run_dir(cfg: Config, run_dir: Path) -> Tokenizer:
+    """Writes config.yaml and tokenizer.json; refuses a run folder made for another model or data."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if (run_dir / "config.yaml").exists():
+        old = load_config(run_dir / "config.yaml")
+        for section in ("model", "data"):
+            if getattr(old, section) != getattr(cfg, section):
+                raise ConfigError(
+                    f"run folder {run_dir} was trained with a different `{section}` section; "
+                    f"resume with the same settings, or pass a new --run-dir"
+                )
+    tok_path = run_dir / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(tok_path) if tok_path.exists() else Tokenizer.from_name(cfg.data.tokenizer)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({tokenizer.vocab_size}); allowed: model.vocab_size >= {tokenizer.vocab_size}"
+        )
+    tokenizer.save(tok_path)
+    save_config(cfg, run_dir / "config.yaml")
+    return tokenizer
+
+
+class _StopFlag:
+    """Turns SIGTERM and the first Ctrl-C into a request to save and stop after the current step."""
+
+    def __init__(self):
+        self.requested = None
+
+    def __enter__(self):
+        self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+        self.requested = signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def _batch_hash(batch: dict) -> str:
+    return hashlib.blake2b(np.ascontiguousarray(batch["inputs"]).tobytes(), digest_size=6).hexdigest()
+
+
+def train(cfg: Config, run_dir: str | Path, progress: bool = True) -> TrainResult:
+    run_dir = Path(run_dir)
+    tokenizer = prepare_run_dir(cfg, run_dir)
+    mesh = make_mesh(cfg.mesh)
+    splits = load_splits(cfg.data, tokenizer)
+    train_src = PackedSequences(splits["train"]["tokens"], splits["train"]["flags"], cfg.data.seq_len)
+    eval_src = PackedSequences(splits["eval"]["tokens"], splits["eval"]["flags"], cfg.data.seq_len)
+    data_iter = train_iterator(train_src, cfg.training.batch_size, cfg.data.seed)
+    held_out = eval_batches(eval_src, cfg.training.batch_size, cfg.data.eval_batches)
+
+    state = create_train_state(cfg, mesh)
+    ckpt = Checkpointer(run_dir, cfg.checkpoint)
+    latest = ckpt.latest_step()
+    if latest is not None:
+        state, data_state = ckpt.restore(latest, state)
+        if data_state is not None:
+            data_iter.set_state(data_state)
+    start = int(state.step)
+    if start >= cfg.training.steps:
+        ckpt.close()
+        print(
+            f"{run_dir} already finished: {start} of training.steps={cfg.training.steps} steps done. "
+            f"To train further, run the same command with training.steps={start * 2} (or any number > {start})."
+        )
+        return TrainResult(step=start, status="already finished")
+    if latest is not None:
+        print(f"resuming {run_dir} from step {start}")
+    try:
+        return _loop(cfg, run_dir, mesh, state, data_iter, held_out, ckpt, start, progress)
+    finally:
+        ckpt.close()
+
+
+def _loop(cfg, run_dir, mesh, state, data_iter, held_out, ckpt, start, progress) -> TrainResult:
+    step_fn = make_train_step(cfg, mesh, state)
+    eval_fn = make_eval_step(cfg, mesh, state)
+    tokens_per_step = cfg.training.batch_size * cfg.data.seq_len
+    flops_per_step = model.flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
+    peak = cfg.training.peak_flops or measure_matmul_flops()
+    result = TrainResult(step=start, status="finished")
+    metrics = MetricsWriter(run_dir)
+    end = cfg.training.steps
+    if cfg.training.steps_per_run:
+        end = min(end, start + cfg.training.steps_per_run)
+    bar = tqdm(total=cfg.training.steps, initial=start, desc="train", unit="step", disable=not progress)
+    with _StopFlag() as stop:
+        for step in range(start + 1, end + 1):
+            batch = next(data_iter)
+            t0 = time.perf_counter()
+            state, m = step_fn(state, put_batch(batch, mesh))
+            m = jax.device_get(m)
+            dt = time.perf_counter() - t0
+            record = {
+                "step": step, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]),
+                "tokens_per_s": tokens_per_step / dt, "mfu": flops_per_step / dt / peak, "step_time_s": dt,
+                "data": _batch_hash(batch),
+            }  # fmt: skip
+            if not m["finite"]:
+                record["skipped_nonfinite"] = int(state.nonfinite_in_row)
+            result.losses.append(record["loss"])
+            if step % cfg.training.eval_every == 0 or step == cfg.training.steps:
+                loss = _evaluate(eval_fn, state, held_out, mesh)
+                record |= {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+                result.eval_losses.append((step, loss))
+                bar.write(f"step {step}: held-out loss {loss:.4f}, perplexity {record['eval_ppl']:.2f}")
+            metrics.write(record)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", mfu=f"{record['mfu']:.1%}")
+            bar.update(1)
+            if not m["finite"]:
+                _check_nonfinite(state, cfg, bar)
+            result.step = step
+            if stop.requested or step == end or step % cfg.checkpoint.every == 0:
+                ckpt.save(step, state, data_iter.get_state())
+            if stop.requested:
+                result.status = "stopped"
+                bar.write(f"{stop.requested}: saved a checkpoint at step {step}; run the same command to continue")
+                break
+    bar.close()
+    metrics.close()
+    result.nonfinite_total = int(state.nonfinite_total)
+    if result.step < cfg.training.steps and result.status == "finished":
+        result.status = "stopped"
+        print(f"stopped after training.steps_per_run={cfg.training.steps_per_run} steps at step {result.step}")
+    ckpt.wait()
+    print(f"loss curve: {plot_loss(run_dir)}")
+    return result
+
+
+def _check_nonfinite(state, cfg: Config, bar) -> None:
+    in_row = int(state.nonfinite_in_row)
+    bar.write(f"step {int(state.step)}: non-finite loss or gradient, update skipped ({in_row} in a row)")
+    if in_row >= cfg.training.max_nonfinite_in_row:
+        raise NonFiniteError(
+            f"{in_row} non-finite losses or gradients in a row (training.max_nonfinite_in_row="
+            f"{cfg.training.max_nonfinite_in_row}) at step {int(state.step)}; stopping without saving. "
+            "Lower optimizer.learning_rate or check the data; the last good checkpoint is kept."
+        )
+
+
+def _evaluate(eval_fn, state, batches, mesh) -> float:
+    total = count = 0.0
+    for batch in batches:
+        t, c = jax.device_get(eval_fn(state.params, put_batch(batch, mesh)))
+        total, count = total + float(t), count + float(c)
+    return total / max(count, 1.0)

@@ -1,0 +1,42 @@
+"""Train a jaxgen model: `python train.py --config configs/default.yaml [--run-dir DIR] [key=value ...]`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jaxgen.config import ConfigError, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Train a decoder-only language model. Everything the run writes (checkpoints, config, "
+        "tokenizer, metrics.jsonl, TensorBoard events, loss.png) goes to one run folder; running the same "
+        "command again resumes from its latest checkpoint.",
+        epilog="examples:\n  python train.py\n  python train.py --config configs/tiny.yaml training.steps=50\n"
+        "  python train.py --config configs/llama-small.yaml model.num_layers=4 optimizer.learning_rate=3e-4",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", default="configs/default.yaml", help="YAML config (default: configs/default.yaml)")
+    parser.add_argument("--run-dir", help="run folder (default: runs/<config name>)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. model.num_layers=4")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    from jaxgen.trainer import NonFiniteError, train  # after parsing: --help and errors need no jax
+
+    try:
+        result = train(cfg, args.run_dir or f"runs/{cfg.name}", progress=not args.no_progress)
+    except (ConfigError, NonFiniteError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0 if result.status != "stopped" or result.step > 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
