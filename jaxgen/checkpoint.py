@@ -13,7 +13,7 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
-from jaxgen.config import CheckpointConfig, Config, load_config
+from jaxgen.config import CheckpointConfig, Config, MeshConfig, load_config
 from jaxgen.tokenizer import Tokenizer
 
 
@@ -73,7 +73,7 @@ def load_run(run_dir: str | Path, mesh=None, step: int | None = None):
     step = ckpt.latest_step() if step is None else step
     if step is None:
         raise FileNotFoundError(f"{run_dir} has no checkpoint yet")
-    mesh = make_mesh(cfg.mesh.__class__(), None) if mesh is None else mesh
+    mesh = make_mesh(MeshConfig()) if mesh is None else mesh
     shardings = model.param_shardings(cfg.model, mesh)
     abstract = jax.eval_shape(lambda: model.init_params(cfg.model, jax.random.key(0)))
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)

@@ -183,12 +183,13 @@ class MeshConfig:
         )
 
     def shape(self, num_devices: int) -> tuple[int, int, int]:
+        """Mesh shape on `num_devices` devices; fully given sizes may use fewer (the first ones)."""
         sizes = [self.data, self.fsdp, self.tensor]
         fixed = math.prod(s for s in sizes if s != -1)
         if -1 in sizes:
             _check(num_devices % fixed == 0, "mesh", sizes, f"sizes whose product divides {num_devices} devices")
             sizes[sizes.index(-1)] = num_devices // fixed
-        _check(math.prod(sizes) == num_devices, "mesh", sizes, f"sizes whose product is {num_devices} devices")
+        _check(math.prod(sizes) <= num_devices, "mesh", sizes, f"at most {num_devices} devices in all")
         return tuple(sizes)
 
 
@@ -259,6 +260,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         _check(isinstance(value, int) and not isinstance(value, bool), key, value, "an integer")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads `1e-4` (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         _check(isinstance(value, int | float) and not isinstance(value, bool), key, value, "a number")
         return float(value)
     if tp is str:

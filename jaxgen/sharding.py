@@ -41,6 +41,7 @@ def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
     """A (data, fsdp, tensor) mesh with Auto axes (classic GSPMD propagation)."""
     devices = list(jax.devices() if devices is None else devices)
     shape = cfg.shape(len(devices))
+    devices = devices[: math.prod(shape)]
     return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
 

@@ -141,7 +141,7 @@ def train_step(state: TrainState, batch: dict, *, cfg: Config, tx: optax.Gradien
     count = jnp.maximum(count, 1.0)
     loss = total / count  # token-weighted mean over the whole batch
     grads = jax.tree.map(lambda g: g / count, grads)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)

@@ -1,0 +1,25 @@
+"""Shared fixtures. 8 fake CPU devices for the sharding tests; most tests use a 1-device mesh."""
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import pathlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+from jaxgen.config import load_config  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def token_cache(tmp_path_factory):
+    """One tokenized stdlib corpus for the whole session."""
+    return str(tmp_path_factory.mktemp("tokens"))
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg(token_cache):
+    """configs/tiny.yaml on one device, with the session's token cache."""
+    return load_config(ROOT / "configs" / "tiny.yaml", [f"data.cache_dir={token_cache}", "mesh.data=1"])
