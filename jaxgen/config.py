@@ -8,6 +8,7 @@ Every check runs here, before anything is compiled.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import types
@@ -261,10 +262,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return value
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads `1e-4` (no dot) as a string
-            try:
+            with contextlib.suppress(ValueError):
                 value = float(value)
-            except ValueError:
-                pass
         _check(isinstance(value, int | float) and not isinstance(value, bool), key, value, "a number")
         return float(value)
     if tp is str:

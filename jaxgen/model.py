@@ -32,9 +32,9 @@ class ParamSpec(NamedTuple):
 def _norm_specs(cfg: ModelConfig, stacked: bool) -> dict:
     lead, lead_names = ((cfg.num_layers,), ("layers",)) if stacked else ((), ())
     d = cfg.d_model
-    specs = {"scale_d": ParamSpec(lead + (d,), lead_names + ("act_embed",), "ones")}
+    specs = {"scale_d": ParamSpec((*lead, d), (*lead_names, "act_embed"), "ones")}
     if cfg.norm == "layernorm":
-        specs["bias_d"] = ParamSpec(lead + (d,), lead_names + ("act_embed",), "zeros")
+        specs["bias_d"] = ParamSpec((*lead, d), (*lead_names, "act_embed"), "zeros")
     return specs
 
 

@@ -55,9 +55,8 @@ def logical_spec(names: tuple[str | None, ...], shape: tuple[int, ...] | None = 
     spec = []
     for i, name in enumerate(names):
         axes = RULES[name] if name is not None else None
-        if axes is not None and shape is not None and mesh is not None:
-            if shape[i] % _axis_size(mesh, axes) != 0:
-                axes = None
+        if axes is not None and mesh is not None and shape[i] % _axis_size(mesh, axes) != 0:
+            axes = None
         spec.append(axes)
     return PartitionSpec(*spec)
 

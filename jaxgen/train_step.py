@@ -77,6 +77,7 @@ def create_train_state(cfg: Config, mesh) -> TrainState:
         params = init(init_rng)
         opt_state = tx.init(params)  # eager, inside the mesh: moments take the params' shardings
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
         def zero():  # separate buffers: donation refuses one buffer passed twice
             return jax.device_put(jnp.zeros((), jnp.int32), replicated)
 
@@ -88,6 +89,7 @@ def create_train_state(cfg: Config, mesh) -> TrainState:
 
 def _like(tree, default):
     """Keeps shardings that are already on the mesh; puts stray scalars (optax counts) on `default`."""
+
     def pick(x):
         sh = getattr(x, "sharding", None)
         return sh if isinstance(sh, jax.sharding.NamedSharding) else default

@@ -154,7 +154,9 @@ def _loop(cfg, run_dir, mesh, state, data_iter, held_out, ckpt, start, progress)
                 result.eval_losses.append((step, loss))
                 bar.write(f"step {step}: held-out loss {loss:.4f}, perplexity {record['eval_ppl']:.2f}")
             metrics.write(record)
-            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", mfu=f"{record['mfu']:.1%}")
+            bar.set_postfix(
+                loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", mfu=f"{record['mfu']:.1%}"
+            )
             bar.update(1)
             if not m["finite"]:
                 _check_nonfinite(state, cfg, bar)

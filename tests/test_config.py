@@ -55,7 +55,10 @@ def test_overrides_are_typed():
         (["model.num_layers=0"], "model.num_layers=0 is not allowed: a positive integer"),
         (["model.num_layers=two"], "model.num_layers='two' is not allowed: an integer"),
         (["model.position=alibi"], "model.position='alibi' is not allowed: learned, rope"),
-        (["model.num_heads=4", "model.num_kv_heads=3"], "model.num_kv_heads=3 is not allowed: a divisor of num_heads=4"),
+        (
+            ["model.num_heads=4", "model.num_kv_heads=3"],
+            "model.num_kv_heads=3 is not allowed: a divisor of num_heads=4",
+        ),
         (["model.d_model=66"], "model.num_heads=4 is not allowed: a divisor of d_model=66"),
         (["data.seq_len=1000"], "data.seq_len=1000 is not allowed: at most model.max_seq_len=128"),
         (["training.grad_accum=3"], "training.grad_accum=3 is not allowed: a divisor of training.batch_size=8"),
@@ -75,7 +78,7 @@ def test_config_errors_name_key_value_and_allowed(overrides, fragment):
 
 
 def test_missing_config_file_lists_shipped_configs():
-    with pytest.raises(ConfigError, match="shipped configs: .*tiny.yaml"):
+    with pytest.raises(ConfigError, match=r"shipped configs: .*tiny\.yaml"):
         load_config("configs/nope.yaml")
 
 

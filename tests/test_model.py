@@ -41,12 +41,8 @@ def test_padding_and_packed_document_masks_match_hand_written():
     pos = jnp.array([[0, 1, 2, 0, 1], [0, 1, 2, -1, -1]])
     seg = jnp.array([[1, 1, 1, 2, 2], [1, 1, 1, 0, 0]])
     mask = layers.attention_mask(jnp.arange(5), jnp.arange(5), pos, pos, seg, seg)
-    packed = np.array(
-        [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]], bool
-    )
-    padded = np.array(
-        [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0]], bool
-    )
+    packed = np.array([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]], bool)
+    padded = np.array([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0]], bool)
     np.testing.assert_array_equal(mask[0], packed)
     np.testing.assert_array_equal(mask[1], padded)
 
@@ -54,9 +50,7 @@ def test_padding_and_packed_document_masks_match_hand_written():
 def test_sliding_window_mask_matches_hand_written():
     pos = jnp.arange(5)[None]
     mask = layers.attention_mask(jnp.arange(5), jnp.arange(5), pos, pos, window=2)
-    expected = np.array(
-        [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]], bool
-    )
+    expected = np.array([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]], bool)
     np.testing.assert_array_equal(mask[0], expected)
 
 

@@ -64,7 +64,9 @@ def _jsonl_documents(path: Path, cfg: DataConfig) -> Iterator[Document]:
             fields = [cfg.prompt_field, cfg.response_field] if cfg.prompt_field else [cfg.text_field]
             missing = [k for k in fields if not isinstance(record.get(k), str)]
             if missing:
-                raise ValueError(f"{path}:{lineno}: field {missing[0]!r} missing or not a string; keys: {sorted(record)}")
+                raise ValueError(
+                    f"{path}:{lineno}: field {missing[0]!r} missing or not a string; keys: {sorted(record)}"
+                )
             if cfg.prompt_field:
                 yield Document(record[cfg.response_field], prompt=record[cfg.prompt_field])
             else:

@@ -1,0 +1,99 @@
+"""Resuming: separate processes, as a user would run them."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+
+from jaxgen.checkpoint import load_run
+from jaxgen.sharding import make_mesh
+from tests.conftest import ROOT
+
+
+def train_cmd(run_dir, token_cache, *overrides):
+    return [
+        sys.executable, "train.py", "--config", "configs/tiny.yaml", "--run-dir", str(run_dir), "--no-progress",
+        f"data.cache_dir={token_cache}", "training.steps=20", "training.eval_every=10", *overrides,
+    ]  # fmt: skip
+
+
+def run(cmd):
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def params_of(run_dir):
+    _, _, params = load_run(run_dir, mesh=make_mesh_one())
+    return jax.tree.map(np.asarray, params)
+
+
+def make_mesh_one():
+    from jaxgen.config import MeshConfig
+
+    return make_mesh(MeshConfig(data=1))
+
+
+def test_resume_is_bitwise_exact(tmp_path, token_cache):
+    once, twice = tmp_path / "once", tmp_path / "twice"
+    run(train_cmd(once, token_cache))
+    first = run(train_cmd(twice, token_cache, "training.steps_per_run=10"))
+    assert "stopped after training.steps_per_run=10 steps at step 10" in first.stdout
+    second = run(train_cmd(twice, token_cache, "training.steps_per_run=10"))
+    assert "resuming" in second.stdout and "from step 10" in second.stdout
+    a, b = records(once), records(twice)
+    assert [r["step"] for r in b] == list(range(1, 21))
+    assert [r["data"] for r in a] == [r["data"] for r in b]  # the same batches in the same order
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    pa, pb = params_of(once), params_of(twice)
+    for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)):
+        np.testing.assert_array_equal(x, y)
+    done = run(train_cmd(twice, token_cache))
+    assert "already finished: 20 of training.steps=20" in done.stdout and "training.steps=40" in done.stdout
+
+
+def _wait_for_steps(run_dir, n, proc, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (run_dir / "metrics.jsonl").exists() and len(records(run_dir)) >= n:
+            return
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.2)
+    raise TimeoutError("training did not reach the step in time")
+
+
+def test_sigterm_saves_and_the_same_command_continues(tmp_path, token_cache):
+    run_dir = tmp_path / "run"
+    cmd = train_cmd(run_dir, token_cache, "training.steps=400", "checkpoint.every=1000")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_steps(run_dir, 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    stopped_at = records(run_dir)[-1]["step"]
+    assert f"SIGTERM: saved a checkpoint at step {stopped_at}" in out, err[-2000:]
+    assert stopped_at < 400
+    cont = run(train_cmd(run_dir, token_cache, "training.steps=400", "training.steps_per_run=2"))
+    assert f"from step {stopped_at}" in cont.stdout
+    assert [r["step"] for r in records(run_dir)][-2:] == [stopped_at + 1, stopped_at + 2]
+
+
+def test_kill_9_resumes_from_the_last_checkpoint(tmp_path, token_cache):
+    run_dir = tmp_path / "run"
+    cmd = train_cmd(run_dir, token_cache, "training.steps=400", "checkpoint.every=5")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_steps(run_dir, 12, proc)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    saved = max(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved >= 5 and saved % 5 == 0
+    cont = run(train_cmd(run_dir, token_cache, "training.steps=400", "training.steps_per_run=1"))
+    assert f"from step {saved}" in cont.stdout
