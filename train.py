@@ -28,7 +28,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+    from jaxgen.runtime import enable_compilation_cache
     from jaxgen.trainer import NonFiniteError, train  # after parsing: --help and errors need no jax
+
+    enable_compilation_cache()
 
     try:
         result = train(cfg, args.run_dir or f"runs/{cfg.name}", progress=not args.no_progress)
