@@ -77,8 +77,9 @@ def load_run(run_dir: str | Path, mesh=None, step: int | None = None):
     shardings = model.param_shardings(cfg.model, mesh)
     abstract = jax.eval_shape(lambda: model.init_params(cfg.model, jax.random.key(0)))
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    restored = ckpt.manager.restore(
-        step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(item={"params": abstract}, partial_restore=True))
-    )
+    item = {"params": abstract}
+    restore_args = ocp.checkpoint_utils.construct_restore_args(item)
+    args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+    restored = ckpt.manager.restore(step, args=ocp.args.Composite(state=args))
     ckpt.close()
     return cfg, tokenizer, restored["state"]["params"]

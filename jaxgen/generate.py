@@ -83,9 +83,7 @@ def _prefill(params, tokens, positions, rows, lengths, cfg: ModelConfig, cache_l
     logits, cache = model.forward(params, tokens, positions, cache, cfg=cfg)
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # (P, V)
     take = functools.partial(jnp.take, indices=rows)
-    cache = dataclasses.replace(
-        cache, k=take(cache.k, axis=1), v=take(cache.v, axis=1), pos=take(cache.pos, axis=0)
-    )
+    cache = dataclasses.replace(cache, k=take(cache.k, axis=1), v=take(cache.v, axis=1), pos=take(cache.pos, axis=0))
     return cache, last[rows]
 
 
@@ -183,16 +181,8 @@ class Generator:
         if len(configs) != len(ids):
             raise SamplingError(f"{len(configs)} sampling configs for {len(ids)} prompts")
         rows = [(p, s) for p in range(len(ids)) for s in range(configs[p].n)]
-        start = 0
-        while start < len(rows):
-            group, count = [], 0
-            for p, s in rows[start:]:
-                if count + 1 > self.max_batch:
-                    break
-                group.append((p, s))
-                count += 1
-            start += len(group)
-            yield from self._stream_group(ids, configs, group)
+        for start in range(0, len(rows), self.max_batch):
+            yield from self._stream_group(ids, configs, rows[start : start + self.max_batch])
 
     def _stream_group(self, ids, configs, group):
         cfg = self.cfg
@@ -246,7 +236,8 @@ class Generator:
             top_ids=jnp.zeros((b, longest_new, alternatives), jnp.int32),
             top_logprobs=jnp.zeros((b, longest_new, alternatives), jnp.float32),
             logits=logits, positions=jnp.asarray([len(ids[p]) for p, _ in padded], jnp.int32),
-            done=jnp.asarray(done), generated=jnp.zeros((b,), jnp.int32), finish=jnp.where(jnp.asarray(done), FINISH_LENGTH, RUNNING).astype(jnp.int32),
+            done=jnp.asarray(done), generated=jnp.zeros((b,), jnp.int32),
+            finish=jnp.asarray(np.where(done, FINISH_LENGTH, RUNNING), jnp.int32),
             max_new=jnp.asarray([configs[p].max_new_tokens for p, _ in padded], jnp.int32),
             stop_ids=jnp.asarray(stop_ids), seen=jnp.asarray(seen), counts=jnp.zeros((b, v), jnp.int32),
             sampling=jax.tree.map(jnp.asarray, SamplingArrays.stack(row_configs, v)), cache=cache,
@@ -285,7 +276,7 @@ class Generator:
             alts = None
             if configs[p].logprobs:
                 a = configs[p].logprobs
-                alts = [dict(zip(top_ids[r, i, :a].tolist(), top_lp[r, i, :a].tolist())) for i in range(n)]
+                alts = [dict(zip(top_ids[r, i, :a].tolist(), top_lp[r, i, :a].tolist(), strict=True)) for i in range(n)]
             out.append(Completion(p, s, toks, text, reason, logprobs[r, :n].tolist(), alts))
         return out
 

@@ -1,0 +1,203 @@
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgen import model
+from jaxgen.config import ModelConfig
+from jaxgen.generate import Generator, _decode_loop
+from jaxgen.sampling import SamplingArrays, SamplingConfig, SamplingError, sample
+from jaxgen.tokenizer import Tokenizer
+from jaxgen.train_step import cross_entropy
+
+CFG = ModelConfig(vocab_size=300, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, max_seq_len=96)
+GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+PROMPTS = ["def fib(n):", "import os\nimport s", "x", "class Foo(Bar):\n    def __init__(self"]
+
+
+@pytest.fixture(scope="module")
+def gen():
+    params = model.init_params(CFG, jax.random.key(0))
+    params = jax.tree.map(lambda p: p * 8 if p.ndim >= 2 else p, params)  # peaked logits: decisive argmax
+    return Generator(params, CFG, Tokenizer.byte_level(), max_batch=8, chunk_steps=5)
+
+
+def rollout(gen, prompt, steps):
+    """The definition of greedy generation: a full forward pass without a cache at every step."""
+    ids = gen.tokenizer.encode(prompt)
+    n = len(ids)
+    for _ in range(steps):
+        logits, _ = model.forward(gen.params, jnp.asarray([ids]), jnp.arange(len(ids))[None], cfg=CFG)
+        ids.append(int(jnp.argmax(logits[0, -1])))
+    return ids[n:]
+
+
+def test_greedy_generate_equals_argmax_rollout_for_ragged_prompts(gen):
+    outs = gen.generate(PROMPTS, GREEDY)
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.tokens == rollout(gen, prompt, 12)
+        assert out.finish_reason == "length" and len(out.logprobs) == 12
+
+
+def test_batch_invariance_greedy_and_sampled(gen):
+    sampled = SamplingConfig(temperature=1.0, top_p=0.95, max_new_tokens=10, seed=11, ignore_eos=True)
+    for sc in (GREEDY, sampled):
+        alone = gen.generate([PROMPTS[2]], sc)[0]
+        batched = gen.generate(PROMPTS, sc)[2]
+        assert alone.tokens == batched.tokens
+        np.testing.assert_allclose(alone.logprobs, batched.logprobs, atol=1e-5)
+
+
+def test_values_do_not_recompile(gen):
+    gen.generate(PROMPTS, GREEDY)
+    before = gen.compilations
+    for t, seed in ((0.5, 1), (1.3, 2), (0.0, 3)):
+        gen.generate(PROMPTS, dataclasses.replace(GREEDY, temperature=t, seed=seed, top_k=5, min_p=0.05))
+    assert gen.compilations == before
+
+
+def test_prompt_lengths_are_bucketed(gen):
+    before = gen.compilations
+    prompts = ["a" * n for n in range(1, 40, 3)]  # 13 distinct lengths
+    for p in prompts:
+        gen.generate([p], dataclasses.replace(GREEDY, max_new_tokens=4))
+    assert gen.compilations - before <= 6  # prompt buckets 16, 32, 64 (x prefill and loop at most)
+
+
+def test_seed_changes_samples_and_n_shares_the_prompt(gen):
+    sc = SamplingConfig(temperature=1.0, max_new_tokens=16, ignore_eos=True, n=3, seed=5)
+    outs = gen.generate([PROMPTS[0]], sc)
+    assert [(o.prompt_index, o.sample_index) for o in outs] == [(0, 0), (0, 1), (0, 2)]
+    assert len({tuple(o.tokens) for o in outs}) == 3
+    assert gen.generate([PROMPTS[0]], sc)[1].tokens == outs[1].tokens  # reproducible
+
+
+def test_stop_conditions(gen):
+    eos = gen.tokenizer.eos_id
+    forced = SamplingConfig(temperature=0.0, max_new_tokens=10, logit_bias=((eos, 1e4),))
+    out = gen.generate([PROMPTS[0]], forced)[0]
+    assert out.tokens == [eos] and out.finish_reason == "stop" and out.text == ""
+    full = gen.generate([PROMPTS[1]], GREEDY)[0]
+    stop_tok = full.tokens[4]
+    first = full.tokens.index(stop_tok)
+    out = gen.generate([PROMPTS[1]], dataclasses.replace(GREEDY, stop_token_ids=(stop_tok,)))[0]
+    assert out.tokens == full.tokens[: first + 1] and out.finish_reason == "stop"
+    stop_text = gen.tokenizer.decode(full.tokens[6:8])
+    out = gen.generate([PROMPTS[1]], dataclasses.replace(GREEDY, stop=(stop_text,)))[0]
+    assert out.finish_reason == "stop" and stop_text not in out.text
+    assert full.text.startswith(out.text) and len(out.text) == full.text.index(stop_text)
+
+
+def test_cache_end_gives_length_never_silence(gen):
+    prompt = "y" * (CFG.max_seq_len - 5)
+    out = gen.generate([prompt], dataclasses.replace(GREEDY, max_new_tokens=50))[0]
+    assert out.finish_reason == "length" and 1 <= len(out.tokens) <= 5
+
+
+def test_bad_inputs_are_clear_errors(gen):
+    with pytest.raises(SamplingError, match=r"temperature=-1\.0 is not allowed"):
+        SamplingConfig(temperature=-1.0)
+    with pytest.raises(SamplingError, match=r"top_p=0.0 is not allowed: a number in \(0, 1\]"):
+        SamplingConfig(top_p=0.0)
+    with pytest.raises(SamplingError, match="unknown sampling field 'temp'"):
+        SamplingConfig.from_dict({"temp": 1})
+    with pytest.raises(SamplingError, match="prompt 0 has 200 tokens; the model's context is 96"):
+        gen.generate(["z" * 200], GREEDY)
+
+
+def test_streaming_yields_growing_prefixes(gen):
+    updates = [u[0] for u in gen.stream([PROMPTS[0]], dataclasses.replace(GREEDY, max_new_tokens=12))]
+    assert len(updates) == 3  # chunks of 5 steps
+    lengths = [len(u.tokens) for u in updates]
+    assert lengths == [5, 10, 12]
+    assert [u.finish_reason for u in updates] == ["", "", "length"]
+    assert updates[-1].tokens[:5] == updates[0].tokens
+
+
+def test_top_logprobs(gen):
+    out = gen.generate([PROMPTS[0]], dataclasses.replace(GREEDY, logprobs=3))[0]
+    for tok, lp, alts in zip(out.tokens, out.logprobs, out.top_logprobs):
+        assert len(alts) == 3 and max(alts, key=alts.get) == tok  # greedy picks the top one
+        assert np.isclose(alts[tok], lp, atol=1e-5)
+
+
+def test_score_equals_training_loss(gen):
+    prompt, cont = "def add(a, b):", "\n    return a + b\n"
+    (s,) = gen.score([prompt], [cont])
+    ids = gen.tokenizer.encode(prompt + cont)
+    n_prompt = len(gen.tokenizer.encode(prompt))
+    tokens = jnp.asarray([ids])
+    logits, _ = model.forward(gen.params, tokens[:, :-1], jnp.arange(len(ids) - 1)[None], cfg=CFG)
+    mask = (jnp.arange(len(ids) - 1) >= n_prompt - 1)[None]
+    total, count = cross_entropy(logits, tokens[:, 1:], mask)
+    assert s["tokens"] == int(count) == len(gen.tokenizer.encode(cont))
+    np.testing.assert_allclose(s["nll"], float(total / count), rtol=1e-5)
+    batched = gen.score([PROMPTS[1], prompt], ["abc", cont])[1]
+    np.testing.assert_allclose(batched["nll"], s["nll"], rtol=1e-5)
+
+
+def test_decode_loop_updates_the_cache_in_place(gen):
+    """The compiled loop writes the cache with dynamic-update-slice and never copies it whole."""
+    captured = {}
+    real = gen._loop
+
+    def spy(params, state, cfg):
+        captured["state"] = jax.tree.map(lambda x: x, state)
+        return real(params, state, cfg=cfg)
+
+    gen._loop = spy
+    try:
+        gen.generate([PROMPTS[0]], dataclasses.replace(GREEDY, max_new_tokens=40))
+    finally:
+        gen._loop = real
+    state = captured["state"]
+    hlo = jax.jit(_decode_loop, static_argnames="cfg", donate_argnums=1).lower(gen.params, state, cfg=CFG)
+    text = hlo.compile().as_text()
+    shape = "f32[" + ",".join(map(str, state.cache.k.shape)) + "]"
+    writes = [line for line in text.splitlines() if f"= {shape}" in line and "dynamic-update-slice" in line]
+    copies = [line for line in text.splitlines() if re.search(rf"= {re.escape(shape)}\S* copy\(", line)]
+    assert len(writes) >= 2 and not copies
+
+
+# --- sampling distributions ---------------------------------------------------------------------
+
+
+def _exact(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    p = np.exp(logits / temperature - np.max(logits / temperature))
+    p /= p.sum()
+    order = np.argsort(-p)
+    keep = np.zeros_like(p, bool)
+    cum = 0.0
+    for rank, i in enumerate(order):
+        if (top_k and rank >= top_k) or (rank > 0 and cum >= top_p) or p[i] < min_p * p[order[0]]:
+            continue
+        keep[i] = True
+        cum += p[i]
+    q = np.where(keep, p, 0.0)
+    return q / q.sum()
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [dict(temperature=1.0), dict(temperature=0.5), dict(temperature=1.0, top_k=3), dict(temperature=0.8, top_p=0.7),
+     dict(temperature=1.0, min_p=0.2), dict(temperature=1.5, top_k=5, top_p=0.9)],
+    ids=str,
+)  # fmt: skip
+def test_sampling_frequencies_match_the_renormalised_distribution(settings):
+    logits = np.array([2.0, 1.5, 1.0, 0.7, 0.3, 0.0, -0.5, -1.0], np.float32)
+    n = 20000
+    sp = SamplingArrays.stack([SamplingConfig(seed=i, **settings) for i in range(n)], len(logits))
+    zeros = jnp.zeros((n, len(logits)), jnp.int32)
+    draws = jax.jit(sample)(jnp.broadcast_to(logits, (n, len(logits))), sp, 0, zeros > 0, zeros)
+    observed = np.bincount(np.asarray(draws), minlength=len(logits))
+    expected = _exact(logits.astype(np.float64), **settings) * n
+    assert observed[expected == 0].sum() == 0  # truncated tokens are never drawn
+    support = expected > 0
+    chi2 = (((observed - expected)[support]) ** 2 / expected[support]).sum()
+    df = support.sum() - 1
+    # p = 0.001 critical value (Wilson-Hilferty approximation of the chi-square quantile)
+    critical = df * (1 - 2 / (9 * df) + 3.09 * np.sqrt(2 / (9 * df))) ** 3 if df > 0 else 0.0
+    assert chi2 <= critical + 1e-9, (chi2, critical, observed, expected)
