@@ -23,3 +23,16 @@ def token_cache(tmp_path_factory):
 def tiny_cfg(token_cache):
     """configs/tiny.yaml on one device, with the session's token cache."""
     return load_config(ROOT / "configs" / "tiny.yaml", [f"data.cache_dir={token_cache}", "mesh.data=1"])
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tiny_cfg, tmp_path_factory):
+    """A run folder trained for 10 steps with configs/tiny.yaml (what serve.py takes)."""
+    import dataclasses
+
+    from jaxgen.trainer import train
+
+    run_dir = tmp_path_factory.mktemp("tiny_run")
+    cfg = dataclasses.replace(tiny_cfg, training=dataclasses.replace(tiny_cfg.training, steps=10))
+    train(cfg, run_dir, progress=False)
+    return run_dir
