@@ -80,8 +80,9 @@ def _prefill(params, tokens, positions, rows, lengths, cfg: ModelConfig, cache_l
     lengths: (P,) prompt lengths. Returns the (B, ...) cache and the next-token logits (B, V).
     """
     cache = KVCache.init(cfg, tokens.shape[0], cache_len)
-    logits, cache = model.forward(params, tokens, positions, cache, cfg=cfg)
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # (P, V)
+    x, cache = model.hidden_states(params, tokens, positions, cache, cfg=cfg)
+    x_last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # (P, 1, D)
+    last = model.lm_head(params, x_last, cfg)[:, 0]  # (P, V): no logits for the rest of the prompt
     take = functools.partial(jnp.take, indices=rows)
     cache = dataclasses.replace(cache, k=take(cache.k, axis=1), v=take(cache.v, axis=1), pos=take(cache.pos, axis=0))
     return cache, last[rows]

@@ -138,8 +138,14 @@ def forward(
         slots [end, end + T) receive this call's keys and values.
     Returns logits (B, T, V) float32 and the cache (None when none was given).
     """
-    dtype = jnp.dtype(cfg.dtype)
-    params = jax.tree.map(lambda p: p.astype(dtype), params)
+    x, cache = hidden_states(params, tokens, positions, cache, cfg=cfg, segment_ids=segment_ids)
+    return lm_head(params, x, cfg), cache
+
+
+def hidden_states(params, tokens, positions, cache=None, *, cfg: ModelConfig, segment_ids=None):
+    """The final-normed hidden states (B, T, D) and the cache: `forward` without the LM head, for
+    callers that need logits at a few positions only (prefill needs the last one)."""
+    params = _cast(params, cfg)
     x = params["embed_vd"][tokens]  # (B, T, D)
     if cfg.position == "learned":
         x = x + params["pos_embed_td"][jnp.clip(positions, 0, cfg.max_seq_len - 1)]
@@ -166,12 +172,22 @@ def forward(
 
     (x, kv), _ = jax.lax.scan(layer_step, (x, kv), (params["layers"], jnp.arange(cfg.num_layers)))
     x = layers.norm(x, params["final_norm"], cfg)
-    head = params["embed_vd"].T if cfg.tie_embeddings else params["head_dv"]
-    logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
-    logits = constrain(logits, ("batch", "seq", "vocab"))
     if cache is not None:
         cache = dataclasses.replace(cache, k=kv[0], v=kv[1], pos=k_pos, end=cache.end + t)
-    return logits, cache
+    return x, cache
+
+
+def lm_head(params, x_btd, cfg: ModelConfig):
+    """Logits (B, T, V) float32 from hidden states; the head is the embedding when tied."""
+    params = _cast(params, cfg)
+    head = params["embed_vd"].T if cfg.tie_embeddings else params["head_dv"]
+    logits = jnp.einsum("btd,dv->btv", x_btd, head, preferred_element_type=jnp.float32)
+    return constrain(logits, ("batch", "seq", "vocab"))
+
+
+def _cast(params, cfg: ModelConfig):
+    dtype = jnp.dtype(cfg.dtype)
+    return jax.tree.map(lambda p: p.astype(dtype), params)
 
 
 def _block(x, p, i, positions, mask, kv, cache, cfg: ModelConfig):

@@ -85,5 +85,5 @@ def test_quick_look_prompt(tiny_run):
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("def fib(") and len(out.stdout) > len("def fib(\n")
-    bad = subprocess.run(cmd[:-2] + ["--temperature", "-1"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    bad = subprocess.run([*cmd[:-2], "--temperature", "-1"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "temperature=-1.0 is not allowed" in bad.stderr

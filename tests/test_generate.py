@@ -28,10 +28,12 @@ def gen():
 def rollout(gen, prompt, steps):
     """The definition of greedy generation: a full forward pass without a cache at every step."""
     ids = gen.tokenizer.encode(prompt)
-    n = len(ids)
+    n, width = len(ids), CFG.max_seq_len  # one fixed width (padding at position -1): one compilation
+    full = jax.jit(lambda p, t, pos: model.forward(p, t, pos, cfg=CFG)[0])
     for _ in range(steps):
-        logits, _ = model.forward(gen.params, jnp.asarray([ids]), jnp.arange(len(ids))[None], cfg=CFG)
-        ids.append(int(jnp.argmax(logits[0, -1])))
+        tokens = jnp.asarray([ids + [0] * (width - len(ids))])
+        positions = jnp.asarray([list(range(len(ids))) + [-1] * (width - len(ids))])
+        ids.append(int(jnp.argmax(full(gen.params, tokens, positions)[0, len(ids) - 1])))
     return ids[n:]
 
 

@@ -1,0 +1,107 @@
+"""Generation speed: prefill, decode at several batch sizes, compilations of a mixed job, and the
+batch-1 decode step against its memory-bandwidth floor.
+
+    python bench/decode.py [--configs gpt2-124m llama-small] [--new-tokens 128] [--job-prompts 200]
+
+The floor of a decode step is (bytes of weights + bytes of KV cache read) / memory bandwidth, with the
+bandwidth measured in the same run (a large array copy). Models use random weights, float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxgen import model
+from jaxgen.cache import cache_memory_bytes
+from jaxgen.config import load_config
+from jaxgen.generate import Generator, bucket
+from jaxgen.sampling import SamplingConfig
+from jaxgen.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def memory_bandwidth(n_bytes: int = 512 * 2**20) -> float:
+    """Bytes/s of a large memory copy (numpy, read + write counted): the best this machine streams."""
+    src = np.ones(n_bytes // 4, np.float32)
+    dst = np.empty_like(src)
+    best = min(_timed(np.copyto, dst, src) for _ in range(5))
+    return 2 * n_bytes / best
+
+
+def _timed(fn, *args) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
+
+
+def bench_model(name: str, new_tokens: int, batches: list[int], bandwidth: float) -> None:
+    cfg = load_config(ROOT / "configs" / f"{name}.yaml").model
+    params = model.init_params(cfg, jax.random.key(0))
+    tok = Tokenizer.byte_level()
+    rng = np.random.default_rng(0)
+    gen = Generator(params, cfg, tok, max_batch=max(batches), chunk_steps=new_tokens)
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=1, ignore_eos=True)
+    prompt = rng.integers(0, 256, 128).tolist()
+    gen.generate([prompt], greedy)  # compile
+    t = min(_timed(gen.generate, [prompt], greedy) for _ in range(3))
+    print(f"{name}: prefill batch 1 x 128 tokens: {t * 1e3:.0f} ms, {128 / t:.0f} tokens/s (incl. 1 sampled token)")
+    weight_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
+    print(f"{'batch':>6}{'step ms':>9}{'tokens/s':>10}{'floor ms':>10}{'step/floor':>11}")
+    for b in batches:
+        prompts = [rng.integers(0, 256, 32).tolist() for _ in range(b)]
+        sc = SamplingConfig(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+        one = SamplingConfig(temperature=0.0, max_new_tokens=1, ignore_eos=True)
+        gen.generate(prompts, sc)  # compile
+        full = min(_timed(gen.generate, prompts, sc) for _ in range(2))
+        pre = min(_timed(gen.generate, prompts, one) for _ in range(2))
+        step = (full - pre) / (new_tokens - 1)
+        cache_len = min(bucket(bucket(32) + new_tokens), bucket(cfg.max_seq_len))
+        floor = (weight_bytes + cache_memory_bytes(cfg, bucket(b, 1), cache_len)) / bandwidth
+        print(f"{b:>6}{step * 1e3:>9.2f}{b / step:>10.0f}{floor * 1e3:>10.2f}{step / floor:>11.2f}", flush=True)
+
+
+def bench_job(name: str, prompts: int, layers: int) -> None:
+    cfg = load_config(ROOT / "configs" / f"{name}.yaml", [f"model.num_layers={layers}"]).model
+    params = model.init_params(cfg, jax.random.key(0))
+    gen = Generator(params, cfg, Tokenizer.byte_level(), max_batch=32)
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(1, 513, prompts)
+    batch = sorted((rng.integers(0, 256, n).tolist() for n in lengths), key=len)
+    t0 = time.perf_counter()
+    compile_time = 0.0
+    for i in range(0, prompts, 32):
+        before = gen.compilations
+        dt = _timed(gen.generate, batch[i : i + 32], SamplingConfig(temperature=0.0, max_new_tokens=8))
+        if gen.compilations > before:
+            compile_time += dt  # batches that compiled: their time is mostly compiling
+    total = time.perf_counter() - t0
+    print(
+        f"{name} ({layers} layers): {prompts} prompts, lengths 1-512, 8 new tokens each: "
+        f"{gen.compilations} compilations, {total:.1f} s in all, {compile_time:.1f} s in batches that compiled"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", nargs="+", default=["gpt2-124m", "llama-small"])
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--job-prompts", type=int, default=200)
+    parser.add_argument("--job-layers", type=int, default=2, help="depth of the model in the mixed job")
+    args = parser.parse_args()
+    bw = memory_bandwidth()
+    print(f"memory bandwidth (512 MiB numpy copy, best of 5): {bw / 1e9:.1f} GB/s")
+    for name in args.configs:
+        bench_model(name, args.new_tokens, args.batches, bw)
+    if args.job_prompts:
+        bench_job(args.configs[-1], args.job_prompts, args.job_layers)
+
+
+if __name__ == "__main__":
+    main()
