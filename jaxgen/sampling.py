@@ -151,9 +151,14 @@ def truncated_logits(logits_bv, sp: SamplingArrays):
 def sample(logits_bv, sp: SamplingArrays, step, seen_bv, counts_bv):
     """Next token per row: (B,) int32. Greedy rows (temperature 0) take the processed argmax."""
     logits = process_logits(logits_bv, sp, seen_bv, counts_bv)
-    greedy = jnp.argmax(logits, axis=-1)
-    masked, order = truncated_logits(logits, sp)
-    keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), step))(sp.seed)
-    choice = jax.vmap(jax.random.categorical)(keys, masked)
-    drawn = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
-    return jnp.where(sp.temperature == 0, greedy, drawn).astype(jnp.int32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw(_):
+        masked, order = truncated_logits(logits, sp)
+        keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), step))(sp.seed)
+        choice = jax.vmap(jax.random.categorical)(keys, masked)
+        drawn = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+        return jnp.where(sp.temperature == 0, greedy, drawn).astype(jnp.int32)
+
+    # An all-greedy batch skips the sort over the vocabulary (a value-dependent branch: no recompile).
+    return jax.lax.cond(jnp.all(sp.temperature == 0), lambda _: greedy, draw, None)
