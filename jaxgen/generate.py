@@ -101,7 +101,10 @@ def _decode_loop(params, state: DecodeState, cfg: ModelConfig) -> DecodeState:
         tok = jnp.where(s.done, 0, tok)
         chosen = jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
         top_lp, top_ids = jax.lax.top_k(logp, s.top_ids.shape[-1])
-        write = functools.partial(lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x[:, None], s.step, 1))
+
+        def write(buf, x):  # column `step` of a (B, M, ...) buffer
+            return jax.lax.dynamic_update_slice_in_dim(buf, x[:, None], s.step, 1)
+
         live = ~s.done
         hit_stop = jnp.any(tok[:, None] == s.stop_ids, axis=-1)
         generated = s.generated + live
