@@ -34,11 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     enable_compilation_cache()
 
     try:
-        result = train(cfg, args.run_dir or f"runs/{cfg.name}", progress=not args.no_progress)
+        train(cfg, args.run_dir or f"runs/{cfg.name}", progress=not args.no_progress)
     except (ConfigError, NonFiniteError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    return 0 if result.status != "stopped" or result.step > 0 else 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -46,10 +46,13 @@ class KVCache:
 
     def memory_bytes(self) -> int:
         """Bytes held by the cache's arrays (keys, values and slot positions)."""
-        return sum(x.size * x.dtype.itemsize for x in (self.k, self.v, self.pos, self.end))
+        return _nbytes(self)
 
 
 def cache_memory_bytes(cfg: ModelConfig, batch_size: int, max_len: int, dtype=jnp.float32) -> int:
     """What `KVCache.init(cfg, batch_size, max_len, dtype)` would hold, without allocating it."""
-    shapes = jax.eval_shape(lambda: KVCache.init(cfg, batch_size, max_len, dtype))
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+    return _nbytes(jax.eval_shape(lambda: KVCache.init(cfg, batch_size, max_len, dtype)))
+
+
+def _nbytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))

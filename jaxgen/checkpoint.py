@@ -13,7 +13,9 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
+from jaxgen import model
 from jaxgen.config import CheckpointConfig, Config, MeshConfig, load_config
+from jaxgen.sharding import make_mesh
 from jaxgen.tokenizer import Tokenizer
 
 
@@ -61,9 +63,6 @@ def load_run(run_dir: str | Path, mesh=None, step: int | None = None):
 
     The params are placed with the model's shardings on `mesh` (default: all local devices on data).
     """
-    from jaxgen import model
-    from jaxgen.sharding import make_mesh
-
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").exists():
         raise FileNotFoundError(f"{run_dir} is not a jaxgen run folder (no config.yaml); train.py writes one")

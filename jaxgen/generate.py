@@ -274,9 +274,8 @@ class Generator:
             if stop_at[r] is not None:
                 n, reason = stop_at[r], "stop"
             toks = tokens[r, :n].tolist()
-            text = self.tokenizer.decode(toks)
-            if reason == "stop" and stop_at[r] is None and toks and toks[-1] in self._stop_ids(configs[p]):
-                text = self.tokenizer.decode(toks[:-1])  # the end-of-sequence token is not text
+            ended_by_id = reason == "stop" and stop_at[r] is None and toks and toks[-1] in self._stop_ids(configs[p])
+            text = self.tokenizer.decode(toks[:-1] if ended_by_id else toks)  # an end-of-sequence id is not text
             alts = None
             if configs[p].logprobs:
                 a = configs[p].logprobs
@@ -301,8 +300,8 @@ class Generator:
         for i, (p, c) in enumerate(zip(prompts, continuations, strict=True)):
             pi = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
             ci = self.tokenizer.encode(c) if isinstance(c, str) else list(c)
-            if not ci:
-                raise SamplingError(f"continuation {i} is empty")
+            if not pi or not ci:
+                raise SamplingError(f"pair {i}: prompt and continuation must each have at least one token")
             if len(pi) + len(ci) > self.cfg.max_seq_len:
                 raise SamplingError(f"pair {i} has {len(pi) + len(ci)} tokens; the context is {self.cfg.max_seq_len}")
             pairs.append((pi, ci))
@@ -321,9 +320,7 @@ class Generator:
             seq = p + c
             tokens[i, : len(seq)] = seq
             positions[i, : len(seq)] = np.arange(len(seq))
-            mask[i, max(len(p) - 1, 0) : len(seq) - 1] = 1
-        if any(len(p) == 0 for p, _ in pairs):
-            raise SamplingError("score needs a non-empty prompt (the first token has no prediction)")
+            mask[i, len(p) - 1 : len(seq) - 1] = 1
         lp = np.asarray(self._score(self.params, tokens, positions, mask, cfg=self.cfg))
         out = []
         for i, (p, c) in enumerate(pairs):

@@ -12,6 +12,7 @@ with `lax.scan`, so compile time does not grow with depth. Names end with their 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
@@ -107,14 +108,7 @@ def init_params(cfg: ModelConfig, rng: jax.Array) -> dict:
 
 
 def count_params(cfg: ModelConfig) -> int:
-    return sum(_size(s.shape) for s in jax.tree.leaves(param_specs(cfg), is_leaf=_is_spec))
-
-
-def _size(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    return sum(math.prod(s.shape) for s in jax.tree.leaves(param_specs(cfg), is_leaf=_is_spec))
 
 
 # --- forward ---------------------------------------------------------------------------------------

@@ -39,15 +39,8 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTran
 
     Weight decay applies to matrices only (not to norms' scales and biases).
     """
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=cfg.learning_rate,
-        warmup_steps=cfg.warmup_steps,
-        decay_steps=max(total_steps, cfg.warmup_steps + 1),
-        end_value=cfg.learning_rate * cfg.min_lr_ratio,
-    )
     adamw = optax.adamw(
-        schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+        lr_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
         mask=_decay_mask,
     )  # fmt: skip
     clip = optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity()
@@ -60,11 +53,15 @@ def _decay_mask(params):
     return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key.startswith(matrices), params)
 
 
-def learning_rate(cfg: OptimizerConfig, total_steps: int, step):
+def lr_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
+    """Linear warmup from 0 to the peak, then cosine decay to peak * min_lr_ratio at `total_steps`."""
     return optax.warmup_cosine_decay_schedule(
-        0.0, cfg.learning_rate, cfg.warmup_steps, max(total_steps, cfg.warmup_steps + 1),
-        cfg.learning_rate * cfg.min_lr_ratio,
-    )(step)  # fmt: skip
+        init_value=0.0,
+        peak_value=cfg.learning_rate,
+        warmup_steps=cfg.warmup_steps,
+        decay_steps=max(total_steps, cfg.warmup_steps + 1),
+        end_value=cfg.learning_rate * cfg.min_lr_ratio,
+    )
 
 
 def create_train_state(cfg: Config, mesh) -> TrainState:
@@ -156,7 +153,7 @@ def train_step(state: TrainState, batch: dict, *, cfg: Config, tx: optax.Gradien
         nonfinite_in_row=(state.nonfinite_in_row + skipped) * skipped,
         nonfinite_total=state.nonfinite_total + skipped,
     )
-    lr = learning_rate(cfg.optimizer, cfg.training.steps, state.step - 1)
+    lr = lr_schedule(cfg.optimizer, cfg.training.steps)(state.step - 1)
     metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count, "finite": finite, "lr": lr}
     return state, metrics
 
