@@ -78,12 +78,12 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=["tiny", "default", "gpt2-124m"])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per config (median reported)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per config (median reported)")
     parser.add_argument("--layers", type=int, nargs="*", default=[4, 8, 16, 24], help="gpt2-124m depths to compile")
     args = parser.parse_args()
 
-    peak = measure_matmul_flops(n=2048, repeats=5)
-    print(f"float32 matmul rate (2048^3, best of 5): {peak / 1e9:.1f} GFLOP/s   devices: {jax.devices()}")
+    peak = measure_matmul_flops(n=2048, repeats=10)
+    print(f"float32 matmul rate (2048^3, best of 10): {peak / 1e9:.1f} GFLOP/s   devices: {jax.devices()}")
     print(f"\nbatch {args.batch} x {args.seq} tokens, float32, median of {args.steps} steps")
     print(f"{'config':<12}{'params':>9}{'compile s':>11}{'step s':>9}{'tokens/s':>10}{'GFLOP/s':>9}{'MFU':>7}")
     for name in args.configs:

@@ -142,14 +142,19 @@ def train_step(state: TrainState, batch: dict, *, cfg: Config, tx: optax.Gradien
     grads = jax.tree.map(lambda g: g / count, grads)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
+
+    def update(_):
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        return optax.apply_updates(state.params, updates), opt_state
+
+    # A cond, not `where(finite, new, old)`: the select kept the old params and moments alive beside
+    # the new ones, so the update could not run in place (measured 16.9 s -> 13.0 s, gpt2-124m on CPU).
+    params, opt_state = jax.lax.cond(finite, update, lambda _: (state.params, state.opt_state), None)
     skipped = (~finite).astype(jnp.int32)
     state = state.replace(
         step=state.step + 1,
-        params=keep(params, state.params),
-        opt_state=keep(opt_state, state.opt_state),
+        params=params,
+        opt_state=opt_state,
         nonfinite_in_row=(state.nonfinite_in_row + skipped) * skipped,
         nonfinite_total=state.nonfinite_total + skipped,
     )
