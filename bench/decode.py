@@ -10,14 +10,16 @@ bandwidth measured in the same run (a large array copy). Models use random weigh
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxgen import model
-from jaxgen.cache import cache_memory_bytes
+from jaxgen.cache import KVCache, cache_memory_bytes
 from jaxgen.config import load_config
 from jaxgen.generate import Generator, bucket
 from jaxgen.sampling import SamplingConfig
@@ -66,6 +68,40 @@ def bench_model(name: str, new_tokens: int, batches: list[int], bandwidth: float
         print(f"{b:>6}{step * 1e3:>9.2f}{b / step:>10.0f}{floor * 1e3:>10.2f}{step / floor:>11.2f}", flush=True)
 
 
+def bench_cache_length(name: str, batch: int, used: int, lengths: list[int], steps: int = 16) -> None:
+    """Time per decode step with `used` tokens in the cache, for several allocated cache lengths."""
+    cfg = load_config(ROOT / "configs" / f"{name}.yaml").model
+    params = model.init_params(cfg, jax.random.key(0))
+    rng = np.random.default_rng(2)
+    tokens = jnp.asarray(rng.integers(0, 256, (batch, used)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(used, dtype=jnp.int32), (batch, used))
+
+    @functools.partial(jax.jit, donate_argnums=1)
+    def decode(params, cache, tok):
+        def step(i, carry):
+            cache, tok = carry
+            logits, cache = model.forward(params, tok, used + i + jnp.zeros_like(tok), cache, cfg=cfg)
+            return cache, jnp.argmax(logits[:, -1:], -1).astype(jnp.int32)
+
+        return jax.lax.fori_loop(0, steps, step, (cache, tok))
+
+    prefill = jax.jit(lambda p, c: model.forward(p, tokens, positions, c, cfg=cfg)[1], donate_argnums=1)
+    times = {}
+    for n in lengths:
+        cache = prefill(params, KVCache.init(cfg, batch, n))
+        jax.block_until_ready(decode(params, cache, tokens[:, -1:]))  # compile
+        best = float("inf")
+        for _ in range(3):
+            cache = prefill(params, KVCache.init(cfg, batch, n))
+            t0 = time.perf_counter()
+            jax.block_until_ready(decode(params, cache, tokens[:, -1:]))
+            best = min(best, (time.perf_counter() - t0) / steps)
+        times[n] = best
+    base = times[lengths[0]]
+    row = ", ".join(f"{n} slots {t * 1e3:.1f} ms ({t / base:.2f}x)" for n, t in times.items())
+    print(f"{name}: decode step at batch {batch} with {used} tokens in the cache: {row}")
+
+
 def bench_job(name: str, prompts: int, layers: int) -> None:
     cfg = load_config(ROOT / "configs" / f"{name}.yaml", [f"model.num_layers={layers}"]).model
     params = model.init_params(cfg, jax.random.key(0))
@@ -91,14 +127,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=["gpt2-124m", "llama-small"])
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--batches", type=int, nargs="*", default=[1, 8, 32])
     parser.add_argument("--job-prompts", type=int, default=200)
     parser.add_argument("--job-layers", type=int, default=2, help="depth of the model in the mixed job")
+    parser.add_argument(
+        "--cache-lengths",
+        type=int,
+        nargs="*",
+        default=[256, 4096],
+        help="allocated cache lengths to compare at batch 32 with 160 tokens in use",
+    )
     args = parser.parse_args()
     bw = memory_bandwidth()
     print(f"memory bandwidth (512 MiB numpy copy, best of 5): {bw / 1e9:.1f} GB/s")
-    for name in args.configs:
+    for name in args.configs if args.batches else []:
         bench_model(name, args.new_tokens, args.batches, bw)
+    if args.cache_lengths:
+        bench_cache_length(args.configs[-1], 32, 160, args.cache_lengths)
     if args.job_prompts:
         bench_job(args.configs[-1], args.job_prompts, args.job_layers)
 

@@ -1,12 +1,14 @@
 """The KV cache: an immutable pytree passed into `forward` and returned updated.
 
 Layout (glossary in `jaxgen.sharding`):
-    k, v: (L, B, S, K, H)  keys and values for every layer, slot and kv head
+    k, v: (L, S, B, K, H)  keys and values for every layer, slot, sequence and kv head
     pos:  (B, S) int32     the token position held in each slot; -1 marks an empty slot
     end:  () int32         the next slot to write; all sequences of a batch write the same slot
 
 Writing every sequence at the shared slot `end` keeps the update a `dynamic_update_slice` at one
-scalar offset, which XLA performs in place when the cache is donated (see NOTES-jax-cpu.md). Ragged
+scalar offset, which XLA performs in place when the cache is donated (see NOTES-jax-cpu.md). Slots
+come before the batch so that one layer's block of slots is one contiguous run of memory, addressed
+by a single index (layer * S + slot): cached attention reads only the blocks in use. Ragged
 prompts leave empty slots (pos = -1) that attention masks out; each sequence's own positions (for
 RoPE / learned embeddings) live in `pos`, so a padded sequence computes exactly what it would alone.
 """
@@ -19,20 +21,20 @@ import jax.numpy as jnp
 
 from jaxgen.config import ModelConfig
 
-KV_NAMES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+KV_NAMES = ("layers", "cache_seq", "batch", "kv_heads", "head_dim")
 POS_NAMES = ("batch", "cache_seq")
 
 
 @flax.struct.dataclass
 class KVCache:
-    k: jax.Array  # (L, B, S, K, H)
-    v: jax.Array  # (L, B, S, K, H)
+    k: jax.Array  # (L, S, B, K, H)
+    v: jax.Array  # (L, S, B, K, H)
     pos: jax.Array  # (B, S) int32, -1 = empty
     end: jax.Array  # () int32
 
     @classmethod
     def init(cls, cfg: ModelConfig, batch_size: int, max_len: int, dtype=jnp.float32) -> KVCache:
-        shape = (cfg.num_layers, batch_size, max_len, cfg.kv_heads, cfg.head_size)
+        shape = (cfg.num_layers, max_len, batch_size, cfg.kv_heads, cfg.head_size)
         return cls(
             k=jnp.zeros(shape, dtype),
             v=jnp.zeros(shape, dtype),
@@ -42,7 +44,7 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[1]
 
     def memory_bytes(self) -> int:
         """Bytes held by the cache's arrays (keys, values and slot positions)."""

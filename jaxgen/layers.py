@@ -78,3 +78,53 @@ def mlp(x_btd, p: dict, cfg: ModelConfig):
     if "b_down_d" in p:
         out = out + p["b_down_d"]
     return out
+
+
+def cached_attention(q_btnh, k_all, v_all, layer, pos_bs, q_pos_bt, end, num_kv_heads, window, block):
+    """Attention of the tokens at slots [end, end + T) over the cache's slots in use (online softmax).
+
+    q_btnh: (B, T, N, H). k_all, v_all: (L, S, B, K, H) the cache, this call's keys and values already
+    written; only the first ceil((end + T) / block) blocks of `layer` are read, so a step costs what the
+    filled part of the cache costs, not its allocated length. pos_bs: (B, S) positions held (-1 empty).
+    Returns (B, T, N, H) and the cache arrays, threaded through the loop's carry: as a loop-invariant
+    operand XLA would copy them whole every step.
+    """
+    b, t, n, h = q_btnh.shape
+    k = num_kv_heads
+    q = q_btnh.reshape(b, t, k, n // k, h).astype(jnp.float32) * (h**-0.5)
+    q_slot = end + jnp.arange(t)
+    num_slots = k_all.shape[1]
+
+    def cache_block(j, carry):
+        stats, (k_all, v_all) = carry
+        start = j * block
+        # One index into (L * S, B, K, H): a block of this layer's slots, nothing hoisted out.
+        row = (layer * num_slots + start, 0, 0, 0)
+        kb = jax.lax.dynamic_slice(k_all.reshape(-1, b, k, h), row, (block, b, k, h)).swapaxes(0, 1)
+        vb = jax.lax.dynamic_slice(v_all.reshape(-1, b, k, h), row, (block, b, k, h)).swapaxes(0, 1)
+        pos = jax.lax.dynamic_slice(pos_bs, (0, start), (b, block))
+        mask = attention_mask(q_slot, start + jnp.arange(block), q_pos_bt, pos, window=window)
+        return _online_softmax_step(stats, q, kb, vb, mask), (k_all, v_all)
+
+    init = (
+        jnp.full((b, k, n // k, t), NEG_INF, jnp.float32),
+        jnp.zeros((b, k, n // k, t), jnp.float32),
+        jnp.zeros((b, k, n // k, t, h), jnp.float32),
+    )
+    blocks = (end + t + block - 1) // block
+    (_, l, acc), kv = jax.lax.fori_loop(0, blocks, cache_block, (init, (k_all, v_all)))
+    out = acc / jnp.maximum(l, 1e-30)[..., None]  # rows with no key at all (padding) give 0
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q_btnh.dtype), kv
+
+
+def _online_softmax_step(carry, q_btkgh, k_bskh, v_bskh, mask_bts):
+    """One block of keys folded into the running max m, normaliser l and weighted sum acc."""
+    m, l, acc = carry  # (B, K, G, T), (B, K, G, T), (B, K, G, T, H)
+    mask = mask_bts[:, None, None]
+    s = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh.astype(jnp.float32))
+    s = jnp.where(mask, s, NEG_INF)
+    m_new = jnp.maximum(m, s.max(-1))
+    p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+    corr = jnp.exp(m - m_new)
+    acc = acc * corr[..., None] + jnp.einsum("bkgts,bskh->bkgth", p, v_bskh.astype(jnp.float32))
+    return m_new, l * corr + p.sum(-1), acc

@@ -12,6 +12,7 @@ with `lax.scan`, so compile time does not grow with depth. Names end with their 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -22,6 +23,8 @@ from jaxgen import layers
 from jaxgen.cache import KVCache
 from jaxgen.config import ModelConfig
 from jaxgen.sharding import constrain, named_sharding
+
+ATTENTION_BLOCK = 128  # cache slots per block of cached attention
 
 
 class ParamSpec(NamedTuple):
@@ -147,27 +150,30 @@ def hidden_states(params, tokens, positions, cache=None, *, cfg: ModelConfig, se
 
     t = tokens.shape[1]
     if cache is None:
-        q_slot = k_slot = jnp.arange(t)
-        k_pos, k_seg = positions, segment_ids
+        slots = jnp.arange(t)
+        mask = layers.attention_mask(slots, slots, positions, positions, segment_ids, segment_ids, cfg.sliding_window)
         kv = None
-    else:
-        q_slot = cache.end + jnp.arange(t)
-        k_slot = jnp.arange(cache.max_len)
-        k_pos = jax.lax.dynamic_update_slice(cache.pos, positions.astype(jnp.int32), (0, cache.end))
-        k_seg = segment_ids = None
+    else:  # masks are built block by block in cached_attention, over the slots in use only
+        mask = None
         kv = (cache.k, cache.v)
-    mask = layers.attention_mask(q_slot, k_slot, positions, k_pos, segment_ids, k_seg, cfg.sliding_window)
+        pos = jax.lax.dynamic_update_slice(cache.pos, positions.astype(jnp.int32), (0, cache.end))
 
     def layer_step(carry, xs):
         x, kv = carry
         p, i = xs
-        x, kv = _block(x, p, i, positions, mask, kv, cache, cfg)
+        if cache is None:
+            attend = functools.partial(_attend_plain, mask=mask, cfg=cfg)
+        else:
+            attend = functools.partial(
+                _attend_cache, kv=kv, layer=i, positions=positions, pos=pos, cache=cache, cfg=cfg
+            )
+        x, kv = _block(x, p, positions, attend, cfg)
         return (x, kv), None
 
     (x, kv), _ = jax.lax.scan(layer_step, (x, kv), (params["layers"], jnp.arange(cfg.num_layers)))
     x = layers.norm(x, params["final_norm"], cfg)
     if cache is not None:
-        cache = dataclasses.replace(cache, k=kv[0], v=kv[1], pos=k_pos, end=cache.end + t)
+        cache = dataclasses.replace(cache, k=kv[0], v=kv[1], pos=pos, end=cache.end + t)
     return x, cache
 
 
@@ -184,8 +190,8 @@ def _cast(params, cfg: ModelConfig):
     return jax.tree.map(lambda p: p.astype(dtype), params)
 
 
-def _block(x, p, i, positions, mask, kv, cache, cfg: ModelConfig):
-    """One pre-norm transformer block; with a cache, writes this layer's k/v at slot `end`."""
+def _qkv(x, p, positions, cfg: ModelConfig):
+    """Pre-norm queries (B, T, N, H) and keys and values (B, T, K, H), rotated when RoPE."""
     h = layers.norm(x, p["attn_norm"], cfg)
     q = jnp.einsum("btd,dnh->btnh", h, p["w_q_dnh"])
     k = jnp.einsum("btd,dkh->btkh", h, p["w_k_dkh"])
@@ -195,21 +201,37 @@ def _block(x, p, i, positions, mask, kv, cache, cfg: ModelConfig):
     if cfg.position == "rope":
         q = layers.rope(q, positions, cfg.rope_theta)
         k = layers.rope(k, positions, cfg.rope_theta)
-    if kv is not None:
-        # In-place update of layer i's slots [end, end + T): a dynamic_update_slice at scalar offsets.
-        k_all, v_all = kv
-        start = (i, 0, cache.end, 0, 0)
-        k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
-        v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
-        kv = (k_all, v_all)
-        k, v = k_all[i].astype(q.dtype), v_all[i].astype(q.dtype)
-    out = layers.attention(q, k, v, mask, cfg.kv_heads)
+    return q, k, v
+
+
+def _block(x, p, positions, attend, cfg: ModelConfig):
+    """One pre-norm transformer block. `attend(q, k, v) -> (out, kv)` is plain attention (kv None)
+    or cached attention (kv: the cache's keys and values, this layer's written)."""
+    q, k, v = _qkv(x, p, positions, cfg)
+    out, kv = attend(q, k, v)
     out = jnp.einsum("btnh,nhd->btd", out, p["w_o_nhd"])
     if "b_o_d" in p:
         out = out + p["b_o_d"]
     x = x + out
     x = x + layers.mlp(layers.norm(x, p["mlp_norm"], cfg), p["mlp"], cfg)
     return constrain(x, ("batch", "seq", "act_embed")), kv
+
+
+def _attend_plain(q, k, v, *, mask, cfg: ModelConfig):
+    return layers.attention(q, k, v, mask, cfg.kv_heads), None
+
+
+def _attend_cache(q, k, v, *, kv, layer, positions, pos, cache: KVCache, cfg: ModelConfig):
+    """Writes this layer's keys and values at slots [end, end + T) (a dynamic_update_slice at scalar
+    offsets, in place when the cache is donated), then attends over the slots in use."""
+    k_all, v_all = kv
+    start = (layer, cache.end, 0, 0, 0)
+    k_all = jax.lax.dynamic_update_slice(k_all, k.swapaxes(0, 1)[None].astype(k_all.dtype), start)
+    v_all = jax.lax.dynamic_update_slice(v_all, v.swapaxes(0, 1)[None].astype(v_all.dtype), start)
+    block = min(ATTENTION_BLOCK, cache.max_len)  # max_len is a power of two: blocks tile it
+    return layers.cached_attention(
+        q, k_all, v_all, layer, pos, positions, cache.end, cfg.kv_heads, cfg.sliding_window, block
+    )
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
