@@ -203,3 +203,59 @@ def test_sampling_frequencies_match_the_renormalised_distribution(settings):
     # p = 0.001 critical value (Wilson-Hilferty approximation of the chi-square quantile)
     critical = df * (1 - 2 / (9 * df) + 3.09 * np.sqrt(2 / (9 * df))) ** 3 if df > 0 else 0.0
     assert chi2 <= critical + 1e-9, (chi2, critical, observed, expected)
+
+
+# --- beam search --------------------------------------------------------------------------------
+
+
+def test_beam_width_one_equals_greedy(gen):
+    from jaxgen.beam import beam_search
+
+    greedy = gen.generate(PROMPTS, dataclasses.replace(GREEDY, ignore_eos=False))
+    beams = beam_search(gen, PROMPTS, width=1, max_new_tokens=12, length_penalty=0.0)
+    for g, hyps in zip(greedy, beams):
+        assert g.finish_reason == "length"  # no end-of-sequence token in the way
+        assert hyps[0].tokens == g.tokens
+        np.testing.assert_allclose(hyps[0].logprob, sum(g.logprobs), rtol=1e-4)
+
+
+def test_beam_search_finds_the_best_sequence_greedy_misses():
+    """Vocabulary of 6: with width 36 >= V^2, beam search over 3 tokens is exhaustive, so it must
+    return the highest-scoring continuation (checked against all 216 by `score`)."""
+    import itertools
+
+    from jaxgen.beam import beam_search
+
+    cfg = ModelConfig(vocab_size=6, num_layers=1, d_model=16, num_heads=2, d_ff=32, max_seq_len=32)
+    tok = Tokenizer.byte_level()  # its end-of-text id (256) lies outside this vocabulary: never produced
+    all_seqs = [list(s) for s in itertools.product(range(6), repeat=3)]
+    for seed in range(20):
+        params = jax.tree.map(lambda p: p * 30, model.init_params(cfg, jax.random.key(seed)))
+        g = Generator(params, cfg, tok, max_batch=256)
+        prompt = [1, 2, 3]
+        scores = [s["logprob"] for s in g.score([prompt] * len(all_seqs), all_seqs)]
+        best = all_seqs[int(np.argmax(scores))]
+        greedy = g.generate([prompt], SamplingConfig(temperature=0, max_new_tokens=3))[0].tokens
+        if greedy == best:
+            continue  # look for a model where greedy is not optimal
+        hyps = beam_search(g, [prompt], width=36, max_new_tokens=3, length_penalty=0.0)[0]
+        assert hyps[0].tokens == best
+        np.testing.assert_allclose(hyps[0].logprob, max(scores), rtol=1e-4)
+        assert hyps[0].logprob > scores[all_seqs.index(greedy)]
+        return
+    pytest.fail("no model among 20 seeds where greedy misses the best sequence")
+
+
+def test_beam_search_keeps_the_best_finished_hypotheses(gen):
+    """Every token ends a hypothesis: the result is the `width` most likely first tokens, in order."""
+    from jaxgen.beam import beam_search
+
+    first = gen.score([PROMPTS[0]] * CFG.vocab_size, [[t] for t in range(CFG.vocab_size)])
+    expected = np.argsort([-s["logprob"] for s in first])[:3].tolist()
+    for early in (True, False):
+        hyps = beam_search(gen, [PROMPTS[0]], width=3, max_new_tokens=10, length_penalty=1.0,
+                           early_stopping=early, stop_token_ids=tuple(range(CFG.vocab_size)))[0]  # fmt: skip
+        assert [h.tokens for h in hyps] == [[t] for t in expected]
+        np.testing.assert_allclose([h.logprob for h in hyps], [first[t]["logprob"] for t in expected], rtol=1e-4)
+    with pytest.raises(SamplingError, match="width=0 is not allowed"):
+        beam_search(gen, PROMPTS, width=0)
