@@ -39,6 +39,7 @@ class SamplingConfig:
     n: int = 1  # samples per prompt (they share one prefill)
     stop: tuple[str, ...] = ()  # stop strings (the output ends before them)
     stop_token_ids: tuple[int, ...] = ()  # extra end-of-sequence ids
+    stop_token_sequences: tuple[tuple[int, ...], ...] = ()  # generation ends after any of these
     ignore_eos: bool = False
     logprobs: int = 0  # top-N alternatives per token to return (0 = only the chosen token's)
 
@@ -52,6 +53,7 @@ class SamplingConfig:
             ("repetition_penalty", self.repetition_penalty, self.repetition_penalty > 0, "a number > 0"),
             ("n", self.n, self.n >= 1, "an integer >= 1"),
             ("logprobs", self.logprobs, 0 <= self.logprobs <= 20, "an integer in [0, 20]"),
+            ("stop_token_sequences", self.stop_token_sequences, all(self.stop_token_sequences), "non-empty sequences"),
         ]
         for name, value, ok, allowed in checks:
             if isinstance(value, bool) or not ok:
@@ -70,6 +72,8 @@ class SamplingConfig:
                 v = tuple((int(t), float(b)) for t, b in (v.items() if isinstance(v, dict) else v))
             elif k in ("stop", "stop_token_ids"):
                 v = (v,) if isinstance(v, str | int) else tuple(v)
+            elif k == "stop_token_sequences":
+                v = tuple(tuple(int(t) for t in q) for q in v)
             kwargs[k] = _typed(k, v, fields[k].type)
         return cls(**kwargs)
 

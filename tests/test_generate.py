@@ -87,6 +87,11 @@ def test_stop_conditions(gen):
     first = full.tokens.index(stop_tok)
     out = gen.generate([PROMPTS[1]], dataclasses.replace(GREEDY, stop_token_ids=(stop_tok,)))[0]
     assert out.tokens == full.tokens[: first + 1] and out.finish_reason == "stop"
+    seq = tuple(full.tokens[5:7])  # a two-token stop sequence, checked inside the loop
+    end = next(i + 2 for i in range(len(full.tokens) - 1) if tuple(full.tokens[i : i + 2]) == seq)
+    out = gen.generate([PROMPTS[1]], dataclasses.replace(GREEDY, stop_token_sequences=(seq,)))[0]
+    assert out.tokens == full.tokens[:end] and out.finish_reason == "stop"
+    assert out.text == gen.tokenizer.decode(full.tokens[: end - 2])
     stop_text = gen.tokenizer.decode(full.tokens[6:8])
     out = gen.generate([PROMPTS[1]], dataclasses.replace(GREEDY, stop=(stop_text,)))[0]
     assert out.finish_reason == "stop" and stop_text not in out.text
