@@ -124,7 +124,9 @@ def beam_search(
     for i, x in enumerate(ids):
         tokens[i, : len(x)], positions[i, : len(x)], lengths[i] = x, np.arange(len(x)), len(x)
     rows = np.repeat(np.arange(p, dtype=np.int32), width)
-    cache, logits = gen._prefill(gen.params, tokens, positions, rows, lengths, cfg=cfg, cache_len=cache_len)
+    cache, logits = gen._prefill(
+        gen.params, tokens, positions, rows, lengths, cfg=cfg, cache_len=cache_len, cache_dtype=gen.cache_dtype
+    )
     scores = np.full((p, width), NEG, np.float32)
     scores[:, 0] = 0.0  # all beams start equal: only the first may expand, or the W beams would coincide
     state = BeamState(

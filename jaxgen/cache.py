@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgen.config import ModelConfig
+from jaxgen.sharding import constrain
 
 KV_NAMES = ("layers", "cache_seq", "batch", "kv_heads", "head_dim")
 POS_NAMES = ("batch", "cache_seq")
@@ -34,7 +35,9 @@ class KVCache:
 
     @classmethod
     def init(cls, cfg: ModelConfig, batch_size: int, max_len: int, dtype=jnp.float32) -> KVCache:
+        """An empty cache; `dtype` float32 or bfloat16 (held as uint16 bits on CPU, see `storage_dtype`)."""
         shape = (cfg.num_layers, max_len, batch_size, cfg.kv_heads, cfg.head_size)
+        dtype = storage_dtype(dtype)
         return cls(
             k=jnp.zeros(shape, dtype),
             v=jnp.zeros(shape, dtype),
@@ -49,6 +52,33 @@ class KVCache:
     def memory_bytes(self) -> int:
         """Bytes held by the cache's arrays (keys, values and slot positions)."""
         return _nbytes(self)
+
+
+def constrain_cache(cache: KVCache) -> KVCache:
+    """Sharding constraints on the cache under the current mesh: batch over data, kv heads over tensor."""
+    return cache.replace(
+        k=constrain(cache.k, KV_NAMES), v=constrain(cache.v, KV_NAMES), pos=constrain(cache.pos, POS_NAMES)
+    )
+
+
+def storage_dtype(dtype) -> jnp.dtype:
+    """How a cache dtype is stored. XLA:CPU upcasts bfloat16 arithmetic to float32 and then rewrites
+    the whole bfloat16 buffer every step (NOTES-jax-cpu.md), so on CPU bfloat16 values are kept as
+    their uint16 bits, which it updates in place. Accelerators store bfloat16 as it is."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+        return jnp.dtype(jnp.uint16)
+    return dtype
+
+
+def to_storage(x: jax.Array, stored: jnp.dtype) -> jax.Array:
+    if stored == jnp.uint16:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+    return x.astype(stored)
+
+
+def from_storage(x: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.uint16 else x
 
 
 def cache_memory_bytes(cfg: ModelConfig, batch_size: int, max_len: int, dtype=jnp.float32) -> int:

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen import model
-from jaxgen.cache import KVCache
+from jaxgen.cache import KVCache, constrain_cache
 from jaxgen.config import ModelConfig
 from jaxgen.sampling import SamplingArrays, SamplingConfig, SamplingError, sample
 from jaxgen.tokenizer import Tokenizer
@@ -74,19 +74,19 @@ class Completion:
     top_logprobs: list[dict[int, float]] | None = None
 
 
-def _prefill(params, tokens, positions, rows, lengths, cfg: ModelConfig, cache_len: int):
+def _prefill(params, tokens, positions, rows, lengths, cfg: ModelConfig, cache_len: int, cache_dtype: str):
     """Runs the unique prompts once, then gathers cache rows for every sample (n per prompt).
 
     tokens, positions: (P, T) padded prompts (position -1 on padding); rows: (B,) prompt of each row;
     lengths: (P,) prompt lengths. Returns the (B, ...) cache and the next-token logits (B, V).
     """
-    cache = KVCache.init(cfg, tokens.shape[0], cache_len)
+    cache = constrain_cache(KVCache.init(cfg, tokens.shape[0], cache_len, cache_dtype))
     x, cache = model.hidden_states(params, tokens, positions, cache, cfg=cfg)
     x_last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # (P, 1, D)
     last = model.lm_head(params, x_last, cfg)[:, 0]  # (P, V): no logits for the rest of the prompt
     take = functools.partial(jnp.take, indices=rows)
     cache = dataclasses.replace(cache, k=take(cache.k, axis=2), v=take(cache.v, axis=2), pos=take(cache.pos, axis=0))
-    return cache, last[rows]
+    return constrain_cache(cache), last[rows]
 
 
 def _decode_loop(params, state: DecodeState, cfg: ModelConfig) -> DecodeState:
@@ -134,11 +134,16 @@ def _decode_loop(params, state: DecodeState, cfg: ModelConfig) -> DecodeState:
 class Generator:
     """Holds params, config, tokenizer and the jitted programs; every call is a pure function of arrays."""
 
-    def __init__(self, params, cfg: ModelConfig, tokenizer: Tokenizer, max_batch: int = 32, chunk_steps: int = 32):
-        self.params, self.cfg, self.tokenizer = params, cfg, tokenizer
+    def __init__(
+        self, params, cfg: ModelConfig, tokenizer: Tokenizer, max_batch: int = 32, chunk_steps: int = 32,
+        cache_dtype: str = "float32",
+    ):  # fmt: skip
+        if cache_dtype not in ("float32", "bfloat16"):
+            raise SamplingError(f"cache_dtype={cache_dtype!r} is not allowed: float32, bfloat16")
+        self.params, self.cfg, self.tokenizer, self.cache_dtype = params, cfg, tokenizer, cache_dtype
         self.max_batch, self.chunk_steps = max_batch, chunk_steps
         self.compilations = 0  # programs traced (each trace is one XLA compilation)
-        self._prefill = jax.jit(self._counted(_prefill), static_argnames=("cfg", "cache_len"))
+        self._prefill = jax.jit(self._counted(_prefill), static_argnames=("cfg", "cache_len", "cache_dtype"))
         self._loop = jax.jit(self._counted(_decode_loop), static_argnames=("cfg",), donate_argnums=1)
         self._score = jax.jit(self._counted(_score), static_argnames=("cfg",))
 
@@ -208,7 +213,9 @@ class Generator:
         where = {p: i for i, p in enumerate(prompt_idx)}
         padded = group + [group[0]] * (b - len(group))  # filler rows, finished from the start
         rows = np.asarray([where[p] for p, _ in padded], np.int32)
-        cache, logits = self._prefill(self.params, tokens, positions, rows, lengths, cfg=cfg, cache_len=cache_len)
+        cache, logits = self._prefill(
+            self.params, tokens, positions, rows, lengths, cfg=cfg, cache_len=cache_len, cache_dtype=self.cache_dtype
+        )
         state = self._init_state(ids, configs, padded, len(group), cache, logits, longest_new)
         stop_at: list[int | None] = [None] * len(group)
         while True:

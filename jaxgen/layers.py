@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxgen.cache import from_storage
 from jaxgen.config import ModelConfig
 
 NEG_INF = jnp.finfo(jnp.float32).min  # finite, so a fully masked row (padding) gives no NaN
@@ -121,10 +122,10 @@ def _online_softmax_step(carry, q_btkgh, k_bskh, v_bskh, mask_bts):
     """One block of keys folded into the running max m, normaliser l and weighted sum acc."""
     m, l, acc = carry  # (B, K, G, T), (B, K, G, T), (B, K, G, T, H)
     mask = mask_bts[:, None, None]
-    s = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh.astype(jnp.float32))
+    s = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, from_storage(k_bskh).astype(jnp.float32))
     s = jnp.where(mask, s, NEG_INF)
     m_new = jnp.maximum(m, s.max(-1))
     p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
     corr = jnp.exp(m - m_new)
-    acc = acc * corr[..., None] + jnp.einsum("bkgts,bskh->bkgth", p, v_bskh.astype(jnp.float32))
+    acc = acc * corr[..., None] + jnp.einsum("bkgts,bskh->bkgth", p, from_storage(v_bskh).astype(jnp.float32))
     return m_new, l * corr + p.sum(-1), acc

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgen import layers
-from jaxgen.cache import KVCache
+from jaxgen.cache import KVCache, to_storage
 from jaxgen.config import ModelConfig
 from jaxgen.sharding import constrain, named_sharding
 
@@ -226,8 +226,8 @@ def _attend_cache(q, k, v, *, kv, layer, positions, pos, cache: KVCache, cfg: Mo
     offsets, in place when the cache is donated), then attends over the slots in use."""
     k_all, v_all = kv
     start = (layer, cache.end, 0, 0, 0)
-    k_all = jax.lax.dynamic_update_slice(k_all, k.swapaxes(0, 1)[None].astype(k_all.dtype), start)
-    v_all = jax.lax.dynamic_update_slice(v_all, v.swapaxes(0, 1)[None].astype(v_all.dtype), start)
+    k_all = jax.lax.dynamic_update_slice(k_all, to_storage(k.swapaxes(0, 1)[None], k_all.dtype), start)
+    v_all = jax.lax.dynamic_update_slice(v_all, to_storage(v.swapaxes(0, 1)[None], v_all.dtype), start)
     block = min(ATTENTION_BLOCK, cache.max_len)  # max_len is a power of two: blocks tile it
     return layers.cached_attention(
         q, k_all, v_all, layer, pos, positions, cache.end, cfg.kv_heads, cfg.sliding_window, block

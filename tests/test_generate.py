@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jaxgen import model
+from jaxgen.cache import KVCache
 from jaxgen.config import ModelConfig
 from jaxgen.generate import Generator, _decode_loop
 from jaxgen.sampling import SamplingArrays, SamplingConfig, SamplingError, sample
@@ -146,8 +147,10 @@ def test_score_equals_training_loss(gen):
     np.testing.assert_allclose(batched["nll"], s["nll"], rtol=1e-5)
 
 
-def test_decode_loop_updates_the_cache_in_place(gen):
-    """The compiled loop writes the cache with dynamic-update-slice and never copies it whole."""
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+def test_decode_loop_updates_the_cache_in_place(gen, cache_dtype):
+    """The compiled loop writes the cache with dynamic-update-slice and never copies or converts it whole."""
+    gen = Generator(gen.params, CFG, gen.tokenizer, max_batch=8, chunk_steps=5, cache_dtype=cache_dtype)
     captured = {}
     real = gen._loop
 
@@ -163,10 +166,13 @@ def test_decode_loop_updates_the_cache_in_place(gen):
     state = captured["state"]
     hlo = jax.jit(_decode_loop, static_argnames="cfg", donate_argnums=1).lower(gen.params, state, cfg=CFG)
     text = hlo.compile().as_text()
-    shape = "f32[" + ",".join(map(str, state.cache.k.shape)) + "]"
+    dims = ",".join(map(str, state.cache.k.shape))
+    shape = {"float32": "f32", "bfloat16": "u16"}[cache_dtype] + f"[{dims}]"
     writes = [line for line in text.splitlines() if f"= {shape}" in line and "dynamic-update-slice" in line]
     copies = [line for line in text.splitlines() if re.search(rf"= {re.escape(shape)}\S* copy\(", line)]
-    assert len(writes) >= 2 and not copies
+    whole_float = rf"= (f32|bf16)\[{dims}\]"  # a bfloat16 cache must never appear whole as floats
+    converts = [line for line in text.splitlines() if cache_dtype == "bfloat16" and re.search(whole_float, line)]
+    assert len(writes) >= 2 and not copies and not converts
 
 
 # --- sampling distributions ---------------------------------------------------------------------
@@ -264,3 +270,25 @@ def test_beam_search_keeps_the_best_finished_hypotheses(gen):
         np.testing.assert_allclose([h.logprob for h in hyps], [first[t]["logprob"] for t in expected], rtol=1e-4)
     with pytest.raises(SamplingError, match="width=0 is not allowed"):
         beam_search(gen, PROMPTS, width=0)
+
+
+def test_bfloat16_cache_is_uint16_on_cpu_close_and_in_place(gen):
+    params = model.init_params(CFG, jax.random.key(0))  # unscaled: the peaked test model amplifies rounding
+    bf = Generator(params, CFG, gen.tokenizer, max_batch=8, chunk_steps=5, cache_dtype="bfloat16")
+    cache = KVCache.init(CFG, 2, 32, "bfloat16")
+    assert cache.k.dtype == jnp.uint16  # bfloat16 bits: XLA:CPU updates these in place
+    tokens = jax.random.randint(jax.random.key(7), (2, 20), 0, CFG.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(20), (2, 20))
+    full, _ = model.forward(params, tokens, positions, cfg=CFG)
+    step = jax.jit(lambda c, t, p: model.forward(params, t, p, c, cfg=CFG))
+    logits, cache = step(cache, tokens[:, :8], positions[:, :8])
+    outs = [logits]
+    for t in range(8, 20):
+        logits, cache = step(cache, tokens[:, t : t + 1], positions[:, t : t + 1])
+        outs.append(logits)
+    err = float(jnp.abs(jnp.concatenate(outs, 1) - full).max())
+    assert 0 < err < 0.01 * float(jnp.abs(full).max())  # bfloat16 rounding, nothing worse
+    out = bf.generate(PROMPTS[:2], dataclasses.replace(GREEDY, max_new_tokens=6))
+    assert all(len(o.tokens) == 6 for o in out)
+    with pytest.raises(SamplingError, match="cache_dtype='float16' is not allowed"):
+        Generator(gen.params, CFG, gen.tokenizer, cache_dtype="float16")
