@@ -27,6 +27,7 @@ from jaxgen import model
 from jaxgen.cache import KVCache, constrain_cache
 from jaxgen.config import ModelConfig
 from jaxgen.sampling import SamplingArrays, SamplingConfig, SamplingError, sample
+from jaxgen.sharding import with_mesh
 from jaxgen.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -136,16 +137,19 @@ class Generator:
 
     def __init__(
         self, params, cfg: ModelConfig, tokenizer: Tokenizer, max_batch: int = 32, chunk_steps: int = 32,
-        cache_dtype: str = "float32",
+        cache_dtype: str = "float32", mesh=None,
     ):  # fmt: skip
         if cache_dtype not in ("float32", "bfloat16"):
             raise SamplingError(f"cache_dtype={cache_dtype!r} is not allowed: float32, bfloat16")
         self.params, self.cfg, self.tokenizer, self.cache_dtype = params, cfg, tokenizer, cache_dtype
         self.max_batch, self.chunk_steps = max_batch, chunk_steps
         self.compilations = 0  # programs traced (each trace is one XLA compilation)
-        self._prefill = jax.jit(self._counted(_prefill), static_argnames=("cfg", "cache_len", "cache_dtype"))
-        self._loop = jax.jit(self._counted(_decode_loop), static_argnames=("cfg",), donate_argnums=1)
-        self._score = jax.jit(self._counted(_score), static_argnames=("cfg",))
+        # With a mesh, place params with `model.param_shardings`; batch rows and the cache's kv heads
+        # follow the sharding rules (jaxgen.sharding) through the constraints in the model and cache.
+        prefill = jax.jit(self._counted(_prefill), static_argnames=("cfg", "cache_len", "cache_dtype"))
+        self._prefill = with_mesh(prefill, mesh)
+        self._loop = with_mesh(jax.jit(self._counted(_decode_loop), static_argnames="cfg", donate_argnums=1), mesh)
+        self._score = with_mesh(jax.jit(self._counted(_score), static_argnames="cfg"), mesh)
 
     def _counted(self, fn):
         @functools.wraps(fn)

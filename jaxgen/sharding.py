@@ -11,6 +11,7 @@ tensor parallelism), so every config runs on every mesh.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -76,3 +77,18 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
 def batch_sharding(mesh: Mesh, shape) -> NamedSharding:
     """Batches: leading axis over data and fsdp, the rest replicated."""
     return named_sharding(mesh, ("batch",) + (None,) * (len(shape) - 1), shape)
+
+
+def with_mesh(fn, mesh):
+    """`fn` called under `jax.set_mesh(mesh)` (so `constrain` applies); no-op wrapper when mesh is None.
+    The wrapped function is kept as `.jitted` (for `.lower()` in benchmarks and tests)."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if mesh is None:
+            return fn(*args, **kwargs)
+        with jax.set_mesh(mesh):
+            return fn(*args, **kwargs)
+
+    call.jitted = fn
+    return call

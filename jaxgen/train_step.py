@@ -19,7 +19,7 @@ import optax
 from jaxgen import model
 from jaxgen.config import Config, OptimizerConfig
 from jaxgen.model import param_shardings
-from jaxgen.sharding import batch_sharding
+from jaxgen.sharding import batch_sharding, with_mesh
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 
@@ -182,24 +182,14 @@ def make_train_step(cfg: Config, mesh, state: TrainState):
         functools.partial(train_step, cfg=cfg, tx=tx),
         in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None), donate_argnums=0,
     )  # fmt: skip
-    return _with_mesh(step, mesh)
+    return with_mesh(step, mesh)
 
 
 def make_eval_step(cfg: Config, mesh, state: TrainState):
     shape = (cfg.training.batch_size, cfg.data.seq_len)
     batch_sh = {k: batch_sharding(mesh, shape) for k in BATCH_KEYS}
     fn = jax.jit(functools.partial(eval_step, cfg=cfg), in_shardings=(state_shardings(state).params, batch_sh))
-    return _with_mesh(fn, mesh)
-
-
-def _with_mesh(fn, mesh):
-    @functools.wraps(fn)
-    def call(*args):
-        with jax.set_mesh(mesh):
-            return fn(*args)
-
-    call.jitted = fn
-    return call
+    return with_mesh(fn, mesh)
 
 
 def put_batch(batch: dict, mesh) -> dict:

@@ -292,3 +292,18 @@ def test_bfloat16_cache_is_uint16_on_cpu_close_and_in_place(gen):
     assert all(len(o.tokens) == 6 for o in out)
     with pytest.raises(SamplingError, match="cache_dtype='float16' is not allowed"):
         Generator(gen.params, CFG, gen.tokenizer, cache_dtype="float16")
+
+
+def test_sharded_generation_equals_one_device(gen):
+    """Params sharded over a (data 2, fsdp 1, tensor 2) mesh of 4 CPU devices: the same greedy tokens."""
+    from jaxgen.config import MeshConfig
+    from jaxgen.sharding import make_mesh
+
+    mesh = make_mesh(MeshConfig(data=2, fsdp=1, tensor=2), jax.devices()[:4])
+    params = jax.device_put(gen.params, model.param_shardings(CFG, mesh))
+    assert len(params["layers"]["w_q_dnh"].sharding.device_set) == 4
+    sharded = Generator(params, CFG, gen.tokenizer, max_batch=8, chunk_steps=5, mesh=mesh)
+    want = gen.generate(PROMPTS, GREEDY)
+    got = sharded.generate(PROMPTS, GREEDY)
+    assert [o.tokens for o in got] == [o.tokens for o in want]
+    np.testing.assert_allclose([o.logprobs for o in got], [o.logprobs for o in want], atol=1e-4)
