@@ -10,16 +10,14 @@ bandwidth measured in the same run (a large array copy). Models use random weigh
 from __future__ import annotations
 
 import argparse
-import functools
 import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxgen import model
-from jaxgen.cache import KVCache, cache_memory_bytes
+from jaxgen.cache import cache_memory_bytes
 from jaxgen.config import load_config
 from jaxgen.generate import Generator, bucket
 from jaxgen.sampling import SamplingConfig
@@ -68,38 +66,25 @@ def bench_model(name: str, new_tokens: int, batches: list[int], bandwidth: float
         print(f"{b:>6}{step * 1e3:>9.2f}{b / step:>10.0f}{floor * 1e3:>10.2f}{step / floor:>11.2f}", flush=True)
 
 
-def bench_cache_length(name: str, batch: int, used: int, lengths: list[int], steps: int = 16) -> None:
-    """Time per decode step with `used` tokens in the cache, for several allocated cache lengths."""
-    cfg = load_config(ROOT / "configs" / f"{name}.yaml").model
+def bench_cache_length(name: str, batch: int, used: int, lengths: list[int], new: int = 32) -> None:
+    """Time per decode step with `used` tokens in the cache at the end, for several allocated cache
+    lengths (the Generator's `min_cache_len`), through the real decode loop."""
+    cfg = load_config(ROOT / "configs" / f"{name}.yaml", [f"model.max_seq_len={max(lengths)}"]).model
     params = model.init_params(cfg, jax.random.key(0))
     rng = np.random.default_rng(2)
-    tokens = jnp.asarray(rng.integers(0, 256, (batch, used)), jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(used, dtype=jnp.int32), (batch, used))
-
-    @functools.partial(jax.jit, donate_argnums=1)
-    def decode(params, cache, tok):
-        def step(i, carry):
-            cache, tok = carry
-            logits, cache = model.forward(params, tok, used + i + jnp.zeros_like(tok), cache, cfg=cfg)
-            return cache, jnp.argmax(logits[:, -1:], -1).astype(jnp.int32)
-
-        return jax.lax.fori_loop(0, steps, step, (cache, tok))
-
-    prefill = jax.jit(lambda p, c: model.forward(p, tokens, positions, c, cfg=cfg)[1], donate_argnums=1)
+    prompts = [rng.integers(0, 256, used - new).tolist() for _ in range(batch)]
     times = {}
     for n in lengths:
-        cache = prefill(params, KVCache.init(cfg, batch, n))
-        jax.block_until_ready(decode(params, cache, tokens[:, -1:]))  # compile
-        best = float("inf")
-        for _ in range(3):
-            cache = prefill(params, KVCache.init(cfg, batch, n))
-            t0 = time.perf_counter()
-            jax.block_until_ready(decode(params, cache, tokens[:, -1:]))
-            best = min(best, (time.perf_counter() - t0) / steps)
-        times[n] = best
+        gen = Generator(params, cfg, Tokenizer.byte_level(), max_batch=batch, chunk_steps=new, min_cache_len=n)
+        runs = {}
+        for k in (1, new + 1):
+            sc = SamplingConfig(temperature=0.0, max_new_tokens=k, ignore_eos=True)
+            gen.generate(prompts, sc)  # compile
+            runs[k] = min(_timed(gen.generate, prompts, sc) for _ in range(2))
+        times[n] = (runs[new + 1] - runs[1]) / new
     base = times[lengths[0]]
     row = ", ".join(f"{n} slots {t * 1e3:.1f} ms ({t / base:.2f}x)" for n, t in times.items())
-    print(f"{name}: decode step at batch {batch} with {used} tokens in the cache: {row}")
+    print(f"{name}: decode step at batch {batch} with up to {used} tokens in the cache: {row}")
 
 
 def bench_job(name: str, prompts: int, layers: int) -> None:

@@ -137,12 +137,13 @@ class Generator:
 
     def __init__(
         self, params, cfg: ModelConfig, tokenizer: Tokenizer, max_batch: int = 32, chunk_steps: int = 32,
-        cache_dtype: str = "float32", mesh=None,
+        cache_dtype: str = "float32", mesh=None, min_cache_len: int = 0,
     ):  # fmt: skip
         if cache_dtype not in ("float32", "bfloat16"):
             raise SamplingError(f"cache_dtype={cache_dtype!r} is not allowed: float32, bfloat16")
         self.params, self.cfg, self.tokenizer, self.cache_dtype = params, cfg, tokenizer, cache_dtype
         self.max_batch, self.chunk_steps = max_batch, chunk_steps
+        self.min_cache_len = min_cache_len  # preallocate at least this many cache slots (a power of two)
         self.compilations = 0  # programs traced (each trace is one XLA compilation)
         # With a mesh, place params with `model.param_shardings`; batch rows and the cache's kv heads
         # follow the sharding rules (jaxgen.sharding) through the constraints in the model and cache.
@@ -207,7 +208,7 @@ class Generator:
         p_count = bucket(len(prompt_idx), minimum=1)
         t = bucket(max(len(ids[p]) for p in prompt_idx))
         longest_new = max(configs[p].max_new_tokens for p, _ in group)
-        cache_len = min(bucket(t + longest_new), bucket(cfg.max_seq_len))
+        cache_len = min(max(bucket(t + longest_new), self.min_cache_len), bucket(cfg.max_seq_len))
         tokens = np.zeros((p_count, t), np.int32)
         positions = np.full((p_count, t), -1, np.int32)
         lengths = np.ones((p_count,), np.int32)
