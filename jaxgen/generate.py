@@ -141,7 +141,9 @@ class Generator:
     ):  # fmt: skip
         if cache_dtype not in ("float32", "bfloat16"):
             raise SamplingError(f"cache_dtype={cache_dtype!r} is not allowed: float32, bfloat16")
-        self.params, self.cfg, self.tokenizer, self.cache_dtype = params, cfg, tokenizer, cache_dtype
+        # per-layer weights unstacked: see model.unstack_layers (decode reads each matrix once)
+        self.params = model.unstack_layers(params)
+        self.cfg, self.tokenizer, self.cache_dtype = cfg, tokenizer, cache_dtype
         self.max_batch, self.chunk_steps = max_batch, chunk_steps
         self.min_cache_len = min_cache_len  # preallocate at least this many cache slots (a power of two)
         self.compilations = 0  # programs traced (each trace is one XLA compilation)

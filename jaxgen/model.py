@@ -170,18 +170,38 @@ def hidden_states(params, tokens, positions, cache=None, *, cfg: ModelConfig, se
         x, kv = _block(x, p, positions, attend, cfg)
         return (x, kv), None
 
-    (x, kv), _ = jax.lax.scan(layer_step, (x, kv), (params["layers"], jnp.arange(cfg.num_layers)))
+    if isinstance(params["layers"], list):  # unstacked (see `unstack_layers`): a Python loop
+        for i, p in enumerate(params["layers"]):
+            (x, kv), _ = layer_step((x, kv), (p, i))
+    else:
+        (x, kv), _ = jax.lax.scan(layer_step, (x, kv), (params["layers"], jnp.arange(cfg.num_layers)))
     x = layers.norm(x, params["final_norm"], cfg)
     if cache is not None:
         cache = dataclasses.replace(cache, k=kv[0], v=kv[1], pos=pos, end=cache.end + t)
     return x, cache
 
 
+def unstack_layers(params: dict) -> dict:
+    """The params with `layers` as a list of per-layer dicts instead of stacked (L, ...) arrays.
+
+    For decoding: with stacked weights each step slices every layer's matrices out of the stack, and
+    for a matrix-vector product XLA:CPU copies the slice first, reading the weights twice. A list makes
+    `forward` loop over layers in Python (compile time then grows with depth, which training avoids).
+    """
+    stacked = params["layers"]
+    if isinstance(stacked, list):
+        return params
+    num_layers = jax.tree.leaves(stacked)[0].shape[0]
+    return params | {"layers": [jax.tree.map(lambda w, i=i: w[i], stacked) for i in range(num_layers)]}
+
+
 def lm_head(params, x_btd, cfg: ModelConfig):
     """Logits (B, T, V) float32 from hidden states; the head is the embedding when tied."""
     params = _cast(params, cfg)
-    head = params["embed_vd"].T if cfg.tie_embeddings else params["head_dv"]
-    logits = jnp.einsum("btd,dv->btv", x_btd, head, preferred_element_type=jnp.float32)
+    if cfg.tie_embeddings:  # contract with the embedding's rows as stored: `.T` made XLA copy it each step
+        logits = jnp.einsum("btd,vd->btv", x_btd, params["embed_vd"], preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("btd,dv->btv", x_btd, params["head_dv"], preferred_element_type=jnp.float32)
     return constrain(logits, ("batch", "seq", "vocab"))
 
 

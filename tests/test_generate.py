@@ -20,10 +20,14 @@ PROMPTS = ["def fib(n):", "import os\nimport s", "x", "class Foo(Bar):\n    def 
 
 
 @pytest.fixture(scope="module")
-def gen():
+def stacked():
     params = model.init_params(CFG, jax.random.key(0))
-    params = jax.tree.map(lambda p: p * 8 if p.ndim >= 2 else p, params)  # peaked logits: decisive argmax
-    return Generator(params, CFG, Tokenizer.byte_level(), max_batch=8, chunk_steps=5)
+    return jax.tree.map(lambda p: p * 8 if p.ndim >= 2 else p, params)  # peaked logits: decisive argmax
+
+
+@pytest.fixture(scope="module")
+def gen(stacked):
+    return Generator(stacked, CFG, Tokenizer.byte_level(), max_batch=8, chunk_steps=5)
 
 
 def rollout(gen, prompt, steps):
@@ -294,13 +298,13 @@ def test_bfloat16_cache_is_uint16_on_cpu_close_and_in_place(gen):
         Generator(gen.params, CFG, gen.tokenizer, cache_dtype="float16")
 
 
-def test_sharded_generation_equals_one_device(gen):
+def test_sharded_generation_equals_one_device(gen, stacked):
     """Params sharded over a (data 2, fsdp 1, tensor 2) mesh of 4 CPU devices: the same greedy tokens."""
     from jaxgen.config import MeshConfig
     from jaxgen.sharding import make_mesh
 
     mesh = make_mesh(MeshConfig(data=2, fsdp=1, tensor=2), jax.devices()[:4])
-    params = jax.device_put(gen.params, model.param_shardings(CFG, mesh))
+    params = jax.device_put(stacked, model.param_shardings(CFG, mesh))
     assert len(params["layers"]["w_q_dnh"].sharding.device_set) == 4
     sharded = Generator(params, CFG, gen.tokenizer, max_batch=8, chunk_steps=5, mesh=mesh)
     want = gen.generate(PROMPTS, GREEDY)
