@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 
 import flax.struct
 import jax
@@ -369,6 +370,17 @@ def _score(params, tokens, positions, mask, cfg: ModelConfig):
     return jnp.where(mask > 0, picked, 0.0)
 
 
-def generate(params, cfg: ModelConfig, tokenizer: Tokenizer, prompts, sampling=SamplingConfig(), **kwargs):
-    """One-shot convenience: `Generator(params, cfg, tokenizer, **kwargs).generate(prompts, sampling)`."""
-    return Generator(params, cfg, tokenizer, **kwargs).generate(prompts, sampling)
+def generate(
+    source, prompts, sampling: SamplingConfig | list[SamplingConfig] = SamplingConfig(), *,
+    cfg: ModelConfig | None = None, tokenizer: Tokenizer | None = None, **kwargs,
+) -> list[Completion]:  # fmt: skip
+    """One-shot generation. `source` is a run folder written by train.py (its latest checkpoint), or
+    params, given with their `cfg` and `tokenizer`. kwargs go to `Generator`."""
+    if isinstance(source, str | Path):
+        from jaxgen.checkpoint import load_run  # the checkpoint stack only when a folder is given
+
+        run_cfg, tokenizer, source = load_run(source)
+        cfg = run_cfg.model
+    if cfg is None or tokenizer is None:
+        raise SamplingError("generate(params, ...) needs cfg= and tokenizer= (or pass a run folder)")
+    return Generator(source, cfg, tokenizer, **kwargs).generate(prompts, sampling)

@@ -87,3 +87,10 @@ def test_quick_look_prompt(tiny_run):
     assert out.stdout.startswith("def fib(") and len(out.stdout) > len("def fib(\n")
     bad = subprocess.run([*cmd[:-2], "--temperature", "-1"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "temperature=-1.0 is not allowed" in bad.stderr
+
+
+def test_package_level_generate_on_a_run_folder(tiny_run):
+    import jaxgen
+
+    outs = jaxgen.generate(tiny_run, ["def ", "import"], jaxgen.SamplingConfig(temperature=0, max_new_tokens=4))
+    assert [len(o.tokens) for o in outs] == [4, 4] and all(isinstance(o.text, str) for o in outs)
