@@ -135,7 +135,7 @@ def beam_search(
         fin_lengths=jnp.zeros((p, width), jnp.int32), done=jnp.asarray(np.arange(p) >= len(ids)), logits=logits,
         positions=jnp.asarray(np.repeat(lengths, width)), cache=cache,
     )  # fmt: skip
-    eos = jnp.asarray([gen.tokenizer.eos_id, *stop_token_ids], jnp.int32)
+    eos = jnp.asarray([*gen.tokenizer.eos_ids, *stop_token_ids], jnp.int32)
     state = _jitted_loop(gen.params, state, eos, cfg, float(length_penalty), bool(early_stopping), max_new_tokens)
     return _collect(gen, jax.device_get(state), len(ids), width, float(length_penalty))
 
@@ -161,6 +161,6 @@ def _collect(gen: Generator, s: BeamState, n: int, width: int, penalty: float) -
 
 
 def _text(gen: Generator, tokens: list[int]) -> str:
-    if tokens and tokens[-1] == gen.tokenizer.eos_id:
+    if tokens and tokens[-1] in gen.tokenizer.eos_ids:
         tokens = tokens[:-1]
     return gen.tokenizer.decode(tokens)

@@ -67,7 +67,7 @@ def load_run(run_dir: str | Path, mesh=None, step: int | None = None):
     if not (run_dir / "config.yaml").exists():
         raise FileNotFoundError(f"{run_dir} is not a jaxgen run folder (no config.yaml); train.py writes one")
     cfg: Config = load_config(run_dir / "config.yaml")
-    tokenizer = Tokenizer.from_file(run_dir / "tokenizer.json")
+    tokenizer = Tokenizer.from_folder(run_dir)
     ckpt = Checkpointer(run_dir, cfg.checkpoint)
     step = ckpt.latest_step() if step is None else step
     if step is None:

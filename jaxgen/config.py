@@ -42,10 +42,18 @@ class ModelConfig:
     max_seq_len: int = 256
     position: Literal["learned", "rope"] = "rope"
     rope_theta: float = 10000.0
+    rope_scaling: Literal["none", "linear", "llama3"] = "none"  # stretch RoPE to longer contexts
+    rope_factor: float = 1.0  # linear and llama3: how much longer
+    rope_low_freq_factor: float = 1.0  # llama3 only
+    rope_high_freq_factor: float = 4.0  # llama3 only
+    rope_original_max_len: int = 8192  # llama3: the context length trained before scaling
     norm: Literal["layernorm", "rmsnorm"] = "rmsnorm"
     norm_eps: float = 1e-5
-    mlp: Literal["gelu", "swiglu"] = "swiglu"
+    norm_unit_offset: bool = False  # the norm multiplies by (1 + scale), scale initialised to 0 (Gemma)
+    mlp: Literal["gelu", "swiglu", "geglu"] = "swiglu"  # geglu: tanh-GELU gate (Gemma)
     use_bias: bool = False  # biases in attention and MLP projections (GPT-2: True)
+    qkv_bias: bool = False  # biases on the query, key and value projections only (Qwen2)
+    embed_scale: bool = False  # token embeddings times sqrt(d_model) on the way in (Gemma)
     tie_embeddings: bool = False  # the LM head reuses the token embedding (GPT-2: True)
     sliding_window: int | None = None  # attend to at most this many previous positions
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; params stay float32
@@ -57,7 +65,17 @@ class ModelConfig:
             _check(isinstance(value, int) and value > 0, f"model.{name}", value, "a positive integer")
         _check(self.position in ("learned", "rope"), "model.position", self.position, "learned, rope")
         _check(self.norm in ("layernorm", "rmsnorm"), "model.norm", self.norm, "layernorm, rmsnorm")
-        _check(self.mlp in ("gelu", "swiglu"), "model.mlp", self.mlp, "gelu, swiglu")
+        _check(self.mlp in ("gelu", "swiglu", "geglu"), "model.mlp", self.mlp, "gelu, swiglu, geglu")
+        scalings = ("none", "linear", "llama3")
+        _check(self.rope_scaling in scalings, "model.rope_scaling", self.rope_scaling, ", ".join(scalings))
+        _check(self.rope_factor >= 1, "model.rope_factor", self.rope_factor, "a number >= 1")
+        if self.rope_scaling == "llama3":
+            _check(
+                self.rope_high_freq_factor > self.rope_low_freq_factor,
+                "model.rope_high_freq_factor",
+                self.rope_high_freq_factor,
+                f"a number > rope_low_freq_factor={self.rope_low_freq_factor}",
+            )
         _check(self.dtype in ("float32", "bfloat16"), "model.dtype", self.dtype, "float32, bfloat16")
         k = self.kv_heads
         _check(

@@ -304,7 +304,7 @@ class Generator:
 
     def _stops(self, c: SamplingConfig) -> list[tuple[int, ...]]:
         """A request's stop token sequences: end-of-sequence, each stop id, each stop sequence."""
-        stops = ([] if c.ignore_eos else [(self.tokenizer.eos_id,)]) + [(t,) for t in c.stop_token_ids]
+        stops = ([] if c.ignore_eos else [(e,) for e in self.tokenizer.eos_ids]) + [(t,) for t in c.stop_token_ids]
         stops += [tuple(q) for q in c.stop_token_sequences]
         if len(stops) > MAX_STOPS:
             raise SamplingError(f"{len(stops)} stop ids and sequences (end-of-sequence included); at most {MAX_STOPS}")
@@ -327,7 +327,7 @@ class Generator:
         pairs = []
         for i, (p, c) in enumerate(zip(prompts, continuations, strict=True)):
             pi = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
-            ci = self.tokenizer.encode(c) if isinstance(c, str) else list(c)
+            ci = self.tokenizer.encode(c, special=False) if isinstance(c, str) else list(c)
             if not pi or not ci:
                 raise SamplingError(f"pair {i}: prompt and continuation must each have at least one token")
             if len(pi) + len(ci) > self.cfg.max_seq_len:

@@ -5,6 +5,8 @@ Shapes use the glossary in `jaxgen.sharding` (B, T, S, D, N, K, G, H, F).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -20,16 +22,38 @@ def norm(x_btd, p: dict, cfg: ModelConfig):
     if cfg.norm == "layernorm":
         x = x - x.mean(-1, keepdims=True)
     x = x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + cfg.norm_eps)
-    x = x * p["scale_d"].astype(jnp.float32)
+    scale = p["scale_d"].astype(jnp.float32)
+    x = x * (1.0 + scale if cfg.norm_unit_offset else scale)
     if "bias_d" in p:
         x = x + p["bias_d"].astype(jnp.float32)
     return x.astype(x_btd.dtype)
 
 
-def rope(x_btnh, positions_bt, theta: float):
-    """Rotary position embedding, rotate-half convention (as in Llama)."""
-    h = x_btnh.shape[-1]
-    inv_freq = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)  # (H/2,)
+def rope_frequencies(cfg: ModelConfig):
+    """Inverse frequencies (H/2,) float32 of the rotary embedding, with the config's context scaling.
+
+    linear divides every frequency by rope_factor. llama3 (Llama 3.1) leaves high frequencies alone,
+    divides low ones (wavelength beyond original_max_len / low_freq_factor) by the factor, and blends
+    linearly in between.
+    """
+    h = cfg.head_size
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    factor = cfg.rope_factor
+    if cfg.rope_scaling == "linear":
+        return inv_freq / factor
+    if cfg.rope_scaling == "llama3":
+        low, high, old_len = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_len
+        wavelen = 2 * math.pi / inv_freq
+        scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return jnp.where(medium, blended, scaled)
+    return inv_freq
+
+
+def rope(x_btnh, positions_bt, inv_freq):
+    """Rotary position embedding, rotate-half convention (as in Llama); inv_freq from `rope_frequencies`."""
     angles = positions_bt.astype(jnp.float32)[..., None] * inv_freq  # (B, T, H/2)
     cos = jnp.cos(angles)[:, :, None, :]
     sin = jnp.sin(angles)[:, :, None, :]
@@ -67,12 +91,16 @@ def attention(q_btnh, k_bskh, v_bskh, mask_bts, num_kv_heads: int):
 
 
 def mlp(x_btd, p: dict, cfg: ModelConfig):
-    """GELU MLP (GPT-2) or SwiGLU (Llama)."""
+    """GELU MLP (GPT-2), SwiGLU (Llama) or GeGLU (Gemma; tanh-approximated GELU gate)."""
     up = jnp.einsum("btd,df->btf", x_btd, p["w_up_df"])
     if "b_up_f" in p:
         up = up + p["b_up_f"]
-    if cfg.mlp == "swiglu":
-        hidden = jax.nn.silu(jnp.einsum("btd,df->btf", x_btd, p["w_gate_df"])) * up
+    if cfg.mlp in ("swiglu", "geglu"):
+        gate = jnp.einsum("btd,df->btf", x_btd, p["w_gate_df"])
+        if "b_gate_f" in p:
+            gate = gate + p["b_gate_f"]
+        act = jax.nn.silu(gate) if cfg.mlp == "swiglu" else jax.nn.gelu(gate, approximate=True)
+        hidden = act * up
     else:
         hidden = jax.nn.gelu(up, approximate=True)
     out = jnp.einsum("btf,fd->btd", hidden, p["w_down_fd"])

@@ -36,7 +36,8 @@ class ParamSpec(NamedTuple):
 def _norm_specs(cfg: ModelConfig, stacked: bool) -> dict:
     lead, lead_names = ((cfg.num_layers,), ("layers",)) if stacked else ((), ())
     d = cfg.d_model
-    specs = {"scale_d": ParamSpec((*lead, d), (*lead_names, "act_embed"), "ones")}
+    init = "zeros" if cfg.norm_unit_offset else "ones"  # the norm multiplies by (1 + scale)
+    specs = {"scale_d": ParamSpec((*lead, d), (*lead_names, "act_embed"), init)}
     if cfg.norm == "layernorm":
         specs["bias_d"] = ParamSpec((*lead, d), (*lead_names, "act_embed"), "zeros")
     return specs
@@ -59,19 +60,22 @@ def param_specs(cfg: ModelConfig) -> dict:
             "w_down_fd": ParamSpec((L, F, D), ("layers", "mlp", "embed"), "out"),
         },
     }
-    if cfg.mlp == "swiglu":
+    if cfg.mlp in ("swiglu", "geglu"):
         layer["mlp"]["w_gate_df"] = ParamSpec((L, D, F), ("layers", "embed", "mlp"), "normal")
-    if cfg.use_bias:
+    if cfg.use_bias or cfg.qkv_bias:
         layer |= {
             "b_q_nh": ParamSpec((L, N, H), ("layers", "heads", "head_dim"), "zeros"),
             "b_k_kh": ParamSpec((L, K, H), ("layers", "kv_heads", "head_dim"), "zeros"),
             "b_v_kh": ParamSpec((L, K, H), ("layers", "kv_heads", "head_dim"), "zeros"),
-            "b_o_d": ParamSpec((L, D), ("layers", "act_embed"), "zeros"),
         }
+    if cfg.use_bias:
+        layer["b_o_d"] = ParamSpec((L, D), ("layers", "act_embed"), "zeros")
         layer["mlp"] |= {
             "b_up_f": ParamSpec((L, F), ("layers", "mlp"), "zeros"),
             "b_down_d": ParamSpec((L, D), ("layers", "act_embed"), "zeros"),
         }
+        if cfg.mlp != "gelu":
+            layer["mlp"]["b_gate_f"] = ParamSpec((L, F), ("layers", "mlp"), "zeros")
     specs = {
         "embed_vd": ParamSpec((V, D), ("vocab", "embed"), "normal"),
         "layers": layer,
@@ -144,6 +148,8 @@ def hidden_states(params, tokens, positions, cache=None, *, cfg: ModelConfig, se
     callers that need logits at a few positions only (prefill needs the last one)."""
     params = _cast(params, cfg)
     x = params["embed_vd"][tokens]  # (B, T, D)
+    if cfg.embed_scale:
+        x = x * jnp.asarray(cfg.d_model**0.5, x.dtype)
     if cfg.position == "learned":
         x = x + params["pos_embed_td"][jnp.clip(positions, 0, cfg.max_seq_len - 1)]
     x = constrain(x, ("batch", "seq", "act_embed"))
@@ -219,8 +225,9 @@ def _qkv(x, p, positions, cfg: ModelConfig):
     if "b_q_nh" in p:
         q, k, v = q + p["b_q_nh"], k + p["b_k_kh"], v + p["b_v_kh"]
     if cfg.position == "rope":
-        q = layers.rope(q, positions, cfg.rope_theta)
-        k = layers.rope(k, positions, cfg.rope_theta)
+        inv_freq = layers.rope_frequencies(cfg)
+        q = layers.rope(q, positions, inv_freq)
+        k = layers.rope(k, positions, inv_freq)
     return q, k, v
 
 
@@ -266,6 +273,6 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     D, N, K, H, F, V, L = (
         cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_size, cfg.d_ff, cfg.vocab_size, cfg.num_layers,
     )  # fmt: skip
-    per_layer = D * N * H + 2 * D * K * H + N * H * D + (3 if cfg.mlp == "swiglu" else 2) * D * F
+    per_layer = D * N * H + 2 * D * K * H + N * H * D + (2 if cfg.mlp == "gelu" else 3) * D * F
     matmul_weights = L * per_layer + D * V
     return 6.0 * matmul_weights + 12.0 * L * seq_len * N * H

@@ -11,6 +11,7 @@ Train a BPE tokenizer on a corpus:
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -23,15 +24,27 @@ _EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>")
 
 
 class Tokenizer:
-    """A thin wrapper over `tokenizers.Tokenizer` that knows its end-of-sequence id."""
+    """A thin wrapper over `tokenizers.Tokenizer` that knows its end-of-sequence ids and chat template.
 
-    def __init__(self, tok: tokenizers.Tokenizer, eos_id: int | None = None):
+    eos_ids: every id that ends a generation (Llama 3 instruct has two); `eos_id` is the first, the one
+    appended to training documents. chat_template: the Jinja template of a Hugging Face folder, or None.
+    """
+
+    def __init__(self, tok: tokenizers.Tokenizer, eos_ids=None, chat_template: str | None = None):
         self.tok = tok
-        if eos_id is None:
-            eos_id = next((tok.token_to_id(t) for t in _EOS_CANDIDATES if tok.token_to_id(t) is not None), None)
-        if eos_id is None:
-            raise ValueError(f"tokenizer has none of the end-of-sequence tokens {_EOS_CANDIDATES}")
-        self.eos_id = eos_id
+        if isinstance(eos_ids, int):
+            eos_ids = (eos_ids,)
+        if not eos_ids:
+            found = next((tok.token_to_id(t) for t in _EOS_CANDIDATES if tok.token_to_id(t) is not None), None)
+            if found is None:
+                raise ValueError(f"tokenizer has none of the end-of-sequence tokens {_EOS_CANDIDATES}")
+            eos_ids = (found,)
+        self.eos_ids = tuple(int(i) for i in eos_ids)
+        self.chat_template = chat_template
+
+    @property
+    def eos_id(self) -> int:
+        return self.eos_ids[0]
 
     @classmethod
     def byte_level(cls) -> Tokenizer:
@@ -53,25 +66,78 @@ class Tokenizer:
         return cls(tokenizers.Tokenizer.from_file(str(path)))
 
     @classmethod
+    def from_folder(cls, folder: str | Path) -> Tokenizer:
+        """The tokenizer of a Hugging Face model folder or a jaxgen run folder.
+
+        Reads tokenizer.json; end-of-sequence ids come from generation_config.json, else config.json,
+        else tokenizer_config.json's eos_token, else a known end-of-text token; the chat template from
+        tokenizer_config.json (or chat_template.jinja beside it).
+        """
+        folder = Path(folder)
+        tok = cls.from_file(folder / "tokenizer.json").tok
+        configs = {name: _read_json(folder / name) for name in _CONFIG_FILES}
+        eos_ids = None
+        for name in ("generation_config.json", "config.json"):
+            if configs[name].get("eos_token_id") is not None:
+                eos_ids = configs[name]["eos_token_id"]
+                break
+        tok_cfg = configs["tokenizer_config.json"]
+        if eos_ids is None and tok_cfg.get("eos_token"):
+            token = tok_cfg["eos_token"]
+            token = token.get("content") if isinstance(token, dict) else token
+            eos_ids = tok.token_to_id(token)
+        template = tok_cfg.get("chat_template")
+        if template is None and (folder / "chat_template.jinja").exists():
+            template = (folder / "chat_template.jinja").read_text()
+        return cls(tok, eos_ids, template if isinstance(template, str) else None)
+
+    @classmethod
     def from_name(cls, name: str) -> Tokenizer:
-        """`byte` or a path to a tokenizer.json (the `data.tokenizer` config value)."""
-        return cls.byte_level() if name == "byte" else cls.from_file(name)
+        """`byte`, a tokenizer.json, or a folder holding one (the `data.tokenizer` config value)."""
+        if name == "byte":
+            return cls.byte_level()
+        return cls.from_folder(name) if Path(name).is_dir() else cls.from_file(name)
 
     @property
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """Token ids; `special` applies the tokenizer's own post-processor (a BOS token for Llama or
+        Gemma, nothing for GPT-2 or byte level), as transformers does by default."""
+        return self.tok.encode(text, add_special_tokens=special).ids
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+    def encode_batch(self, texts: list[str], special: bool = True) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=special)]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=False)
 
     def save(self, path: str | Path) -> None:
         self.tok.save(str(path))
+
+    def save_folder(self, folder: str | Path) -> None:
+        """tokenizer.json and a tokenizer_config.json that both jaxgen and transformers read."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.save(folder / "tokenizer.json")
+        eos = self.tok.id_to_token(self.eos_id)
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "clean_up_tokenization_spaces": False}
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+_CONFIG_FILES = ("generation_config.json", "config.json", "tokenizer_config.json")
+
+
+def _read_json(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -53,13 +53,13 @@ def prepare_run_dir(cfg: Config, run_dir: Path) -> Tokenizer:
                     f"resume with the same settings, or pass a new --run-dir"
                 )
     tok_path = run_dir / "tokenizer.json"
-    tokenizer = Tokenizer.from_file(tok_path) if tok_path.exists() else Tokenizer.from_name(cfg.data.tokenizer)
+    tokenizer = Tokenizer.from_folder(run_dir) if tok_path.exists() else Tokenizer.from_name(cfg.data.tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
             f"({tokenizer.vocab_size}); allowed: model.vocab_size >= {tokenizer.vocab_size}"
         )
-    tokenizer.save(tok_path)
+    tokenizer.save_folder(run_dir)
     save_config(cfg, run_dir / "config.yaml")
     return tokenizer
 

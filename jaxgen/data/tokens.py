@@ -50,8 +50,8 @@ def load_splits(cfg: DataConfig, tokenizer: Tokenizer) -> dict[str, dict[str, np
 
 
 def _encode_document_batch(docs, tokenizer: Tokenizer):
-    texts = tokenizer.encode_batch([d.text for d in docs])
     prompts = tokenizer.encode_batch([d.prompt for d in docs]) if any(d.prompt for d in docs) else None
+    texts = tokenizer.encode_batch([d.text for d in docs], special=prompts is None)  # one BOS, before the prompt
     for i, ids in enumerate(texts):
         prompt = prompts[i] if prompts else []
         tokens = np.asarray(prompt + ids + [tokenizer.eos_id], np.uint32)
