@@ -9,7 +9,9 @@ from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Generate text with a jaxgen run folder (written by train.py).")
+    parser = argparse.ArgumentParser(
+        description="Generate text with a jaxgen run folder (written by train.py) or a Hugging Face model folder."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser(
         "generate",
@@ -17,7 +19,12 @@ def _parser() -> argparse.ArgumentParser:
         description="Generate for --prompt, or for every line of --input (JSONL: id, prompt, optional sampling "
         "fields) into --output. Rerunning the same command resumes: ids already in --output are skipped.",
     )
-    g.add_argument("--checkpoint", required=True, help="run folder written by train.py (its latest checkpoint)")
+    g.add_argument(
+        "--checkpoint",
+        required=True,
+        help="run folder written by train.py (its latest checkpoint), or a local Hugging Face model folder "
+        "(config.json, *.safetensors, tokenizer.json)",
+    )
     what = g.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="one prompt; prints the completion")
     what.add_argument("--input", type=Path, help="JSONL requests")
@@ -46,17 +53,17 @@ def main(argv: list[str] | None = None) -> int:
     except SamplingError as e:
         parser.error(str(e))
     from jaxgen.batch_job import run_job
-    from jaxgen.checkpoint import load_run
+    from jaxgen.checkpoint import load_model
     from jaxgen.generate import Generator
     from jaxgen.runtime import enable_compilation_cache
 
     enable_compilation_cache()
     try:
-        cfg, tokenizer, params = load_run(args.checkpoint)
-    except FileNotFoundError as e:
+        cfg, tokenizer, params = load_model(args.checkpoint)
+    except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    gen = Generator(params, cfg.model, tokenizer, max_batch=max(args.batch_size, 1))
+    gen = Generator(params, cfg, tokenizer, max_batch=max(args.batch_size, 1))
     if args.prompt is not None:
         try:
             print(args.prompt, end="", flush=True)

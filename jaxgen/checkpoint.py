@@ -82,3 +82,22 @@ def load_run(run_dir: str | Path, mesh=None, step: int | None = None):
     restored = ckpt.manager.restore(step, args=ocp.args.Composite(state=args))
     ckpt.close()
     return cfg, tokenizer, restored["state"]["params"]
+
+
+def load_model(path: str | Path, mesh=None, step: int | None = None):
+    """(ModelConfig, Tokenizer, params) of a jaxgen run folder or a local Hugging Face model folder."""
+    from jaxgen import hf
+
+    path = Path(path)
+    if (path / "config.yaml").exists():
+        cfg, tokenizer, params = load_run(path, mesh, step)
+        return cfg.model, tokenizer, params
+    if hf.is_hf_folder(path):
+        cfg, tokenizer, params = hf.load_pretrained(path, mesh)
+        if tokenizer is None:
+            raise FileNotFoundError(f"{path} has no tokenizer.json; jaxgen needs one to read and write text")
+        return cfg, tokenizer, params
+    raise FileNotFoundError(
+        f"{path} is neither a jaxgen run folder (config.yaml, written by train.py) nor a Hugging Face model "
+        "folder (config.json and *.safetensors)"
+    )

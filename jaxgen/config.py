@@ -170,6 +170,9 @@ class TrainingConfig:
     max_nonfinite_in_row: int = 5  # stop after this many skipped (non-finite) updates in a row
     steps_per_run: int = 0  # stop this invocation after N steps (time-sliced jobs); 0 = run to the end
     peak_flops: float = 0.0  # for MFU; 0 = measure the matmul rate of this machine at start
+    # Fine-tuning: a local Hugging Face model folder. Its config.json replaces the `model` section (all
+    # but model.dtype), its tokenizer replaces data.tokenizer, and its weights are the starting point.
+    init_from: str | None = None
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "grad_accum", "eval_every", "log_every", "max_nonfinite_in_row"):

@@ -374,13 +374,12 @@ def generate(
     source, prompts, sampling: SamplingConfig | list[SamplingConfig] = SamplingConfig(), *,
     cfg: ModelConfig | None = None, tokenizer: Tokenizer | None = None, **kwargs,
 ) -> list[Completion]:  # fmt: skip
-    """One-shot generation. `source` is a run folder written by train.py (its latest checkpoint), or
-    params, given with their `cfg` and `tokenizer`. kwargs go to `Generator`."""
+    """One-shot generation. `source` is a run folder written by train.py (its latest checkpoint), a
+    Hugging Face model folder, or params given with their `cfg` and `tokenizer`. kwargs go to `Generator`."""
     if isinstance(source, str | Path):
-        from jaxgen.checkpoint import load_run  # the checkpoint stack only when a folder is given
+        from jaxgen.checkpoint import load_model  # the checkpoint stack only when a folder is given
 
-        run_cfg, tokenizer, source = load_run(source)
-        cfg = run_cfg.model
+        cfg, tokenizer, source = load_model(source)
     if cfg is None or tokenizer is None:
         raise SamplingError("generate(params, ...) needs cfg= and tokenizer= (or pass a run folder)")
     return Generator(source, cfg, tokenizer, **kwargs).generate(prompts, sampling)

@@ -64,14 +64,18 @@ def lr_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
     )
 
 
-def create_train_state(cfg: Config, mesh) -> TrainState:
-    """Fresh state, created directly in its shardings (params and optimizer moments alike)."""
+def create_train_state(cfg: Config, mesh, params: dict | None = None) -> TrainState:
+    """Fresh state, created directly in its shardings (params and optimizer moments alike).
+
+    params: starting weights already in their shardings (fine-tuning); None draws them at random.
+    """
     tx = make_optimizer(cfg.optimizer, cfg.training.steps)
     rng = jax.random.key(cfg.training.seed)
     init_rng, state_rng = jax.random.split(rng)
     with jax.set_mesh(mesh):
-        init = jax.jit(functools.partial(model.init_params, cfg.model), out_shardings=param_shardings(cfg.model, mesh))
-        params = init(init_rng)
+        if params is None:
+            shardings = param_shardings(cfg.model, mesh)
+            params = jax.jit(functools.partial(model.init_params, cfg.model), out_shardings=shardings)(init_rng)
         opt_state = tx.init(params)  # eager, inside the mesh: moments take the params' shardings
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 

@@ -6,6 +6,7 @@ with the same command, it continues from the last checkpoint with the same data 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import signal
@@ -88,8 +89,29 @@ def _batch_hash(batch: dict) -> str:
     return hashlib.blake2b(np.ascontiguousarray(batch["inputs"]).tobytes(), digest_size=6).hexdigest()
 
 
+def resolve_init_from(cfg: Config) -> Config:
+    """With training.init_from, the model section and tokenizer of that Hugging Face folder."""
+    folder = cfg.training.init_from
+    if folder is None:
+        return cfg
+    from jaxgen import hf
+
+    if not hf.is_hf_folder(folder):
+        raise ConfigError(
+            f"training.init_from={folder!r} is not allowed: a local Hugging Face model folder "
+            "(config.json and *.safetensors) is needed"
+        )
+    if not (Path(folder) / "tokenizer.json").exists():
+        raise ConfigError(f"training.init_from={folder!r} has no tokenizer.json; one is needed to read the data")
+    _, model_cfg = hf.read_config(folder)
+    model_cfg = dataclasses.replace(model_cfg, dtype=cfg.model.dtype)
+    data = dataclasses.replace(cfg.data, tokenizer=str(Path(folder).absolute()))
+    return dataclasses.replace(cfg, model=model_cfg, data=data)
+
+
 def train(cfg: Config, run_dir: str | Path, progress: bool = True) -> TrainResult:
     run_dir = Path(run_dir)
+    cfg = resolve_init_from(cfg)
     tokenizer = prepare_run_dir(cfg, run_dir)
     mesh = make_mesh(cfg.mesh)
     splits = load_splits(cfg.data, tokenizer)
@@ -98,9 +120,16 @@ def train(cfg: Config, run_dir: str | Path, progress: bool = True) -> TrainResul
     data_iter = train_iterator(train_src, cfg.training.batch_size, cfg.data.seed)
     held_out = eval_batches(eval_src, cfg.training.batch_size, cfg.data.eval_batches)
 
-    state = create_train_state(cfg, mesh)
     ckpt = Checkpointer(run_dir, cfg.checkpoint)
     latest = ckpt.latest_step()
+    params = None
+    if latest is None and cfg.training.init_from is not None:
+        from jaxgen import hf
+
+        family, _ = hf.read_config(cfg.training.init_from)
+        params = hf.load_params(cfg.training.init_from, cfg.model, family, mesh)
+        print(f"fine-tuning {family} weights from {cfg.training.init_from}")
+    state = create_train_state(cfg, mesh, params)
     if latest is not None:
         state, data_state = ckpt.restore(latest, state)
         if data_state is not None:

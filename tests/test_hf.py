@@ -220,3 +220,56 @@ def test_tokenizer_reads_end_of_sequence_ids_and_chat_template(tmp_path):
     assert loaded.chat_template == cfg["chat_template"]
     (tmp_path / "generation_config.json").unlink()
     assert Tokenizer.from_folder(tmp_path).eos_ids == (256,)  # from tokenizer_config.json's eos_token
+
+
+def test_fine_tune_convert_and_serve_from_the_command_lines(family_model, token_cache, tmp_path, capsys):
+    """train.py starts from a Hugging Face folder (prompt/response masking), convert.py exports the
+    result for transformers, and serve.py generates from a Hugging Face folder."""
+    import convert
+    import serve
+    import train
+    from jaxgen import model
+    from jaxgen.checkpoint import load_run
+
+    family, _, folder, gen = family_model
+    if family != "llama":
+        return  # the command lines do not depend on the family
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"q": f"Q: {i} + 1?", "a": f" A: {i + 1}"}) + "\n" for i in range(40)))
+    run = tmp_path / "run"
+    argv = ["--config", "configs/tiny.yaml", "--run-dir", str(run), "--no-progress", f"training.init_from={folder}"]
+    argv += ["data.source=jsonl", f"data.paths=[{pairs}]", "data.prompt_field=q", "data.response_field=a"]
+    argv += [
+        "data.seq_len=32",
+        "data.eval_fraction=0.25",
+        "training.steps=3",
+        "training.batch_size=2",
+        f"data.cache_dir={token_cache}",
+    ]
+    assert train.main([*argv, "mesh.data=1"]) == 0
+    cfg, _, tuned = load_run(run, mesh=_one_device())
+    assert cfg.model == gen.cfg  # the model section came from config.json
+    moved = jax.tree.map(
+        lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()), model.unstack_layers(tuned), gen.params
+    )
+    assert 0 < max(jax.tree.leaves(moved)) < 0.02  # fine-tuned from the imported weights, not from scratch
+
+    out = tmp_path / "exported"
+    assert convert.main([str(run), str(out)]) == 0
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert all(not v for v in info.values()), info
+    tokens = np.random.default_rng(5).integers(0, V, (2, 16)).astype(np.int32)
+    theirs = _torch_logits(reloaded.eval(), tokens, [16, 16])
+    ours, _ = model.forward(tuned, tokens, np.tile(np.arange(16, dtype=np.int32), (2, 1)), cfg=cfg.model)
+    np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-4, rtol=0)
+    with pytest.raises(SystemExit):  # writing over the run folder is refused
+        convert.main([str(run), str(run)])
+    assert "out_dir must differ from run_dir" in capsys.readouterr().err
+
+    capsys.readouterr()
+    argv = ["generate", "--checkpoint", str(folder), "--prompt", "Q: 7 + 1?", "--temperature", "0"]
+    assert serve.main([*argv, "--max-new-tokens", "8"]) == 0
+    import jaxgen
+
+    (want,) = jaxgen.generate(str(folder), ["Q: 7 + 1?"], SamplingConfig(max_new_tokens=8, temperature=0.0))
+    assert capsys.readouterr().out == "Q: 7 + 1?" + want.text + "\n"
