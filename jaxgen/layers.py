@@ -16,6 +16,19 @@ from jaxgen.config import ModelConfig
 NEG_INF = jnp.finfo(jnp.float32).min  # finite, so a fully masked row (padding) gives no NaN
 
 
+def dense(x, w, in_axes: int = 1):
+    """x (..., *w.shape[:in_axes]) times w -> (..., *w.shape[in_axes:]), as one 2-D matrix product.
+
+    Flattening first matters on XLA:CPU: the backward pass of a multi-axis einsum such as
+    "btd,dnh->btnh" inside the layer scan turned into slow transposing copies (a SwiGLU layer's
+    gradient took 1.45x as long as with 2-D products).
+    """
+    n_in = math.prod(w.shape[:in_axes])
+    lead = x.shape[: x.ndim - in_axes]
+    y = x.reshape(-1, n_in) @ w.reshape(n_in, -1)
+    return y.reshape(*lead, *w.shape[in_axes:])
+
+
 def norm(x_btd, p: dict, cfg: ModelConfig):
     """LayerNorm (scale and bias) or RMSNorm (scale only), computed in float32."""
     x = x_btd.astype(jnp.float32)
@@ -92,18 +105,18 @@ def attention(q_btnh, k_bskh, v_bskh, mask_bts, num_kv_heads: int):
 
 def mlp(x_btd, p: dict, cfg: ModelConfig):
     """GELU MLP (GPT-2), SwiGLU (Llama) or GeGLU (Gemma; tanh-approximated GELU gate)."""
-    up = jnp.einsum("btd,df->btf", x_btd, p["w_up_df"])
+    up = dense(x_btd, p["w_up_df"])
     if "b_up_f" in p:
         up = up + p["b_up_f"]
     if cfg.mlp in ("swiglu", "geglu"):
-        gate = jnp.einsum("btd,df->btf", x_btd, p["w_gate_df"])
+        gate = dense(x_btd, p["w_gate_df"])
         if "b_gate_f" in p:
             gate = gate + p["b_gate_f"]
         act = jax.nn.silu(gate) if cfg.mlp == "swiglu" else jax.nn.gelu(gate, approximate=True)
         hidden = act * up
     else:
         hidden = jax.nn.gelu(up, approximate=True)
-    out = jnp.einsum("btf,fd->btd", hidden, p["w_down_fd"])
+    out = dense(hidden, p["w_down_fd"])
     if "b_down_d" in p:
         out = out + p["b_down_d"]
     return out

@@ -204,10 +204,13 @@ def unstack_layers(params: dict) -> dict:
 def lm_head(params, x_btd, cfg: ModelConfig):
     """Logits (B, T, V) float32 from hidden states; the head is the embedding when tied."""
     params = _cast(params, cfg)
+    x = x_btd.reshape(-1, x_btd.shape[-1])  # 2-D products: see layers.dense
     if cfg.tie_embeddings:  # contract with the embedding's rows as stored: `.T` made XLA copy it each step
-        logits = jnp.einsum("btd,vd->btv", x_btd, params["embed_vd"], preferred_element_type=jnp.float32)
+        contract_d = (((1,), (1,)), ((), ()))
+        logits = jax.lax.dot_general(x, params["embed_vd"], contract_d, preferred_element_type=jnp.float32)
     else:
-        logits = jnp.einsum("btd,dv->btv", x_btd, params["head_dv"], preferred_element_type=jnp.float32)
+        logits = jnp.matmul(x, params["head_dv"], preferred_element_type=jnp.float32)
+    logits = logits.reshape(*x_btd.shape[:-1], -1)
     return constrain(logits, ("batch", "seq", "vocab"))
 
 
@@ -219,9 +222,9 @@ def _cast(params, cfg: ModelConfig):
 def _qkv(x, p, positions, cfg: ModelConfig):
     """Pre-norm queries (B, T, N, H) and keys and values (B, T, K, H), rotated when RoPE."""
     h = layers.norm(x, p["attn_norm"], cfg)
-    q = jnp.einsum("btd,dnh->btnh", h, p["w_q_dnh"])
-    k = jnp.einsum("btd,dkh->btkh", h, p["w_k_dkh"])
-    v = jnp.einsum("btd,dkh->btkh", h, p["w_v_dkh"])
+    q = layers.dense(h, p["w_q_dnh"])  # (B, T, N, H)
+    k = layers.dense(h, p["w_k_dkh"])  # (B, T, K, H)
+    v = layers.dense(h, p["w_v_dkh"])
     if "b_q_nh" in p:
         q, k, v = q + p["b_q_nh"], k + p["b_k_kh"], v + p["b_v_kh"]
     if cfg.position == "rope":
@@ -236,7 +239,7 @@ def _block(x, p, positions, attend, cfg: ModelConfig):
     or cached attention (kv: the cache's keys and values, this layer's written)."""
     q, k, v = _qkv(x, p, positions, cfg)
     out, kv = attend(q, k, v)
-    out = jnp.einsum("btnh,nhd->btd", out, p["w_o_nhd"])
+    out = layers.dense(out, p["w_o_nhd"], in_axes=2)  # (B, T, D)
     if "b_o_d" in p:
         out = out + p["b_o_d"]
     x = x + out

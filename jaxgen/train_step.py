@@ -101,10 +101,14 @@ def _like(tree, default):
 def cross_entropy(logits_btv, targets_bt, mask_bt):
     """Summed next-token negative log-likelihood over unmasked positions, and their count.
 
-    -log softmax(logits)[target] computed as logsumexp(logits) - logits[target], in float32.
+    -log softmax(logits)[target] computed as logsumexp(logits) - logits[target], in float32. The target
+    logit is picked by a comparison with the vocabulary index rather than a gather: its gradient is then
+    an elementwise select that fuses with the softmax's, not a scatter (0.45 s of a 2 s LM-head backward
+    on llama-small at 8 x 256 tokens).
     """
     logits = logits_btv.astype(jnp.float32)
-    target_logit = jnp.take_along_axis(logits, targets_bt[..., None], axis=-1)[..., 0]
+    is_target = jnp.arange(logits.shape[-1]) == targets_bt[..., None]
+    target_logit = jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1)
     nll = jax.nn.logsumexp(logits, axis=-1) - target_logit
     mask = mask_bt.astype(jnp.float32)
     return jnp.sum(nll * mask), jnp.sum(mask)

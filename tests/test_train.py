@@ -97,8 +97,8 @@ def test_nonfinite_step_is_skipped_and_counted(tiny_cfg):
 
 
 def test_trainer_stops_on_repeated_nonfinite_without_a_checkpoint(tiny_cfg, tmp_path, monkeypatch):
-    def poisoned_state(cfg, mesh):
-        state = create_train_state(cfg, mesh)
+    def poisoned_state(cfg, mesh, params=None):
+        state = create_train_state(cfg, mesh, params)
         return state.replace(params=jax.tree.map(lambda p: p * jnp.nan, state.params))
 
     monkeypatch.setattr(trainer, "create_train_state", poisoned_state)

@@ -1,0 +1,224 @@
+"""jaxgen against Hugging Face transformers (PyTorch, CPU), the same weights, in one process run.
+
+    python bench/vs_transformers.py [--configs gpt2-124m llama-small] [--new-tokens 128] [--out DIR]
+
+For each config, random jaxgen weights are exported with `jaxgen.hf.save_pretrained` and loaded by
+transformers, so both sides run the very same float32 model. Measured, best of a few repeats each:
+- prefill: batch 1, 128-token prompt, one new token (`generate(max_new_tokens=1)` on both sides);
+- decode tokens/s at each batch: 32-token prompts, 128 new tokens, greedy, no early stop; the time of
+  the 127 steps after the first token (a full run minus a one-token run), so prefill is not counted;
+- training tokens/s: batch 8 x 256, AdamW with clipping, forward + backward + update.
+Prints each pair and the ratio jaxgen / transformers, and writes a bar chart of the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import torch
+import transformers
+
+from jaxgen import hf, model
+from jaxgen.config import MeshConfig, load_config
+from jaxgen.generate import Generator
+from jaxgen.sampling import SamplingConfig
+from jaxgen.sharding import make_mesh
+from jaxgen.tokenizer import Tokenizer
+from jaxgen.train_step import create_train_state, make_train_step, put_batch
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGETS = {"prefill": 1.0, "decode b=1": 1.5, "decode b=8": 1.3, "decode b=32": 1.3, "train": 1.0}
+
+
+def _best(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+class JaxSide:
+    def __init__(self, cfg, params, batches):
+        self.gen = Generator(params, cfg, Tokenizer.byte_level(), max_batch=max(batches), chunk_steps=128)
+
+    def generate(self, prompts, new_tokens):
+        sc = SamplingConfig(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+        return self.gen.generate(prompts, sc)
+
+
+class TorchSide:
+    def __init__(self, folder):
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        self.model.generation_config.eos_token_id = None
+        self.model.generation_config.pad_token_id = 0
+
+    @torch.no_grad()
+    def generate(self, prompts, new_tokens):
+        ids = torch.tensor(prompts)
+        out = self.model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+        )  # fmt: skip
+        assert out.shape[1] == ids.shape[1] + new_tokens
+        return out
+
+
+def bench_generation(side, prompt_rng, batches, new_tokens, repeats) -> dict:
+    prompt = prompt_rng.integers(0, 256, 128).tolist()
+    side.generate([prompt], 1)  # warm up / compile
+    out = {"prefill": _best(lambda: side.generate([prompt], 1), repeats)}
+    for b in batches:
+        prompts = prompt_rng.integers(0, 256, (b, 32)).tolist()
+        side.generate(prompts, new_tokens)  # warm up / compile both programs
+        side.generate(prompts, 1)
+        full = _best(lambda p=prompts: side.generate(p, new_tokens), max(1, repeats - 1))
+        one = _best(lambda p=prompts: side.generate(p, 1), repeats)
+        out[f"decode b={b}"] = b * (new_tokens - 1) / (full - one)  # tokens/s
+    return out
+
+
+def bench_train_jax(cfg, batch, seq, steps) -> float:
+    cfg = dataclasses.replace(cfg, mesh=MeshConfig(data=1))
+    mesh = make_mesh(cfg.mesh)
+    state = create_train_state(cfg, mesh)
+    step = make_train_step(cfg, mesh, state)
+    data = put_batch(_batch(batch, seq, cfg.model.vocab_size), mesh)
+    state, m = step(state, data)  # compile
+    jax.block_until_ready(m)
+    best = float("inf")
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state, m = step(state, data)
+        jax.block_until_ready(m)
+        best = min(best, time.perf_counter() - t0)
+    return batch * seq / best
+
+
+def bench_train_torch(folder, batch, seq, steps, vocab) -> float:
+    m = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).train()
+    m.config.use_cache = False
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    data = _batch(batch, seq, vocab)
+    inputs, targets = torch.from_numpy(data["inputs"]).long(), torch.from_numpy(data["targets"]).long()
+
+    def step():
+        logits = m(input_ids=inputs).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # warm up
+    return batch * seq / _best(step, steps)
+
+
+def _batch(b, t, vocab):
+    rng = np.random.default_rng(0)
+    seq = rng.integers(0, vocab, size=(b, t + 1)).astype(np.int32)
+    ones = np.ones((b, t), np.int32)
+    positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy()
+    return {
+        "inputs": seq[:, :-1],
+        "targets": seq[:, 1:],
+        "positions": positions,
+        "segment_ids": ones,
+        "loss_mask": ones,
+    }
+
+
+def bench_config(name, args) -> dict[str, tuple[float, float]]:
+    cfg = load_config(ROOT / "configs" / f"{name}.yaml", [f"training.batch_size={args.train_batch}"])
+    params = model.init_params(cfg.model, jax.random.key(0))
+    results: dict[str, tuple[float, float]] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        hf.save_pretrained(folder, params, cfg.model, Tokenizer.byte_level())
+        jax_side, torch_side = JaxSide(cfg.model, params, args.batches), TorchSide(folder)
+        ours = bench_generation(jax_side, np.random.default_rng(0), args.batches, args.new_tokens, args.repeats)
+        del jax_side
+        theirs = bench_generation(torch_side, np.random.default_rng(0), args.batches, args.new_tokens, args.repeats)
+        del torch_side
+        for key in ours:
+            results[key] = (ours[key], theirs[key])
+        if args.train_steps:
+            ours_t = bench_train_jax(cfg, args.train_batch, args.train_seq, args.train_steps)
+            theirs_t = bench_train_torch(
+                folder, args.train_batch, args.train_seq, args.train_steps, cfg.model.vocab_size
+            )
+            results["train"] = (ours_t, theirs_t)
+    return results
+
+
+def _ratio(key, pair) -> float:
+    ours, theirs = pair
+    return theirs / ours if key == "prefill" else ours / theirs  # prefill is a latency: lower is better
+
+
+def print_table(name, results) -> None:
+    print(f"\n{name}")
+    print(f"{'measure':<14}{'jaxgen':>14}{'transformers':>15}{'ratio':>8}{'target':>8}")
+    for key, pair in results.items():
+        unit = "ms" if key == "prefill" else "tok/s"
+        a, b = (pair[0] * 1e3, pair[1] * 1e3) if key == "prefill" else pair
+        r = _ratio(key, pair)
+        flag = "" if r >= TARGETS[key] else "  (missed)"
+        print(f"{key:<14}{a:>10.1f} {unit:<5}{b:>9.1f} {unit:<5}{r:>7.2f}x{TARGETS[key]:>7.1f}x{flag}", flush=True)
+
+
+def plot(all_results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(next(iter(all_results.values())))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(all_results)
+    for j, (name, results) in enumerate(all_results.items()):
+        xs = np.arange(len(keys)) + j * width
+        ax.bar(xs, [_ratio(k, results[k]) for k in keys], width, label=name)
+    for i, k in enumerate(keys):
+        ax.hlines(TARGETS[k], i - width / 2, i + width * (len(all_results) - 0.5), colors="k", linestyles="dashed")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xticks(np.arange(len(keys)) + width * (len(all_results) - 1) / 2, keys)
+    ax.set_ylabel("jaxgen / transformers (higher is better)")
+    ax.set_title(f"jaxgen vs transformers, float32, CPU ({torch.get_num_threads()} threads); dashed: target")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"\nchart: {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", nargs="+", default=["gpt2-124m", "llama-small"])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--train-batch", type=int, default=8)
+    parser.add_argument("--train-seq", type=int, default=256)
+    parser.add_argument("--train-steps", type=int, default=3, help="timed training steps per side; 0 skips")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "vs_transformers.png")
+    args = parser.parse_args()
+    torch.set_num_threads(os.cpu_count())
+    print(f"threads: torch {torch.get_num_threads()}, XLA:CPU all {os.cpu_count()} cores; float32")
+    print(f"jax {jax.__version__}, torch {torch.__version__}, transformers {transformers.__version__}")
+    all_results = {}
+    for name in args.configs:
+        all_results[name] = bench_config(name, args)
+        print_table(name, all_results[name])
+    plot(all_results, args.out)
+
+
+if __name__ == "__main__":
+    main()
