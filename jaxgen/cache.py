@@ -49,6 +49,10 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.shape[1]
 
+    def is_full(self, positions_b):
+        """Per row: is there no slot left for the next token? (All rows write the same slot.)"""
+        return jnp.broadcast_to(self.end >= self.max_len, positions_b.shape)
+
     def memory_bytes(self) -> int:
         """Bytes held by the cache's arrays (keys, values and slot positions)."""
         return _nbytes(self)

@@ -216,6 +216,31 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """The serving engine (`jaxgen.engine`): decode slots and the paged KV cache's memory budget."""
+
+    slots: int = 16  # sequences decoded together
+    page_size: int = 16  # tokens per KV-cache page
+    kv_memory_gb: float = 1.0  # the page pool's size; pages = this / bytes of one page (all layers)
+    num_pages: int = 0  # an exact page count instead of kv_memory_gb (tests); 0 = from the budget
+    chunk_steps: int = 8  # decode steps per jitted chunk, between scheduling decisions
+    prefill_chunk: int = 256  # prompt tokens per prefill call: longer prompts interleave with decoding
+    max_logprobs: int = 5  # the most top alternatives a request may ask for
+    prefix_caching: bool = True  # share the pages of prompt prefixes already in the cache
+    cache_dtype: Literal["float32", "bfloat16"] = "float32"
+
+    def __post_init__(self):
+        for name in ("slots", "page_size", "chunk_steps", "prefill_chunk"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and value > 0, f"serve.{name}", value, "a positive integer")
+        _check(self.kv_memory_gb > 0, "serve.kv_memory_gb", self.kv_memory_gb, "a number > 0")
+        _check(self.num_pages == 0 or self.num_pages >= 2, "serve.num_pages", self.num_pages, "0 or at least 2")
+        _check(self.max_logprobs >= 0, "serve.max_logprobs", self.max_logprobs, "an integer >= 0")
+        dtypes = ("float32", "bfloat16")
+        _check(self.cache_dtype in dtypes, "serve.cache_dtype", self.cache_dtype, ", ".join(dtypes))
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     every: int = 100  # save every N steps (also at the end and on SIGTERM / Ctrl-C)
     keep: int = 3  # keep the last K checkpoints
@@ -234,6 +259,7 @@ class Config:
     training: TrainingConfig = TrainingConfig()
     mesh: MeshConfig = MeshConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    serve: ServeConfig = ServeConfig()
 
     def __post_init__(self):
         _check(

@@ -100,7 +100,7 @@ def _decode_loop(params, state: DecodeState, cfg: ModelConfig) -> DecodeState:
     def body(s: DecodeState):
         b = s.tokens.shape[0]
         logp = jax.nn.log_softmax(s.logits, axis=-1)
-        tok = sample(s.logits, s.sampling, s.step, s.seen, s.counts)
+        tok = sample(s.logits, s.sampling, s.generated, s.seen, s.counts)  # keyed by (seed, token index)
         tok = jnp.where(s.done, 0, tok)
         chosen = jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
         top_lp, top_ids = jax.lax.top_k(logp, s.top_ids.shape[-1])
@@ -113,7 +113,7 @@ def _decode_loop(params, state: DecodeState, cfg: ModelConfig) -> DecodeState:
         matches = (s.stop_seqs == recent[:, None, :]) | (s.stop_seqs < 0)
         hit_stop = jnp.any(jnp.all(matches, axis=-1) & jnp.any(s.stop_seqs >= 0, axis=-1), axis=-1)
         generated = s.generated + live
-        cache_full = s.cache.end >= s.cache.max_len  # no slot left for this token's keys
+        cache_full = s.cache.is_full(s.positions)  # no room left for this token's keys
         out_of_positions = s.positions + 1 >= cfg.max_seq_len
         finish = jnp.where(
             live & hit_stop, FINISH_STOP,
@@ -122,11 +122,17 @@ def _decode_loop(params, state: DecodeState, cfg: ModelConfig) -> DecodeState:
         rows = jnp.arange(b)
         counts = s.counts.at[rows, tok].add(live.astype(jnp.int32))
         seen = s.seen.at[rows, tok].max(live)
-        logits, cache = model.forward(params, tok[:, None], s.positions[:, None], s.cache, cfg=cfg)
+        done = s.done | (finish != RUNNING)
+
+        # Finished rows run as padding (position -1): they write nothing anyone reads. (Skipping the
+        # forward once every row is done would need a lax.cond, which made XLA copy the whole cache.)
+        fed = jnp.where(done, -1, s.positions)
+        logits, cache = model.forward(params, tok[:, None], fed[:, None], s.cache, cfg=cfg)
+        logits = logits[:, 0]
         return s.replace(
             step=s.step + 1, generated=generated, tokens=write(s.tokens, tok), logprobs=write(s.logprobs, chosen),
             top_ids=write(s.top_ids, top_ids), top_logprobs=write(s.top_logprobs, top_lp),
-            logits=logits[:, 0], positions=s.positions + 1, done=s.done | (finish != RUNNING), finish=finish,
+            logits=logits, positions=s.positions + 1, done=done, finish=finish,
             seen=seen, counts=counts, recent=recent, cache=cache,
         )  # fmt: skip
 

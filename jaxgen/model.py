@@ -19,9 +19,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxgen import layers
+from jaxgen import layers, paged
 from jaxgen.cache import KVCache, to_storage
 from jaxgen.config import ModelConfig
+from jaxgen.paged import PagedCache
 from jaxgen.sharding import constrain, named_sharding
 
 ATTENTION_BLOCK = 128  # cache slots per block of cached attention
@@ -136,7 +137,8 @@ def forward(
     segment_ids: (B, T) int32 or None; packed documents do not attend across segments
         (training only: a cache holds one sequence per row).
     cache: None for a training pass over whole sequences; a `KVCache` to prefill or decode, whose
-        slots [end, end + T) receive this call's keys and values.
+        slots [end, end + T) receive this call's keys and values; or a `PagedCache` (the serving
+        engine), where each token goes to its row's page for its position.
     Returns logits (B, T, V) float32 and the cache (None when none was given).
     """
     x, cache = hidden_states(params, tokens, positions, cache, cfg=cfg, segment_ids=segment_ids)
@@ -159,16 +161,20 @@ def hidden_states(params, tokens, positions, cache=None, *, cfg: ModelConfig, se
         slots = jnp.arange(t)
         mask = layers.attention_mask(slots, slots, positions, positions, segment_ids, segment_ids, cfg.sliding_window)
         kv = None
-    else:  # masks are built block by block in cached_attention, over the slots in use only
+    else:  # masks are built block by block in cached attention, over the slots (or pages) in use only
         mask = None
         kv = (cache.k, cache.v)
-        pos = jax.lax.dynamic_update_slice(cache.pos, positions.astype(jnp.int32), (0, cache.end))
+        paged_cache = isinstance(cache, PagedCache)
+        if not paged_cache:
+            pos = jax.lax.dynamic_update_slice(cache.pos, positions.astype(jnp.int32), (0, cache.end))
 
     def layer_step(carry, xs):
         x, kv = carry
         p, i = xs
         if cache is None:
             attend = functools.partial(_attend_plain, mask=mask, cfg=cfg)
+        elif paged_cache:
+            attend = functools.partial(_attend_paged, kv=kv, layer=i, positions=positions, cache=cache, cfg=cfg)
         else:
             attend = functools.partial(
                 _attend_cache, kv=kv, layer=i, positions=positions, pos=pos, cache=cache, cfg=cfg
@@ -182,7 +188,9 @@ def hidden_states(params, tokens, positions, cache=None, *, cfg: ModelConfig, se
     else:
         (x, kv), _ = jax.lax.scan(layer_step, (x, kv), (params["layers"], jnp.arange(cfg.num_layers)))
     x = layers.norm(x, params["final_norm"], cfg)
-    if cache is not None:
+    if cache is not None and paged_cache:
+        cache = cache.replace(k=kv[0], v=kv[1])
+    elif cache is not None:
         cache = dataclasses.replace(cache, k=kv[0], v=kv[1], pos=pos, end=cache.end + t)
     return x, cache
 
@@ -261,6 +269,14 @@ def _attend_cache(q, k, v, *, kv, layer, positions, pos, cache: KVCache, cfg: Mo
     block = min(ATTENTION_BLOCK, cache.max_len)  # max_len is a power of two: blocks tile it
     return layers.cached_attention(
         q, k_all, v_all, layer, pos, positions, cache.end, cfg.kv_heads, cfg.sliding_window, block
+    )
+
+
+def _attend_paged(q, k, v, *, kv, layer, positions, cache: PagedCache, cfg: ModelConfig):
+    """Writes this layer's keys and values into each slot's pages, then attends over its pages."""
+    kv = paged.write(cache, layer, k, v, positions, kv)
+    return paged.attention(
+        q, kv, layer, cache.page_table, positions, cfg.kv_heads, cfg.sliding_window, layers._online_softmax_step
     )
 
 

@@ -153,13 +153,18 @@ def truncated_logits(logits_bv, sp: SamplingArrays):
 
 
 def sample(logits_bv, sp: SamplingArrays, step, seen_bv, counts_bv):
-    """Next token per row: (B,) int32. Greedy rows (temperature 0) take the processed argmax."""
+    """Next token per row: (B,) int32. Greedy rows (temperature 0) take the processed argmax.
+
+    step: () or (B,) int32, the index of the token being drawn; with the row's seed it keys the draw,
+    so a request's samples do not depend on its batch or on when it started.
+    """
     logits = process_logits(logits_bv, sp, seen_bv, counts_bv)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def draw(_):
         masked, order = truncated_logits(logits, sp)
-        keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), step))(sp.seed)
+        steps = jnp.broadcast_to(step, sp.seed.shape)  # one step for all rows, or each row's own
+        keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(sp.seed, steps)
         choice = jax.vmap(jax.random.categorical)(keys, masked)
         drawn = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
         return jnp.where(sp.temperature == 0, greedy, drawn).astype(jnp.int32)

@@ -273,3 +273,40 @@ def test_fine_tune_convert_and_serve_from_the_command_lines(family_model, token_
 
     (want,) = jaxgen.generate(str(folder), ["Q: 7 + 1?"], SamplingConfig(max_new_tokens=8, temperature=0.0))
     assert capsys.readouterr().out == "Q: 7 + 1?" + want.text + "\n"
+
+
+def test_bfloat16_checkpoint_loads_as_float32(family_model, tmp_path):
+    family, ref, _, gen = family_model
+    if family != "gemma":
+        return  # the dtype path is family-independent
+    import copy
+
+    copy.deepcopy(ref).to(torch.bfloat16).save_pretrained(tmp_path)
+    Tokenizer.byte_level().save_folder(tmp_path)
+    cfg, _, params = hf.load_pretrained(tmp_path, mesh=_one_device())
+    assert cfg == gen.cfg
+    want = jax.tree.map(lambda p: np.asarray(jax.numpy.asarray(p, jax.numpy.bfloat16), np.float32), gen.params)
+    from jaxgen import model
+
+    same = jax.tree.map(np.array_equal, model.unstack_layers(params), want)
+    assert all(jax.tree.leaves(same))
+
+
+def test_hugging_face_tokenizer_adds_its_special_tokens_like_transformers(tmp_path):
+    """A Llama-style tokenizer (BOS added by its post-processor) encodes as transformers encodes."""
+    import tokenizers
+    from tokenizers import models, pre_tokenizers, processors, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(tmp_path)
+    ours = Tokenizer.from_folder(tmp_path)
+    text = "the lazy fox"
+    assert ours.encode(text) == fast(text).input_ids and ours.encode(text)[0] == 1
+    assert ours.encode(text, special=False) == fast(text, add_special_tokens=False).input_ids
+    assert ours.eos_ids == (2,)  # from tokenizer_config.json's eos_token: no config.json here

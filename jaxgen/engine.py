@@ -1,0 +1,474 @@
+"""The serving engine: continuous batching over a paged KV cache, with prefix caching.
+
+    engine = Engine(params, cfg, tokenizer, ServeConfig(slots=16, kv_memory_gb=1.0))
+    request = engine.submit("Once upon a time", SamplingConfig(max_new_tokens=64))
+    engine.run_until_idle()            # or engine.start() for a background thread (the HTTP server)
+    request.result()                   # a Completion, as Generator.generate returns
+
+A fixed number of decode slots share one pool of fixed-size pages (`jaxgen.paged`). Each scheduler
+step (1) gives waiting requests free slots, (2) runs one chunk of one prompt's prefill (long prompts
+take several steps, so running sequences wait at most one chunk), (3) runs a jitted `while_loop` of up
+to `chunk_steps` decode steps for every active slot, and (4) retires finished sequences, returning
+their pages. All device state (the `DecodeState` of `jaxgen.generate`, its cache a `PagedCache`) is
+passed into and returned from jitted pure functions; the scheduler only decides what to run.
+
+A request's tokens do not depend on what else runs: each slot has its own sampling settings, and
+seeded draws are keyed by (seed, token index), exactly as in `Generator`.
+
+Memory policy: the pool holds `kv_memory_gb` of pages. A request's pages (prompt + max_new_tokens)
+are taken when its prefill starts, so a running sequence never runs out; when too few are free, the
+request waits. One that could never fit (longer than the context or the whole pool) is refused at
+`submit` with `PageError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgen import model
+from jaxgen.config import ModelConfig, ServeConfig
+from jaxgen.generate import (
+    FINISH_LENGTH,
+    FINISH_NAMES,
+    MAX_STOPS,
+    RUNNING,
+    Completion,
+    DecodeState,
+    _decode_loop,
+    bucket,
+)
+from jaxgen.paged import PagedCache, PageError, PagePool, page_bytes
+from jaxgen.sampling import SamplingArrays, SamplingConfig, SamplingError
+from jaxgen.sharding import with_mesh
+from jaxgen.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+STOP_LEN = 8  # the longest stop token sequence a request may give
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One sequence in the engine (a request with n samples is n of these)."""
+
+    prompt: list[int]
+    sampling: SamplingConfig  # its seed already offset for the sample index
+    prompt_index: int = 0
+    sample_index: int = 0
+    on_update: Callable[[Request], None] | None = None  # called from the engine thread after each chunk
+    # progress, written by the engine
+    status: str = "waiting"  # waiting, prefill, running, done, cancelled
+    slot: int = -1
+    pages: list[int] = dataclasses.field(default_factory=list)
+    prefilled: int = 0
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+    cached_tokens: int = 0
+    t_submit: float = 0.0
+    t_first: float | None = None
+    t_done: float | None = None
+    done_event: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def result(self, timeout: float | None = None) -> Completion:
+        if not self.done_event.wait(timeout):
+            raise TimeoutError("request not finished")
+        alts = self.top_logprobs if self.sampling.logprobs else None
+        return Completion(
+            self.prompt_index, self.sample_index, self.tokens, self.text, self.finish_reason, self.logprobs, alts
+        )
+
+
+def _set_pages(state: DecodeState, slot, pages_row, capacity) -> DecodeState:
+    cache = state.cache.replace(
+        page_table=state.cache.page_table.at[slot].set(pages_row), capacity=state.cache.capacity.at[slot].set(capacity)
+    )
+    return state.replace(cache=cache)
+
+
+def _prefill_chunk(params, state: DecodeState, slot, tokens, positions, last, cfg: ModelConfig):
+    """One chunk of one slot's prompt: tokens, positions (1, C), padding at -1. Returns the state and
+    the next-token logits (V,) after the token at index `last` of the chunk."""
+    cache = state.cache
+    sub = cache.replace(page_table=cache.page_table[slot][None], capacity=cache.capacity[slot][None])
+    x, sub = model.hidden_states(params, tokens, positions, sub, cfg=cfg)
+    logits = model.lm_head(params, jax.lax.dynamic_slice_in_dim(x, last, 1, axis=1), cfg)[0, 0]
+    return state.replace(cache=cache.replace(k=sub.k, v=sub.v)), logits
+
+
+def _activate(state: DecodeState, slot, logits, position, max_new, stop_seqs, seen, sampling_row) -> DecodeState:
+    """Slot `slot` starts decoding: its row of every per-row array is set."""
+    return state.replace(
+        logits=state.logits.at[slot].set(logits), positions=state.positions.at[slot].set(position),
+        done=state.done.at[slot].set(False), finish=state.finish.at[slot].set(RUNNING),
+        generated=state.generated.at[slot].set(0), max_new=state.max_new.at[slot].set(max_new),
+        stop_seqs=state.stop_seqs.at[slot].set(stop_seqs), recent=state.recent.at[slot].set(-1),
+        seen=state.seen.at[slot].set(seen), counts=state.counts.at[slot].set(0),
+        sampling=jax.tree.map(lambda a, r: a.at[slot].set(r[0]), state.sampling, sampling_row),
+    )  # fmt: skip
+
+
+def _retire(state: DecodeState, slot) -> DecodeState:
+    """Slot `slot` stops (finished, stopped by a string, or cancelled) and forgets its pages."""
+    state = state.replace(done=state.done.at[slot].set(True), finish=state.finish.at[slot].set(FINISH_LENGTH))
+    return _set_pages(state, slot, jnp.zeros_like(state.cache.page_table[0]), 0)
+
+
+def _chunk(params, state: DecodeState, limit, cfg: ModelConfig) -> DecodeState:
+    """Up to `limit` decode steps for every active slot, into buffers that start at column 0."""
+    return _decode_loop(params, state.replace(step=jnp.int32(0), limit=limit), cfg)
+
+
+class Engine:
+    """Continuous batching over a paged KV cache; see the module docstring."""
+
+    def __init__(self, params, cfg: ModelConfig, tokenizer: Tokenizer, serve: ServeConfig = ServeConfig(), mesh=None):
+        self.params = model.unstack_layers(params)
+        self.cfg, self.tokenizer, self.serve = cfg, tokenizer, serve
+        z = serve.page_size
+        self.max_pages = -(-cfg.max_seq_len // z)  # pages one sequence may need at most
+        num_pages = serve.num_pages or int(serve.kv_memory_gb * 2**30 // page_bytes(cfg, z, serve.cache_dtype))
+        self.pool = PagePool(num_pages, z)
+        self.compilations = 0
+        donate = functools.partial(jax.jit, donate_argnums=0)
+        self._set_pages = with_mesh(donate(self._counted(_set_pages)), mesh)
+        self._activate = with_mesh(donate(self._counted(_activate)), mesh)
+        self._retire = with_mesh(donate(self._counted(_retire)), mesh)
+        self._prefill = with_mesh(jax.jit(self._counted(_prefill_chunk), static_argnames="cfg", donate_argnums=1), mesh)
+        self._chunk = with_mesh(jax.jit(self._counted(_chunk), static_argnames="cfg", donate_argnums=1), mesh)
+        self.state = self._init_state(num_pages)
+        self.slots: list[Request | None] = [None] * serve.slots
+        self.waiting: deque[Request] = deque()
+        self.prefilling: deque[Request] = deque()
+        self.lock = threading.Lock()  # guards the queues (submit and cancel come from other threads)
+        self.wake = threading.Condition(self.lock)
+        self.stats = {"requests": 0, "finished": 0, "generated_tokens": 0, "prompt_tokens": 0, "busy_s": 0.0}
+        self.ttft: deque[float] = deque(maxlen=1000)
+        self.tpot: deque[float] = deque(maxlen=1000)
+        self._thread: threading.Thread | None = None
+        self._stop = False
+
+    def _counted(self, fn):
+        @functools.wraps(fn)
+        def traced(*args, **kwargs):
+            self.compilations += 1
+            log.info("compiling %s (%d so far)", fn.__name__, self.compilations)
+            return fn(*args, **kwargs)
+
+        return traced
+
+    def _init_state(self, num_pages: int) -> DecodeState:
+        b, v, m, a = self.serve.slots, self.cfg.vocab_size, self.serve.chunk_steps, self.serve.max_logprobs
+        cache = PagedCache.init(self.cfg, num_pages, self.serve.page_size, b, self.max_pages, self.serve.cache_dtype)
+        idle = SamplingConfig(temperature=0.0)
+        return DecodeState(
+            step=jnp.int32(0), limit=jnp.int32(0),
+            tokens=jnp.zeros((b, m), jnp.int32), logprobs=jnp.zeros((b, m), jnp.float32),
+            top_ids=jnp.zeros((b, m, a), jnp.int32), top_logprobs=jnp.zeros((b, m, a), jnp.float32),
+            logits=jnp.zeros((b, v), jnp.float32), positions=jnp.zeros((b,), jnp.int32),
+            done=jnp.ones((b,), bool), generated=jnp.zeros((b,), jnp.int32),
+            finish=jnp.full((b,), FINISH_LENGTH, jnp.int32), max_new=jnp.zeros((b,), jnp.int32),
+            stop_seqs=jnp.full((b, MAX_STOPS, STOP_LEN), -1, jnp.int32), recent=jnp.full((b, STOP_LEN), -1, jnp.int32),
+            seen=jnp.zeros((b, v), bool), counts=jnp.zeros((b, v), jnp.int32),
+            sampling=jax.tree.map(jnp.asarray, SamplingArrays.stack([idle] * b, v)), cache=cache,
+        )  # fmt: skip
+
+    # --- requests ----------------------------------------------------------------------------------
+
+    def check(self, prompt: list[int], c: SamplingConfig) -> None:
+        """Raises SamplingError / PageError for a request this engine can never run, before queueing."""
+        if not prompt:
+            raise SamplingError("the prompt is empty: at least one token is needed")
+        if max(prompt) >= self.cfg.vocab_size or min(prompt) < 0:
+            raise SamplingError(f"the prompt has token ids outside [0, {self.cfg.vocab_size})")
+        if len(prompt) >= self.cfg.max_seq_len:
+            raise SamplingError(
+                f"the prompt has {len(prompt)} tokens; the model's context is {self.cfg.max_seq_len} tokens "
+                "(prompt + at least one new token)"
+            )
+        if c.logprobs > self.serve.max_logprobs:
+            raise SamplingError(f"logprobs={c.logprobs} is not allowed: at most {self.serve.max_logprobs}")
+        stops = self._stops(c)
+        if any(len(q) > STOP_LEN for q in stops):
+            raise SamplingError(f"a stop token sequence is longer than {STOP_LEN} tokens")
+        total = min(len(prompt) + c.max_new_tokens, self.cfg.max_seq_len)
+        pages = -(-total // self.pool.page_size)
+        if pages > self.pool.usable:
+            raise PageError(
+                f"the request needs {pages} pages of {self.pool.page_size} tokens (prompt {len(prompt)} + "
+                f"max_new_tokens {c.max_new_tokens}); the page pool holds {self.pool.usable} in all "
+                "(raise serve.kv_memory_gb or lower max_new_tokens)"
+            )
+
+    def _stops(self, c: SamplingConfig) -> list[tuple[int, ...]]:
+        stops = ([] if c.ignore_eos else [(e,) for e in self.tokenizer.eos_ids]) + [(t,) for t in c.stop_token_ids]
+        stops += [tuple(q) for q in c.stop_token_sequences]
+        if len(stops) > MAX_STOPS:
+            raise SamplingError(f"{len(stops)} stop ids and sequences (end-of-sequence included); at most {MAX_STOPS}")
+        return stops
+
+    def submit(
+        self, prompt: str | list[int], sampling: SamplingConfig = SamplingConfig(), *, prompt_index: int = 0,
+        on_update: Callable[[Request], None] | None = None,
+    ) -> list[Request]:  # fmt: skip
+        """Queues sampling.n sequences for one prompt; returns their Requests (checked first)."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        self.check(ids, sampling)
+        requests = [
+            Request(
+                ids, dataclasses.replace(sampling, seed=sampling.seed + 7919 * s), prompt_index, s, on_update,
+                t_submit=time.perf_counter(),
+            )  # the same per-sample seeds as Generator
+            for s in range(sampling.n)
+        ]  # fmt: skip
+        with self.wake:
+            self.waiting.extend(requests)
+            self.stats["requests"] += len(requests)
+            self.wake.notify()
+        return requests
+
+    def cancel(self, request: Request) -> None:
+        """Stops a request (a client went away); its slot and pages are freed at the next step."""
+        with self.lock:
+            if request.status in ("waiting", "prefill", "running"):
+                request.status = "cancelled"
+
+    def generate(self, prompts, sampling: SamplingConfig | list[SamplingConfig] = SamplingConfig()) -> list[Completion]:
+        """Like Generator.generate, on the engine: every prompt queued at once, results in order."""
+        configs = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        if len(configs) != len(prompts):
+            raise SamplingError(f"{len(prompts)} prompts but {len(configs)} sampling configs")
+        requests = [
+            r for i, (p, c) in enumerate(zip(prompts, configs, strict=True)) for r in self.submit(p, c, prompt_index=i)
+        ]
+        if self._thread is None:
+            self.run_until_idle()
+        return [r.result() for r in requests]
+
+    # --- the scheduler -----------------------------------------------------------------------------
+
+    def idle(self) -> bool:
+        return not self.waiting and not self.prefilling and all(r is None for r in self.slots)
+
+    def run_until_idle(self) -> None:
+        while not self.idle():
+            self.step()
+
+    def start(self) -> None:
+        """Runs the scheduler in a background thread until `stop()`."""
+        self._stop = False
+        self._thread = threading.Thread(target=self._serve_forever, name="jaxgen-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self.wake:
+            self._stop = True
+            self.wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _serve_forever(self) -> None:
+        while True:
+            with self.wake:
+                while self.idle() and not self._stop:
+                    self.wake.wait()
+                if self._stop:
+                    return
+            try:
+                self.step()
+            except Exception:  # keep serving; the failing requests are ended with an error reason
+                log.exception("engine step failed")
+                self._fail_all("error")
+
+    def step(self) -> None:
+        """One scheduler iteration: admit, one prefill chunk, one decode chunk, retire."""
+        t0 = time.perf_counter()
+        self._drop_cancelled()
+        self._admit()
+        self._prefill_one_chunk()
+        if any(r is not None and r.status == "running" for r in self.slots):
+            self._decode_chunk()
+        self.stats["busy_s"] += time.perf_counter() - t0
+
+    def _admit(self) -> None:
+        with self.lock:
+            for slot, r in enumerate(self.slots):
+                if r is None and self.waiting:
+                    r = self.waiting.popleft()
+                    r.slot, r.status = slot, "prefill"
+                    self.slots[slot] = r
+                    self.prefilling.append(r)
+
+    def _prefill_one_chunk(self) -> None:
+        if not self.prefilling:
+            return
+        r = self.prefilling[0]
+        if not r.pages:  # pages are taken when the prefill starts; too few free: wait for some
+            total = min(len(r.prompt) + r.sampling.max_new_tokens, self.cfg.max_seq_len)
+            try:
+                r.pages, r.cached_tokens = self.pool.allocate(r.prompt if self.serve.prefix_caching else [], total)
+            except PageError:
+                return
+            r.prefilled = r.cached_tokens
+            row = np.zeros(self.max_pages, np.int32)
+            row[: len(r.pages)] = r.pages
+            self.state = self._set_pages(self.state, r.slot, row, len(r.pages) * self.pool.page_size)
+        start = r.prefilled
+        n = min(len(r.prompt) - start, self.serve.prefill_chunk)
+        c = bucket(n, minimum=16)
+        tokens = np.zeros((1, c), np.int32)
+        positions = np.full((1, c), -1, np.int32)
+        tokens[0, :n] = r.prompt[start : start + n]
+        positions[0, :n] = np.arange(start, start + n)
+        self.state, logits = self._prefill(self.params, self.state, r.slot, tokens, positions, n - 1, cfg=self.cfg)
+        r.prefilled += n
+        self.stats["prompt_tokens"] += n
+        if r.prefilled < len(r.prompt):
+            return
+        self.prefilling.popleft()
+        if self.serve.prefix_caching:
+            self.pool.register_prompt(r.prompt, r.pages)
+        c = r.sampling
+        stop_seqs = np.full((MAX_STOPS, STOP_LEN), -1, np.int32)
+        for j, seq in enumerate(self._stops(c)):
+            stop_seqs[j, STOP_LEN - len(seq) :] = seq
+        seen = np.zeros(self.cfg.vocab_size, bool)
+        seen[r.prompt] = True
+        sampling_row = jax.tree.map(jnp.asarray, SamplingArrays.stack([c], self.cfg.vocab_size))
+        self.state = self._activate(
+            self.state, r.slot, logits, len(r.prompt), c.max_new_tokens, stop_seqs, seen, sampling_row
+        )
+        r.status = "running"
+
+    def _decode_chunk(self) -> None:
+        self.state = self._chunk(self.params, self.state, jnp.int32(self.serve.chunk_steps), cfg=self.cfg)
+        s = self.state
+        host = jax.device_get((s.generated, s.tokens, s.logprobs, s.top_ids, s.top_logprobs, s.done, s.finish))
+        generated, tokens, logprobs, top_ids, top_lp, done, finish = host
+        now = time.perf_counter()
+        for slot, r in enumerate(self.slots):
+            if r is None or r.status != "running":
+                continue
+            n = int(generated[slot]) - len(r.tokens)  # a live row fills columns 0.. of the chunk's buffers
+            new = tokens[slot, :n].tolist()
+            if new and r.t_first is None:
+                r.t_first = now
+                self.ttft.append(now - r.t_submit)
+            r.tokens += new
+            r.logprobs += logprobs[slot, :n].tolist()
+            a = r.sampling.logprobs
+            if a:
+                r.top_logprobs += [
+                    dict(zip(top_ids[slot, i, :a].tolist(), top_lp[slot, i, :a].tolist(), strict=True))
+                    for i in range(n)
+                ]
+            self.stats["generated_tokens"] += n
+            stopped = self._apply_stop_strings(r)
+            if done[slot] or stopped:
+                reason = "stop" if stopped else FINISH_NAMES.get(int(finish[slot]), "length")
+                self._finish(r, reason)
+            elif r.on_update is not None:
+                r.text = self._text(r, "")
+                r.on_update(r)
+
+    def _apply_stop_strings(self, r: Request) -> bool:
+        """Cuts the output before the first stop string; True when one was found."""
+        if not r.sampling.stop:
+            return False
+        text = self.tokenizer.decode(r.tokens)
+        hits = [text.find(s) for s in r.sampling.stop if s in text]
+        if not hits:
+            return False
+        cut = min(hits)
+        keep = next(
+            (k for k in range(len(r.tokens) + 1) if len(self.tokenizer.decode(r.tokens[:k])) >= cut), len(r.tokens)
+        )
+        r.tokens, r.logprobs = r.tokens[:keep], r.logprobs[:keep]
+        r.top_logprobs = r.top_logprobs[:keep]
+        r.text = text[:cut]
+        return True
+
+    def _text(self, r: Request, reason: str) -> str:
+        if reason == "stop" and r.sampling.stop and r.text and self._stop_suffix(r) == 0:
+            return r.text  # cut at a stop string
+        toks = r.tokens[: len(r.tokens) - (self._stop_suffix(r) if reason == "stop" else 0)]
+        return self.tokenizer.decode(toks)  # stop ids and sequences are not text
+
+    def _stop_suffix(self, r: Request) -> int:
+        toks = r.tokens
+        return max(
+            (len(q) for q in self._stops(r.sampling) if len(toks) >= len(q) and tuple(toks[-len(q) :]) == q), default=0
+        )
+
+    def _finish(self, r: Request, reason: str) -> None:
+        r.text = self._text(r, reason)
+        r.finish_reason = reason
+        self._release(r)
+        r.status, r.t_done = "done", time.perf_counter()
+        self.stats["finished"] += 1
+        if r.t_first is not None and len(r.tokens) > 1:
+            self.tpot.append((r.t_done - r.t_first) / (len(r.tokens) - 1))
+        if r.on_update is not None:
+            r.on_update(r)
+        r.done_event.set()
+
+    def _release(self, r: Request) -> None:
+        if r.slot >= 0:
+            self.state = self._retire(self.state, r.slot)
+            self.slots[r.slot] = None
+            r.slot = -1
+        if r.pages:
+            self.pool.release(r.pages)
+            r.pages = []
+
+    def _drop_cancelled(self) -> None:
+        with self.lock:
+            cancelled = [
+                r for r in [*self.waiting, *self.prefilling, *self.slots] if r is not None and r.status == "cancelled"
+            ]
+            self.waiting = deque(r for r in self.waiting if r.status != "cancelled")
+            self.prefilling = deque(r for r in self.prefilling if r.status != "cancelled")
+        for r in cancelled:
+            self._release(r)
+            r.finish_reason = "cancelled"
+            r.done_event.set()
+
+    def _fail_all(self, reason: str) -> None:
+        for r in [*self.waiting, *self.prefilling, *self.slots]:
+            if r is not None and r.status != "done":
+                r.status = "cancelled"
+        self._drop_cancelled()
+
+    # --- metrics -----------------------------------------------------------------------------------
+
+    def metrics(self) -> dict[str, float]:
+        running = sum(1 for r in self.slots if r is not None and r.status == "running")
+        pool = self.pool
+        return {
+            "queue_length": len(self.waiting) + len(self.prefilling),
+            "running_slots": running,
+            "slots": self.serve.slots,
+            "cache_pages_in_use": pool.in_use(),
+            "cache_pages_total": pool.usable,
+            "prefix_cache_hit_rate": pool.hits / pool.lookups if pool.lookups else 0.0,
+            "prefix_cache_hit_tokens": pool.hits,
+            "requests_total": self.stats["requests"],
+            "requests_finished": self.stats["finished"],
+            "generated_tokens_total": self.stats["generated_tokens"],
+            "prompt_tokens_total": self.stats["prompt_tokens"],
+            "tokens_per_second": self.stats["generated_tokens"] / self.stats["busy_s"] if self.stats["busy_s"] else 0.0,
+            "time_to_first_token_seconds": float(np.mean(self.ttft)) if self.ttft else 0.0,
+            "time_per_output_token_seconds": float(np.mean(self.tpot)) if self.tpot else 0.0,
+        }
