@@ -4,7 +4,8 @@
 
 For each config, random jaxgen weights are exported with `jaxgen.hf.save_pretrained` and loaded by
 transformers, so both sides run the very same float32 model. Measured, best of a few repeats each:
-- prefill: batch 1, 128-token prompt, one new token (`generate(max_new_tokens=1)` on both sides);
+- prefill: batch 1, 128-token prompt: from tokens to the next token's logits with the KV cache built
+  (jaxgen's prefill program; transformers' forward with use_cache=True and logits_to_keep=1);
 - decode tokens/s at each batch: 32-token prompts, 128 new tokens, greedy, no early stop; the time of
   the 127 steps after the first token (a full run minus a one-token run), so prefill is not counted;
 - training tokens/s: batch 8 x 256, AdamW with clipping, forward + backward + update.
@@ -27,7 +28,7 @@ import transformers
 
 from jaxgen import hf, model
 from jaxgen.config import MeshConfig, load_config
-from jaxgen.generate import Generator
+from jaxgen.generate import Generator, bucket
 from jaxgen.sampling import SamplingConfig
 from jaxgen.sharding import make_mesh
 from jaxgen.tokenizer import Tokenizer
@@ -54,12 +55,26 @@ class JaxSide:
         sc = SamplingConfig(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
         return self.gen.generate(prompts, sc)
 
+    def prefill(self, prompt):
+        n = len(prompt)
+        tokens, positions = np.asarray([prompt], np.int32), np.arange(n, dtype=np.int32)[None]
+        one = np.zeros((1,), np.int32)
+        cache, logits = self.gen._prefill(
+            self.gen.params, tokens, positions, one, one + n, cfg=self.gen.cfg, cache_len=bucket(n + 128),
+            cache_dtype="float32",
+        )  # fmt: skip
+        return jax.block_until_ready((cache, logits))
+
 
 class TorchSide:
     def __init__(self, folder):
         self.model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         self.model.generation_config.eos_token_id = None
         self.model.generation_config.pad_token_id = 0
+
+    @torch.no_grad()
+    def prefill(self, prompt):
+        return self.model(input_ids=torch.tensor([prompt]), use_cache=True, logits_to_keep=1).logits
 
     @torch.no_grad()
     def generate(self, prompts, new_tokens):
@@ -74,8 +89,8 @@ class TorchSide:
 
 def bench_generation(side, prompt_rng, batches, new_tokens, repeats) -> dict:
     prompt = prompt_rng.integers(0, 256, 128).tolist()
-    side.generate([prompt], 1)  # warm up / compile
-    out = {"prefill": _best(lambda: side.generate([prompt], 1), repeats)}
+    side.prefill(prompt)  # warm up / compile
+    out = {"prefill": _best(lambda: side.prefill(prompt), repeats + 2)}
     for b in batches:
         prompts = prompt_rng.integers(0, 256, (b, 32)).tolist()
         side.generate(prompts, new_tokens)  # warm up / compile both programs
