@@ -1,11 +1,32 @@
-"""Run a trained model: `python serve.py generate --checkpoint RUN_DIR (--prompt TEXT | --input F --output F)`."""
+"""Run a trained model.
+
+    python serve.py generate --checkpoint DIR (--prompt TEXT | --input F.jsonl --output F.jsonl)
+    python serve.py http --checkpoint DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+
+DIR is a run folder written by train.py or a local Hugging Face model folder. Both commands run on the
+serving engine (continuous batching over a paged KV cache, prefix caching).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        help="run folder written by train.py (its latest checkpoint), or a local Hugging Face model folder "
+        "(config.json, *.safetensors, tokenizer.json)",
+    )
+    p.add_argument("--slots", type=int, default=16, help="sequences decoded together (default 16)")
+    p.add_argument("--kv-memory-gb", type=float, default=1.0, help="KV-cache page pool size in GB (default 1)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page (default 16)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="do not share pages of common prompt prefixes")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -19,12 +40,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Generate for --prompt, or for every line of --input (JSONL: id, prompt, optional sampling "
         "fields) into --output. Rerunning the same command resumes: ids already in --output are skipped.",
     )
-    g.add_argument(
-        "--checkpoint",
-        required=True,
-        help="run folder written by train.py (its latest checkpoint), or a local Hugging Face model folder "
-        "(config.json, *.safetensors, tokenizer.json)",
-    )
+    _engine_args(g)
     what = g.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="one prompt; prints the completion")
     what.add_argument("--input", type=Path, help="JSONL requests")
@@ -34,27 +50,53 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=0.95)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--batch-size", type=int, default=16, help="requests per batch (default 16)")
+    h = sub.add_parser(
+        "http",
+        help="an OpenAI-compatible HTTP server",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics.",
+        epilog="example:\n  python serve.py http --checkpoint runs/default --port 8000\n"
+        "  curl localhost:8000/v1/completions -H 'Content-Type: application/json' "
+        '-d \'{"prompt": "def ", "max_tokens": 32}\'',
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _engine_args(h)
+    h.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    h.add_argument("--port", type=int, default=8000)
+    h.add_argument("--api-key", default=os.environ.get("JAXGEN_API_KEY"), help="require this bearer key")
+    h.add_argument("--model-name", help="the model id clients use (default: the folder's name)")
     return parser
+
+
+def _serve_config(args):
+    from jaxgen.config import ConfigError, ServeConfig
+
+    try:
+        return ServeConfig(
+            slots=args.slots, kv_memory_gb=args.kv_memory_gb, page_size=args.page_size,
+            prefix_caching=not args.no_prefix_caching,
+        )  # fmt: skip
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.input is not None and args.output is None:
+    if args.command == "generate" and args.input is not None and args.output is None:
         parser.error("--input needs --output")
+    serve_cfg = _serve_config(args)
     from jaxgen.sampling import SamplingConfig, SamplingError
 
-    try:
-        defaults = SamplingConfig(
-            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-            top_p=args.top_p, seed=args.seed,
-        )  # fmt: skip
-    except SamplingError as e:
-        parser.error(str(e))
-    from jaxgen.batch_job import run_job
+    if args.command == "generate":
+        try:
+            defaults = SamplingConfig(
+                max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                top_p=args.top_p, seed=args.seed,
+            )  # fmt: skip
+        except SamplingError as e:
+            parser.error(str(e))
     from jaxgen.checkpoint import load_model
-    from jaxgen.generate import Generator
+    from jaxgen.engine import Engine
     from jaxgen.runtime import enable_compilation_cache
 
     enable_compilation_cache()
@@ -63,22 +105,51 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    gen = Generator(params, cfg, tokenizer, max_batch=max(args.batch_size, 1))
+    engine = Engine(params, cfg, tokenizer, serve_cfg)
+    if args.command == "http":
+        return _http(engine, args)
     if args.prompt is not None:
-        try:
-            print(args.prompt, end="", flush=True)
-            shown = 0
-            for update in gen.stream([args.prompt], defaults):
-                text = update[0].text
-                print(text[shown:], end="", flush=True)
-                shown = len(text)
-            print()
-        except SamplingError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-        return 0
-    summary = run_job(gen, args.input, args.output, defaults, batch_size=args.batch_size)
+        return _one_prompt(engine, args.prompt, defaults)
+    from jaxgen.batch_job import run_job
+
+    summary = run_job(engine, args.input, args.output, defaults)
     print(json.dumps(summary))
+    return 0
+
+
+def _one_prompt(engine, prompt: str, defaults) -> int:
+    from jaxgen.sampling import SamplingError
+
+    shown = 0
+
+    def show(seq):
+        nonlocal shown
+        print(seq.text[shown:], end="", flush=True)
+        shown = len(seq.text)
+
+    print(prompt, end="", flush=True)
+    try:
+        engine.submit(prompt, defaults, on_update=show)
+    except SamplingError as e:
+        print(f"\nerror: {e}", file=sys.stderr)
+        return 1
+    engine.run_until_idle()
+    print()
+    return 0
+
+
+def _http(engine, args) -> int:
+    import uvicorn
+
+    from jaxgen.server import create_app
+
+    name = args.model_name or Path(args.checkpoint).resolve().name
+    app = create_app(engine, name, args.api_key)
+    engine.start()
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    finally:
+        engine.stop()
     return 0
 
 

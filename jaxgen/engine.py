@@ -47,7 +47,7 @@ from jaxgen.generate import (
     _decode_loop,
     bucket,
 )
-from jaxgen.paged import PagedCache, PageError, PagePool, page_bytes
+from jaxgen.paged import PagedCache, PageError, PagePool, PagesExhausted, page_bytes
 from jaxgen.sampling import SamplingArrays, SamplingConfig, SamplingError
 from jaxgen.sharding import with_mesh
 from jaxgen.tokenizer import Tokenizer
@@ -211,6 +211,16 @@ class Engine:
                 "(raise serve.kv_memory_gb or lower max_new_tokens)"
             )
 
+    def encode_prompts(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        """Token ids of each prompt (as Generator.encode_prompts; the full check runs at submit)."""
+        out = []
+        for i, p in enumerate(prompts):
+            ids = self.tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p]
+            if not ids:
+                raise SamplingError(f"prompt {i} is empty: at least one token is needed")
+            out.append(ids)
+        return out
+
     def _stops(self, c: SamplingConfig) -> list[tuple[int, ...]]:
         stops = ([] if c.ignore_eos else [(e,) for e in self.tokenizer.eos_ids]) + [(t,) for t in c.stop_token_ids]
         stops += [tuple(q) for q in c.stop_token_sequences]
@@ -319,7 +329,7 @@ class Engine:
             total = min(len(r.prompt) + r.sampling.max_new_tokens, self.cfg.max_seq_len)
             try:
                 r.pages, r.cached_tokens = self.pool.allocate(r.prompt if self.serve.prefix_caching else [], total)
-            except PageError:
+            except PagesExhausted:
                 return
             r.prefilled = r.cached_tokens
             row = np.zeros(self.max_pages, np.int32)

@@ -27,6 +27,7 @@ import numpy as np
 
 from jaxgen.cache import from_storage, storage_dtype, to_storage
 from jaxgen.config import ModelConfig
+from jaxgen.sampling import SamplingError
 
 NULL_PAGE = 0
 
@@ -116,8 +117,12 @@ def attention(q_btnh, kv, layer: int, page_table, q_pos_bt, num_kv_heads: int, w
 _ = from_storage  # re-exported for callers reading pages
 
 
-class PageError(RuntimeError):
-    """A request that can never fit in the page pool (or the context)."""
+class PageError(SamplingError):
+    """A request that can never fit in the page pool: a bad request, refused before it is queued."""
+
+
+class PagesExhausted(RuntimeError):
+    """Not enough free pages right now: the request waits for running ones to finish."""
 
 
 class PagePool:
@@ -130,7 +135,7 @@ class PagePool:
 
     def __init__(self, num_pages: int, page_size: int):
         if num_pages < 2:
-            raise PageError(f"a page pool needs at least 2 pages (page 0 is reserved); got {num_pages}")
+            raise ValueError(f"a page pool needs at least 2 pages (page 0 is reserved); got {num_pages}")
         self.page_size = page_size
         self.num_pages = num_pages
         self.refs = np.zeros(num_pages, np.int32)
@@ -170,12 +175,12 @@ class PagePool:
     def allocate(self, prompt: list[int], total_tokens: int) -> tuple[list[int], int]:
         """Pages for a sequence of `total_tokens` tokens starting with `prompt`: shared prefix pages
         first (reference counted), then fresh ones. Returns (pages, tokens already cached), or raises
-        PageError when they are not available now (the caller waits and retries)."""
+        PagesExhausted when they are not available now (the caller waits and retries)."""
         shared = self.match_prefix(prompt)
         needed = -(-total_tokens // self.page_size) - len(shared)
         reusable = sum(1 for p in shared if self.refs[p] == 0)  # cached, idle: not evictable for us
         if needed > self.available() - reusable:
-            raise PageError(f"{needed} pages needed, {self.available() - reusable} available")
+            raise PagesExhausted(f"{needed} pages needed, {self.available() - reusable} available")
         for p in shared:
             self.refs[p] += 1
             self.cached.move_to_end(self.hash_of[p])
@@ -194,7 +199,7 @@ class PagePool:
                 del self.cached[h]
                 del self.hash_of[p]
                 return p
-        raise PageError("no page left")  # allocate() checked availability first: not reached
+        raise PagesExhausted("no page left")  # allocate() checked availability first: not reached
 
     def register_prompt(self, prompt: list[int], pages: list[int]) -> None:
         """After a prompt's prefill: its whole pages (all but one token must stay) become cache entries."""

@@ -7,9 +7,12 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from jaxgen.batch_job import run_job
 from jaxgen.checkpoint import load_run
-from jaxgen.config import MeshConfig
+from jaxgen.config import MeshConfig, ServeConfig
+from jaxgen.engine import Engine
 from jaxgen.generate import Generator
 from jaxgen.sampling import SamplingConfig
 from jaxgen.sharding import make_mesh
@@ -20,9 +23,13 @@ def read(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_bad_lines_become_error_records_and_the_job_goes_on(tiny_run, tmp_path):
+@pytest.mark.parametrize("runner", ["engine", "generator"])
+def test_bad_lines_become_error_records_and_the_job_goes_on(tiny_run, tmp_path, runner):
     cfg, tok, params = load_run(tiny_run, mesh=make_mesh(MeshConfig(data=1)))
-    gen = Generator(params, cfg.model, tok)
+    if runner == "engine":
+        gen = Engine(params, cfg.model, tok, ServeConfig(slots=4, num_pages=64))
+    else:
+        gen = Generator(params, cfg.model, tok)
     lines = [
         {"id": "ok1", "prompt": "import os", "max_new_tokens": 5},
         "this is not json",
@@ -60,7 +67,7 @@ def test_killed_job_resumes_without_lost_or_duplicated_ids(tiny_run, tmp_path):
     inp.write_text("".join(json.dumps({"id": i, "prompt": f"def f{i}("}) + "\n" for i in ids))
     cmd = [
         sys.executable, "serve.py", "generate", "--checkpoint", str(tiny_run), "--input", str(inp),
-        "--output", str(out), "--batch-size", "2", "--max-new-tokens", "48",
+        "--output", str(out), "--slots", "2", "--max-new-tokens", "48",
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 180
