@@ -153,7 +153,8 @@ class Engine:
         self.prefilling: deque[Request] = deque()
         self.lock = threading.Lock()  # guards the queues (submit and cancel come from other threads)
         self.wake = threading.Condition(self.lock)
-        self.stats = {"requests": 0, "finished": 0, "generated_tokens": 0, "prompt_tokens": 0, "busy_s": 0.0}
+        self.stats = {"requests": 0, "finished": 0, "cancelled": 0, "generated_tokens": 0, "prompt_tokens": 0}
+        self.stats["busy_s"] = 0.0
         self.ttft: deque[float] = deque(maxlen=1000)
         self.tpot: deque[float] = deque(maxlen=1000)
         self._thread: threading.Thread | None = None
@@ -360,7 +361,9 @@ class Engine:
         self.state = self._activate(
             self.state, r.slot, logits, len(r.prompt), c.max_new_tokens, stop_seqs, seen, sampling_row
         )
-        r.status = "running"
+        with self.lock:  # a cancel that came during the prefill stands
+            if r.status != "cancelled":
+                r.status = "running"
 
     def _decode_chunk(self) -> None:
         self.state = self._chunk(self.params, self.state, jnp.int32(self.serve.chunk_steps), cfg=self.cfg)
@@ -451,6 +454,7 @@ class Engine:
             self.waiting = deque(r for r in self.waiting if r.status != "cancelled")
             self.prefilling = deque(r for r in self.prefilling if r.status != "cancelled")
         for r in cancelled:
+            self.stats["cancelled"] += 1
             self._release(r)
             r.finish_reason = "cancelled"
             r.done_event.set()
@@ -476,6 +480,7 @@ class Engine:
             "prefix_cache_hit_tokens": pool.hits,
             "requests_total": self.stats["requests"],
             "requests_finished": self.stats["finished"],
+            "requests_cancelled": self.stats["cancelled"],
             "generated_tokens_total": self.stats["generated_tokens"],
             "prompt_tokens_total": self.stats["prompt_tokens"],
             "tokens_per_second": self.stats["generated_tokens"] / self.stats["busy_s"] if self.stats["busy_s"] else 0.0,

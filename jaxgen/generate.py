@@ -217,7 +217,9 @@ class Generator:
         p_count = bucket(len(prompt_idx), minimum=1)
         t = bucket(max(len(ids[p]) for p in prompt_idx))
         longest_new = max(configs[p].max_new_tokens for p, _ in group)
-        cache_len = min(max(bucket(t + longest_new), self.min_cache_len), bucket(cfg.max_seq_len))
+        # Slots for the padded prompts plus every new token: the padding (up to the bucket t) takes slots
+        # too, so capping at the context length would leave no room when t reaches it.
+        cache_len = max(bucket(t + min(longest_new, cfg.max_seq_len)), self.min_cache_len)
         tokens = np.zeros((p_count, t), np.int32)
         positions = np.full((p_count, t), -1, np.int32)
         lengths = np.ones((p_count,), np.int32)

@@ -5,7 +5,8 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (the tokenizer's chat template, or a plain
 "role: content" layout when it has none), GET /v1/models, GET /health, GET /metrics (Prometheus text).
 Request fields: max_tokens, temperature, top_p, top_k, min_p, seed, n, stop, logprobs, echo, stream
-(server-sent events), presence_penalty, frequency_penalty, repetition_penalty. An invalid request is a
+(server-sent events), presence_penalty, frequency_penalty, repetition_penalty, and ignore_eos (an
+extension, as in vLLM). An invalid request is a
 400 whose message names the field; a client that goes away cancels its sequences, freeing their slots
 and pages.
 """
@@ -48,6 +49,7 @@ class _Common(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0)
+    ignore_eos: bool = False  # an extension (as in vLLM): generate max_tokens whatever the model says
     user: str | None = None
 
 
@@ -158,7 +160,7 @@ def _sampling(body: _Common, max_tokens: int, logprobs: int, engine: Engine) -> 
             max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
             min_p=body.min_p, seed=seed, n=body.n, stop=tuple(stop), logprobs=logprobs,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-            repetition_penalty=body.repetition_penalty,
+            repetition_penalty=body.repetition_penalty, ignore_eos=body.ignore_eos,
         )  # fmt: skip
     except SamplingError as e:
         raise BadRequest(str(e), _field_in(str(e))) from None
@@ -227,8 +229,18 @@ def _completion_logprobs(engine, s: Sequence, offset: int) -> dict:
     for t in strings:
         offsets.append(pos)
         pos += len(t)
-    top = [{engine.tokenizer.decode([i]): lp for i, lp in alts.items()} for alts in s.top_logprobs]
+    top = [_by_string(engine, alts) for alts in s.top_logprobs]
     return {"tokens": strings, "token_logprobs": s.logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _by_string(engine, alts: dict[int, float]) -> dict[str, float]:
+    """{token text: logprob}, the format's keys; two ids with the same text (e.g. partial UTF-8 bytes,
+    both shown as U+FFFD) keep apart under the vocabulary's own token names."""
+    out: dict[str, float] = {}
+    for i, lp in alts.items():
+        text = engine.tokenizer.decode([i])
+        out[text if text not in out else engine.tokenizer.tok.id_to_token(i)] = lp
+    return out
 
 
 def _chat_logprobs(engine, s: Sequence) -> dict:
@@ -265,8 +277,10 @@ async def _stream(engine, seqs, updates, request, rid, created, kind, model_name
             try:
                 index, text, _, finish = await asyncio.wait_for(updates.get(), timeout=0.25)
             except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    raise asyncio.CancelledError from None
+                index = None
+            if await request.is_disconnected():  # checked on every update: a gone client stops at once
+                return
+            if index is None:
                 continue
             if index in finished:
                 continue
@@ -295,6 +309,7 @@ def prometheus(m: dict[str, float]) -> str:
         "prefix_cache_hit_tokens": "prompt tokens served from the prefix cache",
         "requests_total": "sequences submitted",
         "requests_finished": "sequences finished",
+        "requests_cancelled": "sequences cancelled (clients that went away)",
         "generated_tokens_total": "tokens generated",
         "prompt_tokens_total": "prompt tokens prefilled (cache hits excluded)",
         "tokens_per_second": "generated tokens per second of engine work",
