@@ -177,7 +177,7 @@ class PagePool:
         first (reference counted), then fresh ones. Returns (pages, tokens already cached), or raises
         PagesExhausted when they are not available now (the caller waits and retries)."""
         shared = self.match_prefix(prompt)
-        needed = -(-total_tokens // self.page_size) - len(shared)
+        needed = max(0, -(-total_tokens // self.page_size) - len(shared))
         reusable = sum(1 for p in shared if self.refs[p] == 0)  # cached, idle: not evictable for us
         if needed > self.available() - reusable:
             raise PagesExhausted(f"{needed} pages needed, {self.available() - reusable} available")

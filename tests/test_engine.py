@@ -145,3 +145,26 @@ def test_cancel_frees_the_slot_and_pages(engine):
     engine.step()
     assert r.finish_reason == "cancelled" and r.slot == -1
     assert engine.pool.in_use() == 0 and all(s is None for s in engine.slots)
+
+
+def test_page_pool_shares_by_reference_and_evicts_least_recently_used():
+    from jaxgen.paged import PagePool, PagesExhausted
+
+    pool = PagePool(num_pages=7, page_size=4)  # 6 usable pages
+    a, b = list(range(100, 109)), list(range(200, 209))  # 9 tokens: 2 whole pages each are cacheable
+    pages_a, cached = pool.allocate(a, 9)
+    assert cached == 0 and len(pages_a) == 3
+    pool.register_prompt(a, pages_a)
+    pages_a2, cached = pool.allocate(a, 9)  # the same prompt again: 2 pages shared by reference
+    assert cached == 8 and pages_a2[:2] == pages_a[:2] and pool.refs[pages_a[0]] == 2
+    pool.release(pages_a)
+    pool.release(pages_a2)
+    assert pool.in_use() == 0 and pool.available() == 6  # idle cached pages still count as available
+    pages_b, _ = pool.allocate(b, 9)
+    pool.register_prompt(b, pages_b)
+    pool.release(pages_b)
+    pool.release(pool.allocate(a, 9)[0])  # touches a's entries: b's are now the least recently used
+    with pytest.raises(PagesExhausted):
+        pool.allocate(list(range(300, 340)), 40)  # 10 pages: more than the pool will ever have free
+    pool.allocate(list(range(300, 316)), 16)  # 4 pages: the 2 free ones, then b's 2 cached ones (LRU)
+    assert pool.match_prefix(b) == [] and len(pool.match_prefix(a)) == 2

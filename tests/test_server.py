@@ -197,3 +197,39 @@ def test_client_disconnect_frees_slot_and_pages(stack):
         time.sleep(0.1)
     assert engine.pool.in_use() == 0 and not any(engine.slots)
     assert engine.metrics()["requests_cancelled"] == cancelled + 1
+
+
+def test_serve_py_http_command(tiny_run):
+    """`python serve.py http` as a user starts it: a real process, the key required, greedy = generate."""
+    import subprocess
+    import sys
+
+    import jaxgen
+    from tests.conftest import ROOT
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "serve.py", "http", "--checkpoint", str(tiny_run), "--port", str(port), "--slots", "2",
+           "--kv-memory-gb", "0.05", "--api-key", "k3y"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            assert proc.poll() is None, proc.stdout.read()[-2000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k3y", max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == [tiny_run.name]
+        out = client.completions.create(model=tiny_run.name, prompt="def ", max_tokens=6, temperature=0)
+        (want,) = jaxgen.generate(tiny_run, ["def "], SamplingConfig(max_new_tokens=6, temperature=0.0))
+        assert out.choices[0].text == want.text
+        wrong = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="nope", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
