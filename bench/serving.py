@@ -102,24 +102,33 @@ def main() -> None:
     warm_p, warm_c = workload(24, args.seed + 1)
 
     results = {}
+    header = f"{'run':<42}{'tokens':>8}{'wall s':>8}{'tok/s':>8}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}"
+
+    def show(name):
+        r = results[name]
+        print(
+            f"{name:<42}{r['tokens']:>8}{r['wall_s']:>8.1f}{r['tok_s']:>8.1f}{r['ttft_p50']:>9.2f}s{r['ttft_p99']:>7.2f}s"
+            f"{r['tpot_p50'] * 1e3:>8.1f}ms{r['tpot_p99'] * 1e3:>6.0f}ms",
+            flush=True,
+        )
+
+    print(header, flush=True)
     engine = Engine(params, cfg, tok, serve)
     engine.generate(warm_p + shared_prompts[:2], warm_c + shared_configs[:2])  # compile
     results["engine"] = run_engine(engine, prompts, configs)
+    show("engine")
     gen = Generator(params, cfg, tok, max_batch=args.slots, chunk_steps=args.chunk_steps)
     run_static(gen, prompts, configs, args.slots)  # compile every batch's shapes
     results["static batches (generate)"] = run_static(gen, prompts, configs, args.slots)
+    show("static batches (generate)")
     engine.pool.clear_cache()
     results["shared prefix: engine, prefix caching"] = run_engine(engine, shared_prompts, shared_configs)
+    show("shared prefix: engine, prefix caching")
     plain = Engine(params, cfg, tok, dataclasses.replace(serve, prefix_caching=False))
     plain.generate(warm_p + shared_prompts[:2], warm_c + shared_configs[:2])
     results["shared prefix: engine, no prefix caching"] = run_engine(plain, shared_prompts, shared_configs)
+    show("shared prefix: engine, no prefix caching")
 
-    print(f"\n{'run':<42}{'tokens':>8}{'wall s':>8}{'tok/s':>8}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}")
-    for name, r in results.items():
-        print(
-            f"{name:<42}{r['tokens']:>8}{r['wall_s']:>8.1f}{r['tok_s']:>8.1f}{r['ttft_p50']:>9.2f}s{r['ttft_p99']:>7.2f}s"
-            f"{r['tpot_p50'] * 1e3:>8.1f}ms{r['tpot_p99'] * 1e3:>6.0f}ms"
-        )
     ratio = results["engine"]["tok_s"] / results["static batches (generate)"]["tok_s"]
     ttft = results["shared prefix: engine, no prefix caching"]["ttft_p50"]
     ttft /= results["shared prefix: engine, prefix caching"]["ttft_p50"]

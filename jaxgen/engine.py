@@ -6,11 +6,12 @@
     request.result()                   # a Completion, as Generator.generate returns
 
 A fixed number of decode slots share one pool of fixed-size pages (`jaxgen.paged`). Each scheduler
-step (1) gives waiting requests free slots, (2) runs one chunk of one prompt's prefill (long prompts
-take several steps, so running sequences wait at most one chunk), (3) runs a jitted `while_loop` of up
-to `chunk_steps` decode steps for every active slot, and (4) retires finished sequences, returning
-their pages. All device state (the `DecodeState` of `jaxgen.generate`, its cache a `PagedCache`) is
-passed into and returned from jitted pure functions; the scheduler only decides what to run.
+step (1) gives waiting requests free slots, (2) prefills up to `prefill_chunk` prompt tokens (several
+short prompts, or one chunk of a long one: running sequences wait at most one chunk), (3) runs a
+jitted `while_loop` of up to `chunk_steps` decode steps for every active slot, and (4) retires
+finished sequences, returning their pages. All device state (the `DecodeState` of `jaxgen.generate`,
+its cache a `PagedCache`) is passed into and returned from jitted pure functions; the scheduler only
+decides what to run.
 
 A request's tokens do not depend on what else runs: each slot has its own sampling settings, and
 seeded draws are keyed by (seed, token index), exactly as in `Generator`.
@@ -308,7 +309,12 @@ class Engine:
         t0 = time.perf_counter()
         self._drop_cancelled()
         self._admit()
-        self._prefill_one_chunk()
+        budget = self.serve.prefill_chunk  # prompt tokens per step, over as many prompts as it covers
+        while budget > 0 and self.prefilling:
+            done = self._prefill_one_chunk(budget)
+            if not done:
+                break
+            budget -= done
         if any(r is not None and r.status == "running" for r in self.slots):
             self._decode_chunk()
         self.stats["busy_s"] += time.perf_counter() - t0
@@ -322,22 +328,21 @@ class Engine:
                     self.slots[slot] = r
                     self.prefilling.append(r)
 
-    def _prefill_one_chunk(self) -> None:
-        if not self.prefilling:
-            return
+    def _prefill_one_chunk(self, budget: int) -> int:
+        """Prefills up to `budget` tokens of the first prompt waiting; returns how many it ran."""
         r = self.prefilling[0]
         if not r.pages:  # pages are taken when the prefill starts; too few free: wait for some
             total = min(len(r.prompt) + r.sampling.max_new_tokens, self.cfg.max_seq_len)
             try:
                 r.pages, r.cached_tokens = self.pool.allocate(r.prompt if self.serve.prefix_caching else [], total)
             except PagesExhausted:
-                return
+                return 0
             r.prefilled = r.cached_tokens
             row = np.zeros(self.max_pages, np.int32)
             row[: len(r.pages)] = r.pages
             self.state = self._set_pages(self.state, r.slot, row, len(r.pages) * self.pool.page_size)
         start = r.prefilled
-        n = min(len(r.prompt) - start, self.serve.prefill_chunk)
+        n = min(len(r.prompt) - start, budget)
         c = bucket(n, minimum=16)
         tokens = np.zeros((1, c), np.int32)
         positions = np.full((1, c), -1, np.int32)
@@ -347,7 +352,7 @@ class Engine:
         r.prefilled += n
         self.stats["prompt_tokens"] += n
         if r.prefilled < len(r.prompt):
-            return
+            return n
         self.prefilling.popleft()
         if self.serve.prefix_caching:
             self.pool.register_prompt(r.prompt, r.pages)
@@ -364,6 +369,7 @@ class Engine:
         with self.lock:  # a cancel that came during the prefill stands
             if r.status != "cancelled":
                 r.status = "running"
+        return n
 
     def _decode_chunk(self) -> None:
         self.state = self._chunk(self.params, self.state, jnp.int32(self.serve.chunk_steps), cfg=self.cfg)
