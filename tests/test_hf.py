@@ -131,15 +131,14 @@ def test_export_reloads_in_transformers(family_model, tmp_path):
     assert hf_tok.eos_token_id == gen.tokenizer.eos_id
 
 
+@pytest.mark.parametrize("family_model", ["llama"], indirect=True)  # one family: the code path is shared
 def test_sharded_export_and_import_onto_a_mesh(family_model, tmp_path):
     """Sharded safetensors both ways; on a (2, 2, 2) mesh every parameter lands in its own sharding."""
     from jaxgen import model
     from jaxgen.config import MeshConfig
     from jaxgen.sharding import make_mesh
 
-    family, ref, _, gen = family_model
-    if family != "llama":
-        return  # one family is enough: the shard and placement logic is shared
+    _family, ref, _, gen = family_model
     out = hf.save_pretrained(tmp_path / "sharded", gen.params, gen.cfg, gen.tokenizer, max_shard_bytes=20_000)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 2
@@ -165,10 +164,9 @@ def _rewrite(folder, dst, edit):
     return dst
 
 
+@pytest.mark.parametrize("family_model", ["qwen2"], indirect=True)  # one family: the code path is shared
 def test_missing_wrong_shaped_and_unsupported_are_clear_errors(family_model, tmp_path):
-    family, _, folder, _ = family_model
-    if family != "qwen2":
-        return  # the error paths are family-independent; qwen2 also checks that its biases are required
+    _family, _, folder, _ = family_model
     name = "model.layers.1.self_attn.k_proj.bias"
     missing = _rewrite(folder, tmp_path / "missing", lambda t: {k: v for k, v in t.items() if k != name})
     with pytest.raises(hf.HFError, match=rf"tensor '{name}' \(jaxgen layers/b_k_kh\) is missing.*supported families"):
@@ -222,6 +220,7 @@ def test_tokenizer_reads_end_of_sequence_ids_and_chat_template(tmp_path):
     assert Tokenizer.from_folder(tmp_path).eos_ids == (256,)  # from tokenizer_config.json's eos_token
 
 
+@pytest.mark.parametrize("family_model", ["llama"], indirect=True)  # one family: the code path is shared
 def test_fine_tune_convert_and_serve_from_the_command_lines(family_model, token_cache, tmp_path, capsys):
     """train.py starts from a Hugging Face folder (prompt/response masking), convert.py exports the
     result for transformers, and serve.py generates from a Hugging Face folder."""
@@ -231,9 +230,7 @@ def test_fine_tune_convert_and_serve_from_the_command_lines(family_model, token_
     from jaxgen import model
     from jaxgen.checkpoint import load_run
 
-    family, _, folder, gen = family_model
-    if family != "llama":
-        return  # the command lines do not depend on the family
+    _family, _, folder, gen = family_model
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps({"q": f"Q: {i} + 1?", "a": f" A: {i + 1}"}) + "\n" for i in range(40)))
     run = tmp_path / "run"
@@ -275,10 +272,9 @@ def test_fine_tune_convert_and_serve_from_the_command_lines(family_model, token_
     assert capsys.readouterr().out == "Q: 7 + 1?" + want.text + "\n"
 
 
+@pytest.mark.parametrize("family_model", ["gemma"], indirect=True)  # one family: the code path is shared
 def test_bfloat16_checkpoint_loads_as_float32(family_model, tmp_path):
-    family, ref, _, gen = family_model
-    if family != "gemma":
-        return  # the dtype path is family-independent
+    _family, ref, _, gen = family_model
     import copy
 
     copy.deepcopy(ref).to(torch.bfloat16).save_pretrained(tmp_path)
