@@ -8,8 +8,8 @@ Qwen2 (q/k/v biases) and Gemma (first generation: GeGLU, scaled embeddings, (1 +
 Nothing is downloaded: a folder is what `save_pretrained` or `huggingface-cli download` left on disk.
 
 Weights are read tensor by tensor from memory-mapped safetensors files (single or sharded with
-model.safetensors.index.json) and each jaxgen parameter is placed straight into its sharding, so the
-host holds at most one stacked parameter beside the placed model.
+model.safetensors.index.json) and each jaxgen parameter is placed straight into its sharding, so
+beside the placed model the host holds one stacked parameter (and briefly device_put's copy of it).
 """
 
 from __future__ import annotations
@@ -379,7 +379,9 @@ def load_params(folder: str | Path, cfg: ModelConfig, family: str, mesh=None) ->
                 host[i] = _to_jaxgen(t, ckpt.get(t.name.format(i=i), expected, path), shape)
         else:
             host = _to_jaxgen(t, ckpt.get(t.name, expected, path), shape).astype(np.float32)
-        placed[path] = jax.device_put(host, shardings[path])
+        # Wait for the transfer: device_put is asynchronous and keeps `host` alive until it is done,
+        # so without this two stacked parameters could be on the host at once.
+        placed[path] = jax.block_until_ready(jax.device_put(host, shardings[path]))
         del host
     return _unflatten(placed)
 

