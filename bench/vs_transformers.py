@@ -25,6 +25,7 @@ import jax
 import numpy as np
 import torch
 import transformers
+from train_throughput import synthetic_batch  # bench/ is on the path when run as a script
 
 from jaxgen import hf, model
 from jaxgen.config import MeshConfig, load_config
@@ -106,7 +107,7 @@ def bench_train_jax(cfg, batch, seq, steps) -> float:
     mesh = make_mesh(cfg.mesh)
     state = create_train_state(cfg, mesh)
     step = make_train_step(cfg, mesh, state)
-    data = put_batch(_batch(batch, seq, cfg.model.vocab_size), mesh)
+    data = put_batch(synthetic_batch(batch, seq, cfg.model.vocab_size), mesh)
     state, m = step(state, data)  # compile
     jax.block_until_ready(m)
     best = float("inf")
@@ -122,7 +123,7 @@ def bench_train_torch(folder, batch, seq, steps, vocab) -> float:
     m = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).train()
     m.config.use_cache = False
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
-    data = _batch(batch, seq, vocab)
+    data = synthetic_batch(batch, seq, vocab)
     inputs, targets = torch.from_numpy(data["inputs"]).long(), torch.from_numpy(data["targets"]).long()
 
     def step():
@@ -135,20 +136,6 @@ def bench_train_torch(folder, batch, seq, steps, vocab) -> float:
 
     step()  # warm up
     return batch * seq / _best(step, steps)
-
-
-def _batch(b, t, vocab):
-    rng = np.random.default_rng(0)
-    seq = rng.integers(0, vocab, size=(b, t + 1)).astype(np.int32)
-    ones = np.ones((b, t), np.int32)
-    positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy()
-    return {
-        "inputs": seq[:, :-1],
-        "targets": seq[:, 1:],
-        "positions": positions,
-        "segment_ids": ones,
-        "loss_mask": ones,
-    }
 
 
 def bench_config(name, args) -> dict[str, tuple[float, float]]:

@@ -47,6 +47,10 @@ from jaxgen.generate import (
     DecodeState,
     _decode_loop,
     bucket,
+    counted,
+    stop_sequences,
+    stop_string_cut,
+    stop_suffix,
 )
 from jaxgen.paged import PagedCache, PageError, PagePool, PagesExhausted, page_bytes
 from jaxgen.sampling import SamplingArrays, SamplingConfig, SamplingError
@@ -143,11 +147,11 @@ class Engine:
         self.pool = PagePool(num_pages, z)
         self.compilations = 0
         donate = functools.partial(jax.jit, donate_argnums=0)
-        self._set_pages = with_mesh(donate(self._counted(_set_pages)), mesh)
-        self._activate = with_mesh(donate(self._counted(_activate)), mesh)
-        self._retire = with_mesh(donate(self._counted(_retire)), mesh)
-        self._prefill = with_mesh(jax.jit(self._counted(_prefill_chunk), static_argnames="cfg", donate_argnums=1), mesh)
-        self._chunk = with_mesh(jax.jit(self._counted(_chunk), static_argnames="cfg", donate_argnums=1), mesh)
+        self._set_pages = with_mesh(donate(counted(self, _set_pages)), mesh)
+        self._activate = with_mesh(donate(counted(self, _activate)), mesh)
+        self._retire = with_mesh(donate(counted(self, _retire)), mesh)
+        self._prefill = with_mesh(jax.jit(counted(self, _prefill_chunk), static_argnames="cfg", donate_argnums=1), mesh)
+        self._chunk = with_mesh(jax.jit(counted(self, _chunk), static_argnames="cfg", donate_argnums=1), mesh)
         self.state = self._init_state(num_pages)
         self.slots: list[Request | None] = [None] * serve.slots
         self.waiting: deque[Request] = deque()
@@ -160,15 +164,6 @@ class Engine:
         self.tpot: deque[float] = deque(maxlen=1000)
         self._thread: threading.Thread | None = None
         self._stop = False
-
-    def _counted(self, fn):
-        @functools.wraps(fn)
-        def traced(*args, **kwargs):
-            self.compilations += 1
-            log.info("compiling %s (%d so far)", fn.__name__, self.compilations)
-            return fn(*args, **kwargs)
-
-        return traced
 
     def _init_state(self, num_pages: int) -> DecodeState:
         b, v, m, a = self.serve.slots, self.cfg.vocab_size, self.serve.chunk_steps, self.serve.max_logprobs
@@ -224,11 +219,7 @@ class Engine:
         return out
 
     def _stops(self, c: SamplingConfig) -> list[tuple[int, ...]]:
-        stops = ([] if c.ignore_eos else [(e,) for e in self.tokenizer.eos_ids]) + [(t,) for t in c.stop_token_ids]
-        stops += [tuple(q) for q in c.stop_token_sequences]
-        if len(stops) > MAX_STOPS:
-            raise SamplingError(f"{len(stops)} stop ids and sequences (end-of-sequence included); at most {MAX_STOPS}")
-        return stops
+        return stop_sequences(c, self.tokenizer.eos_ids)
 
     def submit(
         self, prompt: str | list[int], sampling: SamplingConfig = SamplingConfig(), *, prompt_index: int = 0,
@@ -302,7 +293,7 @@ class Engine:
                 self.step()
             except Exception:  # keep serving; the failing requests are ended with an error reason
                 log.exception("engine step failed")
-                self._fail_all("error")
+                self._fail_all()
 
     def step(self) -> None:
         """One scheduler iteration: admit, one prefill chunk, one decode chunk, retire."""
@@ -404,32 +395,19 @@ class Engine:
 
     def _apply_stop_strings(self, r: Request) -> bool:
         """Cuts the output before the first stop string; True when one was found."""
-        if not r.sampling.stop:
+        found = stop_string_cut(self.tokenizer, r.tokens, r.sampling.stop)
+        if found is None:
             return False
-        text = self.tokenizer.decode(r.tokens)
-        hits = [text.find(s) for s in r.sampling.stop if s in text]
-        if not hits:
-            return False
-        cut = min(hits)
-        keep = next(
-            (k for k in range(len(r.tokens) + 1) if len(self.tokenizer.decode(r.tokens[:k])) >= cut), len(r.tokens)
-        )
-        r.tokens, r.logprobs = r.tokens[:keep], r.logprobs[:keep]
-        r.top_logprobs = r.top_logprobs[:keep]
-        r.text = text[:cut]
+        keep, cut = found
+        r.text = self.tokenizer.decode(r.tokens)[:cut]
+        r.tokens, r.logprobs, r.top_logprobs = r.tokens[:keep], r.logprobs[:keep], r.top_logprobs[:keep]
         return True
 
     def _text(self, r: Request, reason: str) -> str:
-        if reason == "stop" and r.sampling.stop and r.text and self._stop_suffix(r) == 0:
+        suffix = stop_suffix(r.tokens, self._stops(r.sampling)) if reason == "stop" else 0
+        if reason == "stop" and r.sampling.stop and r.text and suffix == 0:
             return r.text  # cut at a stop string
-        toks = r.tokens[: len(r.tokens) - (self._stop_suffix(r) if reason == "stop" else 0)]
-        return self.tokenizer.decode(toks)  # stop ids and sequences are not text
-
-    def _stop_suffix(self, r: Request) -> int:
-        toks = r.tokens
-        return max(
-            (len(q) for q in self._stops(r.sampling) if len(toks) >= len(q) and tuple(toks[-len(q) :]) == q), default=0
-        )
+        return self.tokenizer.decode(r.tokens[: len(r.tokens) - suffix])  # stop ids and sequences are not text
 
     def _finish(self, r: Request, reason: str) -> None:
         r.text = self._text(r, reason)
@@ -465,7 +443,7 @@ class Engine:
             r.finish_reason = "cancelled"
             r.done_event.set()
 
-    def _fail_all(self, reason: str) -> None:
+    def _fail_all(self) -> None:
         for r in [*self.waiting, *self.prefilling, *self.slots]:
             if r is not None and r.status != "done":
                 r.status = "cancelled"

@@ -139,6 +139,46 @@ def _decode_loop(params, state: DecodeState, cfg: ModelConfig) -> DecodeState:
     return jax.lax.while_loop(cond, body, state)
 
 
+def counted(owner, fn):
+    """`fn`, counting each trace (one XLA compilation) in `owner.compilations`."""
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        owner.compilations += 1
+        log.info("compiling %s (%d so far)", fn.__name__, owner.compilations)
+        return fn(*args, **kwargs)
+
+    return traced
+
+
+def stop_sequences(c: SamplingConfig, eos_ids) -> list[tuple[int, ...]]:
+    """A request's stop token sequences: end-of-sequence, each stop id, each stop sequence."""
+    stops = ([] if c.ignore_eos else [(e,) for e in eos_ids]) + [(t,) for t in c.stop_token_ids]
+    stops += [tuple(q) for q in c.stop_token_sequences]
+    if len(stops) > MAX_STOPS:
+        raise SamplingError(f"{len(stops)} stop ids and sequences (end-of-sequence included); at most {MAX_STOPS}")
+    return stops
+
+
+def stop_suffix(toks: list[int], stops: list[tuple[int, ...]]) -> int:
+    """Length of the stop sequence that ends `toks` (0 if none)."""
+    return max((len(q) for q in stops if len(toks) >= len(q) and tuple(toks[-len(q) :]) == q), default=0)
+
+
+def stop_string_cut(tokenizer, toks: list[int], stop: tuple[str, ...]) -> tuple[int, int] | None:
+    """Where the first stop string starts in the decoded `toks`: (tokens to keep, characters to keep),
+    or None. The output is cut before the string."""
+    if not stop:
+        return None
+    text = tokenizer.decode(toks)
+    hits = [text.find(s) for s in stop if s in text]
+    if not hits:
+        return None
+    cut = min(hits)
+    keep = next((k for k in range(len(toks) + 1) if len(tokenizer.decode(toks[:k])) >= cut), len(toks))
+    return keep, cut
+
+
 class Generator:
     """Holds params, config, tokenizer and the jitted programs; every call is a pure function of arrays."""
 
@@ -156,19 +196,10 @@ class Generator:
         self.compilations = 0  # programs traced (each trace is one XLA compilation)
         # With a mesh, place params with `model.param_shardings`; batch rows and the cache's kv heads
         # follow the sharding rules (jaxgen.sharding) through the constraints in the model and cache.
-        prefill = jax.jit(self._counted(_prefill), static_argnames=("cfg", "cache_len", "cache_dtype"))
+        prefill = jax.jit(counted(self, _prefill), static_argnames=("cfg", "cache_len", "cache_dtype"))
         self._prefill = with_mesh(prefill, mesh)
-        self._loop = with_mesh(jax.jit(self._counted(_decode_loop), static_argnames="cfg", donate_argnums=1), mesh)
-        self._score = with_mesh(jax.jit(self._counted(_score), static_argnames="cfg"), mesh)
-
-    def _counted(self, fn):
-        @functools.wraps(fn)
-        def traced(*args, **kwargs):
-            self.compilations += 1
-            log.info("compiling %s (%d so far)", fn.__name__, self.compilations)
-            return fn(*args, **kwargs)
-
-        return traced
+        self._loop = with_mesh(jax.jit(counted(self, _decode_loop), static_argnames="cfg", donate_argnums=1), mesh)
+        self._score = with_mesh(jax.jit(counted(self, _score), static_argnames="cfg"), mesh)
 
     # --- input checks, before any compilation -----------------------------------------------------
 
@@ -281,14 +312,9 @@ class Generator:
         for r, (p, _) in enumerate(group):
             if not configs[p].stop or stop_at[r] is not None:
                 continue
-            n = int(generated[r])
-            toks = tokens[r, :n].tolist()
-            text = self.tokenizer.decode(toks)
-            hits = [text.find(s) for s in configs[p].stop if s in text]
-            if hits:
-                cut = min(hits)
-                keep = next((k for k in range(n + 1) if len(self.tokenizer.decode(toks[:k])) >= cut), n)
-                stop_at[r] = keep
+            found = stop_string_cut(self.tokenizer, tokens[r, : int(generated[r])].tolist(), configs[p].stop)
+            if found is not None:
+                stop_at[r] = found[0]
                 newly[r] = True
         return newly
 
@@ -301,7 +327,7 @@ class Generator:
             if stop_at[r] is not None:
                 n, reason = stop_at[r], "stop"
             toks = tokens[r, :n].tolist()
-            cut = self._stop_suffix(toks, configs[p]) if reason == "stop" and stop_at[r] is None else 0
+            cut = stop_suffix(toks, self._stops(configs[p])) if reason == "stop" and stop_at[r] is None else 0
             text = self.tokenizer.decode(toks[: len(toks) - cut])  # stop ids and sequences are not text
             alts = None
             if configs[p].logprobs:
@@ -311,16 +337,7 @@ class Generator:
         return out
 
     def _stops(self, c: SamplingConfig) -> list[tuple[int, ...]]:
-        """A request's stop token sequences: end-of-sequence, each stop id, each stop sequence."""
-        stops = ([] if c.ignore_eos else [(e,) for e in self.tokenizer.eos_ids]) + [(t,) for t in c.stop_token_ids]
-        stops += [tuple(q) for q in c.stop_token_sequences]
-        if len(stops) > MAX_STOPS:
-            raise SamplingError(f"{len(stops)} stop ids and sequences (end-of-sequence included); at most {MAX_STOPS}")
-        return stops
-
-    def _stop_suffix(self, toks: list[int], c: SamplingConfig) -> int:
-        """Length of the stop sequence that ends `toks` (0 if none)."""
-        return max((len(q) for q in self._stops(c) if len(toks) >= len(q) and tuple(toks[-len(q) :]) == q), default=0)
+        return stop_sequences(c, self.tokenizer.eos_ids)
 
     # --- scoring ----------------------------------------------------------------------------------
 

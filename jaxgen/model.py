@@ -275,9 +275,7 @@ def _attend_cache(q, k, v, *, kv, layer, positions, pos, cache: KVCache, cfg: Mo
 def _attend_paged(q, k, v, *, kv, layer, positions, cache: PagedCache, cfg: ModelConfig):
     """Writes this layer's keys and values into each slot's pages, then attends over its pages."""
     kv = paged.write(cache, layer, k, v, positions, kv)
-    return paged.attention(
-        q, kv, layer, cache.page_table, positions, cfg.kv_heads, cfg.sliding_window, layers._online_softmax_step
-    )
+    return paged.attention(q, kv, layer, cache.page_table, positions, cfg.kv_heads, cfg.sliding_window)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgen.cache import from_storage, storage_dtype, to_storage
+from jaxgen import layers
+from jaxgen.cache import storage_dtype, to_storage
 from jaxgen.config import ModelConfig
 from jaxgen.sampling import SamplingError
 
@@ -77,15 +78,13 @@ def write(cache: PagedCache, layer: int, k_btkh, v_btkh, positions_bt, kv):
     return k_all, v_all
 
 
-def attention(q_btnh, kv, layer: int, page_table, q_pos_bt, num_kv_heads: int, window: int | None, online_step):
+def attention(q_btnh, kv, layer: int, page_table, q_pos_bt, num_kv_heads: int, window: int | None):
     """Attention of each slot's queries over its own pages, one page at a time (online softmax).
 
     Only the pages up to the furthest query position are visited, so a step costs what the longest
     live sequence holds, not the table's width. Returns (B, T, N, H) and the pool, threaded through the
     loop's carry (as a loop-invariant operand XLA would copy it).
     """
-    from jaxgen.layers import NEG_INF
-
     b, t, n, h = q_btnh.shape
     k = num_kv_heads
     q = q_btnh.reshape(b, t, k, n // k, h).astype(jnp.float32) * (h**-0.5)
@@ -101,10 +100,10 @@ def attention(q_btnh, kv, layer: int, page_table, q_pos_bt, num_kv_heads: int, w
         mask = (key_pos[None, None, :] <= q_pos_bt[:, :, None]) & (q_pos_bt[:, :, None] >= 0)
         if window is not None:
             mask = mask & (q_pos_bt[:, :, None] - key_pos[None, None, :] < window)
-        return online_step(stats, q, kb, vb, mask), (k_all, v_all)
+        return layers._online_softmax_step(stats, q, kb, vb, mask), (k_all, v_all)
 
     init = (
-        jnp.full((b, k, n // k, t), NEG_INF, jnp.float32),
+        jnp.full((b, k, n // k, t), layers.NEG_INF, jnp.float32),
         jnp.zeros((b, k, n // k, t), jnp.float32),
         jnp.zeros((b, k, n // k, t, h), jnp.float32),
     )
@@ -112,9 +111,6 @@ def attention(q_btnh, kv, layer: int, page_table, q_pos_bt, num_kv_heads: int, w
     (_, l, acc), kv = jax.lax.fori_loop(0, pages, page_step, (init, (k_all, v_all)))
     out = acc / jnp.maximum(l, 1e-30)[..., None]
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q_btnh.dtype), kv
-
-
-_ = from_storage  # re-exported for callers reading pages
 
 
 class PageError(SamplingError):
