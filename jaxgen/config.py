@@ -228,14 +228,24 @@ class ServeConfig:
     max_logprobs: int = 5  # the most top alternatives a request may ask for
     prefix_caching: bool = True  # share the pages of prompt prefixes already in the cache
     cache_dtype: Literal["float32", "bfloat16"] = "float32"
+    # the HTTP server's limits
+    max_body_bytes: int = 4_000_000  # a larger request body gets 413 before it is parsed
+    max_queue: int = 1024  # requests waiting beyond this get 429 with Retry-After
+    request_timeout_s: float = 0.0  # a request running longer is cancelled (408); 0 = no limit
+    shutdown_grace_s: float = 10.0  # on SIGTERM, running sequences get this long before their streams are ended
 
     def __post_init__(self):
-        for name in ("slots", "page_size", "chunk_steps", "prefill_chunk"):
+        for name in ("slots", "page_size", "chunk_steps", "prefill_chunk", "max_body_bytes", "max_queue"):
             value = getattr(self, name)
             _check(isinstance(value, int) and value > 0, f"serve.{name}", value, "a positive integer")
         _check(self.kv_memory_gb > 0, "serve.kv_memory_gb", self.kv_memory_gb, "a number > 0")
         _check(self.num_pages == 0 or self.num_pages >= 2, "serve.num_pages", self.num_pages, "0 or at least 2")
         _check(self.max_logprobs >= 0, "serve.max_logprobs", self.max_logprobs, "an integer >= 0")
+        for name in ("request_timeout_s", "shutdown_grace_s"):
+            value = getattr(self, name)
+            _check(
+                isinstance(value, int | float) and 0 <= value < float("inf"), f"serve.{name}", value, "a number >= 0"
+            )
         dtypes = ("float32", "bfloat16")
         _check(self.cache_dtype in dtypes, "serve.cache_dtype", self.cache_dtype, ", ".join(dtypes))
 
@@ -384,7 +394,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(_plain(cfg.to_dict()), sort_keys=False))
+    """Writes the YAML next to `path` and renames it over: a crash or a full disk never leaves half a file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(yaml.safe_dump(_plain(cfg.to_dict()), sort_keys=False))
+    tmp.replace(path)
 
 
 def _plain(value):

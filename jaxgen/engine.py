@@ -25,6 +25,7 @@ request waits. One that could never fit (longer than the context or the whole po
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import logging
 import threading
@@ -48,17 +49,41 @@ from jaxgen.generate import (
     _decode_loop,
     bucket,
     counted,
+    encode_prompt,
+    finish_row,
     stop_sequences,
     stop_string_cut,
-    stop_suffix,
 )
 from jaxgen.paged import PagedCache, PageError, PagePool, PagesExhausted, page_bytes
-from jaxgen.sampling import SamplingArrays, SamplingConfig, SamplingError
+from jaxgen.sampling import SamplingArrays, SamplingConfig, SamplingError, check_prompt
 from jaxgen.sharding import with_mesh
 from jaxgen.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 STOP_LEN = 8  # the longest stop token sequence a request may give
+
+
+class Status(str, enum.Enum):
+    """Where a sequence is: WAITING -> PREFILL -> RUNNING -> DONE, or CANCELLED / FAILED from any live state.
+    A str enum, so `request.status == "running"` reads as it did."""
+
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    RUNNING = "running"
+    DONE = "done"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+LIVE = (Status.WAITING, Status.PREFILL, Status.RUNNING)
+
+
+class EngineClosed(RuntimeError):
+    """The engine is shutting down or stopped: it admits no new request."""
+
+
+class RequestFailed(RuntimeError):
+    """A request ended with an error (`Request.error`), not with a completion."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -71,7 +96,7 @@ class Request:
     sample_index: int = 0
     on_update: Callable[[Request], None] | None = None  # called from the engine thread after each chunk
     # progress, written by the engine
-    status: str = "waiting"  # waiting, prefill, running, done, cancelled
+    status: Status = Status.WAITING
     slot: int = -1
     pages: list[int] = dataclasses.field(default_factory=list)
     prefilled: int = 0
@@ -79,7 +104,8 @@ class Request:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     top_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     text: str = ""
-    finish_reason: str = ""
+    finish_reason: str = ""  # stop, length; cancelled or error when it ended without a completion
+    error: str | None = None  # what went wrong, for a FAILED request
     cached_tokens: int = 0
     t_submit: float = 0.0
     t_first: float | None = None
@@ -87,8 +113,11 @@ class Request:
     done_event: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def result(self, timeout: float | None = None) -> Completion:
+        """The completion; RequestFailed for a failed request (a cancelled one returns what it had)."""
         if not self.done_event.wait(timeout):
             raise TimeoutError("request not finished")
+        if self.status == Status.FAILED:
+            raise RequestFailed(self.error)
         alts = self.top_logprobs if self.sampling.logprobs else None
         return Completion(
             self.prompt_index, self.sample_index, self.tokens, self.text, self.finish_reason, self.logprobs, alts
@@ -158,12 +187,14 @@ class Engine:
         self.prefilling: deque[Request] = deque()
         self.lock = threading.Lock()  # guards the queues (submit and cancel come from other threads)
         self.wake = threading.Condition(self.lock)
-        self.stats = {"requests": 0, "finished": 0, "cancelled": 0, "generated_tokens": 0, "prompt_tokens": 0}
+        self.stats = {"requests": 0, "finished": 0, "cancelled": 0, "failed": 0, "generated_tokens": 0}
+        self.stats["prompt_tokens"] = 0
         self.stats["busy_s"] = 0.0
         self.ttft: deque[float] = deque(maxlen=1000)
         self.tpot: deque[float] = deque(maxlen=1000)
         self._thread: threading.Thread | None = None
         self._stop = False
+        self.accepting = True  # False once drain() began: submit raises EngineClosed
 
     def _init_state(self, num_pages: int) -> DecodeState:
         b, v, m, a = self.serve.slots, self.cfg.vocab_size, self.serve.chunk_steps, self.serve.max_logprobs
@@ -185,22 +216,14 @@ class Engine:
 
     def check(self, prompt: list[int], c: SamplingConfig) -> None:
         """Raises SamplingError / PageError for a request this engine can never run, before queueing."""
-        if not prompt:
-            raise SamplingError("the prompt is empty: at least one token is needed")
-        if max(prompt) >= self.cfg.vocab_size or min(prompt) < 0:
-            raise SamplingError(f"the prompt has token ids outside [0, {self.cfg.vocab_size})")
-        if len(prompt) >= self.cfg.max_seq_len:
-            raise SamplingError(
-                f"the prompt has {len(prompt)} tokens; the model's context is {self.cfg.max_seq_len} tokens "
-                "(prompt + at least one new token)"
-            )
+        prompt = check_prompt(prompt, self.cfg.vocab_size, self.cfg.max_seq_len)
+        c.check_for_model(self.cfg.vocab_size)
         if c.logprobs > self.serve.max_logprobs:
-            raise SamplingError(f"logprobs={c.logprobs} is not allowed: at most {self.serve.max_logprobs}")
+            raise SamplingError(f"logprobs={c.logprobs} is not allowed: at most {self.serve.max_logprobs}", "logprobs")
         stops = self._stops(c)
         if any(len(q) > STOP_LEN for q in stops):
-            raise SamplingError(f"a stop token sequence is longer than {STOP_LEN} tokens")
-        total = min(len(prompt) + c.max_new_tokens, self.cfg.max_seq_len)
-        pages = -(-total // self.pool.page_size)
+            raise SamplingError(f"a stop token sequence is longer than {STOP_LEN} tokens", "stop_token_sequences")
+        pages = self._pages_for(len(prompt), c.max_new_tokens)
         if pages > self.pool.usable:
             raise PageError(
                 f"the request needs {pages} pages of {self.pool.page_size} tokens (prompt {len(prompt)} + "
@@ -208,15 +231,13 @@ class Engine:
                 "(raise serve.kv_memory_gb or lower max_new_tokens)"
             )
 
+    def _pages_for(self, prompt_len: int, max_new: int) -> int:
+        """Pages a sequence takes: its prompt and new tokens, never past the context."""
+        return -(-min(prompt_len + max_new, self.cfg.max_seq_len) // self.pool.page_size)
+
     def encode_prompts(self, prompts: list[str | list[int]]) -> list[list[int]]:
-        """Token ids of each prompt (as Generator.encode_prompts; the full check runs at submit)."""
-        out = []
-        for i, p in enumerate(prompts):
-            ids = self.tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p]
-            if not ids:
-                raise SamplingError(f"prompt {i} is empty: at least one token is needed")
-            out.append(ids)
-        return out
+        """Token ids of each prompt, checked as Generator.encode_prompts checks them."""
+        return [encode_prompt(self.tokenizer, p, self.cfg, f"prompt {i}") for i, p in enumerate(prompts)]
 
     def _stops(self, c: SamplingConfig) -> list[tuple[int, ...]]:
         return stop_sequences(c, self.tokenizer.eos_ids)
@@ -225,8 +246,12 @@ class Engine:
         self, prompt: str | list[int], sampling: SamplingConfig = SamplingConfig(), *, prompt_index: int = 0,
         on_update: Callable[[Request], None] | None = None,
     ) -> list[Request]:  # fmt: skip
-        """Queues sampling.n sequences for one prompt; returns their Requests (checked first)."""
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        """Queues sampling.n sequences for one prompt; returns their Requests (checked first).
+
+        Raises SamplingError / PageError for a request that can never run, EngineClosed when the
+        engine is shutting down. `on_update` is called from the engine thread after each chunk and
+        once more when the sequence ends, however it ends (finished, cancelled or failed)."""
+        ids = encode_prompt(self.tokenizer, prompt, self.cfg)
         self.check(ids, sampling)
         requests = [
             Request(
@@ -236,6 +261,8 @@ class Engine:
             for s in range(sampling.n)
         ]  # fmt: skip
         with self.wake:
+            if not self.accepting:
+                raise EngineClosed("the engine is shutting down: no new requests are admitted")
             self.waiting.extend(requests)
             self.stats["requests"] += len(requests)
             self.wake.notify()
@@ -243,9 +270,10 @@ class Engine:
 
     def cancel(self, request: Request) -> None:
         """Stops a request (a client went away); its slot and pages are freed at the next step."""
-        with self.lock:
-            if request.status in ("waiting", "prefill", "running"):
-                request.status = "cancelled"
+        with self.wake:
+            if request.status in LIVE:
+                request.status = Status.CANCELLED
+                self.wake.notify()
 
     def generate(self, prompts, sampling: SamplingConfig | list[SamplingConfig] = SamplingConfig()) -> list[Completion]:
         """Like Generator.generate, on the engine: every prompt queued at once, results in order."""
@@ -264,9 +292,17 @@ class Engine:
     def idle(self) -> bool:
         return not self.waiting and not self.prefilling and all(r is None for r in self.slots)
 
+    def queue_length(self) -> int:
+        return len(self.waiting) + len(self.prefilling)
+
     def run_until_idle(self) -> None:
         while not self.idle():
             self.step()
+
+    @property
+    def running(self) -> bool:
+        """True while the background scheduler thread serves requests."""
+        return self._thread is not None and self._thread.is_alive() and not self._stop
 
     def start(self) -> None:
         """Runs the scheduler in a background thread until `stop()`."""
@@ -282,40 +318,86 @@ class Engine:
             self._thread.join()
             self._thread = None
 
+    def drain(self, grace_s: float = 0.0, reason: str = "the server is shutting down") -> None:
+        """Admits nothing more, fails what has not started decoding, lets running sequences finish for
+        up to `grace_s` seconds, then fails the rest: every request ends (its on_update is called)."""
+        with self.wake:
+            self.accepting = False
+            for r in [*self.waiting, *self.prefilling]:
+                self._mark_failed(r, reason)
+            self.wake.notify()
+        deadline = time.monotonic() + grace_s
+        while self.running and not self.idle() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with self.wake:
+            for r in self.slots:
+                if r is not None:
+                    self._mark_failed(r, reason)
+            self.wake.notify()
+        if not self.running:  # no thread to end them: end them here
+            self._drop_ended()
+
     def _serve_forever(self) -> None:
-        while True:
-            with self.wake:
-                while self.idle() and not self._stop:
-                    self.wake.wait()
-                if self._stop:
-                    return
-            try:
+        try:
+            while True:
+                with self.wake:
+                    while self.idle() and not self._stop:
+                        self.wake.wait()
+                    if self._stop:
+                        return
                 self.step()
-            except Exception:  # keep serving; the failing requests are ended with an error reason
-                log.exception("engine step failed")
-                self._fail_all()
+        except BaseException as e:  # step() handles errors itself; anything here is a bug: say so, fail all
+            log.exception("the engine thread died")
+            self.accepting = False
+            self._recover(f"the engine stopped: {type(e).__name__}: {e}")
+            raise
 
     def step(self) -> None:
-        """One scheduler iteration: admit, one prefill chunk, one decode chunk, retire."""
+        """One scheduler iteration: admit, prefill chunks, one decode chunk, retire. A failure that
+        concerns one request fails that request alone; a failed device step fails the sequences in
+        flight (their cache is lost), rebuilds the device state and goes on with the queue."""
         t0 = time.perf_counter()
-        self._drop_cancelled()
+        self._drop_ended()
         self._admit()
         budget = self.serve.prefill_chunk  # prompt tokens per step, over as many prompts as it covers
         while budget > 0 and self.prefilling:
-            done = self._prefill_one_chunk(budget)
+            r = self.prefilling[0]
+            try:
+                done = self._prefill_one_chunk(budget)
+            except Exception as e:
+                self._failed_step(r, "prefill", e)
+                continue
             if not done:
                 break
             budget -= done
-        if any(r is not None and r.status == "running" for r in self.slots):
-            self._decode_chunk()
+        if any(r is not None and r.status == Status.RUNNING for r in self.slots):
+            try:
+                self._decode_chunk()
+            except Exception as e:
+                self._failed_step(None, "decode", e)
+        self._drop_ended()
         self.stats["busy_s"] += time.perf_counter() - t0
+
+    def _failed_step(self, r: Request | None, what: str, e: Exception) -> None:
+        log.exception("engine %s step failed", what)
+        message = f"the engine's {what} step failed: {type(e).__name__}: {str(e)[:200]}"
+        if r is not None:
+            with self.lock:
+                self._mark_failed(r, message)
+        if r is None or self._state_lost():
+            self._recover(message + " (this request was in flight; retry it)")
+        self._drop_ended()
+
+    def _state_lost(self) -> bool:
+        """True when a failed donated call consumed the device state."""
+        return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(self.state))
 
     def _admit(self) -> None:
         with self.lock:
             for slot, r in enumerate(self.slots):
                 if r is None and self.waiting:
                     r = self.waiting.popleft()
-                    r.slot, r.status = slot, "prefill"
+                    r.slot, r.status = slot, Status.PREFILL
                     self.slots[slot] = r
                     self.prefilling.append(r)
 
@@ -347,6 +429,10 @@ class Engine:
         self.prefilling.popleft()
         if self.serve.prefix_caching:
             self.pool.register_prompt(r.prompt, r.pages)
+        self._start_decoding(r, logits)
+        return n
+
+    def _start_decoding(self, r: Request, logits) -> None:
         c = r.sampling
         stop_seqs = np.full((MAX_STOPS, STOP_LEN), -1, np.int32)
         for j, seq in enumerate(self._stops(c)):
@@ -354,71 +440,80 @@ class Engine:
         seen = np.zeros(self.cfg.vocab_size, bool)
         seen[r.prompt] = True
         sampling_row = jax.tree.map(jnp.asarray, SamplingArrays.stack([c], self.cfg.vocab_size))
-        self.state = self._activate(
-            self.state, r.slot, logits, len(r.prompt), c.max_new_tokens, stop_seqs, seen, sampling_row
-        )
+        max_new = min(c.max_new_tokens, self.cfg.max_seq_len)  # the context ends it first anyway
+        self.state = self._activate(self.state, r.slot, logits, len(r.prompt), max_new, stop_seqs, seen, sampling_row)
         with self.lock:  # a cancel that came during the prefill stands
-            if r.status != "cancelled":
-                r.status = "running"
-        return n
+            if r.status == Status.PREFILL:
+                r.status = Status.RUNNING
 
     def _decode_chunk(self) -> None:
         self.state = self._chunk(self.params, self.state, jnp.int32(self.serve.chunk_steps), cfg=self.cfg)
         s = self.state
         host = jax.device_get((s.generated, s.tokens, s.logprobs, s.top_ids, s.top_logprobs, s.done, s.finish))
-        generated, tokens, logprobs, top_ids, top_lp, done, finish = host
         now = time.perf_counter()
         for slot, r in enumerate(self.slots):
-            if r is None or r.status != "running":
-                continue
-            n = int(generated[slot]) - len(r.tokens)  # a live row fills columns 0.. of the chunk's buffers
-            new = tokens[slot, :n].tolist()
-            if new and r.t_first is None:
-                r.t_first = now
-                self.ttft.append(now - r.t_submit)
-            r.tokens += new
-            r.logprobs += logprobs[slot, :n].tolist()
-            a = r.sampling.logprobs
-            if a:
-                r.top_logprobs += [
-                    dict(zip(top_ids[slot, i, :a].tolist(), top_lp[slot, i, :a].tolist(), strict=True))
-                    for i in range(n)
-                ]
-            self.stats["generated_tokens"] += n
-            stopped = self._apply_stop_strings(r)
-            if done[slot] or stopped:
-                reason = "stop" if stopped else FINISH_NAMES.get(int(finish[slot]), "length")
-                self._finish(r, reason)
-            elif r.on_update is not None:
-                r.text = self._text(r, "")
+            if r is not None and r.status == Status.RUNNING:
+                try:
+                    self._take_tokens(r, slot, host, now)
+                except Exception as e:  # host-side work of one request (decoding, its callback): it alone fails
+                    log.exception("request failed after a decode chunk")
+                    with self.lock:
+                        self._mark_failed(r, f"{type(e).__name__}: {str(e)[:200]}")
+
+    def _take_tokens(self, r: Request, slot: int, host, now: float) -> None:
+        """One slot's new tokens from the chunk's host copy; ends the sequence when it is done."""
+        generated, tokens, logprobs, top_ids, top_lp, done, finish = host
+        n = int(generated[slot]) - len(r.tokens)  # a live row fills columns 0.. of the chunk's buffers
+        new = tokens[slot, :n].tolist()
+        if new and r.t_first is None:
+            r.t_first = now
+            self.ttft.append(now - r.t_submit)
+        r.tokens += new
+        r.logprobs += logprobs[slot, :n].tolist()
+        a = r.sampling.logprobs
+        if a:
+            r.top_logprobs += [
+                dict(zip(top_ids[slot, i, :a].tolist(), top_lp[slot, i, :a].tolist(), strict=True)) for i in range(n)
+            ]
+        self.stats["generated_tokens"] += n
+        stopped = stop_string_cut(self.tokenizer, r.tokens, r.sampling.stop) is not None
+        if done[slot] or stopped:
+            self._finish(r, "stop" if stopped else FINISH_NAMES.get(int(finish[slot]), "length"))
+        else:
+            r.text = self.tokenizer.decode(r.tokens)
+            if r.on_update is not None:
                 r.on_update(r)
 
-    def _apply_stop_strings(self, r: Request) -> bool:
-        """Cuts the output before the first stop string; True when one was found."""
-        found = stop_string_cut(self.tokenizer, r.tokens, r.sampling.stop)
-        if found is None:
-            return False
-        keep, cut = found
-        r.text = self.tokenizer.decode(r.tokens)[:cut]
-        r.tokens, r.logprobs, r.top_logprobs = r.tokens[:keep], r.logprobs[:keep], r.top_logprobs[:keep]
-        return True
-
-    def _text(self, r: Request, reason: str) -> str:
-        suffix = stop_suffix(r.tokens, self._stops(r.sampling)) if reason == "stop" else 0
-        if reason == "stop" and r.sampling.stop and r.text and suffix == 0:
-            return r.text  # cut at a stop string
-        return self.tokenizer.decode(r.tokens[: len(r.tokens) - suffix])  # stop ids and sequences are not text
-
     def _finish(self, r: Request, reason: str) -> None:
-        r.text = self._text(r, reason)
-        r.finish_reason = reason
-        self._release(r)
-        r.status, r.t_done = "done", time.perf_counter()
+        keep, r.text, r.finish_reason = finish_row(
+            self.tokenizer, r.tokens, r.sampling, self._stops(r.sampling), reason
+        )
+        r.tokens, r.logprobs, r.top_logprobs = r.tokens[:keep], r.logprobs[:keep], r.top_logprobs[:keep]
+        r.t_done = time.perf_counter()
         self.stats["finished"] += 1
         if r.t_first is not None and len(r.tokens) > 1:
             self.tpot.append((r.t_done - r.t_first) / (len(r.tokens) - 1))
+        with self.lock:
+            r.status = Status.DONE
+        self._end(r)
+
+    def _mark_failed(self, r: Request, message: str) -> None:
+        """(Lock held.) Marks a live sequence failed; the scheduler ends it at its next check."""
+        if r.status in LIVE:
+            r.status, r.error = Status.FAILED, message
+
+    def _end(self, r: Request) -> None:
+        """Every sequence ends here, however it ends: slot and pages back, the client told, waiters woken."""
+        self._release(r)
+        if r.status == Status.CANCELLED:
+            r.finish_reason = "cancelled"
+        elif r.status == Status.FAILED:
+            r.finish_reason = "error"
         if r.on_update is not None:
-            r.on_update(r)
+            try:
+                r.on_update(r)
+            except Exception:
+                log.exception("a request's on_update failed as it ended")
         r.done_event.set()
 
     def _release(self, r: Request) -> None:
@@ -430,32 +525,40 @@ class Engine:
             self.pool.release(r.pages)
             r.pages = []
 
-    def _drop_cancelled(self) -> None:
+    def _drop_ended(self) -> None:
+        """Ends the sequences cancelled or failed since the last look (each counted once)."""
         with self.lock:
-            cancelled = [
-                r for r in [*self.waiting, *self.prefilling, *self.slots] if r is not None and r.status == "cancelled"
-            ]
-            self.waiting = deque(r for r in self.waiting if r.status != "cancelled")
-            self.prefilling = deque(r for r in self.prefilling if r.status != "cancelled")
-        for r in cancelled:
-            self.stats["cancelled"] += 1
-            self._release(r)
-            r.finish_reason = "cancelled"
-            r.done_event.set()
+            queued = {id(r): r for r in [*self.waiting, *self.prefilling, *self.slots] if r is not None}
+            ended = [r for r in queued.values() if r.status in (Status.CANCELLED, Status.FAILED)]
+            self.waiting = deque(r for r in self.waiting if r.status in LIVE)
+            self.prefilling = deque(r for r in self.prefilling if r.status in LIVE)
+        for r in ended:
+            self.stats["cancelled" if r.status == Status.CANCELLED else "failed"] += 1
+            self._end(r)
 
-    def _fail_all(self) -> None:
-        for r in [*self.waiting, *self.prefilling, *self.slots]:
-            if r is not None and r.status != "done":
-                r.status = "cancelled"
-        self._drop_cancelled()
+    def _recover(self, message: str) -> None:
+        """Fails every sequence in flight and rebuilds the device state and the page pool from scratch
+        (a failed donated call may have consumed them); waiting requests stay queued."""
+        with self.lock:
+            in_flight = list({id(r): r for r in [*self.prefilling, *self.slots] if r is not None}.values())
+            for r in in_flight:
+                self._mark_failed(r, message)
+                r.slot, r.pages = -1, []
+            self.prefilling.clear()
+            self.slots = [None] * self.serve.slots
+        self.pool = PagePool(self.pool.num_pages, self.pool.page_size)
+        self.state = self._init_state(self.pool.num_pages)
+        for r in in_flight:
+            self.stats["failed"] += 1
+            self._end(r)
 
     # --- metrics -----------------------------------------------------------------------------------
 
     def metrics(self) -> dict[str, float]:
-        running = sum(1 for r in self.slots if r is not None and r.status == "running")
+        running = sum(1 for r in self.slots if r is not None and r.status == Status.RUNNING)
         pool = self.pool
         return {
-            "queue_length": len(self.waiting) + len(self.prefilling),
+            "queue_length": self.queue_length(),
             "running_slots": running,
             "slots": self.serve.slots,
             "cache_pages_in_use": pool.in_use(),
@@ -465,6 +568,7 @@ class Engine:
             "requests_total": self.stats["requests"],
             "requests_finished": self.stats["finished"],
             "requests_cancelled": self.stats["cancelled"],
+            "requests_failed": self.stats["failed"],
             "generated_tokens_total": self.stats["generated_tokens"],
             "prompt_tokens_total": self.stats["prompt_tokens"],
             "tokens_per_second": self.stats["generated_tokens"] / self.stats["busy_s"] if self.stats["busy_s"] else 0.0,

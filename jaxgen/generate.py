@@ -27,7 +27,15 @@ import numpy as np
 from jaxgen import model
 from jaxgen.cache import KVCache, constrain_cache
 from jaxgen.config import ModelConfig
-from jaxgen.sampling import SamplingArrays, SamplingConfig, SamplingError, sample
+from jaxgen.sampling import (
+    SamplingArrays,
+    SamplingConfig,
+    SamplingError,
+    check_prompt,
+    check_text,
+    sample,
+    shown,
+)
 from jaxgen.sharding import with_mesh
 from jaxgen.tokenizer import Tokenizer
 
@@ -151,18 +159,47 @@ def counted(owner, fn):
     return traced
 
 
+def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int], cfg: ModelConfig, field: str = "prompt") -> list[int]:
+    """A prompt's token ids (text is encoded; ids are checked), ready for `cfg`'s model."""
+    if isinstance(prompt, str):
+        check_text(field, prompt)
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, list | tuple | np.ndarray):
+        ids = list(prompt)
+    else:
+        raise SamplingError(f"{field}={shown(prompt)} is not allowed: text or a list of token ids", field)
+    return check_prompt(ids, cfg.vocab_size, cfg.max_seq_len, field)
+
+
 def stop_sequences(c: SamplingConfig, eos_ids) -> list[tuple[int, ...]]:
     """A request's stop token sequences: end-of-sequence, each stop id, each stop sequence."""
     stops = ([] if c.ignore_eos else [(e,) for e in eos_ids]) + [(t,) for t in c.stop_token_ids]
     stops += [tuple(q) for q in c.stop_token_sequences]
     if len(stops) > MAX_STOPS:
-        raise SamplingError(f"{len(stops)} stop ids and sequences (end-of-sequence included); at most {MAX_STOPS}")
+        raise SamplingError(
+            f"{len(stops)} stop ids and sequences (end-of-sequence included); at most {MAX_STOPS}", "stop_token_ids"
+        )
     return stops
 
 
 def stop_suffix(toks: list[int], stops: list[tuple[int, ...]]) -> int:
     """Length of the stop sequence that ends `toks` (0 if none)."""
     return max((len(q) for q in stops if len(toks) >= len(q) and tuple(toks[-len(q) :]) == q), default=0)
+
+
+def finish_row(tokenizer, toks: list[int], c: SamplingConfig, stops, reason: str) -> tuple[int, str, str]:
+    """How every finished row ends, in Generator and Engine alike: (tokens kept, text, finish reason).
+
+    A stop string cuts the text just before it, to the character, and keeps the tokens needed to cover
+    that text (the last kept token may run into the stop string). A stop token or stop sequence that
+    ended the row is kept in the tokens but is not text.
+    """
+    found = stop_string_cut(tokenizer, toks, c.stop)
+    if found is not None:
+        keep, cut = found
+        return keep, tokenizer.decode(toks)[:cut], "stop"
+    suffix = stop_suffix(toks, stops) if reason == "stop" else 0
+    return len(toks), tokenizer.decode(toks[: len(toks) - suffix]), reason
 
 
 def stop_string_cut(tokenizer, toks: list[int], stop: tuple[str, ...]) -> tuple[int, int] | None:
@@ -204,20 +241,8 @@ class Generator:
     # --- input checks, before any compilation -----------------------------------------------------
 
     def encode_prompts(self, prompts: list[str | list[int]]) -> list[list[int]]:
-        out = []
-        for i, p in enumerate(prompts):
-            ids = self.tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p]
-            if not ids:
-                raise SamplingError(f"prompt {i} is empty: at least one token is needed")
-            if len(ids) >= self.cfg.max_seq_len:
-                raise SamplingError(
-                    f"prompt {i} has {len(ids)} tokens; the model's context is {self.cfg.max_seq_len} "
-                    f"(prompt + at least one new token)"
-                )
-            if max(ids) >= self.cfg.vocab_size or min(ids) < 0:
-                raise SamplingError(f"prompt {i} has token ids outside [0, {self.cfg.vocab_size})")
-            out.append(ids)
-        return out
+        """Token ids of each prompt, checked (SamplingError naming the prompt) before any compilation."""
+        return [encode_prompt(self.tokenizer, p, self.cfg, f"prompt {i}") for i, p in enumerate(prompts)]
 
     # --- generation -------------------------------------------------------------------------------
 
@@ -237,6 +262,9 @@ class Generator:
         configs = sampling if isinstance(sampling, list) else [sampling] * len(ids)
         if len(configs) != len(ids):
             raise SamplingError(f"{len(configs)} sampling configs for {len(ids)} prompts")
+        for c in configs:
+            c.check_for_model(self.cfg.vocab_size)
+            self._stops(c)
         rows = [(p, s) for p in range(len(ids)) for s in range(configs[p].n)]
         for start in range(0, len(rows), self.max_batch):
             yield from self._stream_group(ids, configs, rows[start : start + self.max_batch])
@@ -247,7 +275,8 @@ class Generator:
         b = bucket(len(group), minimum=1)
         p_count = bucket(len(prompt_idx), minimum=1)
         t = bucket(max(len(ids[p]) for p in prompt_idx))
-        longest_new = max(configs[p].max_new_tokens for p, _ in group)
+        # no row can generate past the context, whatever max_new_tokens asks (it ends with "length")
+        longest_new = min(max(configs[p].max_new_tokens for p, _ in group), cfg.max_seq_len)
         # Slots for the padded prompts plus every new token: the padding (up to the bucket t) takes slots
         # too, so capping at the context length would leave no room when t reaches it.
         cache_len = max(bucket(t + min(longest_new, cfg.max_seq_len)), self.min_cache_len)
@@ -312,9 +341,8 @@ class Generator:
         for r, (p, _) in enumerate(group):
             if not configs[p].stop or stop_at[r] is not None:
                 continue
-            found = stop_string_cut(self.tokenizer, tokens[r, : int(generated[r])].tolist(), configs[p].stop)
-            if found is not None:
-                stop_at[r] = found[0]
+            if stop_string_cut(self.tokenizer, tokens[r, : int(generated[r])].tolist(), configs[p].stop) is not None:
+                stop_at[r] = int(generated[r])
                 newly[r] = True
         return newly
 
@@ -322,13 +350,14 @@ class Generator:
         tokens, logprobs, top_ids, top_lp, finish, generated = host
         out = []
         for r, (p, s) in enumerate(group):
-            n = int(generated[r])
-            reason = FINISH_NAMES.get(int(finish[r]), "")
-            if stop_at[r] is not None:
-                n, reason = stop_at[r], "stop"
+            n = int(generated[r]) if stop_at[r] is None else stop_at[r]
+            reason = "stop" if stop_at[r] is not None else FINISH_NAMES.get(int(finish[r]), "")
             toks = tokens[r, :n].tolist()
-            cut = stop_suffix(toks, self._stops(configs[p])) if reason == "stop" and stop_at[r] is None else 0
-            text = self.tokenizer.decode(toks[: len(toks) - cut])  # stop ids and sequences are not text
+            if reason:
+                n, text, reason = finish_row(self.tokenizer, toks, configs[p], self._stops(configs[p]), reason)
+                toks = toks[:n]
+            else:
+                text = self.tokenizer.decode(toks)
             alts = None
             if configs[p].logprobs:
                 a = configs[p].logprobs
@@ -357,6 +386,8 @@ class Generator:
                 raise SamplingError(f"pair {i}: prompt and continuation must each have at least one token")
             if len(pi) + len(ci) > self.cfg.max_seq_len:
                 raise SamplingError(f"pair {i} has {len(pi) + len(ci)} tokens; the context is {self.cfg.max_seq_len}")
+            # ids outside the vocabulary would index past the embedding (NaN log-likelihoods)
+            check_prompt(pi + ci, self.cfg.vocab_size, self.cfg.max_seq_len + 1, f"pair {i}")
             pairs.append((pi, ci))
         out = []
         for start in range(0, len(pairs), self.max_batch):

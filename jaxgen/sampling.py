@@ -11,15 +11,77 @@ not depend on its batch-mates or the batch size.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+INT32_MAX = 2**31 - 1  # every count and token id ends up in an int32 device array
+MAX_N = 128  # samples per prompt
+MAX_LOGPROBS = 20  # top alternatives per token (as OpenAI's API)
+MAX_TEMPERATURE = 1e4
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_SEQUENCE = 8  # tokens in one stop token sequence (the decode loop's window)
+SHOWN = 100  # characters of a bad value quoted back in an error
+
 
 class SamplingError(ValueError):
-    """A sampling setting outside what is allowed."""
+    """A request setting outside what is allowed. `field` names it (None when the request as a whole is wrong)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+def shown(value) -> str:
+    """repr(value), cut to about SHOWN characters: a 20 MB bad value is not echoed back whole."""
+    text = repr(value)
+    return text if len(text) <= SHOWN else f"{text[:SHOWN]}... ({len(text)} characters)"
+
+
+def _require(ok: bool, field: str, value, allowed: str) -> None:
+    if not ok:
+        raise SamplingError(f"{field}={shown(value)} is not allowed: {allowed}", field)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, int | float | np.integer | np.floating) and not isinstance(x, bool)
+
+
+def check_text(field: str, text: str) -> None:
+    """Text must be valid Unicode (a lone surrogate such as "\\udc80" cannot be tokenized)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise SamplingError(
+            f"{field} has an invalid character {text[e.start]!r} at index {e.start}: text must be valid Unicode "
+            "(a lone surrogate cannot be encoded)",
+            field,
+        ) from None
+
+
+def check_prompt(ids, vocab_size: int, max_seq_len: int, field: str = "prompt") -> list[int]:
+    """Token ids of a prompt the model can run: non-empty, in [0, vocab_size), shorter than the context."""
+    subject = "the prompt" if field == "prompt" else field
+    if len(ids) == 0:
+        raise SamplingError(f"{subject} is empty: at least one token is needed", field)
+    if len(ids) >= max_seq_len:
+        raise SamplingError(
+            f"{subject} has {len(ids)} tokens; the model's context is {max_seq_len} tokens "
+            "(prompt + at least one new token)",
+            field,
+        )
+    bad = [t for t in ids if not _is_int(t) or not 0 <= t < vocab_size]
+    if bad:
+        raise SamplingError(f"{subject} has token ids outside [0, {vocab_size}): {shown(bad[:5])}", field)
+    return [int(t) for t in ids]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,20 +106,73 @@ class SamplingConfig:
     logprobs: int = 0  # top-N alternatives per token to return (0 = only the chosen token's)
 
     def __post_init__(self):
-        checks = [
-            ("max_new_tokens", self.max_new_tokens, self.max_new_tokens >= 1, "an integer >= 1"),
-            ("temperature", self.temperature, self.temperature >= 0, "a number >= 0 (0 = greedy)"),
-            ("top_k", self.top_k, self.top_k >= 0, "an integer >= 0 (0 = off)"),
-            ("top_p", self.top_p, 0 < self.top_p <= 1, "a number in (0, 1]"),
-            ("min_p", self.min_p, 0 <= self.min_p <= 1, "a number in [0, 1]"),
-            ("repetition_penalty", self.repetition_penalty, self.repetition_penalty > 0, "a number > 0"),
-            ("n", self.n, self.n >= 1, "an integer >= 1"),
-            ("logprobs", self.logprobs, 0 <= self.logprobs <= 20, "an integer in [0, 20]"),
-            ("stop_token_sequences", self.stop_token_sequences, all(self.stop_token_sequences), "non-empty sequences"),
+        """Bounds that hold for every model; `check_for_model` adds those that need the vocabulary."""
+        for name in ("stop", "stop_token_ids", "stop_token_sequences", "logit_bias"):  # lists given: tuples kept
+            value = getattr(self, name)
+            if isinstance(value, list):
+                inner = tuple if name in ("stop_token_sequences", "logit_bias") else lambda x: x
+                value = tuple(inner(x) if isinstance(x, list) else x for x in value)
+                object.__setattr__(self, name, value)
+        ints = [
+            ("max_new_tokens", self.max_new_tokens, 1, INT32_MAX),
+            ("top_k", self.top_k, 0, INT32_MAX),
+            ("n", self.n, 1, MAX_N),
+            ("logprobs", self.logprobs, 0, MAX_LOGPROBS),
+            ("seed", self.seed, -(2**63), 2**64 - 1),
         ]
-        for name, value, ok, allowed in checks:
-            if isinstance(value, bool) or not ok:
-                raise SamplingError(f"{name}={value!r} is not allowed: {allowed}")
+        for name, value, lo, hi in ints:
+            _require(_is_int(value) and lo <= value <= hi, name, value, f"an integer in [{lo}, {hi}]")
+        floats = [
+            (
+                "temperature",
+                self.temperature,
+                lambda x: 0 <= x <= MAX_TEMPERATURE,
+                f"[0, {MAX_TEMPERATURE}] (0 = greedy)",
+            ),
+            ("top_p", self.top_p, lambda x: 0 < x <= 1, "(0, 1]"),
+            ("min_p", self.min_p, lambda x: 0 <= x <= 1, "[0, 1]"),
+            ("repetition_penalty", self.repetition_penalty, lambda x: 0 < x <= 100, "(0, 100]"),
+            ("presence_penalty", self.presence_penalty, lambda x: -2 <= x <= 2, "[-2, 2]"),
+            ("frequency_penalty", self.frequency_penalty, lambda x: -2 <= x <= 2, "[-2, 2]"),
+        ]
+        for name, value, ok, allowed in floats:
+            _require(_is_real(value) and math.isfinite(value) and ok(value), name, value, f"a number in {allowed}")
+        _require(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "true or false")
+        self._check_lists()
+
+    def _check_lists(self) -> None:
+        bias = self.logit_bias
+        ok = isinstance(bias, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in bias)
+        _require(ok, "logit_bias", bias, "(token id, bias) pairs")
+        for tok, b in bias:
+            _require(
+                _is_int(tok) and 0 <= tok <= INT32_MAX, "logit_bias", tok, f"token ids in [0, {INT32_MAX}] as keys"
+            )
+            _require(_is_real(b) and -100 <= b <= 100, "logit_bias", b, "biases in [-100, 100]")
+        stop = self.stop
+        ok = isinstance(stop, tuple) and len(stop) <= MAX_STOP_STRINGS and all(isinstance(x, str) and x for x in stop)
+        _require(ok, "stop", stop, f"at most {MAX_STOP_STRINGS} non-empty strings")
+        for x in stop:
+            _require(len(x) <= MAX_STOP_CHARS, "stop", x, f"stop strings of at most {MAX_STOP_CHARS} characters")
+            check_text("stop", x)
+        ids = self.stop_token_ids
+        ok = isinstance(ids, tuple) and all(_is_int(t) and 0 <= t <= INT32_MAX for t in ids)
+        _require(ok, "stop_token_ids", ids, f"token ids in [0, {INT32_MAX}]")
+        seqs = self.stop_token_sequences
+        ok = isinstance(seqs, tuple) and all(isinstance(q, tuple) and 0 < len(q) <= MAX_STOP_SEQUENCE for q in seqs)
+        ok = ok and all(_is_int(t) and 0 <= t <= INT32_MAX for q in seqs for t in q)
+        allowed = f"non-empty sequences of at most {MAX_STOP_SEQUENCE} token ids in [0, {INT32_MAX}]"
+        _require(ok, "stop_token_sequences", seqs, allowed)
+
+    def check_for_model(self, vocab_size: int) -> None:
+        """The bounds that depend on the model: token ids in [0, vocab_size), top_k <= vocab_size."""
+        _require(self.top_k <= vocab_size, "top_k", self.top_k, f"an integer in [0, {vocab_size}] (the vocabulary)")
+        for tok, _ in self.logit_bias:
+            _require(tok < vocab_size, "logit_bias", tok, f"token ids in [0, {vocab_size}) as keys")
+        for t in self.stop_token_ids:
+            _require(t < vocab_size, "stop_token_ids", t, f"token ids in [0, {vocab_size})")
+        for q in self.stop_token_sequences:
+            _require(max(q) < vocab_size, "stop_token_sequences", q, f"token ids in [0, {vocab_size})")
 
     @classmethod
     def from_dict(cls, data: dict) -> SamplingConfig:
@@ -65,17 +180,37 @@ class SamplingConfig:
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - set(fields))
         if unknown:
-            raise SamplingError(f"unknown sampling field {unknown[0]!r}; allowed: {', '.join(fields)}")
+            raise SamplingError(f"unknown sampling field {shown(unknown[0])}; allowed: {', '.join(fields)}", unknown[0])
         kwargs = {}
         for k, v in data.items():
-            if k == "logit_bias":
-                v = tuple((int(t), float(b)) for t, b in (v.items() if isinstance(v, dict) else v))
-            elif k in ("stop", "stop_token_ids"):
-                v = (v,) if isinstance(v, str | int) else tuple(v)
-            elif k == "stop_token_sequences":
-                v = tuple(tuple(int(t) for t in q) for q in v)
-            kwargs[k] = _typed(k, v, fields[k].type)
+            try:
+                kwargs[k] = _typed(k, _from_json(k, v), fields[k].type)
+            except (TypeError, ValueError, OverflowError, AttributeError) as e:
+                if isinstance(e, SamplingError):
+                    raise
+                raise SamplingError(f"{k}={shown(v)} is not allowed: {e}", k) from None
         return cls(**kwargs)
+
+
+def _from_json(k: str, v):
+    """JSON shapes to the config's: {id: bias} or pairs for logit_bias, lists for tuples."""
+    if k == "logit_bias":
+        pairs = v.items() if isinstance(v, dict) else v
+        return tuple((_int_key(t), b if _is_real(b) else float(b)) for t, b in pairs)
+    if k in ("stop", "stop_token_ids"):
+        return (v,) if isinstance(v, str | int) else tuple(v)
+    if k == "stop_token_sequences":
+        return tuple(tuple(q) for q in v)
+    return v
+
+
+def _int_key(t) -> int:
+    """A token id given as an int or as a decimal string (JSON object keys are strings)."""
+    if _is_int(t):
+        return int(t)
+    if isinstance(t, str) and t.strip().lstrip("-").isdigit():
+        return int(t)
+    raise ValueError(f"token ids as keys, got {shown(t)}")
 
 
 def _typed(name, value, tp):
@@ -88,7 +223,7 @@ def _typed(name, value, tp):
         return value
     if kind is None:
         return value
-    raise SamplingError(f"{name}={value!r} is not allowed: expected {kind.__name__}")
+    raise SamplingError(f"{name}={shown(value)} is not allowed: expected {kind.__name__}", name)
 
 
 @flax.struct.dataclass
