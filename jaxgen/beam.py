@@ -6,7 +6,8 @@ Each prompt keeps `width` live beams (rows of the KV cache, reordered every step
 best finished hypotheses. A hypothesis's score is its summed log-probability divided by
 (generated length) ** length_penalty. With early_stopping a prompt stops once it has `width`
 finished hypotheses; without, once no live beam can still beat the worst finished one (as in
-Hugging Face's heuristic). Beams still alive at `max_new_tokens` count as finished.
+Hugging Face's heuristic). Beams still alive at `max_new_tokens` count as finished, and so do a
+prompt's beams when their next token would lie past the model's context (as greedy's "length").
 """
 
 from __future__ import annotations
@@ -61,15 +62,17 @@ def _beam_step(params, s: BeamState, eos_ids, cfg: ModelConfig, penalty: float, 
     cand = (s.scores[..., None] + logp).reshape(p, w * v)
     top, idx = jax.lax.top_k(cand, 2 * w)  # (P, 2W): enough to keep W live beams after EOS ones leave
     beam, tok = idx // v, idx % v
-    is_eos = jnp.any(tok[..., None] == eos_ids, axis=-1)
+    # A prompt whose token this step takes its last position ends all its candidates, as EOS would.
+    out_of_positions = s.positions.reshape(p, w)[:, 0] + 1 >= cfg.max_seq_len  # (P,)
+    ends = jnp.any(tok[..., None] == eos_ids, axis=-1) | out_of_positions[:, None]  # (P, 2W)
     length = s.step + 1
 
     def gather(x):  # (P, W, ...) rows of the chosen beams
         return jnp.take_along_axis(x, beam.reshape(p, 2 * w, *([1] * (x.ndim - 2))), axis=1)
 
     cand_tokens = jax.lax.dynamic_update_slice_in_dim(gather(s.tokens), tok[..., None], s.step, axis=2)
-    # finished: the best W of the old finished set and this step's EOS candidates
-    fin_new = jnp.where(is_eos & ~s.done[:, None], _normalise(top, length, penalty), NEG)
+    # finished: the best W of the old finished set and this step's ending (EOS or last-position) candidates
+    fin_new = jnp.where(ends & ~s.done[:, None], _normalise(top, length, penalty), NEG)
     all_scores = jnp.concatenate([s.fin_scores, fin_new], axis=1)
     keep = jax.lax.top_k(all_scores, w)[1]
     fin_scores = jnp.take_along_axis(all_scores, keep, axis=1)
@@ -77,7 +80,7 @@ def _beam_step(params, s: BeamState, eos_ids, cfg: ModelConfig, penalty: float, 
     all_lengths = jnp.concatenate([s.fin_lengths, jnp.full((p, 2 * w), length)], axis=1)
     fin_lengths = jnp.take_along_axis(all_lengths, keep, axis=1)
     # live: the best W candidates that did not end
-    live_scores, live = jax.lax.top_k(jnp.where(is_eos, NEG, top), w)
+    live_scores, live = jax.lax.top_k(jnp.where(ends, NEG, top), w)
     rows = (jnp.arange(p)[:, None] * w + jnp.take_along_axis(beam, live, axis=1)).reshape(-1)
     tokens = jnp.take_along_axis(cand_tokens, live[..., None], axis=1)
     next_tok = jnp.take_along_axis(tok, live, axis=1).reshape(-1)
@@ -85,9 +88,10 @@ def _beam_step(params, s: BeamState, eos_ids, cfg: ModelConfig, penalty: float, 
     logits, cache = model.forward(params, next_tok[:, None], s.positions[:, None], cache, cfg=cfg)
     full = jnp.sum(fin_scores > NEG / 2, axis=1) == w
     if early_stopping:
-        done = s.done | full
+        done = s.done | full | out_of_positions
     else:  # no live beam can still beat the worst finished hypothesis
-        done = s.done | (full & (_normalise(live_scores[:, 0], length, penalty) <= fin_scores[:, -1]))
+        beaten = _normalise(live_scores[:, 0], length, penalty) <= fin_scores[:, -1]
+        done = s.done | (full & beaten) | out_of_positions
     return s.replace(
         step=length, tokens=tokens, scores=live_scores, fin_tokens=fin_tokens, fin_scores=fin_scores,
         fin_lengths=fin_lengths, done=done, logits=logits[:, 0], positions=s.positions + 1, cache=cache,
@@ -117,7 +121,10 @@ def beam_search(
     cfg = gen.cfg
     p = bucket(len(ids), minimum=1)
     t = bucket(max(len(x) for x in ids))
-    cache_len = min(bucket(t + max_new_tokens), bucket(cfg.max_seq_len))
+    # Slots for the padded prompts plus every new token, as in Generator: the padding (up to the bucket t)
+    # takes slots too, so capping at the context length would leave no room when t reaches it. Positions
+    # past the context are not decoded: a prompt's beams end there (see _beam_step).
+    cache_len = max(bucket(t + min(max_new_tokens, cfg.max_seq_len)), gen.min_cache_len)
     tokens = np.zeros((p, t), np.int32)
     positions = np.full((p, t), -1, np.int32)
     lengths = np.ones((p,), np.int32)
