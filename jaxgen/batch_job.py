@@ -1,24 +1,37 @@
 """The JSONL batch generation job behind `serve.py generate --input ... --output ...`.
 
-Input: one JSON object per line, `{"id": ..., "prompt": "...", <any SamplingConfig field>}`.
-Output: one JSON object per request, appended as it finishes:
+Input: one JSON object per line, `{"id": ..., "prompt": "...", <any SamplingConfig field>}`, read as a
+stream of bytes split at b"\\n" only (U+2028 and the like inside a JSON string are text, not line ends).
+Output: one JSON object per line, appended as each is known:
     {"id", "choices": [{"text", "finish_reason", "tokens", "logprobs"}], "prompt_tokens"}
-or, for a bad line, {"id", "error"} (the job goes on). Running the same command again skips ids
-already in the output, so a killed job resumes with nothing lost or duplicated.
+or {"id", "error"} for a line that can never give a result: not UTF-8, not JSON, a setting out of
+range, or a request the engine failed (run again alone first, in case it only failed beside another).
+A bad line costs only itself; the job goes on. Running the same command again skips ids already in
+the output, so a killed job resumes with nothing lost or duplicated.
 """
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
+import itertools
 import json
+import logging
+import os
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import IO
 
 from tqdm import tqdm
 
 from jaxgen.engine import Engine
 from jaxgen.generate import Generator
 from jaxgen.sampling import SamplingConfig, SamplingError
+
+log = logging.getLogger(__name__)
+COMPLETE = ("stop", "length")  # finish reasons of a sample that completed
+MAX_FAILED_STEPS = 3  # engine steps that raise in a row: the engine is broken, not a line; the job stops
 
 
 @dataclasses.dataclass
@@ -28,19 +41,81 @@ class Request:
     sampling: SamplingConfig
 
 
+@dataclasses.dataclass
+class Output:
+    """The output file and the job's counts: one flushed line per record, one bar tick per input line."""
+
+    out: IO[str]
+    bar: tqdm
+    start: float
+    requests: int = 0  # good lines read
+    errors: int = 0
+    tokens: int = 0
+    failed_steps: int = 0  # engine steps that raised since the last one that did not
+
+    def result(self, req: Request, completions) -> None:
+        choices = [
+            {"text": c.text, "finish_reason": c.finish_reason, "tokens": c.tokens, "logprobs": c.logprobs}
+            for c in completions
+        ]
+        self._write({"id": req.id, "choices": choices, "prompt_tokens": len(req.prompt_ids)})
+        self.tokens += sum(len(c.tokens) for c in completions)
+        self.bar.set_postfix(tok_s=f"{self.tokens / max(time.perf_counter() - self.start, 1e-9):.0f}")
+
+    def error(self, rid: str, message: str) -> None:
+        self._write({"id": rid, "error": message})
+        self.errors += 1
+
+    def skip(self) -> None:
+        self.bar.update(1)
+
+    def _write(self, record: dict) -> None:
+        self.out.write(json.dumps(record) + "\n")
+        self.out.flush()
+        self.bar.update(1)
+
+
 def read_done_ids(output: Path) -> set[str]:
-    """Ids already written; a torn last line (killed mid-write) is cut off."""
+    """Ids already written. A torn last line (killed mid-write) is cut off in place; the file is read
+    as a stream, and a complete line that is not a record (a damaged disk block) is skipped."""
     if not output.exists():
         return set()
-    data = output.read_bytes()
-    complete = data[: data.rfind(b"\n") + 1]
-    if len(complete) != len(data):
-        output.write_bytes(complete)
-    return {json.loads(line)["id"] for line in complete.decode().splitlines() if line.strip()}
+    cut_torn_tail(output)
+    done = set()
+    with output.open("rb") as f:
+        for lineno, line in enumerate(f, 1):
+            try:
+                rid = _record_id(line.decode("utf-8"))
+            except UnicodeDecodeError:
+                rid = None
+            if rid is not None:
+                done.add(rid)
+            elif line.strip():
+                log.warning("%s line %d is not a JSON record with an id; ignored", output, lineno)
+    return done
 
 
-def parse_line(line: str, lineno: int, gen: Generator, defaults: SamplingConfig) -> Request:
-    """A request, or SamplingError naming what is wrong with the line."""
+def cut_torn_tail(path: Path, block: int = 1 << 16) -> None:
+    """Truncates the file just after its last b"\\n": no complete line is rewritten or ever at risk."""
+    with path.open("rb") as f:
+        end = pos = f.seek(0, os.SEEK_END)
+        keep = 0
+        while pos > 0:
+            start = max(0, pos - block)
+            f.seek(start)
+            i = f.read(pos - start).rfind(b"\n")
+            if i >= 0:
+                keep = start + i + 1
+                break
+            pos = start
+    if keep < end:
+        log.warning("%s: cutting a torn last line (%d bytes) left by a killed job", path, end - keep)
+        os.truncate(path, keep)
+
+
+def parse_line(raw: bytes | str, lineno: int, gen: Generator | Engine, defaults: SamplingConfig) -> Request:
+    """A request, or an exception (SamplingError for the expected cases) saying what is wrong with the line."""
+    line = _decode(raw, lineno) if isinstance(raw, bytes) else raw
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
@@ -52,103 +127,224 @@ def parse_line(line: str, lineno: int, gen: Generator, defaults: SamplingConfig)
     if not isinstance(record.get("prompt"), str):
         raise SamplingError("field 'prompt' is missing or not a string")
     settings = {k: v for k, v in record.items() if k not in ("id", "prompt")}
-    sampling = SamplingConfig.from_dict(dataclasses.asdict(defaults) | settings)
+    sampling = _sampling(settings, defaults)
     (ids,) = gen.encode_prompts([record["prompt"]])
     if hasattr(gen, "check"):  # the engine: a request that can never run is this line's error
         gen.check(ids, sampling)
     return Request(str(record["id"]), ids, sampling)
 
 
+def _decode(raw: bytes, lineno: int) -> str:
+    if lineno == 1 and raw.startswith(codecs.BOM_UTF8):
+        raw = raw[len(codecs.BOM_UTF8) :]
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SamplingError(f"line {lineno}: not UTF-8 (byte {e.start}: {e.reason})") from None
+
+
+def _sampling(settings: dict, defaults: SamplingConfig) -> SamplingConfig:
+    """The line's settings over the defaults; a value of the wrong shape (logit_bias {"abc": 1}) is
+    a SamplingError naming its field."""
+    try:
+        return SamplingConfig.from_dict(dataclasses.asdict(defaults) | settings)
+    except SamplingError:
+        raise
+    except (TypeError, ValueError, OverflowError) as e:
+        bad = [k for k in settings if _fails(lambda k=k: SamplingConfig.from_dict({k: settings[k]}))]
+        name = bad[0] if bad else ", ".join(settings)
+        raise SamplingError(f"{name}={settings.get(name)!r} is not allowed: {type(e).__name__}: {e}") from None
+
+
 def run_job(gen, input_path: Path, output_path: Path, defaults: SamplingConfig, batch_size: int = 16):
     """Runs every request of `input_path` not yet in `output_path`; returns the summary dict.
 
-    gen: an `Engine` (every request queued at once: slots refill as sequences finish, and results are
-    written as they complete) or a `Generator` (batches of `batch_size`, sorted by prompt length).
+    gen: an `Engine` (lines stream in, a few per slot queued ahead: slots refill as sequences finish,
+    and results are written as they complete) or a `Generator` (batches of `batch_size`, sorted by
+    prompt length within windows of a few batches).
     """
     done = read_done_ids(output_path)
-    requests, errors = [], []
-    seen = set(done)
-    for lineno, line in enumerate(input_path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            req = parse_line(line, lineno, gen, defaults)
-        except SamplingError as e:
-            rid = _id_of(line, lineno)
-            if rid not in seen:
-                errors.append({"id": rid, "error": str(e)})
-                seen.add(rid)
-            continue
-        if req.id in seen:
-            if req.id not in done:
-                errors.append({"id": f"line-{lineno}", "error": f"duplicate id {req.id!r}"})
-            continue
-        seen.add(req.id)
-        requests.append(req)
+    with input_path.open("rb") as f:
+        total = sum(1 for _ in f)
     start = time.perf_counter()
     compiled_before = gen.compilations
-    with output_path.open("a") as out, tqdm(total=len(requests), desc="generate", unit="req") as bar:
-        for e in errors:
-            out.write(json.dumps(e) + "\n")
-        out.flush()
-        run = _run_on_engine if isinstance(gen, Engine) else _run_in_batches
-        tokens = run(gen, requests, out, bar, start, batch_size)
+    with output_path.open("a", encoding="utf-8") as out, tqdm(total=total, desc="generate", unit="line") as bar:
+        sink = Output(out, bar, start)
+        requests = _read_requests(input_path, gen, defaults, done, sink)
+        if isinstance(gen, Engine):
+            _run_on_engine(gen, requests, sink)
+        else:
+            _run_in_batches(gen, requests, sink, batch_size)
     elapsed = time.perf_counter() - start
     return {
-        "requests": len(requests), "errors": len(errors), "skipped_done": len(done), "tokens": tokens,
-        "seconds": round(elapsed, 2), "tokens_per_s": round(tokens / max(elapsed, 1e-9), 1),
+        "requests": sink.requests, "errors": sink.errors, "skipped_done": len(done), "tokens": sink.tokens,
+        "seconds": round(elapsed, 2), "tokens_per_s": round(sink.tokens / max(elapsed, 1e-9), 1),
         "compilations": gen.compilations - compiled_before,
     }  # fmt: skip
 
 
-def _record(req: Request, completions) -> dict:
-    choices = [
-        {"text": c.text, "finish_reason": c.finish_reason, "tokens": c.tokens, "logprobs": c.logprobs}
-        for c in completions
-    ]
-    return {"id": req.id, "choices": choices, "prompt_tokens": len(req.prompt_ids)}
+def _read_requests(input_path: Path, gen, defaults: SamplingConfig, done: set[str], sink: Output) -> Iterator[Request]:
+    """The good lines not done yet, streamed; every other line's error record is written on the way."""
+    seen = set(done)
+    with input_path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):  # binary lines end at b"\n" only
+            if not raw.strip():
+                sink.skip()
+                continue
+            try:
+                req = parse_line(raw, lineno, gen, defaults)
+            except Exception as e:  # whatever the line did wrong, it is this line's error alone
+                rid = _id_of(raw, lineno)
+                if rid in seen:
+                    sink.skip()
+                else:
+                    sink.error(rid, _message(e))
+                    seen.add(rid)
+                continue
+            if req.id in seen:
+                if req.id in done:
+                    sink.skip()
+                else:
+                    sink.error(f"line-{lineno}", f"duplicate id {req.id!r}")
+                continue
+            seen.add(req.id)
+            sink.requests += 1
+            yield req
 
 
-def _write(out, record: dict, bar, start: float, tokens: int) -> int:
-    out.write(json.dumps(record) + "\n")
-    out.flush()
-    tokens += sum(len(c["tokens"]) for c in record["choices"])
-    bar.update(1)
-    bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.0f}")
-    return tokens
+def _run_on_engine(engine: Engine, requests: Iterator[Request], sink: Output) -> None:
+    window = 4 * engine.serve.slots  # lines queued ahead, so a freed slot refills at once
+    for req in _drive(engine, requests, sink, window, alone=False):
+        _drive(engine, iter([req]), sink, 1, alone=True)  # it failed beside others: alone, a failure is its own
+    if not engine.idle():  # lines taken out after a step that raised are still queued, cancelled: drop them
+        try:
+            engine.step()
+        except Exception:
+            log.exception("engine step failed while dropping cancelled requests")
 
 
-def _run_on_engine(engine: Engine, requests: list[Request], out, bar, start: float, _batch_size: int) -> int:
-    pending = {req.id: (req, engine.submit(req.prompt_ids, req.sampling)) for req in requests}
-    tokens = 0
-    while pending:
-        engine.step()
+def _drive(engine: Engine, requests: Iterator[Request], sink: Output, window: int, alone: bool) -> list[Request]:
+    """Runs the requests, at most `window` lines in the engine at once; returns the lines to run again alone."""
+    pending: dict[str, tuple[Request, list]] = {}
+    retry: list[Request] = []
+    while True:
+        while len(pending) < window and (req := next(requests, None)) is not None:
+            try:
+                pending[req.id] = (req, engine.submit(req.prompt_ids, req.sampling))
+            except Exception as e:
+                if not getattr(engine, "accepting", True):
+                    raise  # the engine is closing: not this line's fault, and a rerun resumes here
+                sink.error(req.id, _message(e))
+        if not pending:
+            return retry
+        if not _step(engine, pending, sink, retry, alone):
+            continue
         for rid, (req, seqs) in list(pending.items()):
             if all(s.done_event.is_set() for s in seqs):
-                tokens = _write(out, _record(req, [s.result() for s in seqs]), bar, start, tokens)
                 del pending[rid]
-    return tokens
+                completions, error, again = _outcome(seqs)
+                if error is None:
+                    sink.result(req, completions)
+                elif again and not alone:
+                    retry.append(req)
+                else:
+                    sink.error(req.id, error)
 
 
-def _run_in_batches(gen: Generator, requests: list[Request], out, bar, start: float, batch_size: int) -> int:
-    requests = sorted(requests, key=lambda r: len(r.prompt_ids))  # similar lengths batch together
-    tokens = 0
-    for i in range(0, len(requests), batch_size):
-        batch = requests[i : i + batch_size]
+def _step(engine: Engine, pending: dict, sink: Output, retry: list[Request], alone: bool) -> bool:
+    """One engine step. A step that raises blames no request: every line in flight leaves the engine,
+    to run again alone (or, when it ran alone, gets the error). False after such a step."""
+    try:
+        engine.step()
+        sink.failed_steps = 0
+        return True
+    except Exception as e:
+        sink.failed_steps += 1
+        if sink.failed_steps >= MAX_FAILED_STEPS:
+            raise
+        log.exception("engine step failed; the %d line(s) in flight run again alone", len(pending))
+        for req, seqs in pending.values():
+            for s in seqs:
+                engine.cancel(s)
+            if alone:
+                sink.error(req.id, f"the engine failed on this request: {_message(e)}")
+            else:
+                retry.append(req)
+        pending.clear()
+        return False
+
+
+def _outcome(seqs) -> tuple[list | None, str | None, bool]:
+    """(completions, None) when every sample completed, else (None, the error, whether a rerun may succeed)."""
+    completions = []
+    for s in seqs:
+        try:
+            c = s.result(0)
+        except Exception as e:
+            return None, f"the engine failed on this request: {_message(e)}", True
+        if c.finish_reason not in COMPLETE:
+            why = getattr(s, "error", None) or c.finish_reason or "no finish reason"
+            return None, f"the engine ended this request: {why}", c.finish_reason != "cancelled"
+        completions.append(c)
+    return completions, None, False
+
+
+def _run_in_batches(gen: Generator, requests: Iterator[Request], sink: Output, batch_size: int) -> None:
+    for window in _chunks(requests, 8 * batch_size):
+        window.sort(key=lambda r: len(r.prompt_ids))  # similar lengths batch together
+        for i in range(0, len(window), batch_size):
+            _generate(gen, window[i : i + batch_size], sink)
+
+
+def _generate(gen: Generator, batch: list[Request], sink: Output) -> None:
+    """One batch; if it fails, each of its lines runs alone, so a failure is the failing line's own."""
+    try:
         results = gen.generate([r.prompt_ids for r in batch], [r.sampling for r in batch])
-        by_prompt: dict[int, list] = {}
-        for c in results:
-            by_prompt.setdefault(c.prompt_index, []).append(c)
-        for j, req in enumerate(batch):
-            tokens = _write(out, _record(req, by_prompt[j]), bar, start, tokens)
-    return tokens
+    except Exception as e:
+        if len(batch) == 1:
+            sink.error(batch[0].id, _message(e))
+            return
+        log.warning("a batch failed (%s); its %d lines run again one by one", _message(e), len(batch))
+        for req in batch:
+            _generate(gen, [req], sink)
+        return
+    by_prompt: dict[int, list] = {}
+    for c in results:
+        by_prompt.setdefault(c.prompt_index, []).append(c)
+    for j, req in enumerate(batch):
+        sink.result(req, by_prompt[j])
 
 
-def _id_of(line: str, lineno: int) -> str:
+def _chunks(items: Iterable, n: int) -> Iterator[list]:
+    it = iter(items)
+    while chunk := list(itertools.islice(it, n)):
+        yield chunk
+
+
+def _fails(fn) -> bool:
+    try:
+        fn()
+    except Exception:
+        return True
+    return False
+
+
+def _message(e: Exception) -> str:
+    """An error record's text: a SamplingError speaks for itself; anything else says what it was."""
+    text = str(e) if isinstance(e, SamplingError) else f"{type(e).__name__}: {e}"
+    return text if len(text) <= 1000 else text[:1000] + "..."
+
+
+def _record_id(line: str) -> str | None:
+    """The id of a JSON record line, None for anything else."""
     try:
         record = json.loads(line)
-        if isinstance(record, dict) and "id" in record:
-            return str(record["id"])
-    except json.JSONDecodeError:
-        pass
-    return f"line-{lineno}"
+    except Exception:  # not JSON, or nested past the recursion limit
+        return None
+    return str(record["id"]) if isinstance(record, dict) and "id" in record else None
+
+
+def _id_of(raw: bytes | str, lineno: int) -> str:
+    """The id of a bad line when it can still be read (bytes that are not UTF-8 replaced), else line-N."""
+    rid = _record_id(raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw)
+    return f"line-{lineno}" if rid is None else rid
