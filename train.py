@@ -29,13 +29,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from jaxgen.runtime import enable_compilation_cache
-    from jaxgen.trainer import NonFiniteError, train  # after parsing: --help and errors need no jax
+    from jaxgen.trainer import DiskFullError, NonFiniteError, train  # after parsing: --help and errors need no jax
 
     enable_compilation_cache()
 
     try:
         train(cfg, args.run_dir or f"runs/{cfg.name}", progress=not args.no_progress)
-    except (ConfigError, NonFiniteError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, NonFiniteError, DiskFullError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -4,11 +4,20 @@ A run folder is self-describing:
     <run_dir>/config.yaml       the full config the run used
     <run_dir>/tokenizer.json    its tokenizer
     <run_dir>/checkpoints/<step>/{state,data}   train state and the data iterator's position
+    <run_dir>/checkpoints_damaged/<step>        checkpoints that did not restore, set aside on resuming
+
+A checkpoint whose files were truncated or deleted does not restore; `restore_newest` then falls back
+to the newest one that does, so training and serving go on from the last good step.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
+import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TypeVar
 
 import jax
 import orbax.checkpoint as ocp
@@ -17,6 +26,97 @@ from jaxgen import model
 from jaxgen.config import CheckpointConfig, Config, MeshConfig, load_config
 from jaxgen.sharding import make_mesh
 from jaxgen.tokenizer import Tokenizer
+
+T = TypeVar("T")
+
+
+class CheckpointError(FileNotFoundError):
+    """No checkpoint of a run folder restores (train.py, serve.py and convert.py print it as one line)."""
+
+
+def has_checkpoint(run_dir: str | Path) -> bool:
+    """Whether the run folder holds a checkpoint (finished or not, good or damaged); orbax names them by step."""
+    folder = Path(run_dir) / "checkpoints"
+    return folder.is_dir() and any(p.name.isdigit() for p in folder.iterdir())
+
+
+def restore_newest(ckpt: Checkpointer, restore: Callable[[int], T], steps: Iterable[int]) -> tuple[int, T]:
+    """(step, restore(step)) for the newest of `steps` that restores, warning on stderr about each one that does not.
+
+    Raises CheckpointError, naming the folder, when none restores.
+    """
+    steps = sorted(steps, reverse=True)
+    if not steps:
+        raise CheckpointError(f"{ckpt.directory} holds no checkpoint")
+    quiet_background_errors(str(ckpt.directory))  # before: a failing read prints from other threads at once
+    reason = ""
+    for i, step in enumerate(steps):
+        try:
+            return step, restore(step)
+        except Exception as e:  # damage surfaces as ValueError, KeyError, FileNotFoundError or a bare Exception
+            reason = error_summary(e)
+            then = f"trying step {steps[i + 1]}" if i + 1 < len(steps) else "none left to try"
+            print(
+                f"warning: checkpoint {ckpt.directory / str(step)} does not restore ({reason}); {then}",
+                file=sys.stderr,
+            )
+    raise CheckpointError(
+        f"no checkpoint in {ckpt.directory} restores (tried steps {', '.join(map(str, steps))}; "
+        f"step {steps[-1]}: {reason}); "
+        f"move {ckpt.directory} aside to start the run over, or pass another run folder"
+    )
+
+
+def error_summary(e: BaseException, limit: int = 300) -> str:
+    """One line for an exception: its root cause's type and first line (TensorStore's run to 60 lines)."""
+    seen = set()
+    while e.__cause__ is not None and id(e) not in seen:
+        seen.add(id(e))
+        e = e.__cause__
+    lines = str(e).strip().splitlines()
+    text = f"{type(e).__name__}: {lines[0] if lines else ''}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_quiet_markers: set[str] = set()
+
+
+def quiet_background_errors(marker: str) -> None:
+    """Hides what background threads print about a failed read or write whose error mentions `marker`.
+
+    When orbax gives up on a checkpoint, the reads or writes it started go on failing behind it: asyncio logs
+    their futures as never retrieved, orbax logs the failure with its traceback from each thread it passes,
+    TensorStore's late callbacks find orbax's event loop closed (and on a full disk tensorboardX's writer
+    thread dies). The error itself is raised and reported in one line; these ~100-line tracebacks would bury it.
+    Process-wide, as they come from other threads and from garbage collection, also after the call returns.
+    """
+    _quiet_markers.add(marker)
+    for name in ("absl", "asyncio"):
+        logging.getLogger(name).addFilter(_not_quieted)  # once: addFilter skips a filter already there
+    if getattr(sys.unraisablehook, "quiets_background_errors", False):
+        return
+    unraisable_hook, thread_hook = sys.unraisablehook, threading.excepthook
+
+    def on_unraisable(u):
+        closed_loop = isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"
+        if not (closed_loop or _is_quieted(str(u.exc_value))):
+            unraisable_hook(u)
+
+    def on_thread_error(args):
+        if not _is_quieted(str(args.exc_value)):
+            thread_hook(args)
+
+    on_unraisable.quiets_background_errors = True
+    sys.unraisablehook, threading.excepthook = on_unraisable, on_thread_error
+
+
+def _is_quieted(text: str) -> bool:
+    return any(marker in text for marker in _quiet_markers)
+
+
+def _not_quieted(record: logging.LogRecord) -> bool:
+    exc = record.exc_info[1] if record.exc_info else None
+    return not _is_quieted(f"{record.getMessage()} {exc!r} {exc.__cause__!r}" if exc else record.getMessage())
 
 
 class Checkpointer:
@@ -30,9 +130,13 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def all_steps(self) -> list[int]:
+        """The steps of the finished checkpoints, oldest first (read from the folder names, nothing restored)."""
+        return sorted(self.manager.all_steps())
+
     def save(self, step: int, state, data_state: dict | None = None) -> None:
         """Starts an async save; returns once the arrays are copied off the devices."""
-        args = {"state": ocp.args.StandardSave(state)}
+        args = {"state": ocp.args.PyTreeSave(state)}  # PyTree args throughout: restore_params reads a part
         if data_state is not None:
             args["data"] = ocp.args.JsonSave(data_state)
         self.manager.save(step, args=ocp.args.Composite(**args), force=True)
@@ -40,11 +144,37 @@ class Checkpointer:
     def restore(self, step: int, target, with_data: bool = True):
         """Restores onto `target`'s shapes and shardings (any mesh); returns (state, data_state)."""
         abstract = jax.tree.map(_abstract, target)
-        args = {"state": ocp.args.StandardRestore(abstract)}
+        restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
+        args = {"state": ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args)}
         if with_data and (self.directory / str(step) / "data").exists():
             args["data"] = ocp.args.JsonRestore()
         out = self.manager.restore(step, args=ocp.args.Composite(**args))
         return out["state"], out.get("data") if "data" in args else None
+
+    def restore_params(self, step: int, model_cfg, mesh):
+        """Only the params of a checkpoint, with the model's shardings on `mesh` (no optimizer state, no data)."""
+        shardings = model.param_shardings(model_cfg, mesh)
+        abstract = jax.eval_shape(lambda: model.init_params(model_cfg, jax.random.key(0)))
+        abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+        item = {"params": abstract}
+        restore_args = ocp.checkpoint_utils.construct_restore_args(item)
+        args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+        return self.manager.restore(step, args=ocp.args.Composite(state=args))["state"]["params"]
+
+    def set_aside(self, steps: Iterable[int]) -> Path:
+        """Moves checkpoints that did not restore to <run_dir>/checkpoints_damaged, so their steps can be saved again.
+
+        Moved, not deleted: a file that went missing may still turn up, and the folder shows what was damaged.
+        """
+        folder = self.directory.parent / "checkpoints_damaged"
+        for step in steps:
+            folder.mkdir(exist_ok=True)
+            dest, n = folder / str(step), 1
+            while dest.exists():
+                dest, n = folder / f"{step}.{n}", n + 1
+            (self.directory / str(step)).rename(dest)
+        self.manager.reload()
+        return folder
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
@@ -59,8 +189,9 @@ def _abstract(x):
 
 
 def load_run(run_dir: str | Path, mesh=None, step: int | None = None):
-    """Config, tokenizer and float32 params of a run folder's latest (or given) checkpoint.
+    """Config, tokenizer and float32 params of a run folder's latest good (or given) checkpoint.
 
+    A latest checkpoint that does not restore is skipped with a warning for the one before it.
     The params are placed with the model's shardings on `mesh` (default: all local devices on data).
     """
     run_dir = Path(run_dir)
@@ -69,19 +200,19 @@ def load_run(run_dir: str | Path, mesh=None, step: int | None = None):
     cfg: Config = load_config(run_dir / "config.yaml")
     tokenizer = Tokenizer.from_folder(run_dir)
     ckpt = Checkpointer(run_dir, cfg.checkpoint)
-    step = ckpt.latest_step() if step is None else step
-    if step is None:
-        raise FileNotFoundError(f"{run_dir} has no checkpoint yet")
-    mesh = make_mesh(MeshConfig()) if mesh is None else mesh
-    shardings = model.param_shardings(cfg.model, mesh)
-    abstract = jax.eval_shape(lambda: model.init_params(cfg.model, jax.random.key(0)))
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    item = {"params": abstract}
-    restore_args = ocp.checkpoint_utils.construct_restore_args(item)
-    args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
-    restored = ckpt.manager.restore(step, args=ocp.args.Composite(state=args))
-    ckpt.close()
-    return cfg, tokenizer, restored["state"]["params"]
+    try:
+        steps = ckpt.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"{run_dir} has no checkpoint yet")
+        if step is not None and step not in steps:
+            raise CheckpointError(f"{ckpt.directory} has no checkpoint of step {step}; it has steps {steps}")
+        mesh = make_mesh(MeshConfig()) if mesh is None else mesh
+        _, params = restore_newest(
+            ckpt, lambda s: ckpt.restore_params(s, cfg.model, mesh), steps if step is None else [step]
+        )
+    finally:
+        ckpt.close()
+    return cfg, tokenizer, params
 
 
 def load_model(path: str | Path, mesh=None, step: int | None = None):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import time
 from pathlib import Path
 
@@ -12,18 +14,28 @@ import numpy as np
 
 
 class MetricsWriter:
-    """Appends records to `metrics.jsonl` and scalars to TensorBoard under `<run_dir>/tensorboard`."""
+    """Appends records to `metrics.jsonl` and scalars to TensorBoard under `<run_dir>/tensorboard`.
+
+    Every line is valid JSON: a non-finite value is written as null, and its spelling ("nan", "inf",
+    "-inf") goes under "nonfinite", e.g. {"loss": null, ..., "nonfinite": {"loss": "nan"}}.
+    """
 
     def __init__(self, run_dir: str | Path):
         from tensorboardX import SummaryWriter
 
         self.path = Path(run_dir) / "metrics.jsonl"
         self.file = self.path.open("a")
+        if self.file.tell() and _last_byte(self.path) != b"\n":
+            self.file.write("\n")  # a line cut short by a crash or a full disk stays on its own
         self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
 
     def write(self, record: dict) -> None:
         record = {k: _plain(v) for k, v in record.items()}
-        self.file.write(json.dumps(record) + "\n")
+        nonfinite = {k: str(v) for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)}
+        line = {k: None if k in nonfinite else v for k, v in record.items()}
+        if nonfinite:
+            line["nonfinite"] = nonfinite
+        self.file.write(json.dumps(line, allow_nan=False) + "\n")
         self.file.flush()
         for k, v in record.items():
             if k != "step" and isinstance(v, int | float):
@@ -33,6 +45,33 @@ class MetricsWriter:
         self.file.close()
         self.tb.close()
 
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._abandon()
+
+    def _abandon(self) -> None:
+        """Closes what still closes after an error, which is the one to report (a full disk fails a close too)."""
+        with contextlib.suppress(Exception):
+            self.file.close()
+        for writer in (self.tb.all_writers or {}).values():
+            events = writer.event_writer
+            with contextlib.suppress(Exception):
+                events.close()
+            with contextlib.suppress(Exception):  # else tensorboardX retries at exit and prints a traceback
+                events._worker.stop()
+                events._closed = True
+
+
+def _last_byte(path: Path) -> bytes:
+    with path.open("rb") as f:
+        f.seek(-1, 2)
+        return f.read(1)
+
 
 def _plain(v):
     if isinstance(v, np.generic | np.ndarray | jax.Array):
@@ -41,8 +80,13 @@ def _plain(v):
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The records of `metrics.jsonl`; a line cut short by a crash is skipped."""
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    records = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        with contextlib.suppress(json.JSONDecodeError):
+            records.append(json.loads(line))
+    return [r for r in records if isinstance(r, dict) and "step" in r]
 
 
 def plot_loss(run_dir: str | Path) -> Path:
@@ -53,8 +97,8 @@ def plot_loss(run_dir: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     records = _latest_per_step(read_metrics(run_dir))
-    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
-    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]  # null: non-finite
+    evals = [(r["step"], r["eval_loss"]) for r in records if r.get("eval_loss") is not None]
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     if train:
         ax.plot(*zip(*train, strict=True), lw=1, alpha=0.8, label="train loss")

@@ -117,15 +117,20 @@ class Tokenizer:
         self.tok.save(str(path))
 
     def save_folder(self, folder: str | Path) -> None:
-        """tokenizer.json and a tokenizer_config.json that both jaxgen and transformers read."""
+        """tokenizer.json and a tokenizer_config.json that both jaxgen and transformers read.
+
+        Each is written to a temporary file in `folder` and renamed over, so none is ever left half written.
+        """
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        self.save(folder / "tokenizer.json")
+        self.save(folder / ".tokenizer.json.tmp")
+        (folder / ".tokenizer.json.tmp").replace(folder / "tokenizer.json")
         eos = self.tok.id_to_token(self.eos_id)
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "clean_up_tokenization_spaces": False}
         if self.chat_template is not None:
             config["chat_template"] = self.chat_template
-        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (folder / ".tokenizer_config.json.tmp").write_text(json.dumps(config, indent=2) + "\n")
+        (folder / ".tokenizer_config.json.tmp").replace(folder / "tokenizer_config.json")
 
 
 _CONFIG_FILES = ("generation_config.json", "config.json", "tokenizer_config.json")

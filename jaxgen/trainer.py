@@ -1,14 +1,19 @@
 """The training run: data, state, the step loop, evaluation, checkpoints, metrics and resuming.
 
 `train(cfg, run_dir)` is what `train.py` calls. Killed (Ctrl-C, SIGTERM, kill -9) and started again
-with the same command, it continues from the last checkpoint with the same data order.
+with the same command, it continues from the last checkpoint with the same data order. A newest checkpoint
+that does not restore (a truncated or deleted file) is set aside and the run continues from the one before;
+a full disk stops the run with one DiskFullError, and the same command continues once there is space.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import hashlib
 import math
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -19,18 +24,22 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxgen import model
-from jaxgen.checkpoint import Checkpointer
+from jaxgen.checkpoint import Checkpointer, has_checkpoint, quiet_background_errors, restore_newest
 from jaxgen.config import Config, ConfigError, load_config, save_config
 from jaxgen.data.pipeline import PackedSequences, eval_batches, train_iterator
 from jaxgen.data.tokens import load_splits
 from jaxgen.metrics import MetricsWriter, measure_matmul_flops, plot_loss
 from jaxgen.sharding import make_mesh
 from jaxgen.tokenizer import Tokenizer
-from jaxgen.train_step import create_train_state, make_eval_step, make_train_step, put_batch
+from jaxgen.train_step import TrainState, create_train_state, make_eval_step, make_train_step, put_batch
 
 
 class NonFiniteError(RuntimeError):
     """Too many non-finite losses or gradients in a row; no checkpoint was written for them."""
+
+
+class DiskFullError(RuntimeError):
+    """The disk filled up while the run was writing; the checkpoints finished before are kept."""
 
 
 @dataclass
@@ -43,9 +52,14 @@ class TrainResult:
 
 
 def prepare_run_dir(cfg: Config, run_dir: Path) -> Tokenizer:
-    """Writes config.yaml and tokenizer.json; refuses a run folder made for another model or data."""
+    """Writes config.yaml and tokenizer.json; refuses a run folder whose checkpoints are of another model or data.
+
+    Without a checkpoint nothing is bound to the old files yet: a first attempt that failed (an empty data
+    file, a typo) does not stop the corrected command, which writes them anew.
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
-    if (run_dir / "config.yaml").exists():
+    resuming = has_checkpoint(run_dir)
+    if resuming and (run_dir / "config.yaml").exists():
         old = load_config(run_dir / "config.yaml")
         for section in ("model", "data"):
             if getattr(old, section) != getattr(cfg, section):
@@ -54,7 +68,10 @@ def prepare_run_dir(cfg: Config, run_dir: Path) -> Tokenizer:
                     f"resume with the same settings, or pass a new --run-dir"
                 )
     tok_path = run_dir / "tokenizer.json"
-    tokenizer = Tokenizer.from_folder(run_dir) if tok_path.exists() else Tokenizer.from_name(cfg.data.tokenizer)
+    if resuming and tok_path.exists():
+        tokenizer = Tokenizer.from_folder(run_dir)
+    else:
+        tokenizer = Tokenizer.from_name(cfg.data.tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
@@ -112,42 +129,79 @@ def resolve_init_from(cfg: Config) -> Config:
 def train(cfg: Config, run_dir: str | Path, progress: bool = True) -> TrainResult:
     run_dir = Path(run_dir)
     cfg = resolve_init_from(cfg)
-    tokenizer = prepare_run_dir(cfg, run_dir)
-    mesh = make_mesh(cfg.mesh)
-    splits = load_splits(cfg.data, tokenizer)
-    train_src = PackedSequences(splits["train"]["tokens"], splits["train"]["flags"], cfg.data.seq_len)
-    eval_src = PackedSequences(splits["eval"]["tokens"], splits["eval"]["flags"], cfg.data.seq_len)
-    data_iter = train_iterator(train_src, cfg.training.batch_size, cfg.data.seed)
-    held_out = eval_batches(eval_src, cfg.training.batch_size, cfg.data.eval_batches)
+    quiet_background_errors(_NO_SPACE)  # a full disk is reported once, by DiskFullError
+    with _disk_full_is_one_error(f"the run folder {run_dir}"):
+        tokenizer = prepare_run_dir(cfg, run_dir)
+        mesh = make_mesh(cfg.mesh)
+        with _disk_full_is_one_error(f"the token cache in {cfg.data.cache_dir}"):
+            splits = load_splits(cfg.data, tokenizer)
+        train_src = PackedSequences(splits["train"]["tokens"], splits["train"]["flags"], cfg.data.seq_len)
+        eval_src = PackedSequences(splits["eval"]["tokens"], splits["eval"]["flags"], cfg.data.seq_len)
+        data_iter = train_iterator(train_src, cfg.training.batch_size, cfg.data.seed)
+        held_out = eval_batches(eval_src, cfg.training.batch_size, cfg.data.eval_batches)
+        ckpt = Checkpointer(run_dir, cfg.checkpoint)
+        try:
+            state, step = _resume(cfg, run_dir, ckpt, mesh, data_iter)
+            if state is None:
+                result = TrainResult(step=step, status="already finished")
+            else:
+                result = _loop(cfg, run_dir, mesh, state, data_iter, held_out, ckpt, step, progress)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the error in flight is the one to report
+                ckpt.close()
+            raise
+        with _disk_full_is_one_error(f"a checkpoint in {ckpt.directory}"):
+            ckpt.close()
+        return result
 
-    ckpt = Checkpointer(run_dir, cfg.checkpoint)
-    latest = ckpt.latest_step()
-    params = None
-    if latest is None and cfg.training.init_from is not None:
-        from jaxgen import hf
 
-        family, _ = hf.read_config(cfg.training.init_from)
-        params = hf.load_params(cfg.training.init_from, cfg.model, family, mesh)
-        print(f"fine-tuning {family} weights from {cfg.training.init_from}")
-    state = create_train_state(cfg, mesh, params)
-    if latest is not None:
-        state, data_state = ckpt.restore(latest, state)
-        if data_state is not None:
-            data_iter.set_state(data_state)
-    start = int(state.step)
-    if start >= cfg.training.steps:
-        ckpt.close()
+def _resume(cfg: Config, run_dir: Path, ckpt: Checkpointer, mesh, data_iter) -> tuple[TrainState | None, int]:
+    """(state, step) to train from: fresh, or the newest checkpoint that restores; state None: the run is finished.
+
+    Whether the run is finished is read from the step folder's name, and then only that checkpoint's params
+    are restored to check it: they are what serve.py reads, and a rerun of a finished command need not read
+    the optimizer state and data position. A newest checkpoint that does not restore cannot vouch for its step,
+    finished or not: training goes on from the newest one that does and does the lost steps again (nothing is
+    lost), after setting the damaged ones aside so that their steps can be saved again.
+    """
+    steps = ckpt.all_steps()
+    if not steps:
+        return create_train_state(cfg, mesh, _init_from_params(cfg, mesh)), 0
+    target = None
+
+    def restore(step):
+        nonlocal target
+        if step >= cfg.training.steps:
+            ckpt.restore_params(step, cfg.model, mesh)
+            return None
+        target = create_train_state(cfg, mesh) if target is None else target
+        return ckpt.restore(step, target)
+
+    step, restored = restore_newest(ckpt, restore, steps)
+    if restored is None:
         print(
-            f"{run_dir} already finished: {start} of training.steps={cfg.training.steps} steps done. "
-            f"To train further, run the same command with training.steps={start * 2} (or any number > {start})."
+            f"{run_dir} already finished: {step} of training.steps={cfg.training.steps} steps done. "
+            f"To train further, run the same command with training.steps={step * 2} (or any number > {step})."
         )
-        return TrainResult(step=start, status="already finished")
-    if latest is not None:
-        print(f"resuming {run_dir} from step {start}")
-    try:
-        return _loop(cfg, run_dir, mesh, state, data_iter, held_out, ckpt, start, progress)
-    finally:
-        ckpt.close()
+        return None, step
+    state, data_state = restored
+    if data_state is not None:
+        data_iter.set_state(data_state)
+    damaged = [s for s in steps if s > step]
+    note = f" (checkpoints {damaged} did not restore: moved to {ckpt.set_aside(damaged)})" if damaged else ""
+    print(f"resuming {run_dir} from step {int(state.step)}{note}")
+    return state, int(state.step)
+
+
+def _init_from_params(cfg: Config, mesh):
+    if cfg.training.init_from is None:
+        return None
+    from jaxgen import hf
+
+    family, _ = hf.read_config(cfg.training.init_from)
+    params = hf.load_params(cfg.training.init_from, cfg.model, family, mesh)
+    print(f"fine-tuning {family} weights from {cfg.training.init_from}")
+    return params
 
 
 def _loop(cfg, run_dir, mesh, state, data_iter, held_out, ckpt, start, progress) -> TrainResult:
@@ -157,12 +211,11 @@ def _loop(cfg, run_dir, mesh, state, data_iter, held_out, ckpt, start, progress)
     flops_per_step = model.flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
     peak = cfg.training.peak_flops or measure_matmul_flops()
     result = TrainResult(step=start, status="finished")
-    metrics = MetricsWriter(run_dir)
     end = cfg.training.steps
     if cfg.training.steps_per_run:
         end = min(end, start + cfg.training.steps_per_run)
     bar = tqdm(total=cfg.training.steps, initial=start, desc="train", unit="step", disable=not progress)
-    with _StopFlag() as stop:
+    with bar, MetricsWriter(run_dir) as metrics, _StopFlag() as stop:
         for step in range(start + 1, end + 1):
             batch = next(data_iter)
             t0 = time.perf_counter()
@@ -182,7 +235,8 @@ def _loop(cfg, run_dir, mesh, state, data_iter, held_out, ckpt, start, progress)
                 record |= {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
                 result.eval_losses.append((step, loss))
                 bar.write(f"step {step}: held-out loss {loss:.4f}, perplexity {record['eval_ppl']:.2f}")
-            metrics.write(record)
+            with _disk_full_is_one_error(f"{metrics.path}"):
+                metrics.write(record)
             bar.set_postfix(
                 loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", mfu=f"{record['mfu']:.1%}"
             )
@@ -191,18 +245,18 @@ def _loop(cfg, run_dir, mesh, state, data_iter, held_out, ckpt, start, progress)
                 _check_nonfinite(state, cfg, bar)
             result.step = step
             if stop.requested or step == end or step % cfg.checkpoint.every == 0:
-                ckpt.save(step, state, data_iter.get_state())
+                with _disk_full_is_one_error(f"a checkpoint in {ckpt.directory}"):
+                    ckpt.save(step, state, data_iter.get_state())
             if stop.requested:
                 result.status = "stopped"
                 bar.write(f"{stop.requested}: saved a checkpoint at step {step}; run the same command to continue")
                 break
-    bar.close()
-    metrics.close()
     result.nonfinite_total = int(state.nonfinite_total)
     if result.step < cfg.training.steps and result.status == "finished":
         result.status = "stopped"
         print(f"stopped after training.steps_per_run={cfg.training.steps_per_run} steps at step {result.step}")
-    ckpt.wait()
+    with _disk_full_is_one_error(f"a checkpoint in {ckpt.directory}"):
+        ckpt.wait()
     print(f"loss curve: {plot_loss(run_dir)}")
     return result
 
@@ -224,3 +278,34 @@ def _evaluate(eval_fn, state, batches, mesh) -> float:
         t, c = jax.device_get(eval_fn(state.params, put_batch(batch, mesh)))
         total, count = total + float(t), count + float(c)
     return total / max(count, 1.0)
+
+
+@contextlib.contextmanager
+def _disk_full_is_one_error(what: str):
+    """Turns "no space left on device", from Python or from TensorStore inside orbax, into one DiskFullError."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except Exception as e:
+        cause = _disk_full_cause(e)
+        if cause is None:
+            raise
+        raise DiskFullError(
+            f"disk full while writing {what}: {cause}; free space and run the same command to resume"
+        ) from None
+
+
+_NO_SPACE = os.strerror(errno.ENOSPC)  # "No space left on device"
+
+
+def _disk_full_cause(e: BaseException | None) -> str | None:
+    for _ in range(32):  # the chain of causes; bounded, as a chain can loop
+        if e is None:
+            return None
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return str(e)
+        if _NO_SPACE in str(e):  # TensorStore's errors are ValueErrors with the OS message
+            return _NO_SPACE
+        e = e.__cause__ or e.__context__
+    return None
