@@ -64,16 +64,29 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("--port", type=int, default=8000)
     h.add_argument("--api-key", default=os.environ.get("JAXGEN_API_KEY"), help="require this bearer key")
     h.add_argument("--model-name", help="the model id clients use (default: the folder's name)")
+    h.add_argument("--max-body-bytes", type=int, default=4_000_000, help="larger request bodies get 413 (default 4 MB)")
+    h.add_argument("--max-queue", type=int, default=1024, help="queued requests beyond this get 429 (default 1024)")
+    h.add_argument("--request-timeout", type=float, default=0.0, help="cancel requests running longer, in s (0 = off)")
+    h.add_argument(
+        "--shutdown-grace", type=float, default=10.0,
+        help="on SIGTERM, seconds running requests get to finish before their streams are ended (default 10)",
+    )  # fmt: skip
     return parser
 
 
 def _serve_config(args):
     from jaxgen.config import ConfigError, ServeConfig
 
+    limits = {}
+    if args.command == "http":
+        limits = dict(
+            max_body_bytes=args.max_body_bytes, max_queue=args.max_queue, request_timeout_s=args.request_timeout,
+            shutdown_grace_s=args.shutdown_grace,
+        )  # fmt: skip
     try:
         return ServeConfig(
             slots=args.slots, kv_memory_gb=args.kv_memory_gb, page_size=args.page_size,
-            prefix_caching=not args.no_prefix_caching,
+            prefix_caching=not args.no_prefix_caching, **limits,
         )  # fmt: skip
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
@@ -119,37 +132,34 @@ def main(argv: list[str] | None = None) -> int:
 
 def _one_prompt(engine, prompt: str, defaults) -> int:
     from jaxgen.sampling import SamplingError
+    from jaxgen.textstream import TextDeltas
 
-    shown = 0
+    hold = max((len(s) for s in defaults.stop), default=1) - 1
+    deltas = TextDeltas(engine.tokenizer, hold)  # exact text: no half characters, no half stop strings
 
     def show(seq):
-        nonlocal shown
-        print(seq.text[shown:], end="", flush=True)
-        shown = len(seq.text)
+        print(deltas.update(seq.text, final=bool(seq.finish_reason)), end="", flush=True)
 
-    print(prompt, end="", flush=True)
     try:
-        engine.submit(prompt, defaults, on_update=show)
+        (seq,) = engine.submit(prompt, defaults, on_update=show)
     except SamplingError as e:
-        print(f"\nerror: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)
         return 1
+    print(prompt, end="", flush=True)
     engine.run_until_idle()
     print()
+    if seq.error:
+        print(f"error: {seq.error}", file=sys.stderr)
+        return 1
     return 0
 
 
 def _http(engine, args) -> int:
-    import uvicorn
-
-    from jaxgen.server import create_app
+    from jaxgen.server import create_app, serve_forever
 
     name = args.model_name or Path(args.checkpoint).resolve().name
     app = create_app(engine, name, args.api_key)
-    engine.start()
-    try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
-    finally:
-        engine.stop()
+    serve_forever(engine, app, args.host, args.port, grace_s=engine.serve.shutdown_grace_s)
     return 0
 
 

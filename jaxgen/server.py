@@ -184,8 +184,9 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, serv
         top = body.top_logprobs or 0
         if top and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-        max_tokens = body.max_completion_tokens or body.max_tokens or 256
-        sampling = _sampling(body, max_tokens, top)
+        field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        max_tokens = body.max_completion_tokens if field == "max_completion_tokens" else body.max_tokens
+        sampling = _sampling(body, 256 if max_tokens is None else max_tokens, top, field)
         job = _Job(engine, serve, ids, sampling, body, "chat.completion", model_name, "", body.logprobs)
         return await job.respond(request)
 
@@ -245,7 +246,7 @@ def _render_chat(template: jinja2.Template, messages: list[dict]) -> str:
         raise APIError(400, f"the chat template refused these messages: {e}", "messages") from None
 
 
-def _sampling(body: _Common, max_tokens: int, logprobs: int) -> SamplingConfig:
+def _sampling(body: _Common, max_tokens: int, logprobs: int, max_field: str = "max_tokens") -> SamplingConfig:
     """The request's SamplingConfig: the one validation (bounds and messages) every door shares."""
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
@@ -258,8 +259,8 @@ def _sampling(body: _Common, max_tokens: int, logprobs: int) -> SamplingConfig:
     try:
         return SamplingConfig.from_dict(data)
     except SamplingError as e:
-        if e.field == "max_new_tokens":
-            raise APIError(400, str(e).replace("max_new_tokens", "max_tokens", 1), "max_tokens") from None
+        if e.field == "max_new_tokens":  # the API's name for it
+            raise APIError(400, str(e).replace("max_new_tokens", max_field, 1), max_field) from None
         raise
 
 

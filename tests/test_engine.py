@@ -168,3 +168,123 @@ def test_page_pool_shares_by_reference_and_evicts_least_recently_used():
         pool.allocate(list(range(300, 340)), 40)  # 10 pages: more than the pool will ever have free
     pool.allocate(list(range(300, 316)), 16)  # 4 pages: the 2 free ones, then b's 2 cached ones (LRU)
     assert pool.match_prefix(b) == [] and len(pool.match_prefix(a)) == 2
+
+
+# --- hardening: one request never hurts another -----------------------------------------------------
+
+
+def test_a_request_that_fails_fails_alone(engine, gen):
+    """A request whose own host-side work raises (here its callback) among 16 others: it alone fails,
+    with an error; the other 16 return exactly what they return without it."""
+    from jaxgen.engine import RequestFailed
+
+    prompts, configs = _workload(16, seed=7)
+
+    def explode(seq):
+        raise RuntimeError("this client's callback is broken")
+
+    requests = [
+        r for i, (p, c) in enumerate(zip(prompts, configs, strict=True)) for r in engine.submit(p, c, prompt_index=i)
+    ]
+    (bad,) = engine.submit([3] * 30, SamplingConfig(max_new_tokens=40, ignore_eos=True), on_update=explode)
+    engine.run_until_idle()
+    assert bad.status == "failed" and bad.finish_reason == "error" and "callback is broken" in bad.error
+    with pytest.raises(RequestFailed, match="callback is broken"):
+        bad.result()
+    for r, want in zip(requests, gen.generate(prompts, configs), strict=True):
+        _same(r.result(), want)
+    assert engine.pool.in_use() == 0 and all(s is None for s in engine.slots)
+    assert engine.metrics()["requests_failed"] >= 1
+
+
+def test_a_failed_device_step_fails_only_the_requests_in_flight_and_the_engine_goes_on(params, gen, monkeypatch):
+    engine = Engine(params, CFG, Tokenizer.byte_level(), dataclasses.replace(SERVE, slots=2))
+    prompts, configs = _workload(5, seed=11)
+    configs = [dataclasses.replace(c, stop_token_ids=[], max_new_tokens=20) for c in configs]
+    requests = [
+        r for i, (p, c) in enumerate(zip(prompts, configs, strict=True)) for r in engine.submit(p, c, prompt_index=i)
+    ]
+    real_chunk, calls = engine._chunk, []
+
+    def failing_once(params, state, limit, cfg):
+        calls.append(1)
+        if len(calls) == 1:
+            for x in jax.tree.leaves(state):  # as a failed donated call leaves it: the device state is gone
+                x.delete()
+            raise RuntimeError("device lost")
+        return real_chunk(params, state, limit, cfg=cfg)
+
+    monkeypatch.setattr(engine, "_chunk", failing_once)
+    engine.run_until_idle()
+    in_flight = [r for r in requests if r.status == "failed"]
+    assert len(in_flight) == 2 and all("device lost" in r.error and "retry" in r.error for r in in_flight)
+    wants = gen.generate(prompts, configs)
+    for r, want in zip(requests, wants, strict=True):
+        if r.status != "failed":  # the three that waited ran on the rebuilt state, unharmed
+            _same(r.result(), want)
+    again = engine.generate([prompts[0]], configs[0])[0]  # and the failed ones run fine when retried
+    _same(again, wants[0])
+    assert engine.pool.in_use() == 0 and engine.metrics()["requests_failed"] == 2
+
+
+def test_cancel_during_prefill_is_counted_once(engine):
+    before = engine.metrics()["requests_cancelled"]
+    (r,) = engine.submit([7] * 20, SamplingConfig(max_new_tokens=5))
+    engine._admit()  # in a slot and in the prefill queue at once
+    assert r.status == "prefill"
+    engine.cancel(r)
+    engine.step()
+    assert r.finish_reason == "cancelled" and engine.metrics()["requests_cancelled"] == before + 1
+
+
+def test_drain_ends_every_request_and_admits_nothing_new(params):
+    from jaxgen.engine import EngineClosed
+
+    engine = Engine(params, CFG, Tokenizer.byte_level(), dataclasses.replace(SERVE, slots=1))
+    ended = []
+    running, waiting = (
+        engine.submit([i] * 10, SamplingConfig(max_new_tokens=100, ignore_eos=True), on_update=ended.append)[0]
+        for i in (1, 2)
+    )
+    engine.step()
+    engine.drain(grace_s=0)
+    assert running.finish_reason == "error" and waiting.finish_reason == "error"
+    assert "shutting down" in running.error and {id(r) for r in ended} >= {id(running), id(waiting)}
+    with pytest.raises(EngineClosed):
+        engine.submit([1], SamplingConfig())
+    assert engine.pool.in_use() == 0 and engine.idle()
+
+
+@pytest.mark.parametrize(
+    ("settings", "field"),
+    [
+        ({"max_new_tokens": 2**31}, "max_new_tokens"),
+        ({"top_k": 2**31}, "top_k"),
+        ({"top_k": 258}, "top_k"),
+        ({"logit_bias": {"999999": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"-1": 5.0}}, "logit_bias"),
+        ({"stop_token_ids": [2**40]}, "stop_token_ids"),
+        ({"stop_token_ids": [257]}, "stop_token_ids"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"presence_penalty": float("inf")}, "presence_penalty"),
+        ({"stop": [""]}, "stop"),
+        ({"seed": 2**70}, "seed"),
+    ],
+)
+def test_out_of_range_settings_are_refused_at_submit_naming_the_field(engine, settings, field):
+    """Values that used to overflow int32 inside the engine thread (failing every request in flight)."""
+    from jaxgen.sampling import SamplingError
+
+    with pytest.raises(SamplingError) as info:
+        engine.submit([1, 2, 3], SamplingConfig.from_dict(settings))
+    assert info.value.field == field and str(info.value).startswith(field)
+    assert engine.idle()
+
+
+def test_a_huge_max_new_tokens_is_capped_by_the_context(engine, gen):
+    """max_new_tokens up to 2**31 - 1 is allowed: the context ends the sequence ("length") first."""
+    sc = SamplingConfig(max_new_tokens=2**31 - 1, temperature=0.0, ignore_eos=True)
+    (got,) = engine.generate([[1, 2, 3]], sc)
+    (want,) = gen.generate([[1, 2, 3]], sc)
+    assert got.finish_reason == "length" and len(got.tokens) == CFG.max_seq_len - 3
+    _same(got, want)

@@ -1,6 +1,11 @@
 """The HTTP server, through the official `openai` client and raw HTTP, against `Generator` results."""
 
 import concurrent.futures
+import contextlib
+import copy
+import dataclasses
+import json
+import signal
 import socket
 import threading
 import time
@@ -48,6 +53,34 @@ def stack():
     server.should_exit = True
     thread.join(timeout=10)
     engine.stop()
+
+
+@contextlib.contextmanager
+def held(engine, when=lambda: True):
+    """Holds the engine thread before any step at which `when()` is true, until the block exits: a
+    request is then surely still queued or running, however fast or slow the machine is."""
+    gate = threading.Event()
+    real = engine.step
+
+    def step():
+        if when():
+            gate.wait()
+        real()
+
+    engine.step = step
+    try:
+        yield
+    finally:
+        del engine.step  # the class's step again
+        gate.set()
+
+
+def _wait_for(condition, timeout=120.0):
+    """Polls a condition that must come true (a generous bound: a failure, not a timing assumption)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition never came true"
+        time.sleep(0.02)
 
 
 def _want(gen, prompt, **kw):
@@ -159,8 +192,8 @@ def _metric(url, name):
 @pytest.mark.parametrize(
     ("body", "field", "message"),
     [
-        ({"prompt": "x", "temperature": -1}, "temperature", "greater than or equal to 0"),
-        ({"prompt": "x", "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+        ({"prompt": "x", "temperature": -1}, "temperature", "temperature=-1.0 is not allowed: a number in [0,"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens=0 is not allowed: an integer in [1, 2147483647]"),
         ({"prompt": "x", "colour": "blue"}, "colour", "Extra inputs are not permitted"),
         ({"max_tokens": 3}, "prompt", "Field required"),
         ({"prompt": "x" * 300}, "prompt", "the prompt has 300 tokens; the model's context is 256"),
@@ -189,13 +222,14 @@ def test_client_disconnect_frees_slot_and_pages(stack):
     _, url, engine, _ = stack
     body = {"prompt": "long story", "max_tokens": 240, "temperature": 0.8, "stream": True, "ignore_eos": True}
     cancelled = engine.metrics()["requests_cancelled"]
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
-        next(r.iter_lines())  # the stream has started
-        assert engine.pool.in_use() > 0
-    deadline = time.time() + 20
-    while time.time() < deadline and (engine.pool.in_use() or any(engine.slots)):
-        time.sleep(0.1)
-    assert engine.pool.in_use() == 0 and not any(engine.slots)
+    with held(engine, when=lambda: any(engine.slots)):  # running: it cannot finish while held
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()  # kept: a dropped iterator would close the connection at once
+            next(lines)  # the stream has started
+            _wait_for(lambda: any(s is not None and s.status == "running" for s in engine.slots))
+            assert engine.pool.in_use() > 0
+        _wait_for(lambda: all(s is None or s.status == "cancelled" for s in engine.slots))
+    _wait_for(lambda: not engine.pool.in_use() and not any(engine.slots))
     assert engine.metrics()["requests_cancelled"] == cancelled + 1
 
 
@@ -211,7 +245,7 @@ def test_serve_py_http_command(tiny_run):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "serve.py", "http", "--checkpoint", str(tiny_run), "--port", str(port), "--slots", "2",
-           "--kv-memory-gb", "0.05", "--api-key", "k3y"]  # fmt: skip
+           "--kv-memory-gb", "0.05", "--api-key", "k3y", "--shutdown-grace", "0"]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 120
@@ -230,6 +264,216 @@ def test_serve_py_http_command(tiny_run):
         wrong = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="nope", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             wrong.models.list()
+        # SIGTERM with a stream open: the stream still ends (a final event, then [DONE]) and the server exits
+        body = {"prompt": "def ", "max_tokens": 10_000, "stream": True, "ignore_eos": True}
+        headers = {"Authorization": "Bearer k3y"}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, headers=headers) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+# --- hardening: no request hurts another, every stream ends, the OpenAI error shape everywhere ---------
+
+
+def _post(url, body, **kw):
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=120, **kw)
+
+
+def _sse_events(url, body, path="/v1/completions"):
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(x[6:]) if x != "data: [DONE]" else "[DONE]" for x in r.iter_lines() if x]
+
+
+def test_bad_values_fail_alone_among_16_running_requests(stack):
+    """Values that overflowed int32 in the engine thread (and failed every request in flight) are 400s
+    naming the field; 16 requests running meanwhile return exactly what they return alone."""
+    _, url, engine, gen = stack
+    bad = [
+        ({"prompt": "a", "max_tokens": 2**31}, "max_tokens"),
+        ({"prompt": "a", "top_k": 2**31}, "top_k"),
+        ({"prompt": "a", "logit_bias": {"999999": 1}}, "logit_bias"),
+        ({"prompt": "a", "logit_bias": {"-1": 5}}, "logit_bias"),
+        ({"prompt": "a", "n": 10**6}, "n"),
+        ({"prompt": "a", "seed": 2**80}, "seed"),
+        ({"prompt": [300]}, "prompt"),
+    ]
+    good = [
+        {"prompt": f"job {i}:", "max_tokens": 24, "temperature": 0.8, "seed": i, "ignore_eos": True} for i in range(16)
+    ]
+    with concurrent.futures.ThreadPoolExecutor(24) as pool, held(engine):  # held released first
+        running = [pool.submit(_post, url, body) for body in good]
+        _wait_for(lambda: engine.queue_length() == 16)
+        for body, field in bad:
+            r = _post(url, body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        chat = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                          "max_completion_tokens": 2**31})  # fmt: skip
+        assert chat.status_code == 400 and chat.json()["error"]["param"] == "max_completion_tokens", chat.text
+    configs = [SamplingConfig(max_new_tokens=24, temperature=0.8, seed=i, ignore_eos=True) for i in range(16)]
+    wants = gen.generate([b["prompt"] for b in good], configs)
+    for future, want in zip(running, wants, strict=True):
+        assert future.result().json()["choices"][0]["text"] == want.text
+
+
+def test_a_failed_engine_step_ends_every_stream_and_the_server_goes_on(stack, monkeypatch):
+    _, url, engine, gen = stack
+    real_chunk, calls = engine._chunk, []
+
+    def failing_once(params, state, limit, cfg):
+        calls.append(1)
+        if len(calls) == 1:
+            for x in jax.tree.leaves(state):  # what a failed donated call leaves behind
+                x.delete()
+            raise RuntimeError("device lost")
+        return real_chunk(params, state, limit, cfg=cfg)
+
+    body = {"prompt": "abc", "max_tokens": 30, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool, held(engine):  # held released first
+        streamed = pool.submit(_sse_events, url, body | {"stream": True})
+        whole = pool.submit(_post, url, body)
+        _wait_for(lambda: engine.queue_length() == 2)
+        monkeypatch.setattr(engine, "_chunk", failing_once)
+    events = streamed.result()
+    assert events[-1] == "[DONE]" and "device lost" in events[-2]["error"]["message"]
+    assert whole.result().status_code == 500 and "device lost" in whole.result().json()["error"]["message"]
+    after = _post(url, {"prompt": "abc", "max_tokens": 8, "temperature": 0})
+    assert after.json()["choices"][0]["text"] == _want(gen, "abc", max_new_tokens=8, temperature=0.0)[0].text
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_non_streaming_disconnect_cancels(stack):
+    _, url, engine, _ = stack
+    cancelled = engine.metrics()["requests_cancelled"]
+    body = {"prompt": "long story", "max_tokens": 240, "ignore_eos": True}
+    with held(engine, when=lambda: any(engine.slots)):
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+            httpx.post(f"{url}/v1/completions", json=body, timeout=1.0)
+        _wait_for(lambda: all(s is None or s.status == "cancelled" for s in engine.slots))
+    _wait_for(lambda: not engine.pool.in_use() and not any(engine.slots))
+    assert engine.metrics()["requests_cancelled"] == cancelled + 1
+
+
+def _app_client(engine, **serve):
+    from fastapi.testclient import TestClient
+
+    return TestClient(create_app(engine, NAME, serve=dataclasses.replace(engine.serve, **serve)))
+
+
+def test_queue_limit_answers_429_and_timeout_408(stack):
+    _, _, engine, _ = stack
+    body = {"prompt": "q", "max_tokens": 4}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, held(engine):  # held released first
+        first = pool.submit(lambda: _app_client(engine, max_queue=1).post("/v1/completions", json=body))
+        _wait_for(lambda: engine.queue_length() == 1)
+        r = _app_client(engine, max_queue=1).post("/v1/completions", json=body)
+        assert (
+            r.status_code == 429 and r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "rate_limit_error"
+        )
+        slow = _app_client(engine, request_timeout_s=0.5)
+        r = slow.post("/v1/completions", json=body)  # held: it cannot finish in time
+        assert r.status_code == 408 and "request_timeout_s=0.5" in r.json()["error"]["message"]
+        with slow.stream("POST", "/v1/completions", json=body | {"stream": True}) as s:
+            events = [x for x in s.iter_lines() if x]
+        assert events[-1] == "data: [DONE]" and "request_timeout_s" in events[-2]
+    assert first.result().status_code == 200
+    _wait_for(lambda: engine.idle())
+
+
+def test_body_limit_and_huge_values_are_refused_cheaply(stack):
+    _, url, engine, _ = stack
+    r = httpx.post(f"{url}/v1/completions", content=b'{"prompt": "' + b"x" * 20_000_000 + b'"}',
+                   headers={"content-type": "application/json"}, timeout=120)  # fmt: skip
+    assert r.status_code == 413 and "max_body_bytes" in r.json()["error"]["message"]
+    r = _post(url, {"prompt": "x", "temperature": "y" * 1_000_000})
+    assert r.status_code == 400 and len(r.text) < 1000 and r.json()["error"]["param"] == "temperature"
+    r = _post(url, {"prompt": "x" * 3_000_000})  # under the body limit, but no tokenizer makes it fit
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and len(r.text) < 1000
+    assert (
+        _app_client(engine, max_body_bytes=100).post("/v1/completions", json={"prompt": "x" * 200}).status_code == 413
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "status", "param"),
+    [
+        ("/v1/completions", b'{"prompt": "\\udc80 lone"}', 400, "prompt"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udc80"}]}', 400, "messages.0.content"),
+        ("/v1/completions", b'{"prompt": "x",', 400, None),
+        ("/v1/completions", b"prompt=x", 400, None),
+        ("/v1/completions", b'{"prompt": "x", "model": "gpt-9"}', 404, "model"),
+        ("/v1/nothing-here", b"{}", 404, None),
+    ],
+)
+def test_every_error_has_the_openai_shape(stack, path, raw, status, param):
+    _, url, _, _ = stack
+    r = httpx.post(f"{url}{path}", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param and error["message"]
+    if status == 404 and param == "model":
+        assert error["code"] == "model_not_found"
+
+
+def test_chat_templates_cannot_run_code(stack, tmp_path):
+    _, _, engine, _ = stack
+    from fastapi.testclient import TestClient
+
+    target = tmp_path / "pwned"
+    hostile = engine.tokenizer.__class__(engine.tokenizer.tok, engine.tokenizer.eos_ids)
+    hostile.chat_template = "{{ cycler.__init__.__globals__.os.system('touch " + str(target) + "') }}"
+    evil = copy.copy(engine)
+    evil.tokenizer = hostile
+    r = TestClient(create_app(evil, NAME)).post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}
+    )
+    assert r.status_code == 500 and "unsafe" in r.json()["error"]["message"] and not target.exists()
+    hostile.chat_template = "{{ raise_exception('roles must alternate') }}"
+    r = TestClient(create_app(evil, NAME)).post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}
+    )
+    assert r.status_code == 400 and "roles must alternate" in r.json()["error"]["message"]
+
+
+def test_health_is_503_when_the_engine_is_not_running(stack):
+    _, _, engine, _ = stack
+    from fastapi.testclient import TestClient
+
+    stopped = copy.copy(engine)
+    stopped._thread = None
+    assert TestClient(create_app(stopped, NAME)).get("/health").status_code == 503
+
+
+def test_logit_bias_is_accepted_and_applied(stack):
+    _, url, _, gen = stack
+    r = _post(url, {"prompt": "x", "max_tokens": 6, "temperature": 0, "logit_bias": {"65": 100}})
+    want = gen.generate(["x"], SamplingConfig(max_new_tokens=6, temperature=0.0, logit_bias=((65, 100.0),)))[0]
+    assert r.json()["choices"][0]["text"] == want.text == "AAAAAA"
+
+
+def test_streamed_text_and_logprobs_equal_the_whole_response_with_split_characters(stack):
+    """The byte-level tokenizer splits every non-ASCII character over several tokens, and 4-step chunks
+    end inside them: each stream must still equal its whole response, character for character."""
+    _, url, _, _ = stack
+    bias = {str(b): 4.0 for b in "日😀é".encode()}  # push the model towards multi-byte characters
+    seen_multibyte = False
+    for seed in range(4):
+        body = {"prompt": "日本", "max_tokens": 40, "temperature": 1.0, "seed": seed, "logit_bias": bias,
+                "ignore_eos": True, "logprobs": 2}  # fmt: skip
+        whole = _post(url, body).json()["choices"][0]
+        events = _sse_events(url, body | {"stream": True})
+        assert events[-1] == "[DONE]"
+        choices = [e["choices"][0] for e in events[:-1]]
+        assert "".join(c["text"] for c in choices) == whole["text"]
+        streamed = [x for c in choices if c["logprobs"] for x in c["logprobs"]["token_logprobs"]]
+        np.testing.assert_allclose(streamed, whole["logprobs"]["token_logprobs"], atol=1e-5)
+        assert [t for c in choices if c["logprobs"] for t in c["logprobs"]["tokens"]] == whole["logprobs"]["tokens"]
+        seen_multibyte |= any(ord(ch) > 127 and ch != "\ufffd" for ch in whole["text"])
+    assert seen_multibyte
