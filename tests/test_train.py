@@ -134,6 +134,7 @@ def test_default_data_path_trains_and_writes_the_run_folder(tiny_cfg, tmp_path):
 
 def test_run_folder_refuses_another_model(tiny_cfg, tmp_path):
     trainer.prepare_run_dir(tiny_cfg, tmp_path)
+    (tmp_path / "checkpoints" / "10").mkdir(parents=True)  # the folder holds a checkpoint: it is bound to its config
     other = dataclasses.replace(tiny_cfg, model=dataclasses.replace(tiny_cfg.model, num_layers=3))
     with pytest.raises(ConfigError, match="different `model` section"):
         trainer.prepare_run_dir(other, tmp_path)
