@@ -311,3 +311,11 @@ def test_sharded_generation_equals_one_device(gen, stacked):
     got = sharded.generate(PROMPTS, GREEDY)
     assert [o.tokens for o in got] == [o.tokens for o in want]
     np.testing.assert_allclose([o.logprobs for o in got], [o.logprobs for o in want], atol=1e-4)
+
+
+def test_score_refuses_ids_outside_the_vocabulary(gen):
+    """An out-of-vocabulary id used to index past the embedding and return NaN."""
+    with pytest.raises(SamplingError, match=r"pair 0 has token ids outside \[0, 300\): \[300\]"):
+        gen.score([[1, 2]], [[300]])
+    with pytest.raises(SamplingError, match=r"pair 0 has token ids outside"):
+        gen.score([[-1, 2]], [[3]])
