@@ -255,9 +255,9 @@ class Engine:
         self.check(ids, sampling)
         requests = [
             Request(
-                ids, dataclasses.replace(sampling, seed=sampling.seed + 7919 * s), prompt_index, s, on_update,
-                t_submit=time.perf_counter(),
-            )  # the same per-sample seeds as Generator
+                ids, dataclasses.replace(sampling, seed=(sampling.seed + 7919 * s) % 2**64), prompt_index, s,
+                on_update, t_submit=time.perf_counter(),
+            )  # the same per-sample seeds as Generator (draws use seed % 2**32; % 2**64 keeps a seed near 2**64 valid)
             for s in range(sampling.n)
         ]  # fmt: skip
         with self.wake:
@@ -479,10 +479,9 @@ class Engine:
         stopped = stop_string_cut(self.tokenizer, r.tokens, r.sampling.stop) is not None
         if done[slot] or stopped:
             self._finish(r, "stop" if stopped else FINISH_NAMES.get(int(finish[slot]), "length"))
-        else:
+        elif r.on_update is not None:  # the text so far, for those who watch (decoded again at the end)
             r.text = self.tokenizer.decode(r.tokens)
-            if r.on_update is not None:
-                r.on_update(r)
+            r.on_update(r)
 
     def _finish(self, r: Request, reason: str) -> None:
         keep, r.text, r.finish_reason = finish_row(
