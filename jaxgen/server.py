@@ -305,15 +305,17 @@ class _Job:
 
     async def _next_update(self, request: Request, deadline: float | None):
         """The next snapshot; None after a quiet 0.25 s. Raises _Gone when the client left, TimeoutError past
-        the deadline."""
+        the deadline: both checked after every wait, not only quiet ones, or a request whose tokens keep
+        coming (a chunk every < 0.25 s) would run to max_tokens after its client left or its time was up."""
         try:
-            return await asyncio.wait_for(self.updates.get(), timeout=0.25)
+            snap = await asyncio.wait_for(self.updates.get(), timeout=0.25)
         except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                raise _Gone() from None
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError from None
-            return None
+            snap = None
+        if await request.is_disconnected():
+            raise _Gone()
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError
+        return snap
 
     def _deadline(self) -> float | None:
         t = self.serve.request_timeout_s

@@ -1,0 +1,454 @@
+"""Fuzzing the live OpenAI-compatible server with hypothesis.
+
+Each example sends one to three requests at once to a live server (uvicorn and the engine in threads):
+bodies over the whole schema of /v1/completions and /v1/chat/completions, valid, with one bad field, or
+with every field drawn from valid, edge (0, -1, 2**31, 2**63, 1e308, NaN, Infinity) and wrong-typed
+values, unknown fields and models, lone surrogates, 10 KB strings, and malformed bytes; streaming or
+not; some clients read a stream for a few lines and hang up, some give up on an answer after 0.05 s.
+Properties:
+
+- no 5xx: client input never gets a 500 (nor a 503: the engine never stops here);
+- every answer is a well-formed completion (id, object, choices with index and text or message,
+  finish_reason in {stop, length}, usage) or an OpenAI-shaped error {"error": {"message", "type",
+  "param", "code"}} with a 4xx status; a valid body always gets its completion;
+- no hung stream: every stream read to its end ends with `data: [DONE]` (client timeouts are 120 s:
+  a slow machine never fails this, a hang does);
+- afterwards the server is back to zero: no request handler left, no slot or page in use, nothing
+  queued, every sequence finished or cancelled (none failed), /health 200.
+
+CI runs a fixed (derandomized) set of examples; for more, random ones locally:
+
+    JAXGEN_FUZZ_EXAMPLES=1000 pytest tests/test_fuzz_server.py -q
+"""
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import json
+import math
+import os
+import socket
+import threading
+import time
+
+import httpx
+import jax
+import pytest
+import uvicorn
+from hypothesis import HealthCheck, given, note, settings
+from hypothesis import strategies as st
+
+from jaxgen import model
+from jaxgen.config import ModelConfig, ServeConfig
+from jaxgen.engine import Engine
+from jaxgen.server import _Gone, _Job, create_app
+from jaxgen.tokenizer import Tokenizer
+
+CFG = ModelConfig(vocab_size=257, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, max_seq_len=256)
+TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
+NAME = "tiny"
+TIMEOUT = 120.0  # a slow machine never reaches it; a hung request does
+GIVE_UP = 0.05  # the impatient client's timeout
+EXAMPLES = int(os.environ.get("JAXGEN_FUZZ_EXAMPLES", "60"))
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A live server on 127.0.0.1: uvicorn in a thread, the engine in another."""
+    params = model.init_params(CFG, jax.random.key(1))
+    params = jax.tree.map(lambda w: w * 5 if w.ndim > 1 else w, params)
+    tok = Tokenizer.byte_level()
+    tok.chat_template = TEMPLATE
+    engine = Engine(params, CFG, tok, ServeConfig(slots=8, num_pages=128, chunk_steps=4, prefill_chunk=64))
+    engine.start()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(create_app(engine, NAME), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    while not uv.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", engine, uv
+    uv.should_exit = True
+    thread.join(timeout=10)
+    engine.stop()
+
+
+# --- values ------------------------------------------------------------------------------------------
+
+LONE = "\udc80"  # a lone surrogate: json.dumps writes the escape "\udc80", which no text may hold
+EDGE = st.sampled_from(
+    [0, -1, 1, 3, 255, 256, 257, 2**31 - 1, 2**31, 2**63, -(2**63), 2**64, 10**30,
+     0.0, -0.0, -1.0, 1e-300, 0.5, 1.5, 100.0, 1e4, 1e308, -1e308, math.nan, math.inf, -math.inf]
+)  # fmt: skip
+WRONG = st.sampled_from([None, "", "x", "1", "NaN", LONE, "9" * 5000, [], [1], ["a"], {}, {"a": 1}, True, False])
+ANY = st.one_of(EDGE, WRONG, st.integers(), st.floats(), st.text(max_size=12), st.booleans())
+HUGE = ["x" * 10_000, "é" * 3000, "a b " * 2500, "x" * 300]  # over the context, or far over it
+
+
+STOP = st.one_of(st.text(min_size=1, max_size=4), st.lists(st.text(min_size=1, max_size=4), max_size=3))
+BAD_STOP = st.sampled_from(["", [""], [LONE], "x" * 300, ["a"] * 17, [1], 5, [None], {"a": "b"}])
+BIAS = st.dictionaries(st.integers(0, 256).map(str), st.floats(-100, 100), max_size=4)
+BAD_BIAS_KEY = st.sampled_from(["-1", "257", "999999", "abc", "", " 5", "５", "²", "--5", "1e3", "9" * 5000, LONE])
+BAD_BIAS = st.one_of(
+    st.dictionaries(st.one_of(BAD_BIAS_KEY, st.integers(0, 256).map(str)), ANY, min_size=1, max_size=3),
+    st.sampled_from([[], [[1, 2]], "x", 5]),
+)
+
+# (valid, any) strategies per field; "any" mixes the valid ones with edge and wrong values
+COMMON = {
+    "model": (st.just(NAME), st.one_of(st.sampled_from(["gpt-4", "", LONE, NAME.upper()]), st.text(max_size=12))),
+    "temperature": (st.one_of(st.sampled_from([0.0, 0.7, 1.0]), st.floats(0, 2)), ANY),
+    "top_p": (st.floats(0.01, 1), ANY),
+    "top_k": (st.integers(0, 257), ANY),
+    "min_p": (st.floats(0, 1), ANY),
+    "seed": (st.one_of(st.integers(-(2**63), 2**64 - 1), st.sampled_from([-(2**63), 2**64 - 1])), ANY),
+    "n": (st.integers(1, 3), ANY),
+    "stop": (STOP, st.one_of(BAD_STOP, ANY)),
+    "stream": (st.booleans(), ANY),
+    "presence_penalty": (st.floats(-2, 2), ANY),
+    "frequency_penalty": (st.floats(-2, 2), ANY),
+    "repetition_penalty": (st.one_of(st.floats(0.5, 2), st.just(1e-300), st.just(100.0)), ANY),
+    "logit_bias": (BIAS, st.one_of(BAD_BIAS, ANY)),
+    "ignore_eos": (st.booleans(), ANY),
+    "user": (st.text(max_size=12), ANY),
+}
+LENGTH = st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8, 2**31 - 1])  # mostly short; sometimes to the end of the context
+PROMPT = st.one_of(
+    st.text(min_size=1, max_size=40),
+    st.lists(st.integers(0, 256), min_size=1, max_size=30),
+    st.text(min_size=1, max_size=40).map(lambda s: [s]),
+)
+BAD_PROMPTS = ["", [], [""], [LONE], "a" + LONE, [-1], [257], [2**63], [1.5], ["a", "b"], [1, "a"], [[1]],
+               list(range(256)), *HUGE, [HUGE[0]]]  # fmt: skip
+BAD_PROMPT = st.one_of(st.sampled_from(BAD_PROMPTS), ANY)
+COMPLETION = {
+    **COMMON,
+    "prompt": (PROMPT, BAD_PROMPT),
+    "max_tokens": (LENGTH, st.one_of(st.sampled_from([0, 2**31 - 1, 2**31, 255]), ANY)),
+    "logprobs": (st.one_of(st.none(), st.integers(0, 5)), ANY),
+    "echo": (st.booleans(), ANY),
+}
+ROLE = st.sampled_from(["system", "user", "assistant"])
+MESSAGE = st.fixed_dictionaries({"role": ROLE, "content": st.text(max_size=12)}, optional={"name": st.text(max_size=8)})
+BAD_MESSAGES = st.one_of(
+    st.sampled_from([[], [{}], [{"role": "user"}], [{"content": "x"}], [{"role": "user", "content": None}],
+                     [{"role": LONE, "content": "x"}], [{"role": "user", "content": LONE}],
+                     [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "hi", [None],
+                     [{"role": "user", "content": "x"}] * 100, [{"role": "user", "content": h} for h in HUGE[:1]]]),
+    ANY,
+)  # fmt: skip
+CHAT_FIELDS = {
+    **COMMON,
+    "messages": (st.lists(MESSAGE, min_size=1, max_size=3), BAD_MESSAGES),  # at most 3 * 61 + 11 tokens
+    "max_tokens": (LENGTH, st.one_of(st.sampled_from([0, 2**31, 2**31 - 1]), ANY)),
+    "max_completion_tokens": (LENGTH, st.one_of(st.sampled_from([0, 2**31]), ANY)),
+    "logprobs": (st.booleans(), ANY),
+    "top_logprobs": (st.integers(0, 5), ANY),
+}
+UNKNOWN = st.dictionaries(st.sampled_from(["best_of", "suffix", "tools", "", LONE, "x" * 2000]), ANY, max_size=2)
+
+
+@st.composite
+def valid_body(draw, chat: bool) -> dict:
+    """A body the server must answer with a completion: every field valid, each present or not."""
+    fields = CHAT_FIELDS if chat else COMPLETION
+    body = {k: draw(valid) for k, (valid, _) in fields.items() if draw(st.booleans())}
+    required = "messages" if chat else "prompt"
+    body[required] = draw(fields[required][0])
+    if chat:
+        body.setdefault("max_tokens", draw(LENGTH))  # else up to the whole context
+        if body.get("top_logprobs") and not body.get("logprobs"):
+            del body["top_logprobs"]
+    return body
+
+
+@st.composite
+def fuzzed_body(draw, chat: bool) -> dict:
+    """A valid body with one field bad or gone, or every field drawn from anything, plus unknown fields."""
+    fields = CHAT_FIELDS if chat else COMPLETION
+    if draw(st.booleans()):
+        body = draw(valid_body(chat))
+        key = draw(st.sampled_from(sorted(fields)))
+        if draw(st.integers(0, 4)) == 0:
+            body.pop(key, None)
+        else:
+            body[key] = draw(fields[key][1])
+    else:
+        body = {k: draw(st.one_of(valid, bad)) for k, (valid, bad) in fields.items() if draw(st.booleans())}
+    if draw(st.integers(0, 3)) == 0:
+        body.update(draw(UNKNOWN))
+    return body
+
+
+@dataclasses.dataclass
+class Call:
+    """One request: what is sent, and how the client behaves."""
+
+    path: str
+    raw: bytes
+    body: object = None  # the JSON value encoded in raw (None for malformed bytes)
+    valid: bool = False  # the server must answer it with a completion
+    headers: dict = dataclasses.field(default_factory=lambda: {"content-type": "application/json"})
+    method: str = "POST"
+    # patient: reads to the end; hangs_up: after `lines` lines of a stream; impatient: gives up after GIVE_UP s;
+    # leaves_early: sends half the body, then closes the connection
+    client: str = "patient"
+    lines: int = 0
+    chunked: bool = False  # the body in two chunks, no content-length
+
+    def __repr__(self):
+        raw = self.raw if len(self.raw) <= 300 else self.raw[:300] + b"...(%d bytes)" % len(self.raw)
+        return f"Call({self.method} {self.path} {raw!r} {self.headers} {self.client}:{self.lines} valid={self.valid})"
+
+
+def encoded(body) -> st.SearchStrategy[bytes]:
+    """JSON text (NaN and Infinity as Python writes them), ASCII-escaped or raw UTF-8 (a lone surrogate then
+    makes bytes that are not UTF-8)."""
+    utf8 = json.dumps(body, ensure_ascii=False).encode("utf-8", "surrogatepass")
+    return st.sampled_from([json.dumps(body).encode(), utf8])
+
+
+MALFORMED = st.one_of(
+    st.binary(max_size=64),
+    st.sampled_from([b"", b"[]", b"null", b"1", b'"x"', b"{", b'{"prompt": "x",', b'{"prompt": "x"} x', b"prompt=x",
+                     b"[" * 100_000, b'{"a":' * 5000, b"\xff\xfe{}", b'\xef\xbb\xbf{"prompt": "x"}',
+                     b'{"prompt": "x", "prompt": 5}', b'{"prompt": "\\ud800\\udc00x"}', b'{"prompt": "\\u0000"}']),
+)  # fmt: skip
+HEADERS = st.sampled_from(
+    [{}, {"content-type": "text/plain"}, {"content-type": "application/x-www-form-urlencoded"},
+     {"content-type": "application/json; charset=latin-1"}, {"content-type": "application/vnd.api+json"},
+     {"content-type": "multipart/form-data; boundary=x"}, {"content-type": b"\xff/json"}]
+)  # fmt: skip
+
+
+@st.composite
+def calls(draw) -> Call:
+    chat = draw(st.booleans())
+    path = CHAT if chat else COMPLETIONS
+    kind = draw(st.sampled_from(["valid", "valid", "fuzzed", "fuzzed", "malformed"]))
+    if kind == "malformed":
+        call = Call(path, draw(MALFORMED))
+    else:
+        body = draw(valid_body(chat) if kind == "valid" else fuzzed_body(chat))
+        call = Call(path, draw(encoded(body)), body, valid=kind == "valid")
+    if not call.valid and draw(st.integers(0, 5)) == 0:  # odd headers, methods and paths
+        call.headers = draw(HEADERS)
+        call.method = draw(st.sampled_from(["POST", "POST", "GET", "PUT"]))
+        call.path = draw(st.sampled_from([COMPLETIONS, CHAT, "/v1/completion", "/v1/chat/completions/"]))
+    if isinstance(call.body, dict) and call.body.get("stream") is True:
+        call.client = draw(st.sampled_from(["patient", "hangs_up", "hangs_up"]))
+    else:
+        call.client = draw(st.sampled_from(["patient", "patient", "impatient", "leaves_early"]))
+    call.lines = draw(st.integers(0, 5))
+    call.chunked = draw(st.integers(0, 3)) == 0
+    return call
+
+
+# --- checks --------------------------------------------------------------------------------------------
+
+
+def _strict_json(text: str):
+    """JSON as the spec has it: NaN and Infinity are not JSON, whatever Python's json accepts."""
+
+    def refuse(name):
+        raise AssertionError(f"not JSON: {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def check_error(status: int, data) -> None:
+    assert 400 <= status < 500, status
+    assert isinstance(data, dict) and set(data) == {"error"}, data
+    e = data["error"]
+    assert set(e) == {"message", "type", "param", "code"}, e
+    assert isinstance(e["message"], str) and e["message"] and isinstance(e["type"], str), e
+    assert e["param"] is None or isinstance(e["param"], str), e
+    assert e["code"] is None or isinstance(e["code"], str), e
+
+
+def _n(call: Call) -> int | None:
+    n = call.body.get("n", 1) if isinstance(call.body, dict) else None
+    return n if type(n) is int else None  # "2" or 2.0 are accepted too, but leave them uncounted
+
+
+def check_completion(call: Call, data) -> None:
+    chat = call.path == CHAT
+    assert data["object"] == ("chat.completion" if chat else "text_completion"), data
+    assert isinstance(data["id"], str) and data["id"].startswith("chatcmpl-" if chat else "cmpl-"), data
+    assert isinstance(data["created"], int) and data["model"] == NAME, data
+    choices = data["choices"]
+    assert sorted(c["index"] for c in choices) == list(range(len(choices))) and choices, data
+    assert _n(call) in (None, len(choices)), data
+    for c in choices:
+        assert c["finish_reason"] in ("stop", "length"), c
+        if chat:
+            assert c["message"]["role"] == "assistant" and isinstance(c["message"]["content"], str), c
+        else:
+            assert isinstance(c["text"], str), c
+        assert c["logprobs"] is None or isinstance(c["logprobs"], dict), c
+    u = data["usage"]
+    assert all(type(u[k]) is int for k in ("prompt_tokens", "completion_tokens", "total_tokens")), u
+    assert u["prompt_tokens"] >= 1 and u["completion_tokens"] >= 0, u
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"], u
+
+
+def check_event(call: Call, line: str) -> tuple[int, str | None]:
+    """One event of a stream (not [DONE]); returns its choice's index and finish_reason."""
+    assert line.startswith("data: "), line
+    data = _strict_json(line[6:])
+    assert "error" not in data, f"an error event for client input: {data}"
+    chat = call.path == CHAT
+    assert data["object"] == ("chat.completion.chunk" if chat else "text_completion"), data
+    assert isinstance(data["id"], str) and data["model"] == NAME, data
+    (choice,) = data["choices"]
+    assert choice["finish_reason"] in (None, "stop", "length"), choice
+    if chat:
+        assert isinstance(choice["delta"], dict), choice
+    else:
+        assert isinstance(choice["text"], str), choice
+    return choice["index"], choice["finish_reason"]
+
+
+def check_stream(call: Call, lines) -> None:
+    """A stream read to its end: events, each sequence's final one, then [DONE] last."""
+    events = [x for x in lines if x]
+    assert events and events[-1] == "data: [DONE]", f"the stream did not end with [DONE]: {events[-3:]}"
+    ends = []
+    indices = set()
+    for line in events[:-1]:
+        index, finish = check_event(call, line)
+        indices.add(index)
+        if finish:
+            ends.append(index)
+    assert sorted(ends) == sorted(indices) == list(range(len(indices))), events
+    assert _n(call) in (None, len(indices)), events
+
+
+def check_answer(call: Call, r: httpx.Response, engine: Engine) -> None:
+    """A whole answer (not a stream): a completion, or an error in OpenAI's shape with a 4xx status."""
+    if r.status_code == 503:
+        assert not engine.running, r.text
+    if call.path.endswith("/") and r.status_code == 307:  # the framework's redirect to the path without "/"
+        assert r.headers["location"].endswith(call.path.rstrip("/")), r.headers
+        return
+    assert r.status_code < 500, r.text
+    data = _strict_json(r.text)
+    if r.status_code == 200:
+        check_completion(call, data)
+    else:
+        check_error(r.status_code, data)
+        assert not call.valid, f"a valid body was refused: {r.status_code} {r.text}"
+
+
+def send(url: str, call: Call, engine: Engine) -> str:
+    """Sends one call and checks what comes back; returns what happened (for the notes)."""
+    timeout = GIVE_UP if call.client == "impatient" else TIMEOUT
+    half = len(call.raw) // 2
+    content = iter([call.raw[:half], call.raw[half:]]) if call.chunked else call.raw
+    if call.client == "leaves_early":
+
+        def content():
+            yield call.raw[:half]
+            raise _LeftEarly
+
+        content = content()
+    try:
+        with httpx.stream(call.method, url + call.path, content=content, headers=call.headers, timeout=timeout) as r:
+            if r.headers.get("content-type", "").startswith("text/event-stream"):
+                assert r.status_code == 200, r.status_code
+                lines = r.iter_lines()  # kept: a dropped iterator would close the connection at once
+                if call.client == "hangs_up":
+                    for _, line in zip(range(call.lines), lines):
+                        if line and line != "data: [DONE]":
+                            check_event(call, line)
+                    return "hung up"  # leaving the block closes the connection
+                check_stream(call, lines)
+                return "stream"
+            r.read()
+            check_answer(call, r, engine)
+            assert not (r.status_code == 200 and isinstance(call.body, dict) and call.body.get("stream") is True)
+            return str(r.status_code)
+    except httpx.TimeoutException:
+        if call.client != "impatient":
+            raise AssertionError(f"no answer within {TIMEOUT} s: a hung request") from None
+        return "gave up"
+    except _LeftEarly:
+        return "left early"
+
+
+class _LeftEarly(Exception):
+    """The client stops sending its body and closes the connection."""
+
+
+def back_to_zero(url: str, engine: Engine, uv: uvicorn.Server) -> None:
+    """Every request handler has returned and the engine holds nothing: no slot, page or queued request,
+    every sequence finished or cancelled, none failed. Polled with a generous bound, never assumed."""
+
+    def zero():
+        return (
+            not uv.server_state.tasks
+            and all(s is None for s in engine.slots)
+            and engine.pool.in_use() == 0
+            and engine.queue_length() == 0
+        )
+
+    deadline = time.monotonic() + TIMEOUT
+    while not zero():
+        assert time.monotonic() < deadline, f"not back to zero after {TIMEOUT} s: {engine.metrics()}"
+        time.sleep(0.05)
+    m = engine.metrics()
+    assert m["requests_failed"] == 0, m
+    assert m["requests_total"] == m["requests_finished"] + m["requests_cancelled"], m
+    assert httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 200
+
+
+def test_fuzzed_requests_never_break_the_server(server):
+    url, engine, uv = server
+    pool = concurrent.futures.ThreadPoolExecutor(3)
+
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        derandomize="JAXGEN_FUZZ_EXAMPLES" not in os.environ,  # CI: the same examples every run
+        database=None,  # nothing written into the repository
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(batch=st.lists(calls(), min_size=1, max_size=3))
+    def run(batch):
+        futures = [pool.submit(send, url, call, engine) for call in batch]  # at once: they run side by side
+        outcomes = [f.result() for f in futures]
+        note(f"outcomes: {outcomes}")
+
+    try:
+        run()
+    finally:
+        pool.shutdown()
+    back_to_zero(url, engine, uv)
+
+
+def test_a_client_that_left_or_ran_out_of_time_is_seen_while_tokens_keep_coming():
+    """Found by the fuzzing: the disconnect and the deadline were checked only after a quiet 0.25 s, so an
+    answer whose tokens kept coming ran to max_tokens after its client left, and past request_timeout_s."""
+
+    class Client:
+        def __init__(self, gone):
+            self.gone = gone
+
+        async def is_disconnected(self):
+            return self.gone
+
+    async def main():
+        job = _Job(None, ServeConfig(), [1], None, None, "text_completion", NAME, "", False)
+        job.updates.put_nowait("a snapshot")  # an update is there at once: no quiet wait
+        with pytest.raises(_Gone):
+            await job._next_update(Client(gone=True), None)
+        job.updates.put_nowait("a snapshot")
+        with pytest.raises(TimeoutError):
+            await job._next_update(Client(gone=False), time.monotonic() - 1)
+        job.updates.put_nowait("a snapshot")
+        assert await job._next_update(Client(gone=False), time.monotonic() + TIMEOUT) == "a snapshot"
+
+    asyncio.run(main())
