@@ -51,6 +51,7 @@ from jaxgen.generate import (
     counted,
     encode_prompt,
     finish_row,
+    sample_config,
     stop_sequences,
     stop_string_cut,
 )
@@ -254,10 +255,7 @@ class Engine:
         ids = encode_prompt(self.tokenizer, prompt, self.cfg)
         self.check(ids, sampling)
         requests = [
-            Request(
-                ids, dataclasses.replace(sampling, seed=(sampling.seed + 7919 * s) % 2**64), prompt_index, s,
-                on_update, t_submit=time.perf_counter(),
-            )  # the same per-sample seeds as Generator (draws use seed % 2**32; % 2**64 keeps a seed near 2**64 valid)
+            Request(ids, sample_config(sampling, s), prompt_index, s, on_update, t_submit=time.perf_counter())
             for s in range(sampling.n)
         ]  # fmt: skip
         with self.wake:

@@ -171,6 +171,12 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int], cfg: ModelConfi
     return check_prompt(ids, cfg.vocab_size, cfg.max_seq_len, field)
 
 
+def sample_config(c: SamplingConfig, sample_index: int) -> SamplingConfig:
+    """The settings of sample `sample_index` of a request (n > 1): its own seed, the one rule for
+    Generator and Engine alike (kept in the seed's range, so any allowed seed works)."""
+    return dataclasses.replace(c, seed=(c.seed + 7919 * sample_index) % 2**64)
+
+
 def stop_sequences(c: SamplingConfig, eos_ids) -> list[tuple[int, ...]]:
     """A request's stop token sequences: end-of-sequence, each stop id, each stop sequence."""
     stops = ([] if c.ignore_eos else [(e,) for e in eos_ids]) + [(t,) for t in c.stop_token_ids]
@@ -318,7 +324,7 @@ class Generator:
             seen[r, ids[p]] = True
             for j, seq in enumerate(stops[r]):
                 stop_seqs[r, j, longest - len(seq) :] = seq
-        row_configs = [dataclasses.replace(configs[p], seed=configs[p].seed + 7919 * s) for p, s in padded]
+        row_configs = [sample_config(configs[p], s) for p, s in padded]
         done = np.arange(b) >= live
         return DecodeState(
             step=jnp.int32(0), limit=jnp.int32(0),
