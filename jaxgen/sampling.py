@@ -148,7 +148,7 @@ class SamplingConfig:
             _require(
                 _is_int(tok) and 0 <= tok <= INT32_MAX, "logit_bias", tok, f"token ids in [0, {INT32_MAX}] as keys"
             )
-            _require(_is_real(b) and -100 <= b <= 100, "logit_bias", b, "biases in [-100, 100]")
+            _require(_is_real(b) and -1e6 <= b <= 1e6, "logit_bias", b, "finite biases in [-1e6, 1e6]")
         stop = self.stop
         ok = isinstance(stop, tuple) and len(stop) <= MAX_STOP_STRINGS and all(isinstance(x, str) and x for x in stop)
         _require(ok, "stop", stop, f"at most {MAX_STOP_STRINGS} non-empty strings")
