@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate" and args.input is not None and args.output is None:
         parser.error("--input needs --output")
     serve_cfg = _serve_config(args)
-    from jaxgen.sampling import SamplingConfig, SamplingError
+    from jaxgen.inference.sampling import SamplingConfig, SamplingError
 
     if args.command == "generate":
         try:
@@ -108,9 +108,9 @@ def main(argv: list[str] | None = None) -> int:
             )  # fmt: skip
         except SamplingError as e:
             parser.error(str(e))
-    from jaxgen.checkpoint import load_model
-    from jaxgen.engine import Engine
+    from jaxgen.inference.engine import Engine
     from jaxgen.runtime import enable_compilation_cache
+    from jaxgen.training.checkpoint import load_model
 
     enable_compilation_cache()
     try:
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         return _http(engine, args)
     if args.prompt is not None:
         return _one_prompt(engine, args.prompt, defaults)
-    from jaxgen.batch_job import run_job
+    from jaxgen.serving.batch_job import run_job
 
     summary = run_job(engine, args.input, args.output, defaults)
     print(json.dumps(summary))
@@ -131,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _one_prompt(engine, prompt: str, defaults) -> int:
-    from jaxgen.sampling import SamplingError
-    from jaxgen.textstream import TextDeltas
+    from jaxgen.inference.sampling import SamplingError
+    from jaxgen.inference.textstream import TextDeltas
 
     hold = max((len(s) for s in defaults.stop), default=1) - 1
     deltas = TextDeltas(engine.tokenizer, hold)  # exact text: no half characters, no half stop strings
@@ -155,7 +155,7 @@ def _one_prompt(engine, prompt: str, defaults) -> int:
 
 
 def _http(engine, args) -> int:
-    from jaxgen.server import create_app, serve_forever
+    from jaxgen.serving.server import create_app, serve_forever
 
     name = args.model_name or Path(args.checkpoint).resolve().name
     app = create_app(engine, name, args.api_key)

@@ -29,7 +29,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from jaxgen.runtime import enable_compilation_cache
-    from jaxgen.trainer import DiskFullError, NonFiniteError, train  # after parsing: --help and errors need no jax
+    from jaxgen.training.trainer import (  # after parsing: --help and errors need no jax
+        DiskFullError,
+        NonFiniteError,
+        train,
+    )
 
     enable_compilation_cache()
 

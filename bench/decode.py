@@ -17,10 +17,10 @@ import jax
 import numpy as np
 
 from jaxgen import model
-from jaxgen.cache import cache_memory_bytes
 from jaxgen.config import load_config
-from jaxgen.generate import Generator, bucket
-from jaxgen.sampling import SamplingConfig
+from jaxgen.inference.generator import Generator, bucket
+from jaxgen.inference.sampling import SamplingConfig
+from jaxgen.model.kvcache import cache_memory_bytes
 from jaxgen.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent

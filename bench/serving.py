@@ -26,9 +26,9 @@ import numpy as np
 
 from jaxgen import model
 from jaxgen.config import ServeConfig, load_config
-from jaxgen.engine import Engine
-from jaxgen.generate import Generator
-from jaxgen.sampling import SamplingConfig
+from jaxgen.inference.engine import Engine
+from jaxgen.inference.generator import Generator
+from jaxgen.inference.sampling import SamplingConfig
 from jaxgen.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent

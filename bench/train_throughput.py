@@ -18,9 +18,9 @@ import numpy as np
 
 from jaxgen import model
 from jaxgen.config import MeshConfig, load_config
-from jaxgen.metrics import measure_matmul_flops
 from jaxgen.sharding import make_mesh
-from jaxgen.train_step import create_train_state, make_train_step, put_batch
+from jaxgen.training.metrics import measure_matmul_flops
+from jaxgen.training.step import create_train_state, make_train_step, put_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -29,11 +29,11 @@ from train_throughput import synthetic_batch  # bench/ is on the path when run a
 
 from jaxgen import hf, model
 from jaxgen.config import MeshConfig, load_config
-from jaxgen.generate import Generator, bucket
-from jaxgen.sampling import SamplingConfig
+from jaxgen.inference.generator import Generator, bucket
+from jaxgen.inference.sampling import SamplingConfig
 from jaxgen.sharding import make_mesh
 from jaxgen.tokenizer import Tokenizer
-from jaxgen.train_step import create_train_state, make_train_step, put_batch
+from jaxgen.training.step import create_train_state, make_train_step, put_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = {"prefill": 1.0, "decode b=1": 1.5, "decode b=8": 1.3, "decode b=32": 1.3, "train": 1.0}

@@ -217,7 +217,7 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
-    """The serving engine (`jaxgen.engine`): decode slots and the paged KV cache's memory budget."""
+    """The serving engine (`jaxgen.inference.engine`): decode slots and the paged KV cache's memory budget."""
 
     slots: int = 16  # sequences decoded together
     page_size: int = 16  # tokens per KV-cache page

@@ -176,7 +176,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
 
 def main(argv: list[str] | None = None) -> None:
     from jaxgen.config import ConfigError, load_config
-    from jaxgen.data.sources import iter_documents
+    from jaxgen.training.data.sources import iter_documents
 
     parser = argparse.ArgumentParser(
         prog="python -m jaxgen.tokenizer",

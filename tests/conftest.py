@@ -30,7 +30,7 @@ def tiny_run(tiny_cfg, tmp_path_factory):
     """A run folder trained for 10 steps with configs/tiny.yaml (what serve.py takes)."""
     import dataclasses
 
-    from jaxgen.trainer import train
+    from jaxgen.training.trainer import train
 
     run_dir = tmp_path_factory.mktemp("tiny_run")
     cfg = dataclasses.replace(tiny_cfg, training=dataclasses.replace(tiny_cfg.training, steps=10))

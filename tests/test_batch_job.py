@@ -9,13 +9,13 @@ import time
 
 import pytest
 
-from jaxgen.batch_job import run_job
-from jaxgen.checkpoint import load_run
 from jaxgen.config import MeshConfig, ServeConfig
-from jaxgen.engine import Engine
-from jaxgen.generate import Generator
-from jaxgen.sampling import SamplingArrays, SamplingConfig
+from jaxgen.inference.engine import Engine
+from jaxgen.inference.generator import Generator
+from jaxgen.inference.sampling import SamplingArrays, SamplingConfig
+from jaxgen.serving.batch_job import run_job
 from jaxgen.sharding import make_mesh
+from jaxgen.training.checkpoint import load_run
 from tests.conftest import ROOT
 
 

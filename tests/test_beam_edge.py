@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from jaxgen import model
-from jaxgen.beam import beam_search
 from jaxgen.config import ModelConfig
-from jaxgen.generate import Generator
-from jaxgen.sampling import SamplingConfig
+from jaxgen.inference.beam import beam_search
+from jaxgen.inference.generator import Generator
+from jaxgen.inference.sampling import SamplingConfig
 from jaxgen.tokenizer import Tokenizer
 
 # Learned positions: one past max_seq_len would be clipped silently, so an overrun changes tokens.

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 import train
-from jaxgen import trainer
-from jaxgen.checkpoint import Checkpointer, CheckpointError, load_run
 from jaxgen.config import ConfigError, MeshConfig, load_config
-from jaxgen.metrics import MetricsWriter, plot_loss, read_metrics
 from jaxgen.sharding import make_mesh
+from jaxgen.training import trainer
+from jaxgen.training.checkpoint import Checkpointer, CheckpointError, load_run
+from jaxgen.training.metrics import MetricsWriter, plot_loss, read_metrics
 
 
 def argv(run_dir, token_cache, *overrides):
@@ -137,9 +137,9 @@ def _tensorstore_enospc(*args, **kwargs):  # how orbax's async write reports it,
 @pytest.mark.parametrize(
     "target, raiser, what",
     [
-        ("jaxgen.metrics.MetricsWriter.write", _enospc, "metrics.jsonl"),
-        ("jaxgen.checkpoint.Checkpointer.save", _enospc, "a checkpoint in"),
-        ("jaxgen.checkpoint.Checkpointer.wait", _tensorstore_enospc, "a checkpoint in"),
+        ("jaxgen.training.metrics.MetricsWriter.write", _enospc, "metrics.jsonl"),
+        ("jaxgen.training.checkpoint.Checkpointer.save", _enospc, "a checkpoint in"),
+        ("jaxgen.training.checkpoint.Checkpointer.wait", _tensorstore_enospc, "a checkpoint in"),
     ],
 )
 def test_disk_full_is_one_line(tmp_path, token_cache, capfd, monkeypatch, target, raiser, what):

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from jaxgen.config import DataConfig
-from jaxgen.data.pipeline import PackedSequences, pack_window, train_iterator
-from jaxgen.data.sources import iter_documents, stdlib_files
-from jaxgen.data.tokens import DOC_START, NO_LOSS, load_splits
 from jaxgen.tokenizer import Tokenizer
+from jaxgen.training.data.pipeline import PackedSequences, pack_window, train_iterator
+from jaxgen.training.data.sources import iter_documents, stdlib_files
+from jaxgen.training.data.tokens import DOC_START, NO_LOSS, load_splits
 from tests.conftest import ROOT
 
 

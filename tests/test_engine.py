@@ -8,10 +8,10 @@ import pytest
 
 from jaxgen import model
 from jaxgen.config import ModelConfig, ServeConfig
-from jaxgen.engine import Engine
-from jaxgen.generate import Generator
-from jaxgen.paged import PageError
-from jaxgen.sampling import SamplingConfig
+from jaxgen.inference.engine import Engine
+from jaxgen.inference.generator import Generator
+from jaxgen.inference.pages import PageError
+from jaxgen.inference.sampling import SamplingConfig
 from jaxgen.tokenizer import Tokenizer
 
 CFG = ModelConfig(vocab_size=257, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, max_seq_len=256)
@@ -111,7 +111,7 @@ def test_page_exhaustion_queues_requests_and_leaks_nothing(params, gen):
 
 
 def test_impossible_requests_are_refused_before_queueing(engine):
-    from jaxgen.sampling import SamplingError
+    from jaxgen.inference.sampling import SamplingError
 
     small = Engine(engine.params, CFG, engine.tokenizer, dataclasses.replace(SERVE, num_pages=4))
     with pytest.raises(PageError, match=r"needs 5 pages of 16 tokens \(prompt 10 \+ max_new_tokens 64\); .* holds 3"):
@@ -148,7 +148,7 @@ def test_cancel_frees_the_slot_and_pages(engine):
 
 
 def test_page_pool_shares_by_reference_and_evicts_least_recently_used():
-    from jaxgen.paged import PagePool, PagesExhausted
+    from jaxgen.inference.pages import PagePool, PagesExhausted
 
     pool = PagePool(num_pages=7, page_size=4)  # 6 usable pages
     a, b = list(range(100, 109)), list(range(200, 209))  # 9 tokens: 2 whole pages each are cacheable
@@ -176,7 +176,7 @@ def test_page_pool_shares_by_reference_and_evicts_least_recently_used():
 def test_a_request_that_fails_fails_alone(engine, gen):
     """A request whose own host-side work raises (here its callback) among 16 others: it alone fails,
     with an error; the other 16 return exactly what they return without it."""
-    from jaxgen.engine import RequestFailed
+    from jaxgen.inference.engine import RequestFailed
 
     prompts, configs = _workload(16, seed=7)
 
@@ -238,7 +238,7 @@ def test_cancel_during_prefill_is_counted_once(engine):
 
 
 def test_drain_ends_every_request_and_admits_nothing_new(params):
-    from jaxgen.engine import EngineClosed
+    from jaxgen.inference.engine import EngineClosed
 
     engine = Engine(params, CFG, Tokenizer.byte_level(), dataclasses.replace(SERVE, slots=1))
     ended = []
@@ -273,7 +273,7 @@ def test_drain_ends_every_request_and_admits_nothing_new(params):
 )
 def test_out_of_range_settings_are_refused_at_submit_naming_the_field(engine, settings, field):
     """Values that used to overflow int32 inside the engine thread (failing every request in flight)."""
-    from jaxgen.sampling import SamplingError
+    from jaxgen.inference.sampling import SamplingError
 
     with pytest.raises(SamplingError) as info:
         engine.submit([1, 2, 3], SamplingConfig.from_dict(settings))

@@ -40,8 +40,8 @@ from hypothesis import strategies as st
 
 from jaxgen import model
 from jaxgen.config import ModelConfig, ServeConfig
-from jaxgen.engine import Engine
-from jaxgen.server import _Gone, _Job, create_app
+from jaxgen.inference.engine import Engine
+from jaxgen.serving.server import _Gone, _Job, create_app
 from jaxgen.tokenizer import Tokenizer
 
 CFG = ModelConfig(vocab_size=257, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, max_seq_len=256)

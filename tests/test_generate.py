@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 from jaxgen import model
-from jaxgen.cache import KVCache
 from jaxgen.config import ModelConfig
-from jaxgen.generate import Generator, _decode_loop
-from jaxgen.sampling import SamplingArrays, SamplingConfig, SamplingError, sample
+from jaxgen.inference.generator import Generator, _decode_loop
+from jaxgen.inference.sampling import SamplingArrays, SamplingConfig, SamplingError, sample
+from jaxgen.model.kvcache import KVCache
 from jaxgen.tokenizer import Tokenizer
-from jaxgen.train_step import cross_entropy
+from jaxgen.training.step import cross_entropy
 
 CFG = ModelConfig(vocab_size=300, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, max_seq_len=96)
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=12, ignore_eos=True)
@@ -224,7 +224,7 @@ def test_sampling_frequencies_match_the_renormalised_distribution(settings):
 
 
 def test_beam_width_one_equals_greedy(gen):
-    from jaxgen.beam import beam_search
+    from jaxgen.inference.beam import beam_search
 
     greedy = gen.generate(PROMPTS, dataclasses.replace(GREEDY, ignore_eos=False))
     beams = beam_search(gen, PROMPTS, width=1, max_new_tokens=12, length_penalty=0.0)
@@ -239,7 +239,7 @@ def test_beam_search_finds_the_best_sequence_greedy_misses():
     return the highest-scoring continuation (checked against all 216 by `score`)."""
     import itertools
 
-    from jaxgen.beam import beam_search
+    from jaxgen.inference.beam import beam_search
 
     cfg = ModelConfig(vocab_size=6, num_layers=1, d_model=16, num_heads=2, d_ff=32, max_seq_len=32)
     tok = Tokenizer.byte_level()  # its end-of-text id (256) lies outside this vocabulary: never produced
@@ -263,7 +263,7 @@ def test_beam_search_finds_the_best_sequence_greedy_misses():
 
 def test_beam_search_keeps_the_best_finished_hypotheses(gen):
     """Every token ends a hypothesis: the result is the `width` most likely first tokens, in order."""
-    from jaxgen.beam import beam_search
+    from jaxgen.inference.beam import beam_search
 
     first = gen.score([PROMPTS[0]] * CFG.vocab_size, [[t] for t in range(CFG.vocab_size)])
     expected = np.argsort([-s["logprob"] for s in first])[:3].tolist()

@@ -15,8 +15,8 @@ import torch
 import transformers
 
 from jaxgen import hf
-from jaxgen.generate import Generator
-from jaxgen.sampling import SamplingConfig
+from jaxgen.inference.generator import Generator
+from jaxgen.inference.sampling import SamplingConfig
 from jaxgen.tokenizer import Tokenizer
 
 V = 257  # the byte-level tokenizer's vocabulary; its end-of-text id is 256
@@ -230,7 +230,7 @@ def test_fine_tune_convert_and_serve_from_the_command_lines(family_model, token_
     import serve
     import train
     from jaxgen import model
-    from jaxgen.checkpoint import load_run
+    from jaxgen.training.checkpoint import load_run
 
     _family, _, folder, gen = family_model
     pairs = tmp_path / "pairs.jsonl"

@@ -3,9 +3,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgen import layers, model
-from jaxgen.cache import KVCache, cache_memory_bytes
+from jaxgen import model
 from jaxgen.config import ModelConfig
+from jaxgen.model import layers
+from jaxgen.model.kvcache import KVCache, cache_memory_bytes
 
 LAYOUTS = {"mha": 4, "gqa": 2, "mqa": 1}
 STYLES = {

@@ -19,10 +19,10 @@ import uvicorn
 
 from jaxgen import model
 from jaxgen.config import ModelConfig, ServeConfig
-from jaxgen.engine import Engine
-from jaxgen.generate import Generator
-from jaxgen.sampling import SamplingConfig
-from jaxgen.server import create_app
+from jaxgen.inference.engine import Engine
+from jaxgen.inference.generator import Generator
+from jaxgen.inference.sampling import SamplingConfig
+from jaxgen.serving.server import create_app
 from jaxgen.tokenizer import Tokenizer
 
 CFG = ModelConfig(vocab_size=257, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, max_seq_len=256)

@@ -6,10 +6,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxgen.checkpoint import Checkpointer
 from jaxgen.config import MeshConfig
 from jaxgen.sharding import make_mesh
-from jaxgen.train_step import create_train_state, make_train_step, put_batch
+from jaxgen.training.checkpoint import Checkpointer
+from jaxgen.training.step import create_train_state, make_train_step, put_batch
 from tests.test_train import random_batch
 
 

@@ -9,10 +9,10 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from jaxgen import model
 from jaxgen.config import ModelConfig, ServeConfig
-from jaxgen.engine import Engine
-from jaxgen.generate import Generator
-from jaxgen.sampling import SamplingConfig
-from jaxgen.textstream import REPLACEMENT, TextDeltas
+from jaxgen.inference.engine import Engine
+from jaxgen.inference.generator import Generator
+from jaxgen.inference.sampling import SamplingConfig
+from jaxgen.inference.textstream import REPLACEMENT, TextDeltas
 from jaxgen.tokenizer import EOS_TOKEN, Tokenizer
 
 TEXT = ["日本語のテキストです。", "emoji 😀🎉 and accents: héllo wörld, naïve café", "def f(x):\n    return x * 2\n"]

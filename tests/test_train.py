@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgen import trainer
 from jaxgen.config import ConfigError
 from jaxgen.sharding import make_mesh
-from jaxgen.train_step import create_train_state, cross_entropy, make_train_step, put_batch
+from jaxgen.training import trainer
+from jaxgen.training.step import create_train_state, cross_entropy, make_train_step, put_batch
 
 
 def random_batch(cfg, seed=0, batch_size=None):

@@ -24,14 +24,14 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxgen import model
-from jaxgen.checkpoint import Checkpointer, has_checkpoint, quiet_background_errors, restore_newest
 from jaxgen.config import Config, ConfigError, load_config, save_config
-from jaxgen.data.pipeline import PackedSequences, eval_batches, train_iterator
-from jaxgen.data.tokens import load_splits
-from jaxgen.metrics import MetricsWriter, measure_matmul_flops, plot_loss
 from jaxgen.sharding import make_mesh
 from jaxgen.tokenizer import Tokenizer
-from jaxgen.train_step import TrainState, create_train_state, make_eval_step, make_train_step, put_batch
+from jaxgen.training.checkpoint import Checkpointer, has_checkpoint, quiet_background_errors, restore_newest
+from jaxgen.training.data.pipeline import PackedSequences, eval_batches, train_iterator
+from jaxgen.training.data.tokens import load_splits
+from jaxgen.training.metrics import MetricsWriter, measure_matmul_flops, plot_loss
+from jaxgen.training.step import TrainState, create_train_state, make_eval_step, make_train_step, put_batch
 
 
 class NonFiniteError(RuntimeError):

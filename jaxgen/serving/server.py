@@ -7,7 +7,7 @@ jinja2's sandbox, or a plain "role: content" layout when it has none), GET /v1/m
 GET /metrics (Prometheus text).
 Request fields: max_tokens, temperature, top_p, top_k, min_p, seed, n, stop, logprobs, echo, stream
 (server-sent events), presence_penalty, frequency_penalty, repetition_penalty, logit_bias, and
-ignore_eos (an extension, as in vLLM). Every field is checked by `jaxgen.sampling` (the same bounds
+ignore_eos (an extension, as in vLLM). Every field is checked by `jaxgen.inference.sampling` (the same bounds
 and messages as the Python API and the batch job); every error has OpenAI's shape
 `{"error": {"message", "type", "param", "code"}}`.
 
@@ -35,12 +35,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from jaxgen.config import ServeConfig
-from jaxgen.engine import Engine, EngineClosed
-from jaxgen.engine import Request as Sequence
-from jaxgen.generate import encode_prompt
-from jaxgen.paged import PageError
-from jaxgen.sampling import SamplingConfig, SamplingError, check_text, shown
-from jaxgen.textstream import TextDeltas
+from jaxgen.inference.engine import Engine, EngineClosed
+from jaxgen.inference.engine import Request as Sequence
+from jaxgen.inference.generator import encode_prompt
+from jaxgen.inference.pages import PageError
+from jaxgen.inference.sampling import SamplingConfig, SamplingError, check_text, shown
+from jaxgen.inference.textstream import TextDeltas
 
 PLAIN_CHAT = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
 

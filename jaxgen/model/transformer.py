@@ -19,10 +19,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxgen import layers, paged
-from jaxgen.cache import KVCache, to_storage
 from jaxgen.config import ModelConfig
-from jaxgen.paged import PagedCache
+from jaxgen.model import layers, paged
+from jaxgen.model.kvcache import KVCache, to_storage
+from jaxgen.model.paged import PagedCache
 from jaxgen.sharding import constrain, named_sharding
 
 ATTENTION_BLOCK = 128  # cache slots per block of cached attention

@@ -21,10 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen import model
-from jaxgen.cache import KVCache
 from jaxgen.config import ModelConfig
-from jaxgen.generate import Generator, bucket
-from jaxgen.sampling import SamplingError
+from jaxgen.inference.generator import Generator, bucket
+from jaxgen.inference.sampling import SamplingError
+from jaxgen.model.kvcache import KVCache
 
 NEG = -1e30
 

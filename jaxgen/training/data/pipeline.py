@@ -12,7 +12,7 @@ import grain
 import jax
 import numpy as np
 
-from jaxgen.data.tokens import DOC_START, NO_LOSS
+from jaxgen.training.data.tokens import DOC_START, NO_LOSS
 
 
 class PackedSequences:

@@ -25,9 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen import model
-from jaxgen.cache import KVCache, constrain_cache
 from jaxgen.config import ModelConfig
-from jaxgen.sampling import (
+from jaxgen.inference.sampling import (
     SamplingArrays,
     SamplingConfig,
     SamplingError,
@@ -36,6 +35,7 @@ from jaxgen.sampling import (
     sample,
     shown,
 )
+from jaxgen.model.kvcache import KVCache, constrain_cache
 from jaxgen.sharding import with_mesh
 from jaxgen.tokenizer import Tokenizer
 
@@ -439,7 +439,7 @@ def generate(
     """One-shot generation. `source` is a run folder written by train.py (its latest checkpoint), a
     Hugging Face model folder, or params given with their `cfg` and `tokenizer`. kwargs go to `Generator`."""
     if isinstance(source, str | Path):
-        from jaxgen.checkpoint import load_model  # the checkpoint stack only when a folder is given
+        from jaxgen.training.checkpoint import load_model  # the checkpoint stack only when a folder is given
 
         cfg, tokenizer, source = load_model(source)
     if cfg is None or tokenizer is None:

@@ -25,9 +25,9 @@ from typing import IO
 
 from tqdm import tqdm
 
-from jaxgen.engine import Engine
-from jaxgen.generate import Generator
-from jaxgen.sampling import SamplingConfig, SamplingError
+from jaxgen.inference.engine import Engine
+from jaxgen.inference.generator import Generator
+from jaxgen.inference.sampling import SamplingConfig, SamplingError
 
 log = logging.getLogger(__name__)
 COMPLETE = ("stop", "length")  # finish reasons of a sample that completed

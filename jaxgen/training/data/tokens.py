@@ -19,8 +19,8 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxgen.config import DataConfig
-from jaxgen.data.sources import iter_documents, resolve_paths
 from jaxgen.tokenizer import Tokenizer
+from jaxgen.training.data.sources import iter_documents, resolve_paths
 
 DOC_START = 1
 NO_LOSS = 2

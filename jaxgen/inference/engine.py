@@ -5,7 +5,7 @@
     engine.run_until_idle()            # or engine.start() for a background thread (the HTTP server)
     request.result()                   # a Completion, as Generator.generate returns
 
-A fixed number of decode slots share one pool of fixed-size pages (`jaxgen.paged`). Each scheduler
+A fixed number of decode slots share one pool of fixed-size pages (`jaxgen.model.paged`). Each scheduler
 step (1) gives waiting requests free slots, (2) prefills up to `prefill_chunk` prompt tokens (several
 short prompts, or one chunk of a long one: running sequences wait at most one chunk), (3) runs a
 jitted `while_loop` of up to `chunk_steps` decode steps for every active slot, and (4) retires
@@ -39,7 +39,7 @@ import numpy as np
 
 from jaxgen import model
 from jaxgen.config import ModelConfig, ServeConfig
-from jaxgen.generate import (
+from jaxgen.inference.generator import (
     FINISH_LENGTH,
     FINISH_NAMES,
     MAX_STOPS,
@@ -55,8 +55,9 @@ from jaxgen.generate import (
     stop_sequences,
     stop_string_cut,
 )
-from jaxgen.paged import PagedCache, PageError, PagePool, PagesExhausted, page_bytes
-from jaxgen.sampling import SamplingArrays, SamplingConfig, SamplingError, check_prompt
+from jaxgen.inference.pages import PageError, PagePool, PagesExhausted
+from jaxgen.inference.sampling import SamplingArrays, SamplingConfig, SamplingError, check_prompt
+from jaxgen.model.paged import PagedCache, page_bytes
 from jaxgen.sharding import with_mesh
 from jaxgen.tokenizer import Tokenizer
 

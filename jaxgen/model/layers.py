@@ -10,8 +10,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxgen.cache import from_storage
 from jaxgen.config import ModelConfig
+from jaxgen.model.kvcache import from_storage
 
 NEG_INF = jnp.finfo(jnp.float32).min  # finite, so a fully masked row (padding) gives no NaN
 

@@ -1,0 +1,38 @@
+"""The network: parameters, the forward pass, attention, and the KV caches it reads and writes.
+
+    layers.py       norms, rotary positions, MLP, 2-D weight products
+    attention.py    one attention over every cache (blockwise online softmax) and the training path
+    transformer.py  the parameter table, init, forward (cache=None for training), LM head
+    kvcache.py      the contiguous KV cache pytree (Generator, beam search)
+    paged.py        the paged KV cache pytree (the serving engine)
+
+`from jaxgen import model; model.forward(params, tokens, positions, cache=None, cfg=cfg)`.
+"""
+
+from jaxgen.model.transformer import (
+    ATTENTION_BLOCK,
+    ParamSpec,
+    count_params,
+    flops_per_token,
+    forward,
+    hidden_states,
+    init_params,
+    lm_head,
+    param_shardings,
+    param_specs,
+    unstack_layers,
+)
+
+__all__ = [
+    "ATTENTION_BLOCK",
+    "ParamSpec",
+    "count_params",
+    "flops_per_token",
+    "forward",
+    "hidden_states",
+    "init_params",
+    "lm_head",
+    "param_shardings",
+    "param_specs",
+    "unstack_layers",
+]
