@@ -106,11 +106,14 @@ def _batch_hash(batch: dict) -> str:
     return hashlib.blake2b(np.ascontiguousarray(batch["inputs"]).tobytes(), digest_size=6).hexdigest()
 
 
-def resolve_init_from(cfg: Config) -> Config:
-    """With training.init_from, the model section and tokenizer of that Hugging Face folder."""
+def resolve_init_from(cfg: Config) -> tuple[Config, str | None]:
+    """With training.init_from, the model section and tokenizer of that Hugging Face folder, and its family.
+
+    The folder's config.json is read here once; the family (None without init_from) picks the weight mapping.
+    """
     folder = cfg.training.init_from
     if folder is None:
-        return cfg
+        return cfg, None
     from jaxgen import hf
 
     if not hf.is_hf_folder(folder):
@@ -120,15 +123,15 @@ def resolve_init_from(cfg: Config) -> Config:
         )
     if not (Path(folder) / "tokenizer.json").exists():
         raise ConfigError(f"training.init_from={folder!r} has no tokenizer.json; one is needed to read the data")
-    _, model_cfg = hf.read_config(folder)
+    family, model_cfg = hf.read_config(folder)
     model_cfg = dataclasses.replace(model_cfg, dtype=cfg.model.dtype)
     data = dataclasses.replace(cfg.data, tokenizer=str(Path(folder).absolute()))
-    return dataclasses.replace(cfg, model=model_cfg, data=data)
+    return dataclasses.replace(cfg, model=model_cfg, data=data), family
 
 
 def train(cfg: Config, run_dir: str | Path, progress: bool = True) -> TrainResult:
     run_dir = Path(run_dir)
-    cfg = resolve_init_from(cfg)
+    cfg, family = resolve_init_from(cfg)
     quiet_background_errors(_NO_SPACE)  # a full disk is reported once, by DiskFullError
     with _disk_full_is_one_error(f"the run folder {run_dir}"):
         tokenizer = prepare_run_dir(cfg, run_dir)
@@ -141,7 +144,7 @@ def train(cfg: Config, run_dir: str | Path, progress: bool = True) -> TrainResul
         held_out = eval_batches(eval_src, cfg.training.batch_size, cfg.data.eval_batches)
         ckpt = Checkpointer(run_dir, cfg.checkpoint)
         try:
-            state, step = _resume(cfg, run_dir, ckpt, mesh, data_iter)
+            state, step = _resume(cfg, run_dir, ckpt, mesh, data_iter, family)
             if state is None:
                 result = TrainResult(step=step, status="already finished")
             else:
@@ -155,7 +158,9 @@ def train(cfg: Config, run_dir: str | Path, progress: bool = True) -> TrainResul
         return result
 
 
-def _resume(cfg: Config, run_dir: Path, ckpt: Checkpointer, mesh, data_iter) -> tuple[TrainState | None, int]:
+def _resume(
+    cfg: Config, run_dir: Path, ckpt: Checkpointer, mesh, data_iter, family: str | None = None
+) -> tuple[TrainState | None, int]:
     """(state, step) to train from: fresh, or the newest checkpoint that restores; state None: the run is finished.
 
     Whether the run is finished is read from the step folder's name, and then only that checkpoint's params
@@ -166,7 +171,7 @@ def _resume(cfg: Config, run_dir: Path, ckpt: Checkpointer, mesh, data_iter) -> 
     """
     steps = ckpt.all_steps()
     if not steps:
-        return create_train_state(cfg, mesh, _init_from_params(cfg, mesh)), 0
+        return create_train_state(cfg, mesh, _init_from_params(cfg, mesh, family)), 0
     target = None
 
     def restore(step):
@@ -193,12 +198,12 @@ def _resume(cfg: Config, run_dir: Path, ckpt: Checkpointer, mesh, data_iter) -> 
     return state, int(state.step)
 
 
-def _init_from_params(cfg: Config, mesh):
+def _init_from_params(cfg: Config, mesh, family: str | None):
+    """The starting weights of training.init_from (None without it); `family` as resolve_init_from read it."""
     if cfg.training.init_from is None:
         return None
     from jaxgen import hf
 
-    family, _ = hf.read_config(cfg.training.init_from)
     params = hf.load_params(cfg.training.init_from, cfg.model, family, mesh)
     print(f"fine-tuning {family} weights from {cfg.training.init_from}")
     return params
