@@ -1,10 +1,11 @@
 """Run a trained model.
 
     python serve.py generate --checkpoint DIR (--prompt TEXT | --input F.jsonl --output F.jsonl)
-    python serve.py http --checkpoint DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+    python serve.py http --checkpoint DIR [--config configs/serve.yaml] [key=value ...] [--port 8000] [--api-key KEY]
 
 DIR is a run folder written by train.py or a local Hugging Face model folder. Both commands run on the
-serving engine (continuous batching over a paged KV cache, prefix caching).
+serving engine (continuous batching over a paged KV cache, prefix caching). Settings: the defaults, then
+--config, then dotted key=value overrides, then explicit flags; later wins.
 """
 
 from __future__ import annotations
@@ -15,6 +16,26 @@ import os
 import sys
 from pathlib import Path
 
+PRECEDENCE = (
+    "Settings, later wins: the defaults (configs/serve.yaml lists them all), the --config file, the key=value "
+    "overrides, then the flags given explicitly (each flag sets the config field it names)"
+)
+
+# flag (argparse dest) -> the config field it sets
+FLAG_FIELDS = {
+    "slots": "serve.slots",
+    "kv_memory_gb": "serve.kv_memory_gb",
+    "page_size": "serve.page_size",
+    "prefix_caching": "serve.prefix_caching",
+    "max_body_bytes": "serve.max_body_bytes",
+    "max_queue": "serve.max_queue",
+    "request_timeout": "serve.request_timeout_s",
+    "shutdown_grace": "serve.shutdown_grace_s",
+    "host": "http.host",
+    "port": "http.port",
+    "model_name": "http.model_name",
+}
+
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
@@ -23,22 +44,30 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="run folder written by train.py (its latest checkpoint), or a local Hugging Face model folder "
         "(config.json, *.safetensors, tokenizer.json)",
     )
-    p.add_argument("--slots", type=int, default=16, help="sequences decoded together (default 16)")
-    p.add_argument("--kv-memory-gb", type=float, default=1.0, help="KV-cache page pool size in GB (default 1)")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page (default 16)")
-    p.add_argument("--no-prefix-caching", action="store_true", help="do not share pages of common prompt prefixes")
+    p.add_argument("--config", help="YAML with `serve` and `http` sections (e.g. configs/serve.yaml)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. serve.chunk_steps=16")
+    p.add_argument("--slots", type=int, help="sets serve.slots: sequences decoded together (default 16)")
+    p.add_argument("--kv-memory-gb", type=float, help="sets serve.kv_memory_gb: KV page pool in GB (default 1)")
+    p.add_argument("--page-size", type=int, help="sets serve.page_size: tokens per KV-cache page (default 16)")
+    p.add_argument(
+        "--no-prefix-caching", dest="prefix_caching", action="store_false", default=None,
+        help="sets serve.prefix_caching=false: do not share pages of common prompt prefixes",
+    )  # fmt: skip
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description="Generate text with a jaxgen run folder (written by train.py) or a Hugging Face model folder."
+        description="Generate text with a jaxgen run folder (written by train.py) or a Hugging Face model folder.",
+        epilog=PRECEDENCE,
     )
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser(
         "generate",
         help="generate for one prompt or a JSONL file of requests",
         description="Generate for --prompt, or for every line of --input (JSONL: id, prompt, optional sampling "
-        "fields) into --output. Rerunning the same command resumes: ids already in --output are skipped.",
+        "fields) into --output. Rerunning the same command resumes: ids already in --output are skipped. "
+        "The engine reads the config's serve section.",
+        epilog=PRECEDENCE,
     )
     _engine_args(g)
     what = g.add_mutually_exclusive_group(required=True)
@@ -54,42 +83,39 @@ def _parser() -> argparse.ArgumentParser:
         "http",
         help="an OpenAI-compatible HTTP server",
         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics.",
-        epilog="example:\n  python serve.py http --checkpoint runs/default --port 8000\n"
+        epilog="examples:\n  python serve.py http --checkpoint runs/default --port 8000\n"
+        "  python serve.py http --checkpoint runs/default --config configs/serve.yaml serve.chunk_steps=16\n"
         "  curl localhost:8000/v1/completions -H 'Content-Type: application/json' "
-        '-d \'{"prompt": "def ", "max_tokens": 32}\'',
+        '-d \'{"prompt": "def ", "max_tokens": 32}\'\n\n' + PRECEDENCE + ".",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _engine_args(h)
-    h.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    h.add_argument("--port", type=int, default=8000)
-    h.add_argument("--api-key", default=os.environ.get("JAXGEN_API_KEY"), help="require this bearer key")
-    h.add_argument("--model-name", help="the model id clients use (default: the folder's name)")
-    h.add_argument("--max-body-bytes", type=int, default=4_000_000, help="larger request bodies get 413 (default 4 MB)")
-    h.add_argument("--max-queue", type=int, default=1024, help="queued requests beyond this get 429 (default 1024)")
-    h.add_argument("--request-timeout", type=float, default=0.0, help="cancel requests running longer, in s (0 = off)")
+    h.add_argument("--host", help="sets http.host: the address to bind (default 127.0.0.1: this machine only)")
+    h.add_argument("--port", type=int, help="sets http.port (default 8000)")
     h.add_argument(
-        "--shutdown-grace", type=float, default=10.0,
-        help="on SIGTERM, seconds running requests get to finish before their streams are ended (default 10)",
+        "--api-key", default=os.environ.get("JAXGEN_API_KEY"),
+        help="require this bearer key (default: $JAXGEN_API_KEY; never read from a config file)",
+    )  # fmt: skip
+    h.add_argument("--model-name", help="sets http.model_name: the model id clients use (default: the folder's name)")
+    h.add_argument("--max-body-bytes", type=int, help="sets serve.max_body_bytes: larger bodies get 413 (default 4 MB)")
+    h.add_argument("--max-queue", type=int, help="sets serve.max_queue: queued requests beyond get 429 (default 1024)")
+    h.add_argument(
+        "--request-timeout", type=float,
+        help="sets serve.request_timeout_s: cancel requests running longer, in s (0 = off)",
+    )  # fmt: skip
+    h.add_argument(
+        "--shutdown-grace", type=float,
+        help="sets serve.shutdown_grace_s: on SIGTERM, seconds running requests get to finish (default 10)",
     )  # fmt: skip
     return parser
 
 
-def _serve_config(args):
-    from jaxgen.config import ConfigError, ServeConfig
+def command_config(args):
+    """The ServeCommandConfig of parsed arguments: --config, then the overrides, then explicit flags."""
+    from jaxgen.config import load_serve_config
 
-    limits = {}
-    if args.command == "http":
-        limits = dict(
-            max_body_bytes=args.max_body_bytes, max_queue=args.max_queue, request_timeout_s=args.request_timeout,
-            shutdown_grace_s=args.shutdown_grace,
-        )  # fmt: skip
-    try:
-        return ServeConfig(
-            slots=args.slots, kv_memory_gb=args.kv_memory_gb, page_size=args.page_size,
-            prefix_caching=not args.no_prefix_caching, **limits,
-        )  # fmt: skip
-    except ConfigError as e:
-        raise SystemExit(f"error: {e}") from None
+    flags = {field: getattr(args, dest) for dest, field in FLAG_FIELDS.items() if getattr(args, dest, None) is not None}
+    return load_serve_config(args.config, args.overrides, flags)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,7 +123,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "generate" and args.input is not None and args.output is None:
         parser.error("--input needs --output")
-    serve_cfg = _serve_config(args)
+    from jaxgen.config import ConfigError
+
+    try:
+        settings = command_config(args)  # every setting is checked before anything loads
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     from jaxgen.inference.sampling import SamplingConfig, SamplingError
 
     if args.command == "generate":
@@ -118,9 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    engine = Engine(params, cfg, tokenizer, serve_cfg)
+    engine = Engine(params, cfg, tokenizer, settings.serve)
     if args.command == "http":
-        return _http(engine, args)
+        return _http(engine, args, settings.http)
     if args.prompt is not None:
         return _one_prompt(engine, args.prompt, defaults)
     from jaxgen.serving.batch_job import run_job
@@ -154,12 +186,12 @@ def _one_prompt(engine, prompt: str, defaults) -> int:
     return 0
 
 
-def _http(engine, args) -> int:
+def _http(engine, args, http) -> int:
     from jaxgen.serving.server import create_app, serve_forever
 
-    name = args.model_name or Path(args.checkpoint).resolve().name
+    name = http.model_name or Path(args.checkpoint).resolve().name
     app = create_app(engine, name, args.api_key)
-    serve_forever(engine, app, args.host, args.port, grace_s=engine.serve.shutdown_grace_s)
+    serve_forever(engine, app, http.host, http.port, grace_s=engine.serve.shutdown_grace_s)
     return 0
 
 

@@ -1,6 +1,7 @@
 """Configuration: nested frozen dataclasses, loaded from YAML, with dotted command-line overrides.
 
     cfg = load_config("configs/tiny.yaml", ["model.num_layers=4", "training.steps=50"])
+    serving = load_serve_config("configs/serve.yaml", ["serve.chunk_steps=16"])  # what serve.py reads
 
 Unknown keys and bad values raise `ConfigError` naming the key, the value seen and what is allowed.
 Every check runs here, before anything is compiled.
@@ -251,6 +252,31 @@ class ServeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class HttpConfig:
+    """The HTTP server of `serve.py http`. Its API key is never read from a file: --api-key or JAXGEN_API_KEY."""
+
+    host: str = "127.0.0.1"  # the address to bind; 127.0.0.1 = this machine only
+    port: int = 8000
+    model_name: str | None = None  # the model id clients send; None = the checkpoint folder's name
+
+    def __post_init__(self):
+        _check(bool(self.host), "http.host", self.host, "an address such as 127.0.0.1 or 0.0.0.0")
+        _check(0 <= self.port <= 65535, "http.port", self.port, "an integer in [0, 65535] (0 = any free port)")
+        _check(self.model_name is None or bool(self.model_name), "http.model_name", self.model_name, "null or a name")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeCommandConfig:
+    """What `serve.py` reads (configs/serve.yaml): the engine and its limits, and the HTTP server."""
+
+    serve: ServeConfig = ServeConfig()
+    http: HttpConfig = HttpConfig()
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     every: int = 100  # save every N steps (also at the end and on SIGTERM / Ctrl-C)
     keep: int = 3  # keep the last K checkpoints
@@ -357,14 +383,19 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key=value (e.g. model.num_layers=4)")
         key, text = item.split("=", 1)
-        node = data
-        parts = key.strip().split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r}: {part} is not a section")
-        node[parts[-1]] = _parse_scalar(text)
+        _set(data, key.strip(), _parse_scalar(text), item)
     return data
+
+
+def _set(data: dict, key: str, value: Any, item: str) -> None:
+    """Sets dotted `key` in the nested dict `data` (in place); `item` names the setting in errors."""
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {item!r}: {part} is not a section")
+    node[parts[-1]] = value
 
 
 def _deep_copy(data: dict) -> dict:
@@ -382,15 +413,43 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     """Reads a YAML config (or the defaults when `path` is None) and applies dotted overrides."""
     data: dict = {}
     if path is not None:
-        path = Path(path)
-        if not path.exists():
-            shipped = sorted(p.name for p in Path(__file__).parent.parent.joinpath("configs").glob("*.yaml"))
-            raise ConfigError(f"config file {str(path)!r} does not exist; shipped configs: {', '.join(shipped)}")
-        data = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
-        data.setdefault("name", path.stem)
+        data = _read_yaml(path)
+        data.setdefault("name", Path(path).stem)
     return config_from_dict(apply_overrides(data, list(overrides)))
+
+
+def load_serve_config(
+    path: str | Path | None = None, overrides: list[str] = (), settings: dict[str, Any] | None = None
+) -> ServeCommandConfig:
+    """What serve.py runs with. Later wins: the defaults, the YAML at `path` (top-level sections `serve` and
+    `http`, both optional), the dotted `overrides`, then `settings` ({dotted key: value}, serve.py's flags)."""
+    data = _read_yaml(path) if path is not None else {}
+    training = sorted(set(data) & (set(_field_names(Config)) - set(_field_names(ServeCommandConfig))))
+    if training:
+        raise ConfigError(f"{path} is a training config (it has {', '.join(training)}): serve.py reads a file "
+                          "with serve and http sections, such as configs/serve.yaml")  # fmt: skip
+    data = apply_overrides(data, list(overrides))
+    for key, value in (settings or {}).items():
+        _set(data, key, value, f"{key}={value!r}")
+    http = data.get("http")
+    if isinstance(http, dict) and "api_key" in http:
+        raise ConfigError("http.api_key is not read from config files (they get copied and committed): "
+                          "pass --api-key or set JAXGEN_API_KEY")  # fmt: skip
+    try:
+        return _build(ServeCommandConfig, data)
+    except TypeError as e:  # a wrong nesting, e.g. `serve: 4`
+        raise ConfigError(str(e)) from e
+
+
+def _read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.exists():
+        shipped = sorted(p.name for p in Path(__file__).parent.parent.joinpath("configs").glob("*.yaml"))
+        raise ConfigError(f"config file {str(path)!r} does not exist; shipped configs: {', '.join(shipped)}")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
+    return data
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

@@ -7,15 +7,21 @@ import jax.numpy as jnp
 import pytest
 
 from jaxgen import model
-from jaxgen.config import Config, ConfigError, ModelConfig, load_config
+from jaxgen.config import Config, ConfigError, ModelConfig, ServeCommandConfig, load_config, load_serve_config
 from tests.conftest import ROOT
 
-CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+SERVE_CONFIGS = {"serve"}  # read by serve.py (load_serve_config); every other file is a training config
+CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.yaml") if p.stem not in SERVE_CONFIGS)
 
 
 def test_shipped_configs_exist():
     names = {p.stem for p in CONFIGS}
     assert {"tiny", "default", "gpt2-124m", "llama-small"} <= names
+
+
+@pytest.mark.parametrize("name", sorted(SERVE_CONFIGS))
+def test_every_serve_config_loads(name):
+    assert isinstance(load_serve_config(ROOT / "configs" / f"{name}.yaml"), ServeCommandConfig)
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)

@@ -1,0 +1,117 @@
+"""serve.py's settings: configs/serve.yaml, dotted overrides, flags as shortcuts, errors before any loading."""
+
+import dataclasses
+
+import pytest
+import yaml
+
+import serve
+from jaxgen.config import ConfigError, HttpConfig, ServeCommandConfig, ServeConfig, load_serve_config
+from tests.conftest import ROOT
+
+SERVE_YAML = ROOT / "configs" / "serve.yaml"
+
+
+def _settings(argv: list[str]) -> ServeCommandConfig:
+    return serve.command_config(serve._parser().parse_args(argv))
+
+
+def test_serve_yaml_lists_every_field_at_its_default():
+    raw = yaml.safe_load(SERVE_YAML.read_text())
+    assert list(raw) == ["serve", "http"]
+    assert list(raw["serve"]) == [f.name for f in dataclasses.fields(ServeConfig)]
+    assert list(raw["http"]) == [f.name for f in dataclasses.fields(HttpConfig)]
+    assert load_serve_config(SERVE_YAML) == ServeCommandConfig()
+    assert load_serve_config() == ServeCommandConfig()
+
+
+def test_file_then_overrides_then_explicit_flags(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("serve:\n  slots: 4\n  page_size: 8\n  chunk_steps: 4\nhttp:\n  port: 9000\n  model_name: m\n")
+    base = ["http", "--checkpoint", "ckpt", "--config", str(path)]
+    s = _settings([*base, "serve.chunk_steps=16", "serve.prefill_chunk=128", "serve.slots=6"])
+    assert (s.serve.slots, s.serve.page_size, s.serve.chunk_steps, s.serve.prefill_chunk) == (6, 8, 16, 128)
+    assert (s.http.port, s.http.model_name, s.http.host) == (9000, "m", "127.0.0.1")
+    assert s.serve.prefix_caching and s.serve.kv_memory_gb == 1.0  # flags not given change nothing
+
+    flags = ["--slots", "2", "--port", "9001", "--no-prefix-caching", "--kv-memory-gb", "2", "--host", "0.0.0.0"]
+    flags += ["--model-name", "n", "--max-body-bytes", "10", "--max-queue", "3", "--request-timeout", "5"]
+    flags += ["--shutdown-grace", "1", "--page-size", "32"]
+    s = _settings([*base, "serve.slots=6", "http.port=9002", *flags])
+    assert s == ServeCommandConfig(
+        serve=ServeConfig(
+            slots=2, page_size=32, kv_memory_gb=2.0, chunk_steps=4, prefix_caching=False, max_body_bytes=10,
+            max_queue=3, request_timeout_s=5.0, shutdown_grace_s=1.0,
+        ),
+        http=HttpConfig(host="0.0.0.0", port=9001, model_name="n"),
+    )  # fmt: skip
+
+    s = _settings(["generate", "--checkpoint", "ckpt", "--prompt", "x", "--config", str(path), "--slots", "3"])
+    assert (s.serve.slots, s.serve.chunk_steps) == (3, 4)  # generate reads the same serve section
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["serve.chunk_step=16"], "unknown config key serve.chunk_step; allowed keys under serve: slots, page_size"),
+        (["serving.slots=2"], "unknown config key serving; allowed keys under the top level: serve, http"),
+        (["http.api_key=s3cret"], "http.api_key is not read from config files"),
+        (["serve.slots=0"], "serve.slots=0 is not allowed: a positive integer"),
+        (["serve.cache_dtype=int8"], "serve.cache_dtype='int8' is not allowed: float32, bfloat16"),
+        (["serve.prefix_caching=maybe"], "serve.prefix_caching='maybe' is not allowed: true or false"),
+        (["http.port=70000"], "http.port=70000 is not allowed: an integer in [0, 65535]"),
+        (["serve=4"], "serve=4 is not allowed: a mapping of slots"),
+        (["serve.slots"], "is not of the form key=value"),
+    ],
+)
+def test_errors_name_key_value_and_allowed(overrides, fragment):
+    with pytest.raises(ConfigError) as e:
+        load_serve_config(SERVE_YAML, overrides)
+    assert fragment in str(e.value)
+
+
+def test_a_training_config_is_refused():
+    with pytest.raises(ConfigError, match=r"tiny.yaml is a training config \(it has checkpoint, data, model, "):
+        load_serve_config(ROOT / "configs" / "tiny.yaml")
+
+
+@pytest.mark.parametrize("command", [["http"], ["generate", "--prompt", "x"]])
+def test_a_bad_setting_stops_before_the_checkpoint_loads(command, monkeypatch, capsys):
+    from jaxgen.training import checkpoint
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the model loaded before the settings were checked")
+
+    monkeypatch.setattr(checkpoint, "load_model", load_model)
+    argv = [*command, "--checkpoint", "ckpt", "--config", str(SERVE_YAML), "serve.prefill_chunk=-1"]
+    assert serve.main(argv) == 2
+    assert "serve.prefill_chunk=-1 is not allowed: a positive integer" in capsys.readouterr().err
+    assert serve.main([*command, "--checkpoint", "ckpt", "--slots", "0"]) == 2  # a flag is checked the same way
+    assert "serve.slots=0 is not allowed: a positive integer" in capsys.readouterr().err
+
+
+def test_http_settings_reach_the_engine_and_the_server(monkeypatch, tmp_path):
+    """serve.main end to end with the model, the engine and uvicorn replaced by recorders."""
+    import jaxgen.inference.engine
+    import jaxgen.runtime
+    import jaxgen.serving.server
+    from jaxgen.training import checkpoint
+
+    seen = {}
+
+    class Engine:
+        def __init__(self, params, cfg, tokenizer, serve_config):
+            self.serve = seen["serve"] = serve_config
+
+    monkeypatch.setattr(checkpoint, "load_model", lambda path: ("cfg", "tokenizer", "params"))
+    monkeypatch.setattr(jaxgen.inference.engine, "Engine", Engine)
+    monkeypatch.setattr(jaxgen.runtime, "enable_compilation_cache", lambda: None)
+    monkeypatch.setattr(jaxgen.serving.server, "create_app", lambda engine, name, key: seen.update(name=name, key=key))
+    monkeypatch.setattr(
+        jaxgen.serving.server, "serve_forever", lambda engine, app, host, port, grace_s: seen.update(at=(host, port))
+    )
+    argv = ["http", "--checkpoint", str(tmp_path / "my-model"), "--config", str(SERVE_YAML)]
+    argv += ["serve.chunk_steps=16", "serve.prefill_chunk=128", "serve.shutdown_grace_s=3", "--port", "9001"]
+    assert serve.main([*argv, "--api-key", "k"]) == 0
+    assert (seen["serve"].chunk_steps, seen["serve"].prefill_chunk, seen["serve"].shutdown_grace_s) == (16, 128, 3)
+    assert seen["at"] == ("127.0.0.1", 9001) and seen["name"] == "my-model" and seen["key"] == "k"
