@@ -4,15 +4,12 @@ The byte-level tokenizer is itself a real `tokenizers` object (byte-level BPE wi
 token per byte, plus an end-of-text token), so every tokenizer saves to and loads from the same
 `tokenizer.json` format and a run folder is self-describing.
 
-Train a BPE tokenizer on a corpus:
-    python -m jaxgen.tokenizer --vocab-size 4096 --out runs/bpe/tokenizer.json [data.source=...]
+`train_bpe(texts, vocab_size)` trains a byte-level BPE tokenizer; `python train_tokenizer.py` runs it on a corpus.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -172,32 +169,3 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     )
     tok.train_from_iterator(texts, trainer=trainer)
     return Tokenizer(tok)
-
-
-def main(argv: list[str] | None = None) -> None:
-    from jaxgen.config import ConfigError, load_config
-    from jaxgen.training.data.sources import iter_documents
-
-    parser = argparse.ArgumentParser(
-        prog="python -m jaxgen.tokenizer",
-        description="Train a byte-level BPE tokenizer on a corpus (default: the Python standard library).",
-    )
-    parser.add_argument("--config", help="YAML config whose data section names the corpus")
-    parser.add_argument("--vocab-size", type=int, default=4096, help="vocabulary size (default 4096)")
-    parser.add_argument("--out", required=True, help="where to write tokenizer.json")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.source=files data.paths=[a.txt]")
-    args = parser.parse_args(argv)
-    if args.vocab_size < 257:
-        parser.error(f"--vocab-size {args.vocab_size} is too small: at least 257 (256 bytes + end of text)")
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        sys.exit(f"error: {e}")
-    tok = train_bpe((d.text for d in iter_documents(cfg.data)), args.vocab_size)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    tok.save(args.out)
-    print(f"wrote {args.out}: vocab {tok.vocab_size}, end-of-text id {tok.eos_id}")
-
-
-if __name__ == "__main__":
-    main()

@@ -109,7 +109,7 @@ def test_bpe_tokenizer_command(tmp_path):
     corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
     out = tmp_path / "bpe" / "tokenizer.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxgen.tokenizer", "--vocab-size", "300", "--out", str(out),
+        [sys.executable, "train_tokenizer.py", "--vocab-size", "300", "--out", str(out),
          "data.source=files", f"data.paths=[{corpus}]"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
