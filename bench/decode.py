@@ -18,7 +18,8 @@ import numpy as np
 
 from jaxgen import model
 from jaxgen.config import load_config
-from jaxgen.inference.generator import Generator, bucket
+from jaxgen.inference.decode import bucket
+from jaxgen.inference.generator import Generator
 from jaxgen.inference.sampling import SamplingConfig
 from jaxgen.model.kvcache import cache_memory_bytes
 from jaxgen.tokenizer import Tokenizer

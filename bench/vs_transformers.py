@@ -29,7 +29,8 @@ from train_throughput import synthetic_batch  # bench/ is on the path when run a
 
 from jaxgen import hf, model
 from jaxgen.config import MeshConfig, load_config
-from jaxgen.inference.generator import Generator, bucket
+from jaxgen.inference.decode import bucket
+from jaxgen.inference.generator import Generator
 from jaxgen.inference.sampling import SamplingConfig
 from jaxgen.sharding import make_mesh
 from jaxgen.tokenizer import Tokenizer
@@ -60,10 +61,7 @@ class JaxSide:
         n = len(prompt)
         tokens, positions = np.asarray([prompt], np.int32), np.arange(n, dtype=np.int32)[None]
         one = np.zeros((1,), np.int32)
-        cache, logits = self.gen._prefill(
-            self.gen.params, tokens, positions, one, one + n, cfg=self.gen.cfg, cache_len=bucket(n + 128),
-            cache_dtype="float32",
-        )  # fmt: skip
+        cache, logits = self.gen.prefill(tokens, positions, one, one + n, cache_len=bucket(n + 128))
         return jax.block_until_ready((cache, logits))
 
 

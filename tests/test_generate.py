@@ -8,7 +8,8 @@ import pytest
 
 from jaxgen import model
 from jaxgen.config import ModelConfig
-from jaxgen.inference.generator import Generator, _decode_loop
+from jaxgen.inference.decode import decode_loop
+from jaxgen.inference.generator import Generator
 from jaxgen.inference.sampling import SamplingArrays, SamplingConfig, SamplingError, sample
 from jaxgen.model.kvcache import KVCache
 from jaxgen.tokenizer import Tokenizer
@@ -152,7 +153,7 @@ def test_score_equals_training_loss(gen):
 
 
 @pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
-def test_decode_loop_updates_the_cache_in_place(gen, cache_dtype):
+def testdecode_loop_updates_the_cache_in_place(gen, cache_dtype):
     """The compiled loop writes the cache with dynamic-update-slice and never copies or converts it whole."""
     gen = Generator(gen.params, CFG, gen.tokenizer, max_batch=8, chunk_steps=5, cache_dtype=cache_dtype)
     captured = {}
@@ -168,7 +169,7 @@ def test_decode_loop_updates_the_cache_in_place(gen, cache_dtype):
     finally:
         gen._loop = real
     state = captured["state"]
-    hlo = jax.jit(_decode_loop, static_argnames="cfg", donate_argnums=1).lower(gen.params, state, cfg=CFG)
+    hlo = jax.jit(decode_loop, static_argnames="cfg", donate_argnums=1).lower(gen.params, state, cfg=CFG)
     text = hlo.compile().as_text()
     dims = ",".join(map(str, state.cache.k.shape))
     shape = {"float32": "f32", "bfloat16": "u16"}[cache_dtype] + f"[{dims}]"

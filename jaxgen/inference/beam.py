@@ -22,7 +22,8 @@ import numpy as np
 
 from jaxgen import model
 from jaxgen.config import ModelConfig
-from jaxgen.inference.generator import Generator, bucket
+from jaxgen.inference.decode import bucket
+from jaxgen.inference.generator import Generator
 from jaxgen.inference.sampling import SamplingError
 from jaxgen.model.kvcache import KVCache
 
@@ -131,9 +132,7 @@ def beam_search(
     for i, x in enumerate(ids):
         tokens[i, : len(x)], positions[i, : len(x)], lengths[i] = x, np.arange(len(x)), len(x)
     rows = np.repeat(np.arange(p, dtype=np.int32), width)
-    cache, logits = gen._prefill(
-        gen.params, tokens, positions, rows, lengths, cfg=cfg, cache_len=cache_len, cache_dtype=gen.cache_dtype
-    )
+    cache, logits = gen.prefill(tokens, positions, rows, lengths, cache_len)
     scores = np.full((p, width), NEG, np.float32)
     scores[:, 0] = 0.0  # all beams start equal: only the first may expand, or the W beams would coincide
     state = BeamState(

@@ -39,16 +39,16 @@ import numpy as np
 
 from jaxgen import model
 from jaxgen.config import ModelConfig, ServeConfig
-from jaxgen.inference.generator import (
+from jaxgen.inference.decode import (
     FINISH_LENGTH,
     FINISH_NAMES,
     MAX_STOPS,
     RUNNING,
     Completion,
     DecodeState,
-    _decode_loop,
     bucket,
     counted,
+    decode_loop,
     encode_prompt,
     finish_row,
     sample_config,
@@ -163,7 +163,7 @@ def _retire(state: DecodeState, slot) -> DecodeState:
 
 def _chunk(params, state: DecodeState, limit, cfg: ModelConfig) -> DecodeState:
     """Up to `limit` decode steps for every active slot, into buffers that start at column 0."""
-    return _decode_loop(params, state.replace(step=jnp.int32(0), limit=limit), cfg)
+    return decode_loop(params, state.replace(step=jnp.int32(0), limit=limit), cfg)
 
 
 class Engine:

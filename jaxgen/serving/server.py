@@ -35,9 +35,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from jaxgen.config import ServeConfig
+from jaxgen.inference.decode import encode_prompt
 from jaxgen.inference.engine import Engine, EngineClosed
 from jaxgen.inference.engine import Request as Sequence
-from jaxgen.inference.generator import encode_prompt
 from jaxgen.inference.pages import PageError
 from jaxgen.inference.sampling import SamplingConfig, SamplingError, check_text, shown
 from jaxgen.inference.textstream import TextDeltas
