@@ -13,6 +13,7 @@ keeps compiled programs between calls.
 """
 
 from jaxgen.inference.generator import Completion, Generator, generate
+from jaxgen.inference.llm import LLM, RequestOutput
 from jaxgen.inference.sampling import SamplingConfig
 
-__all__ = ["Completion", "Generator", "SamplingConfig", "generate"]
+__all__ = ["LLM", "Completion", "Generator", "RequestOutput", "SamplingConfig", "generate"]

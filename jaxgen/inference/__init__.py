@@ -10,6 +10,7 @@ textstream.py  exact text deltas for streaming
 
 from jaxgen.inference.engine import Engine
 from jaxgen.inference.generator import Completion, Generator, generate
+from jaxgen.inference.llm import LLM, RequestOutput
 from jaxgen.inference.sampling import SamplingConfig, SamplingError
 
-__all__ = ["Completion", "Engine", "Generator", "SamplingConfig", "SamplingError", "generate"]
+__all__ = ["LLM", "Completion", "Engine", "Generator", "RequestOutput", "SamplingConfig", "SamplingError", "generate"]

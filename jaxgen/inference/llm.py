@@ -1,0 +1,169 @@
+"""One front door for Python users: load a model once, then generate, stream and score.
+
+    llm = LLM("runs/default", slots=8)  # a run folder or a Hugging Face folder, loaded once
+    outs = llm.generate(["def fib(", "import "], SamplingConfig(temperature=0, max_new_tokens=32))
+    outs[0].outputs[0].text  # one RequestOutput per prompt, holding its n completions
+    for delta in llm.stream("def fib(", SamplingConfig(max_new_tokens=64)):
+        print(delta, end="")
+    llm.score(["x = "], ["1\n"])
+
+As vLLM's `LLM(model).generate(prompts, SamplingParams)`: generation runs on the serving engine
+(`jaxgen.inference.engine`), so every prompt is queued at once and decoded with continuous batching;
+its compiled programs are kept between calls. The caller's thread drives the engine, one call at a time;
+for concurrent clients run the HTTP server (serve.py http) instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from jaxgen import model
+from jaxgen.config import ConfigError, ModelConfig, ServeConfig
+from jaxgen.inference.engine import Engine
+from jaxgen.inference.sampling import SamplingConfig, SamplingError
+from jaxgen.inference.textstream import TextDeltas
+from jaxgen.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from jaxgen.inference.engine import Request
+    from jaxgen.inference.generator import Completion, Generator
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """One prompt's results (vLLM's RequestOutput): its token ids and its `n` completions, in sample order."""
+
+    prompt: str | list[int]
+    prompt_token_ids: list[int]
+    outputs: list[Completion]
+
+
+class LLM:
+    """A model loaded once, with a serving engine (and, for `score`, a Generator) on the same params.
+
+    source: a run folder written by train.py (its latest checkpoint), a local Hugging Face model folder,
+    or params given with their `cfg` and `tokenizer`. serve: the engine's slots and KV-cache pages;
+    keyword arguments override its fields (`LLM(path, slots=8, kv_memory_gb=2)`).
+    """
+
+    def __init__(
+        self, source, serve: ServeConfig = ServeConfig(), *, cfg: ModelConfig | None = None,
+        tokenizer: Tokenizer | None = None, **serve_overrides,
+    ):  # fmt: skip
+        self.serve = _serve_config(serve, serve_overrides)  # checked before anything loads
+        if isinstance(source, str | Path):
+            from jaxgen.training.checkpoint import load_model  # the checkpoint stack only when a folder is given
+
+            cfg, tokenizer, source = load_model(source)
+        if cfg is None or tokenizer is None:
+            raise ValueError("LLM(params, ...) needs cfg= and tokenizer= (or pass a run or Hugging Face folder)")
+        # unstacked once here; Engine and Generator take them as they are (unstacking is idempotent)
+        self.params = model.unstack_layers(source)
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.engine = Engine(self.params, cfg, tokenizer, self.serve)
+        self._generator: Generator | None = None
+
+    def generate(
+        self,
+        prompts: str | list[int] | list[str | list[int]],
+        sampling: SamplingConfig | list[SamplingConfig] = SamplingConfig(),
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt (a single prompt is a list of one), in the order given.
+
+        `sampling` is one config for every prompt or one per prompt. All are queued at once and run together
+        until done. A request the engine can never run raises SamplingError / PageError, and none of this
+        call's requests stays queued.
+        """
+        prompts = _as_list(prompts)
+        configs = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        if len(configs) != len(prompts):
+            raise SamplingError(f"{len(prompts)} prompts but {len(configs)} sampling configs")
+        groups = self._submit_all(prompts, configs)
+        self._run(r for group in groups for r in group)
+        return [RequestOutput(p, g[0].prompt, [r.result() for r in g]) for p, g in zip(prompts, groups, strict=True)]
+
+    def stream(self, prompt: str | list[int], sampling: SamplingConfig = SamplingConfig()) -> Iterator[str]:
+        """Yields text deltas of one completion (n=1) as they are decoded; joined, they are its exact text.
+
+        The request is checked and queued by this call (errors are raised here, not at the first delta).
+        Deltas never end inside a UTF-8 character or a possible stop string (`TextDeltas`). The iterator's
+        return value (StopIteration.value) is the Completion. Closing the iterator early cancels the request.
+        """
+        if sampling.n != 1:
+            raise SamplingError(f"n={sampling.n} is not allowed in stream: 1 (use generate for n samples)", "n")
+        hold = max((len(s) for s in sampling.stop), default=1) - 1
+        deltas = TextDeltas(self.tokenizer, hold)
+        pending: queue.SimpleQueue[str | None] = queue.SimpleQueue()  # None: the sequence ended
+
+        def on_update(request: Request) -> None:  # during engine.step(), or on the engine's thread
+            final = bool(request.finish_reason)
+            delta = deltas.update(request.text, final=final)
+            if delta:
+                pending.put(delta)
+            if final:
+                pending.put(None)
+
+        (request,) = self.engine.submit(prompt, sampling, on_update=on_update)
+        return self._deltas(request, pending)
+
+    def _deltas(self, request: Request, pending: queue.SimpleQueue) -> Iterator[str]:
+        try:
+            while True:
+                if pending.empty() and not self.engine.running and not self.engine.idle():
+                    self.engine.step()  # the caller's thread drives the engine
+                    continue
+                if pending.empty() and not self.engine.running:
+                    break  # idle without a final update: nothing more will come
+                delta = pending.get()
+                if delta is None:
+                    break
+                yield delta
+            return request.result()  # RequestFailed if the engine failed it
+        finally:
+            if not request.done_event.is_set():  # the caller stopped early: free the slot
+                self.engine.cancel(request)
+
+    def score(self, prompts: list[str | list[int]], continuations: list[str | list[int]]) -> list[dict]:
+        """Teacher-forced log-likelihood of each continuation given its prompt (`Generator.score`)."""
+        if self._generator is None:
+            from jaxgen.inference.generator import Generator
+
+            self._generator = Generator(self.params, self.cfg, self.tokenizer)
+        return self._generator.score(prompts, continuations)
+
+    def _submit_all(self, prompts, configs) -> list[list[Request]]:
+        groups: list[list[Request]] = []
+        try:
+            for i, (p, c) in enumerate(zip(prompts, configs, strict=True)):
+                groups.append(self.engine.submit(p, c, prompt_index=i))
+        except BaseException:  # one bad request: none of this call's requests stays queued
+            for r in (r for group in groups for r in group):
+                self.engine.cancel(r)
+            raise
+        return groups
+
+    def _run(self, requests) -> None:
+        """Until every request is done: steps the engine here, or waits when its own thread runs it."""
+        if not self.engine.running:
+            self.engine.run_until_idle()
+        for r in requests:
+            r.done_event.wait()
+
+
+def _as_list(prompts) -> list:
+    """A single prompt (text, or token ids) as a list of one; a list of prompts as it is."""
+    if isinstance(prompts, str) or (isinstance(prompts, list | tuple) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
+def _serve_config(serve: ServeConfig, overrides: dict) -> ServeConfig:
+    fields = [f.name for f in dataclasses.fields(ServeConfig)]
+    unknown = sorted(set(overrides) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown serve setting {unknown[0]}; allowed: {', '.join(fields)}")
+    return dataclasses.replace(serve, **overrides)
