@@ -5,7 +5,7 @@ import pytest
 
 from jaxgen import model
 from jaxgen.config import ModelConfig
-from jaxgen.model import layers
+from jaxgen.model import attention
 from jaxgen.model.kvcache import KVCache, cache_memory_bytes
 
 LAYOUTS = {"mha": 4, "gqa": 2, "mqa": 1}
@@ -32,7 +32,7 @@ def random_params(cfg, seed=0):
 
 def test_causal_mask_matches_hand_written():
     pos = jnp.array([[0, 1, 2, 3]])
-    mask = layers.attention_mask(jnp.arange(4), jnp.arange(4), pos, pos)
+    mask = attention.attention_mask(pos, pos)
     expected = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]], bool)
     np.testing.assert_array_equal(mask[0], expected)
 
@@ -41,7 +41,7 @@ def test_padding_and_packed_document_masks_match_hand_written():
     # Row 0: two packed documents (3 + 2 tokens). Row 1: 3 tokens then 2 of padding (position -1).
     pos = jnp.array([[0, 1, 2, 0, 1], [0, 1, 2, -1, -1]])
     seg = jnp.array([[1, 1, 1, 2, 2], [1, 1, 1, 0, 0]])
-    mask = layers.attention_mask(jnp.arange(5), jnp.arange(5), pos, pos, seg, seg)
+    mask = attention.attention_mask(pos, pos, seg, seg)
     packed = np.array([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]], bool)
     padded = np.array([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0]], bool)
     np.testing.assert_array_equal(mask[0], packed)
@@ -50,7 +50,7 @@ def test_padding_and_packed_document_masks_match_hand_written():
 
 def test_sliding_window_mask_matches_hand_written():
     pos = jnp.arange(5)[None]
-    mask = layers.attention_mask(jnp.arange(5), jnp.arange(5), pos, pos, window=2)
+    mask = attention.attention_mask(pos, pos, window=2)
     expected = np.array([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]], bool)
     np.testing.assert_array_equal(mask[0], expected)
 

@@ -10,7 +10,6 @@
 """
 
 from jaxgen.model.transformer import (
-    ATTENTION_BLOCK,
     ParamSpec,
     count_params,
     flops_per_token,
@@ -24,7 +23,6 @@ from jaxgen.model.transformer import (
 )
 
 __all__ = [
-    "ATTENTION_BLOCK",
     "ParamSpec",
     "count_params",
     "flops_per_token",

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jaxgen.config import ModelConfig
 from jaxgen.sharding import constrain
 
+BLOCK = 128  # cache slots per block of cached attention
 KV_NAMES = ("layers", "cache_seq", "batch", "kv_heads", "head_dim")
 POS_NAMES = ("batch", "cache_seq")
 
@@ -56,6 +57,44 @@ class KVCache:
     def memory_bytes(self) -> int:
         """Bytes held by the cache's arrays (keys, values and slot positions)."""
         return _nbytes(self)
+
+    # --- what attention needs (see jaxgen.model.attention) ------------------------------------------
+
+    def with_positions(self, positions_bt) -> KVCache:
+        """The cache as a call of T tokens sees it: their positions recorded at slots [end, end + T)."""
+        return self.replace(pos=jax.lax.dynamic_update_slice(self.pos, positions_bt.astype(jnp.int32), (0, self.end)))
+
+    def write(self, kv, layer, k_btkh, v_btkh, positions_bt):
+        """This call's keys and values of `layer` at slots [end, end + T): a dynamic_update_slice at
+        scalar offsets, in place when the cache is donated."""
+        k_all, v_all = kv
+        start = (layer, self.end, 0, 0, 0)
+        k_all = jax.lax.dynamic_update_slice(k_all, to_storage(k_btkh.swapaxes(0, 1)[None], k_all.dtype), start)
+        v_all = jax.lax.dynamic_update_slice(v_all, to_storage(v_btkh.swapaxes(0, 1)[None], v_all.dtype), start)
+        return k_all, v_all
+
+    @property
+    def block_size(self) -> int:
+        return min(BLOCK, self.max_len)  # max_len is a power of two: blocks tile it
+
+    def key_block(self, kv, layer, j):
+        """Slots [j * block, (j + 1) * block) of `layer`: keys, values (B, block, K, H), positions (B, block)."""
+        k_all, v_all = kv
+        _, s, b, k, h = k_all.shape
+        size = self.block_size
+        row = (layer * s + j * size, 0, 0, 0)  # one index into (L * S, B, K, H): nothing hoisted out of the loop
+        kb = jax.lax.dynamic_slice(k_all.reshape(-1, b, k, h), row, (size, b, k, h)).swapaxes(0, 1)
+        vb = jax.lax.dynamic_slice(v_all.reshape(-1, b, k, h), row, (size, b, k, h)).swapaxes(0, 1)
+        return kb, vb, jax.lax.dynamic_slice(self.pos, (0, j * size), (b, size))
+
+    def blocks_to_visit(self, positions_bt):
+        """The blocks holding slots written so far, this call's included."""
+        size = self.block_size
+        return (self.end + positions_bt.shape[1] + size - 1) // size
+
+    def advance(self, kv, num_tokens: int) -> KVCache:
+        """After every layer wrote: the new keys and values, and `end` moved past this call's tokens."""
+        return self.replace(k=kv[0], v=kv[1], end=self.end + num_tokens)
 
 
 def constrain_cache(cache: KVCache) -> KVCache:

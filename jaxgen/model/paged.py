@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxgen.config import ModelConfig
-from jaxgen.model import layers
 from jaxgen.model.kvcache import storage_dtype, to_storage
 
 NULL_PAGE = 0
@@ -54,55 +53,42 @@ class PagedCache:
         """Per slot: is there no room for the token at `positions_b`?"""
         return positions_b >= self.capacity
 
+    # --- what attention needs (see jaxgen.model.attention); a block is one page --------------------
+
+    def with_positions(self, positions_bt) -> PagedCache:
+        return self  # a key's position is where it sits: page index x page size + offset
+
+    def write(self, kv, layer, k_btkh, v_btkh, positions_bt):
+        """Scatters this call's keys and values of `layer` into the slots' pages; padding goes to page 0."""
+        k_all, v_all = kv
+        z = self.page_size
+        valid = positions_bt >= 0
+        rows = jnp.arange(positions_bt.shape[0])[:, None]
+        page = jnp.where(valid, self.page_table[rows, jnp.maximum(positions_bt, 0) // z], NULL_PAGE)
+        offset = jnp.where(valid, positions_bt % z, 0)
+        k_all = k_all.at[layer, page, offset].set(to_storage(k_btkh, k_all.dtype))
+        v_all = v_all.at[layer, page, offset].set(to_storage(v_btkh, v_all.dtype))
+        return k_all, v_all
+
+    def key_block(self, kv, layer, j):
+        """Each slot's page j of `layer`: keys, values (B, Z, K, H) and positions (B, Z). A position
+        past what the slot wrote is never seen (a query sees positions up to its own)."""
+        k_all, v_all = kv
+        _, q, z, k, h = k_all.shape
+        rows = layer * q + self.page_table[:, j]  # one index into (L * Q, Z, K, H)
+        kb = jnp.take(k_all.reshape(-1, z, k, h), rows, axis=0)
+        vb = jnp.take(v_all.reshape(-1, z, k, h), rows, axis=0)
+        pos = jnp.broadcast_to(j * z + jnp.arange(z), (self.page_table.shape[0], z))
+        return kb, vb, pos
+
+    def blocks_to_visit(self, positions_bt):
+        """The pages up to the furthest query position: a step costs what the longest live sequence holds."""
+        return jnp.max(positions_bt) // self.page_size + 1
+
+    def advance(self, kv, num_tokens: int) -> PagedCache:
+        return self.replace(k=kv[0], v=kv[1])
+
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype="float32") -> int:
     """Bytes of one page across all layers, keys and values."""
     return 2 * cfg.num_layers * page_size * cfg.kv_heads * cfg.head_size * jnp.dtype(storage_dtype(dtype)).itemsize
-
-
-def write(cache: PagedCache, layer: int, k_btkh, v_btkh, positions_bt, kv):
-    """Scatters this call's keys and values of `layer` into the slots' pages; padding goes to page 0."""
-    k_all, v_all = kv
-    z = cache.page_size
-    valid = positions_bt >= 0
-    rows = jnp.arange(positions_bt.shape[0])[:, None]
-    page = jnp.where(valid, cache.page_table[rows, jnp.maximum(positions_bt, 0) // z], NULL_PAGE)
-    offset = jnp.where(valid, positions_bt % z, 0)
-    k_all = k_all.at[layer, page, offset].set(to_storage(k_btkh, k_all.dtype))
-    v_all = v_all.at[layer, page, offset].set(to_storage(v_btkh, v_all.dtype))
-    return k_all, v_all
-
-
-def attention(q_btnh, kv, layer: int, page_table, q_pos_bt, num_kv_heads: int, window: int | None):
-    """Attention of each slot's queries over its own pages, one page at a time (online softmax).
-
-    Only the pages up to the furthest query position are visited, so a step costs what the longest
-    live sequence holds, not the table's width. Returns (B, T, N, H) and the pool, threaded through the
-    loop's carry (as a loop-invariant operand XLA would copy it).
-    """
-    b, t, n, h = q_btnh.shape
-    k = num_kv_heads
-    q = q_btnh.reshape(b, t, k, n // k, h).astype(jnp.float32) * (h**-0.5)
-    k_all, v_all = kv
-    num_pages, z = k_all.shape[1], k_all.shape[2]
-
-    def page_step(j, carry):
-        stats, (k_all, v_all) = carry
-        rows = layer * num_pages + page_table[:, j]  # one index into (L * Q, Z, K, H)
-        kb = jnp.take(k_all.reshape(-1, z, k, h), rows, axis=0)  # (B, Z, K, H)
-        vb = jnp.take(v_all.reshape(-1, z, k, h), rows, axis=0)
-        key_pos = j * z + jnp.arange(z)
-        mask = (key_pos[None, None, :] <= q_pos_bt[:, :, None]) & (q_pos_bt[:, :, None] >= 0)
-        if window is not None:
-            mask = mask & (q_pos_bt[:, :, None] - key_pos[None, None, :] < window)
-        return layers._online_softmax_step(stats, q, kb, vb, mask), (k_all, v_all)
-
-    init = (
-        jnp.full((b, k, n // k, t), layers.NEG_INF, jnp.float32),
-        jnp.zeros((b, k, n // k, t), jnp.float32),
-        jnp.zeros((b, k, n // k, t, h), jnp.float32),
-    )
-    pages = jnp.max(q_pos_bt) // z + 1
-    (_, l, acc), kv = jax.lax.fori_loop(0, pages, page_step, (init, (k_all, v_all)))
-    out = acc / jnp.maximum(l, 1e-30)[..., None]
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q_btnh.dtype), kv

@@ -11,7 +11,6 @@ with `lax.scan`, so compile time does not grow with depth. Names end with their 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -20,12 +19,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxgen.config import ModelConfig
-from jaxgen.model import layers, paged
-from jaxgen.model.kvcache import KVCache, to_storage
-from jaxgen.model.paged import PagedCache
+from jaxgen.model import attention, layers
+from jaxgen.model.kvcache import KVCache
 from jaxgen.sharding import constrain, named_sharding
-
-ATTENTION_BLOCK = 128  # cache slots per block of cached attention
 
 
 class ParamSpec(NamedTuple):
@@ -136,9 +132,10 @@ def forward(
     tokens, positions: (B, T) int32; a position of -1 marks padding, never attended to.
     segment_ids: (B, T) int32 or None; packed documents do not attend across segments
         (training only: a cache holds one sequence per row).
-    cache: None for a training pass over whole sequences; a `KVCache` to prefill or decode, whose
-        slots [end, end + T) receive this call's keys and values; or a `PagedCache` (the serving
-        engine), where each token goes to its row's page for its position.
+    cache: None for a training pass over whole sequences; or a cache to prefill or decode (any type
+        with the interface of `jaxgen.model.attention`: a `KVCache`, whose slots [end, end + T)
+        receive this call's keys and values, or the serving engine's `PagedCache`, where each token
+        goes to its row's page for its position). The model never asks which.
     Returns logits (B, T, V) float32 and the cache (None when none was given).
     """
     x, cache = hidden_states(params, tokens, positions, cache, cfg=cfg, segment_ids=segment_ids)
@@ -157,28 +154,20 @@ def hidden_states(params, tokens, positions, cache=None, *, cfg: ModelConfig, se
     x = constrain(x, ("batch", "seq", "act_embed"))
 
     t = tokens.shape[1]
-    if cache is None:
-        slots = jnp.arange(t)
-        mask = layers.attention_mask(slots, slots, positions, positions, segment_ids, segment_ids, cfg.sliding_window)
+    if cache is None:  # training: the whole (T, T) mask once
+        mask = attention.attention_mask(positions, positions, segment_ids, segment_ids, cfg.sliding_window)
         kv = None
-    else:  # masks are built block by block in cached attention, over the slots (or pages) in use only
-        mask = None
+    else:  # decoding: masks are built block by block, over the cache blocks in use only
+        cache = cache.with_positions(positions)
         kv = (cache.k, cache.v)
-        paged_cache = isinstance(cache, PagedCache)
-        if not paged_cache:
-            pos = jax.lax.dynamic_update_slice(cache.pos, positions.astype(jnp.int32), (0, cache.end))
 
     def layer_step(carry, xs):
         x, kv = carry
         p, i = xs
         if cache is None:
             attend = functools.partial(_attend_plain, mask=mask, cfg=cfg)
-        elif paged_cache:
-            attend = functools.partial(_attend_paged, kv=kv, layer=i, positions=positions, cache=cache, cfg=cfg)
         else:
-            attend = functools.partial(
-                _attend_cache, kv=kv, layer=i, positions=positions, pos=pos, cache=cache, cfg=cfg
-            )
+            attend = functools.partial(_attend_cache, cache=cache, kv=kv, layer=i, positions=positions, cfg=cfg)
         x, kv = _block(x, p, positions, attend, cfg)
         return (x, kv), None
 
@@ -188,11 +177,7 @@ def hidden_states(params, tokens, positions, cache=None, *, cfg: ModelConfig, se
     else:
         (x, kv), _ = jax.lax.scan(layer_step, (x, kv), (params["layers"], jnp.arange(cfg.num_layers)))
     x = layers.norm(x, params["final_norm"], cfg)
-    if cache is not None and paged_cache:
-        cache = cache.replace(k=kv[0], v=kv[1])
-    elif cache is not None:
-        cache = dataclasses.replace(cache, k=kv[0], v=kv[1], pos=pos, end=cache.end + t)
-    return x, cache
+    return x, (None if cache is None else cache.advance(kv, t))
 
 
 def unstack_layers(params: dict) -> dict:
@@ -256,26 +241,13 @@ def _block(x, p, positions, attend, cfg: ModelConfig):
 
 
 def _attend_plain(q, k, v, *, mask, cfg: ModelConfig):
-    return layers.attention(q, k, v, mask, cfg.kv_heads), None
+    return attention.dense_attention(q, k, v, mask, cfg.kv_heads), None
 
 
-def _attend_cache(q, k, v, *, kv, layer, positions, pos, cache: KVCache, cfg: ModelConfig):
-    """Writes this layer's keys and values at slots [end, end + T) (a dynamic_update_slice at scalar
-    offsets, in place when the cache is donated), then attends over the slots in use."""
-    k_all, v_all = kv
-    start = (layer, cache.end, 0, 0, 0)
-    k_all = jax.lax.dynamic_update_slice(k_all, to_storage(k.swapaxes(0, 1)[None], k_all.dtype), start)
-    v_all = jax.lax.dynamic_update_slice(v_all, to_storage(v.swapaxes(0, 1)[None], v_all.dtype), start)
-    block = min(ATTENTION_BLOCK, cache.max_len)  # max_len is a power of two: blocks tile it
-    return layers.cached_attention(
-        q, k_all, v_all, layer, pos, positions, cache.end, cfg.kv_heads, cfg.sliding_window, block
-    )
-
-
-def _attend_paged(q, k, v, *, kv, layer, positions, cache: PagedCache, cfg: ModelConfig):
-    """Writes this layer's keys and values into each slot's pages, then attends over its pages."""
-    kv = paged.write(cache, layer, k, v, positions, kv)
-    return paged.attention(q, kv, layer, cache.page_table, positions, cfg.kv_heads, cfg.sliding_window)
+def _attend_cache(q, k, v, *, cache, kv, layer, positions, cfg: ModelConfig):
+    """Writes this layer's keys and values into the cache, then attends over the cache's blocks in use."""
+    kv = cache.write(kv, layer, k, v, positions)
+    return attention.cached_attention(q, cache, kv, layer, positions, cfg.kv_heads, cfg.sliding_window)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

@@ -1,0 +1,90 @@
+"""Attention: one mask rule, a dense path for whole sequences, and one blockwise path over any cache.
+
+The seam. A cache type (contiguous `KVCache`, paged `PagedCache`) says only how its keys live:
+    cache.write(kv, layer, k_btkh, v_btkh, positions_bt) -> kv       this call's keys and values stored
+    cache.key_block(kv, layer, j) -> (k_bskh, v_bskh, pos_bs)        block j of a layer (pos -1 = empty)
+    cache.blocks_to_visit(positions_bt) -> () int32                  blocks any of these queries can see
+`cached_attention` runs the one online-softmax loop over those blocks with the one mask rule, so the
+model never asks which cache it holds. An accelerator kernel (a Pallas paged or ragged attention, a
+cuDNN fused attention) is another implementation of `cached_attention` / `dense_attention` with the
+same arguments; it plugs in here, not in the model.
+
+The mask rule (`attention_mask`) is by position: a query at position p sees the keys at positions
+0..p of its own row (and, with a sliding window w, only those after p - w), never a key at position -1
+(padding, an empty slot) and never one of another packed document (segment ids). Within a row,
+positions grow with the order tokens were written, so this is causal attention.
+
+`kv` is the cache's (keys, values) pair threaded through the layer loop's carry: as a loop-invariant
+operand XLA would copy the whole cache every step.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxgen.model.kvcache import from_storage
+
+NEG_INF = jnp.finfo(jnp.float32).min  # finite, so a fully masked row (padding) gives no NaN
+
+
+def attention_mask(q_pos_bt, k_pos_bs, q_seg_bt=None, k_seg_bs=None, window: int | None = None):
+    """Boolean (B, T, S): may the query at position q_pos attend to the key at position k_pos?"""
+    q, k = q_pos_bt[:, :, None], k_pos_bs[:, None, :]
+    mask = (k >= 0) & (k <= q)
+    if q_seg_bt is not None:
+        mask = mask & (q_seg_bt[:, :, None] == k_seg_bs[:, None, :])
+    if window is not None:
+        mask = mask & (q - k < window)
+    return mask
+
+
+def dense_attention(q_btnh, k_bskh, v_bskh, mask_bts, num_kv_heads: int):
+    """Grouped-query attention over the whole (T, S) score matrix: N query heads share K kv heads
+    (G = N / K per group). The reference path, and the training path today."""
+    b, t, n, h = q_btnh.shape
+    q = q_btnh.reshape(b, t, num_kv_heads, n // num_kv_heads, h)  # (B, T, K, G, H)
+    logits = jnp.einsum("btkgh,bskh->bkgts", q, k_bskh, preferred_element_type=jnp.float32)
+    logits = logits * (h**-0.5)
+    logits = jnp.where(mask_bts[:, None, None], logits, NEG_INF)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v_bskh.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh)
+    return out.reshape(b, t, n, h)
+
+
+def cached_attention(q_btnh, cache, kv, layer, q_pos_bt, num_kv_heads: int, window: int | None):
+    """Attention of the queries (B, T, N, H) at positions q_pos_bt over `cache`'s keys of `layer`, one
+    block at a time with an online softmax: only `cache.blocks_to_visit` blocks are read, so a step
+    costs what the filled part of the cache costs, not its allocated length. Returns (B, T, N, H) and
+    `kv` (this call's keys already written by `cache.write`)."""
+    b, t, n, h = q_btnh.shape
+    k = num_kv_heads
+    q = q_btnh.reshape(b, t, k, n // k, h).astype(jnp.float32) * (h**-0.5)
+
+    def block(j, carry):
+        stats, kv = carry
+        k_bskh, v_bskh, k_pos_bs = cache.key_block(kv, layer, j)
+        mask = attention_mask(q_pos_bt, k_pos_bs, window=window)
+        return _online_softmax_step(stats, q, k_bskh, v_bskh, mask), kv
+
+    init = (
+        jnp.full((b, k, n // k, t), NEG_INF, jnp.float32),  # running max
+        jnp.zeros((b, k, n // k, t), jnp.float32),  # running normaliser
+        jnp.zeros((b, k, n // k, t, h), jnp.float32),  # running weighted sum of values
+    )
+    (_, l, acc), kv = jax.lax.fori_loop(0, cache.blocks_to_visit(q_pos_bt), block, (init, kv))
+    out = acc / jnp.maximum(l, 1e-30)[..., None]  # rows with no key at all (padding) give 0
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q_btnh.dtype), kv
+
+
+def _online_softmax_step(carry, q_btkgh, k_bskh, v_bskh, mask_bts):
+    """One block of keys folded into the running max m, normaliser l and weighted sum acc."""
+    m, l, acc = carry  # (B, K, G, T), (B, K, G, T), (B, K, G, T, H)
+    mask = mask_bts[:, None, None]
+    s = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, from_storage(k_bskh).astype(jnp.float32))
+    s = jnp.where(mask, s, NEG_INF)
+    m_new = jnp.maximum(m, s.max(-1))
+    p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+    corr = jnp.exp(m - m_new)
+    acc = acc * corr[..., None] + jnp.einsum("bkgts,bskh->bkgth", p, from_storage(v_bskh).astype(jnp.float32))
+    return m_new, l * corr + p.sum(-1), acc
