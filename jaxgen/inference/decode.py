@@ -81,6 +81,29 @@ class Completion:
     top_logprobs: list[dict[int, float]] | None = None
 
 
+@dataclasses.dataclass
+class HostRows:
+    """What the host reads of a `DecodeState` after a chunk of steps: named fields, in one transfer."""
+
+    tokens: np.ndarray  # (B, M) int32
+    logprobs: np.ndarray  # (B, M) float32
+    top_ids: np.ndarray  # (B, M, A) int32
+    top_logprobs: np.ndarray  # (B, M, A) float32
+    finish: np.ndarray  # (B,) int32
+    generated: np.ndarray  # (B,) int32
+    done: np.ndarray  # (B,) bool
+
+    @classmethod
+    def of(cls, s: DecodeState) -> HostRows:
+        fields = [f.name for f in dataclasses.fields(cls)]
+        return cls(*jax.device_get(tuple(getattr(s, name) for name in fields)))
+
+    def alternatives(self, row: int, start: int, stop: int, a: int) -> list[dict[int, float]]:
+        """Top-`a` {token id: logprob} of columns [start, stop) of `row`."""
+        ids, lps = self.top_ids[row, start:stop, :a].tolist(), self.top_logprobs[row, start:stop, :a].tolist()
+        return [dict(zip(i, lp, strict=True)) for i, lp in zip(ids, lps, strict=True)]
+
+
 def prefill(params, tokens, positions, rows, lengths, cfg: ModelConfig, cache_len: int, cache_dtype: str):
     """Runs the unique prompts once, then gathers cache rows for every sample (n per prompt).
 

@@ -31,6 +31,7 @@ from jaxgen.inference.decode import (
     RUNNING,
     Completion,
     DecodeState,
+    HostRows,
     bucket,
     counted,
     decode_loop,
@@ -159,9 +160,7 @@ class Generator:
         while True:
             limit = min(int(state.step) + self.chunk_steps, longest_new)
             state = self._loop(self.params, state.replace(limit=jnp.int32(limit)), cfg=cfg)
-            host = jax.device_get(
-                (state.tokens, state.logprobs, state.top_ids, state.top_logprobs, state.finish, state.generated)
-            )
+            host = HostRows.of(state)
             done = self._check_stop_strings(host, configs, group, stop_at)
             if done.any():
                 state = state.replace(done=state.done | jnp.asarray(np.pad(done, (0, b - len(group)))))
@@ -196,9 +195,9 @@ class Generator:
             sampling=jax.tree.map(jnp.asarray, SamplingArrays.stack(row_configs, v)), cache=cache,
         )  # fmt: skip
 
-    def _check_stop_strings(self, host, configs, group, stop_at) -> np.ndarray:
+    def _check_stop_strings(self, host: HostRows, configs, group, stop_at) -> np.ndarray:
         """Stop strings, on decoded text after each chunk: the output is cut before the string."""
-        tokens, _, _, _, _, generated = host
+        tokens, generated = host.tokens, host.generated
         newly = np.zeros(len(group), bool)
         for r, (p, _) in enumerate(group):
             if not configs[p].stop or stop_at[r] is not None:
@@ -208,23 +207,20 @@ class Generator:
                 newly[r] = True
         return newly
 
-    def _completions(self, host, configs, group, stop_at) -> list[Completion]:
-        tokens, logprobs, top_ids, top_lp, finish, generated = host
+    def _completions(self, host: HostRows, configs, group, stop_at) -> list[Completion]:
+        tokens, generated = host.tokens, host.generated
         out = []
         for r, (p, s) in enumerate(group):
             n = int(generated[r]) if stop_at[r] is None else stop_at[r]
-            reason = "stop" if stop_at[r] is not None else FINISH_NAMES.get(int(finish[r]), "")
+            reason = "stop" if stop_at[r] is not None else FINISH_NAMES.get(int(host.finish[r]), "")
             toks = tokens[r, :n].tolist()
             if reason:
                 n, text, reason = finish_row(self.tokenizer, toks, configs[p], self._stops(configs[p]), reason)
                 toks = toks[:n]
             else:
                 text = self.tokenizer.decode(toks)
-            alts = None
-            if configs[p].logprobs:
-                a = configs[p].logprobs
-                alts = [dict(zip(top_ids[r, i, :a].tolist(), top_lp[r, i, :a].tolist(), strict=True)) for i in range(n)]
-            out.append(Completion(p, s, toks, text, reason, logprobs[r, :n].tolist(), alts))
+            alts = host.alternatives(r, 0, n, configs[p].logprobs) if configs[p].logprobs else None
+            out.append(Completion(p, s, toks, text, reason, host.logprobs[r, :n].tolist(), alts))
         return out
 
     def _stops(self, c: SamplingConfig) -> list[tuple[int, ...]]:
