@@ -126,10 +126,19 @@ def decode_loop(params, state: DecodeState, cfg: ModelConfig) -> DecodeState:
         return (s.step < s.limit) & ~jnp.all(s.done)
 
     def body(s: DecodeState):
-        b = s.tokens.shape[0]
-        logp = jax.nn.log_softmax(s.logits, axis=-1)
         tok = sample(s.logits, s.sampling, s.generated, s.seen, s.counts)  # keyed by (seed, token index)
         tok = jnp.where(s.done, 0, tok)
+        s = _record(s, tok)
+        # Finished rows run as padding (position -1): they write nothing anyone reads. (Skipping the
+        # forward once every row is done would need a lax.cond, which made XLA copy the whole cache.)
+        fed = jnp.where(s.done, -1, s.positions)
+        logits, cache = model.forward(params, tok[:, None], fed[:, None], s.cache, cfg=cfg)
+        return s.replace(step=s.step + 1, logits=logits[:, 0], positions=s.positions + 1, cache=cache)
+
+    def _record(s: DecodeState, tok) -> DecodeState:
+        """The drawn tokens (B,) written to column `step` with their log-probabilities, the penalties'
+        counts updated, and each row's finish code (a stop sequence, max_new, the cache or the context)."""
+        logp = jax.nn.log_softmax(s.logits, axis=-1)
         chosen = jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
         top_lp, top_ids = jax.lax.top_k(logp, s.top_ids.shape[-1])
 
@@ -142,26 +151,14 @@ def decode_loop(params, state: DecodeState, cfg: ModelConfig) -> DecodeState:
         hit_stop = jnp.any(jnp.all(matches, axis=-1) & jnp.any(s.stop_seqs >= 0, axis=-1), axis=-1)
         generated = s.generated + live
         cache_full = s.cache.is_full(s.positions)  # no room left for this token's keys
-        out_of_positions = s.positions + 1 >= cfg.max_seq_len
-        finish = jnp.where(
-            live & hit_stop, FINISH_STOP,
-            jnp.where(live & ((generated >= s.max_new) | cache_full | out_of_positions), FINISH_LENGTH, s.finish),
-        )  # fmt: skip
-        rows = jnp.arange(b)
-        counts = s.counts.at[rows, tok].add(live.astype(jnp.int32))
-        seen = s.seen.at[rows, tok].max(live)
-        done = s.done | (finish != RUNNING)
-
-        # Finished rows run as padding (position -1): they write nothing anyone reads. (Skipping the
-        # forward once every row is done would need a lax.cond, which made XLA copy the whole cache.)
-        fed = jnp.where(done, -1, s.positions)
-        logits, cache = model.forward(params, tok[:, None], fed[:, None], s.cache, cfg=cfg)
-        logits = logits[:, 0]
+        too_long = (generated >= s.max_new) | cache_full | (s.positions + 1 >= cfg.max_seq_len)
+        finish = jnp.where(live & hit_stop, FINISH_STOP, jnp.where(live & too_long, FINISH_LENGTH, s.finish))
+        rows = jnp.arange(tok.shape[0])
         return s.replace(
-            step=s.step + 1, generated=generated, tokens=write(s.tokens, tok), logprobs=write(s.logprobs, chosen),
-            top_ids=write(s.top_ids, top_ids), top_logprobs=write(s.top_logprobs, top_lp),
-            logits=logits, positions=s.positions + 1, done=done, finish=finish,
-            seen=seen, counts=counts, recent=recent, cache=cache,
+            generated=generated, tokens=write(s.tokens, tok), logprobs=write(s.logprobs, chosen),
+            top_ids=write(s.top_ids, top_ids), top_logprobs=write(s.top_logprobs, top_lp), finish=finish,
+            done=s.done | (finish != RUNNING), recent=recent,
+            counts=s.counts.at[rows, tok].add(live.astype(jnp.int32)), seen=s.seen.at[rows, tok].max(live),
         )  # fmt: skip
 
     return jax.lax.while_loop(cond, body, state)
