@@ -148,7 +148,8 @@ def train(cfg: Config, run_dir: str | Path, progress: bool = True) -> TrainResul
             if state is None:
                 result = TrainResult(step=step, status="already finished")
             else:
-                result = _loop(cfg, run_dir, mesh, state, data_iter, held_out, ckpt, step, progress)
+                run = _Run(cfg, run_dir, mesh, data_iter, held_out, ckpt)
+                result = _loop(run, state, step, progress)
         except BaseException:
             with contextlib.suppress(Exception):  # the error in flight is the one to report
                 ckpt.close()
@@ -209,37 +210,39 @@ def _init_from_params(cfg: Config, mesh, family: str | None):
     return params
 
 
-def _loop(cfg, run_dir, mesh, state, data_iter, held_out, ckpt, start, progress) -> TrainResult:
-    step_fn = make_train_step(cfg, mesh, state)
-    eval_fn = make_eval_step(cfg, mesh, state)
-    tokens_per_step = cfg.training.batch_size * cfg.data.seq_len
-    flops_per_step = model.flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
-    peak = cfg.training.peak_flops or measure_matmul_flops()
+@dataclass
+class _Run:
+    """What the step loop works with, besides the train state."""
+
+    cfg: Config
+    run_dir: Path
+    mesh: object
+    data_iter: object
+    held_out: list
+    ckpt: Checkpointer
+
+
+def _loop(run: _Run, state: TrainState, start: int, progress: bool) -> TrainResult:
+    cfg = run.cfg
+    step_fn, eval_fn = make_train_step(cfg, run.mesh, state), make_eval_step(cfg, run.mesh, state)
+    rates = _Rates(cfg)
     result = TrainResult(step=start, status="finished")
     end = cfg.training.steps
     if cfg.training.steps_per_run:
         end = min(end, start + cfg.training.steps_per_run)
     bar = tqdm(total=cfg.training.steps, initial=start, desc="train", unit="step", disable=not progress)
-    with bar, MetricsWriter(run_dir) as metrics, _StopFlag() as stop:
+    with bar, MetricsWriter(run.run_dir) as metrics, _StopFlag() as stop:
         for step in range(start + 1, end + 1):
-            batch = next(data_iter)
+            batch = next(run.data_iter)
             t0 = time.perf_counter()
-            state, m = step_fn(state, put_batch(batch, mesh))
+            state, m = step_fn(state, put_batch(batch, run.mesh))
             m = jax.device_get(m)
-            dt = time.perf_counter() - t0
-            record = {
-                "step": step, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]),
-                "tokens_per_s": tokens_per_step / dt, "mfu": flops_per_step / dt / peak, "step_time_s": dt,
-                "data": _batch_hash(batch),
-            }  # fmt: skip
+            record = rates.record(step, m, time.perf_counter() - t0, batch)
             if not m["finite"]:
                 record["skipped_nonfinite"] = int(state.nonfinite_in_row)
             result.losses.append(record["loss"])
             if step % cfg.training.eval_every == 0 or step == cfg.training.steps:
-                loss = _evaluate(eval_fn, state, held_out, mesh)
-                record |= {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
-                result.eval_losses.append((step, loss))
-                bar.write(f"step {step}: held-out loss {loss:.4f}, perplexity {record['eval_ppl']:.2f}")
+                record |= _evaluate_now(eval_fn, state, run, step, result, bar)
             with _disk_full_is_one_error(f"{metrics.path}"):
                 metrics.write(record)
             bar.set_postfix(
@@ -250,19 +253,47 @@ def _loop(cfg, run_dir, mesh, state, data_iter, held_out, ckpt, start, progress)
                 _check_nonfinite(state, cfg, bar)
             result.step = step
             if stop.requested or step == end or step % cfg.checkpoint.every == 0:
-                with _disk_full_is_one_error(f"a checkpoint in {ckpt.directory}"):
-                    ckpt.save(step, state, data_iter.get_state())
+                with _disk_full_is_one_error(f"a checkpoint in {run.ckpt.directory}"):
+                    run.ckpt.save(step, state, run.data_iter.get_state())
             if stop.requested:
                 result.status = "stopped"
                 bar.write(f"{stop.requested}: saved a checkpoint at step {step}; run the same command to continue")
                 break
+    return _finish_run(run, state, result)
+
+
+class _Rates:
+    """Per-step record: loss, gradient norm, learning rate, tokens/s and MFU against the matmul rate."""
+
+    def __init__(self, cfg: Config):
+        self.tokens_per_step = cfg.training.batch_size * cfg.data.seq_len
+        self.flops_per_step = model.flops_per_token(cfg.model, cfg.data.seq_len) * self.tokens_per_step
+        self.peak = cfg.training.peak_flops or measure_matmul_flops()
+
+    def record(self, step: int, m: dict, dt: float, batch: dict) -> dict:
+        return {
+            "step": step, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]),
+            "tokens_per_s": self.tokens_per_step / dt, "mfu": self.flops_per_step / dt / self.peak, "step_time_s": dt,
+            "data": _batch_hash(batch),
+        }  # fmt: skip
+
+
+def _evaluate_now(eval_fn, state, run: _Run, step: int, result: TrainResult, bar) -> dict:
+    loss = _evaluate(eval_fn, state, run.held_out, run.mesh)
+    result.eval_losses.append((step, loss))
+    ppl = math.exp(min(loss, 50.0))
+    bar.write(f"step {step}: held-out loss {loss:.4f}, perplexity {ppl:.2f}")
+    return {"eval_loss": loss, "eval_ppl": ppl}
+
+
+def _finish_run(run: _Run, state: TrainState, result: TrainResult) -> TrainResult:
     result.nonfinite_total = int(state.nonfinite_total)
-    if result.step < cfg.training.steps and result.status == "finished":
+    if result.step < run.cfg.training.steps and result.status == "finished":
         result.status = "stopped"
-        print(f"stopped after training.steps_per_run={cfg.training.steps_per_run} steps at step {result.step}")
-    with _disk_full_is_one_error(f"a checkpoint in {ckpt.directory}"):
-        ckpt.wait()
-    print(f"loss curve: {plot_loss(run_dir)}")
+        print(f"stopped after training.steps_per_run={run.cfg.training.steps_per_run} steps at step {result.step}")
+    with _disk_full_is_one_error(f"a checkpoint in {run.ckpt.directory}"):
+        run.ckpt.wait()
+    print(f"loss curve: {plot_loss(run.run_dir)}")
     return result
 
 
