@@ -11,7 +11,6 @@ import pytest
 
 from jaxgen.config import MeshConfig, ServeConfig
 from jaxgen.inference.engine import Engine
-from jaxgen.inference.generator import Generator
 from jaxgen.inference.sampling import SamplingArrays, SamplingConfig
 from jaxgen.serving.batch_job import run_job
 from jaxgen.sharding import make_mesh
@@ -23,13 +22,9 @@ def read(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("runner", ["engine", "generator"])
-def test_bad_lines_become_error_records_and_the_job_goes_on(tiny_run, tmp_path, runner):
+def test_bad_lines_become_error_records_and_the_job_goes_on(tiny_run, tmp_path):
     cfg, tok, params = load_run(tiny_run, mesh=make_mesh(MeshConfig(data=1)))
-    if runner == "engine":
-        gen = Engine(params, cfg.model, tok, ServeConfig(slots=4, num_pages=64))
-    else:
-        gen = Generator(params, cfg.model, tok)
+    gen = Engine(params, cfg.model, tok, ServeConfig(slots=4, num_pages=64))
     lines = [
         {"id": "ok1", "prompt": "import os", "max_new_tokens": 5},
         "this is not json",
@@ -44,7 +39,7 @@ def test_bad_lines_become_error_records_and_the_job_goes_on(tiny_run, tmp_path, 
     inp = tmp_path / "in.jsonl"
     inp.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
     out = tmp_path / "out.jsonl"
-    summary = run_job(gen, inp, out, SamplingConfig(max_new_tokens=6), batch_size=4)
+    summary = run_job(gen, inp, out, SamplingConfig(max_new_tokens=6))
     records = {r["id"]: r for r in read(out)}
     assert summary["requests"] == 2 and summary["errors"] == 7
     assert "not valid JSON" in records["line-2"]["error"]
@@ -57,7 +52,7 @@ def test_bad_lines_become_error_records_and_the_job_goes_on(tiny_run, tmp_path, 
     assert len(records["ok1"]["choices"][0]["tokens"]) <= 5
     assert len(records["ok2"]["choices"]) == 2
     assert summary["compilations"] >= 1 and summary["tokens"] > 0
-    again = run_job(gen, inp, out, SamplingConfig(max_new_tokens=6), batch_size=4)
+    again = run_job(gen, inp, out, SamplingConfig(max_new_tokens=6))
     assert again["requests"] == 0 and again["errors"] == 0 and len(read(out)) == len(records)
 
 
@@ -212,28 +207,6 @@ def test_a_failed_engine_step_costs_only_the_failing_line(engine, baseline, tmp_
     assert "injected failure" in records["bad"]["error"]
     assert outputs(records.values()) == baseline
     assert engine.idle()  # nothing left behind for the next job
-
-
-def test_a_failed_batch_costs_the_generator_only_the_failing_line(tiny_run, tmp_path, monkeypatch):
-    cfg, tok, params = load_run(tiny_run, mesh=make_mesh(MeshConfig(data=1)))
-    gen = Generator(params, cfg.model, tok)
-    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    write_lines(inp, GOOD[:2])
-    run_job(gen, inp, tmp_path / "good.jsonl", DEFAULTS)
-    stack = SamplingArrays.stack.__func__
-
-    def failing_stack(cls, configs, vocab_size):
-        if any(c.seed == 666 for c in configs):
-            raise OverflowError("injected failure")
-        return stack(cls, configs, vocab_size)
-
-    monkeypatch.setattr(SamplingArrays, "stack", classmethod(failing_stack))
-    write_lines(inp, [GOOD[0], {"id": "bad", "prompt": "x = 1", "seed": 666}, GOOD[1]])
-    summary = run_job(gen, inp, out, DEFAULTS, batch_size=4)
-    records = {r["id"]: r for r in read(out)}
-    assert sorted(records) == ["bad", "g1", "g2"] and summary["errors"] == 1
-    assert "injected failure" in records["bad"]["error"]
-    assert outputs(records.values()) == outputs(read(tmp_path / "good.jsonl"))
 
 
 def test_a_request_the_engine_cancels_is_its_lines_error(engine, baseline, tmp_path, monkeypatch):

@@ -170,16 +170,20 @@ def test_64_concurrent_requests_equal_their_results_alone(stack):
 def test_prefix_cache_hit_is_visible_in_metrics(stack):
     client, url, _, gen = stack
     system = "You are a helpful assistant that answers in Python. " * 2  # 106 tokens: 6 whole pages
-    before = _metric(url, "jaxgen_prefix_cache_hit_tokens")
+    before = _metric(url, "jaxgen_prefix_cache_hit_tokens_total")
     first = client.completions.create(model=NAME, prompt=system + "Q1", max_tokens=8, temperature=0)
     second = client.completions.create(model=NAME, prompt=system + "Q2", max_tokens=8, temperature=0)
-    assert _metric(url, "jaxgen_prefix_cache_hit_tokens") - before == 6 * 16
+    assert _metric(url, "jaxgen_prefix_cache_hit_tokens_total") - before == 6 * 16
     for out, prompt in ((first, system + "Q1"), (second, system + "Q2")):
         assert out.choices[0].text == _want(gen, prompt, max_new_tokens=8, temperature=0.0)[0].text
     text = httpx.get(f"{url}/metrics").text
-    for name in ("queue_length", "running_slots", "time_to_first_token_seconds", "time_per_output_token_seconds",
-                 "tokens_per_second", "cache_pages_in_use", "prefix_cache_hit_rate"):  # fmt: skip
+    for name in ("queue_length", "running_slots", "tokens_per_second", "cache_pages_in_use", "prefix_cache_hit_rate"):
         assert f"# TYPE jaxgen_{name} gauge" in text
+    for name in ("time_to_first_token_seconds", "time_per_output_token_seconds", "request_latency_seconds"):
+        assert f"# TYPE jaxgen_{name} histogram" in text and f'jaxgen_{name}_bucket{{le="+Inf"}}' in text
+    for name in ("requests", "requests_finished", "requests_preempted", "generated_tokens", "prefix_cache_hit_tokens"):
+        assert f"# TYPE jaxgen_{name}_total counter" in text
+    assert _metric(url, "jaxgen_requests_finished_total") >= 2 and _metric(url, "jaxgen_requests_preempted_total") == 0
 
 
 def _metric(url, name):

@@ -3,8 +3,11 @@
 sampling.py    per-request settings (the one validation every door shares) and the sampling function
 generator.py   the decode core (DecodeState, the while_loop, finishing a row) and Generator
 beam.py        beam search
-engine.py      the serving engine: slots, scheduler, chunked prefill, continuous batching
-pages.py       host bookkeeping of the paged cache: free pages, reference counts, prefix cache
+engine.py      the serving engine's scheduler: queues, thread, admission, preemption, chunked prefill
+steps.py       the engine's device steps: pure jitted functions of the decode state, donated
+requests.py    a sequence in the engine (Request), its Status, the engine's errors
+pages.py       the paged cache's host side: free pages, reference counts, prefix cache, the page policy
+stats.py       the engine's statistics in a prometheus_client registry (counters, gauges, histograms)
 textstream.py  exact text deltas for streaming
 """
 

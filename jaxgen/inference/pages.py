@@ -1,16 +1,19 @@
-"""Host bookkeeping of the paged KV cache's pages: the free list, reference counts, the prefix cache.
+"""Host bookkeeping of the paged KV cache's pages: the free list, reference counts, the prefix cache,
+and the host's copy of every slot's page table.
 
 The device side (the `PagedCache` pytree, page writes and paged attention) is `jaxgen.model.paged`;
-this module decides which pages a sequence gets.
+this module says which pages a sequence holds, and when it takes and gives them back (`PagePolicy`).
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
+from collections.abc import Callable
 
 import numpy as np
 
+from jaxgen.inference.requests import Request, Status
 from jaxgen.inference.sampling import SamplingError
 
 
@@ -69,15 +72,16 @@ class PagePool:
             pages.append(page)
         return pages
 
-    def allocate(self, prompt: list[int], total_tokens: int) -> tuple[list[int], int]:
+    def allocate(self, prompt: list[int], total_tokens: int, reserve: int = 0) -> tuple[list[int], int]:
         """Pages for a sequence of `total_tokens` tokens starting with `prompt`: shared prefix pages
         first (reference counted), then fresh ones. Returns (pages, tokens already cached), or raises
-        PagesExhausted when they are not available now (the caller waits and retries)."""
+        PagesExhausted when they are not available now, `reserve` pages kept back for others (the
+        caller waits and retries)."""
         shared = self.match_prefix(prompt)
         needed = max(0, -(-total_tokens // self.page_size) - len(shared))
         reusable = sum(1 for p in shared if self.refs[p] == 0)  # cached, idle: not evictable for us
-        if needed > self.available() - reusable:
-            raise PagesExhausted(f"{needed} pages needed, {self.available() - reusable} available")
+        if needed > self.available() - reusable - reserve:
+            raise PagesExhausted(f"{needed} pages needed, {self.available() - reusable} available, {reserve} kept")
         for p in shared:
             self.refs[p] += 1
             self.cached.move_to_end(self.hash_of[p])
@@ -87,6 +91,15 @@ class PagePool:
         self.lookups += len(prompt)
         self.hits += len(shared) * self.page_size
         return shared + fresh, len(shared) * self.page_size
+
+    def extend(self, n: int) -> list[int]:
+        """`n` fresh pages for a sequence that grows, or PagesExhausted (none taken) when too few are free."""
+        if n > len(self.free) and n > self.available():
+            raise PagesExhausted(f"{n} pages needed, {self.available()} available")
+        fresh = [self._take() for _ in range(n)]
+        for p in fresh:
+            self.refs[p] = 1
+        return fresh
 
     def _take(self) -> int:
         if self.free:
@@ -122,3 +135,101 @@ class PagePool:
                 del self.cached[h]
                 del self.hash_of[p]
                 self.free.append(p)
+
+
+class PageTables:
+    """The host's copy of every slot's page table row (B, M) and capacity in tokens (B,); `changed`
+    until the engine pushes them to the device (`steps.set_tables`) before its next device step."""
+
+    def __init__(self, slots: int, max_pages: int, page_size: int):
+        self.page_size = page_size
+        self.rows = np.zeros((slots, max_pages), np.int32)
+        self.capacity = np.zeros(slots, np.int32)
+        self.changed = True
+
+    def assign(self, slot: int, pages: list[int]) -> None:
+        """Slot `slot` holds `pages`, in position order (none: the slot is free)."""
+        self.rows[slot] = 0
+        self.rows[slot, : len(pages)] = pages
+        self.capacity[slot] = len(pages) * self.page_size
+        self.changed = True
+
+    def take_changes(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Copies of the tables when they changed since the last call, else None."""
+        if not self.changed:
+            return None
+        self.changed = False
+        return self.rows.copy(), self.capacity.copy()
+
+
+class PagePolicy:
+    """When a sequence takes pages and gives them back, as vLLM does: it takes pages for its prompt and
+    one decode chunk when its prefill starts (keeping back those the running sequences need for their
+    next chunk), then grows page by page as it decodes (`grow`, before each decode chunk: room for
+    `chunk_steps` more tokens, bounded by max_new_tokens and the context). When the pool runs dry, the
+    most recently admitted sequence holding pages is preempted (the engine frees it and queues it again).
+    """
+
+    def __init__(self, num_pages: int, page_size: int, slots: int, context: int, chunk_steps: int, prefix: bool):
+        self.page_size, self.slots, self.context, self.chunk_steps, self.prefix = (
+            page_size, slots, context, chunk_steps, prefix
+        )  # fmt: skip
+        self.max_pages = -(-context // page_size)  # pages one sequence may need at most
+        self.pool = PagePool(num_pages, page_size)
+        self.tables = PageTables(slots, self.max_pages, page_size)
+
+    def reset(self) -> None:
+        """A fresh pool and tables (the engine rebuilt its device state)."""
+        self.pool = PagePool(self.pool.num_pages, self.page_size)
+        self.tables = PageTables(self.slots, self.max_pages, self.page_size)
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def check(self, prompt_len: int, max_new: int) -> None:
+        """PageError for a sequence that could not fit even in the whole pool, alone."""
+        pages = self.pages_for(min(prompt_len + max_new, self.context))
+        if pages > self.pool.usable:
+            raise PageError(
+                f"the request needs {pages} pages of {self.page_size} tokens (prompt {prompt_len} + "
+                f"max_new_tokens {max_new}); the page pool holds {self.pool.usable} in all "
+                "(raise serve.kv_memory_gb or lower max_new_tokens)"
+            )
+
+    def short(self, r: Request) -> int:
+        """Pages a sequence lacks for its next decode chunk (its prefill's, before it ran)."""
+        position = len(r.prompt) + len(r.tokens)  # of its next token
+        need = min(position + self.chunk_steps, r.limit(self.context))
+        return max(0, self.pages_for(need) - len(r.pages))
+
+    def take_for_prefill(self, r: Request, running: list[Request]) -> tuple[int, int] | None:
+        """Pages for a sequence's prefill and first decode chunk (shared prefix pages first); returns
+        (tokens looked up in the prefix cache, tokens found), or None when too few pages are free."""
+        seq = r.sequence if self.prefix else []
+        need = min(len(r.sequence) + self.chunk_steps, r.limit(self.context))
+        try:
+            r.pages, r.cached_tokens = self.pool.allocate(seq, need, reserve=sum(self.short(q) for q in running))
+        except PagesExhausted:
+            return None
+        self.tables.assign(r.slot, r.pages)
+        return len(seq), r.cached_tokens
+
+    def grow(self, running: list[Request], holders: Callable[[], list[Request]], preempt: Callable[[Request], None]):
+        """Room for the next decode chunk for each running sequence, oldest first; when the pool runs dry,
+        `preempt` the latest admitted of `holders()` (perhaps the one growing: the oldest always fits)."""
+        for r in sorted(running, key=lambda r: r.admitted):
+            while r.status == Status.RUNNING and (short := self.short(r)) > 0:
+                try:
+                    r.pages += self.pool.extend(short)
+                except PagesExhausted:
+                    preempt(max(holders(), key=lambda q: q.admitted))
+                    continue
+                self.tables.assign(r.slot, r.pages)
+
+    def release(self, r: Request, slot: int) -> None:
+        """A sequence gives back its pages; its slot's table row is cleared."""
+        if slot >= 0:
+            self.tables.assign(slot, [])
+        if r.pages:
+            self.pool.release(r.pages)
+            r.pages = []

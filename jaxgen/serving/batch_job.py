@@ -14,19 +14,17 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
-import itertools
 import json
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
 from tqdm import tqdm
 
 from jaxgen.inference.engine import Engine
-from jaxgen.inference.generator import Generator
 from jaxgen.inference.sampling import SamplingConfig, SamplingError
 
 log = logging.getLogger(__name__)
@@ -113,7 +111,7 @@ def cut_torn_tail(path: Path, block: int = 1 << 16) -> None:
         os.truncate(path, keep)
 
 
-def parse_line(raw: bytes | str, lineno: int, gen: Generator | Engine, defaults: SamplingConfig) -> Request:
+def parse_line(raw: bytes | str, lineno: int, engine: Engine, defaults: SamplingConfig) -> Request:
     """A request, or an exception (SamplingError for the expected cases) saying what is wrong with the line."""
     line = _decode(raw, lineno) if isinstance(raw, bytes) else raw
     try:
@@ -128,9 +126,8 @@ def parse_line(raw: bytes | str, lineno: int, gen: Generator | Engine, defaults:
         raise SamplingError("field 'prompt' is missing or not a string")
     settings = {k: v for k, v in record.items() if k not in ("id", "prompt")}
     sampling = _sampling(settings, defaults)
-    (ids,) = gen.encode_prompts([record["prompt"]])
-    if hasattr(gen, "check"):  # the engine: a request that can never run is this line's error
-        gen.check(ids, sampling)
+    (ids,) = engine.encode_prompts([record["prompt"]])
+    engine.check(ids, sampling)  # a request that can never run is this line's error
     return Request(str(record["id"]), ids, sampling)
 
 
@@ -156,34 +153,31 @@ def _sampling(settings: dict, defaults: SamplingConfig) -> SamplingConfig:
         raise SamplingError(f"{name}={settings.get(name)!r} is not allowed: {type(e).__name__}: {e}") from None
 
 
-def run_job(gen, input_path: Path, output_path: Path, defaults: SamplingConfig, batch_size: int = 16):
-    """Runs every request of `input_path` not yet in `output_path`; returns the summary dict.
+def run_job(engine: Engine, input_path: Path, output_path: Path, defaults: SamplingConfig):
+    """Runs every request of `input_path` not yet in `output_path` on the engine; returns the summary dict.
 
-    gen: an `Engine` (lines stream in, a few per slot queued ahead: slots refill as sequences finish,
-    and results are written as they complete) or a `Generator` (batches of `batch_size`, sorted by
-    prompt length within windows of a few batches).
+    Lines stream in, a few per slot queued ahead: slots refill as sequences finish, and results are
+    written as they complete.
     """
     done = read_done_ids(output_path)
     with input_path.open("rb") as f:
         total = sum(1 for _ in f)
     start = time.perf_counter()
-    compiled_before = gen.compilations
+    compiled_before = engine.compilations
     with output_path.open("a", encoding="utf-8") as out, tqdm(total=total, desc="generate", unit="line") as bar:
         sink = Output(out, bar, start)
-        requests = _read_requests(input_path, gen, defaults, done, sink)
-        if isinstance(gen, Engine):
-            _run_on_engine(gen, requests, sink)
-        else:
-            _run_in_batches(gen, requests, sink, batch_size)
+        _run_on_engine(engine, _read_requests(input_path, engine, defaults, done, sink), sink)
     elapsed = time.perf_counter() - start
     return {
         "requests": sink.requests, "errors": sink.errors, "skipped_done": len(done), "tokens": sink.tokens,
         "seconds": round(elapsed, 2), "tokens_per_s": round(sink.tokens / max(elapsed, 1e-9), 1),
-        "compilations": gen.compilations - compiled_before,
+        "compilations": engine.compilations - compiled_before,
     }  # fmt: skip
 
 
-def _read_requests(input_path: Path, gen, defaults: SamplingConfig, done: set[str], sink: Output) -> Iterator[Request]:
+def _read_requests(
+    input_path: Path, engine: Engine, defaults: SamplingConfig, done: set[str], sink: Output
+) -> Iterator[Request]:
     """The good lines not done yet, streamed; every other line's error record is written on the way."""
     seen = set(done)
     with input_path.open("rb") as f:
@@ -192,7 +186,7 @@ def _read_requests(input_path: Path, gen, defaults: SamplingConfig, done: set[st
                 sink.skip()
                 continue
             try:
-                req = parse_line(raw, lineno, gen, defaults)
+                req = parse_line(raw, lineno, engine, defaults)
             except Exception as e:  # whatever the line did wrong, it is this line's error alone
                 rid = _id_of(raw, lineno)
                 if rid in seen:
@@ -287,38 +281,6 @@ def _outcome(seqs) -> tuple[list | None, str | None, bool]:
             return None, f"the engine ended this request: {why}", c.finish_reason != "cancelled"
         completions.append(c)
     return completions, None, False
-
-
-def _run_in_batches(gen: Generator, requests: Iterator[Request], sink: Output, batch_size: int) -> None:
-    for window in _chunks(requests, 8 * batch_size):
-        window.sort(key=lambda r: len(r.prompt_ids))  # similar lengths batch together
-        for i in range(0, len(window), batch_size):
-            _generate(gen, window[i : i + batch_size], sink)
-
-
-def _generate(gen: Generator, batch: list[Request], sink: Output) -> None:
-    """One batch; if it fails, each of its lines runs alone, so a failure is the failing line's own."""
-    try:
-        results = gen.generate([r.prompt_ids for r in batch], [r.sampling for r in batch])
-    except Exception as e:
-        if len(batch) == 1:
-            sink.error(batch[0].id, _message(e))
-            return
-        log.warning("a batch failed (%s); its %d lines run again one by one", _message(e), len(batch))
-        for req in batch:
-            _generate(gen, [req], sink)
-        return
-    by_prompt: dict[int, list] = {}
-    for c in results:
-        by_prompt.setdefault(c.prompt_index, []).append(c)
-    for j, req in enumerate(batch):
-        sink.result(req, by_prompt[j])
-
-
-def _chunks(items: Iterable, n: int) -> Iterator[list]:
-    it = iter(items)
-    while chunk := list(itertools.islice(it, n)):
-        yield chunk
 
 
 def _fails(fn) -> bool:

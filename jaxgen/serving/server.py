@@ -4,7 +4,7 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (the tokenizer's chat template, rendered in
 jinja2's sandbox, or a plain "role: content" layout when it has none), GET /v1/models, GET /health,
-GET /metrics (Prometheus text).
+GET /metrics (the engine's statistics in the Prometheus format, `jaxgen.inference.stats`).
 Request fields: max_tokens, temperature, top_p, top_k, min_p, seed, n, stop, logprobs, echo, stream
 (server-sent events), presence_penalty, frequency_penalty, repetition_penalty, logit_bias, and
 ignore_eos (an extension, as in vLLM). Every field is checked by `jaxgen.inference.sampling` (the same bounds
@@ -28,9 +28,10 @@ from typing import Any
 
 import jinja2
 import jinja2.sandbox
+import prometheus_client
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
@@ -142,7 +143,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, serv
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(prometheus(engine.metrics()), media_type="text/plain; version=0.0.4")
+        return Response(prometheus(engine), media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
     async def tokens_of(text: str, field: str) -> list[int]:
         check_text(field, text)
@@ -511,31 +512,10 @@ class BodyLimit:
         await error.response()(scope, receive, send)
 
 
-def prometheus(m: dict[str, float]) -> str:
-    """The engine's metrics in the Prometheus text format (all gauges, prefixed jaxgen_)."""
-    help_text = {
-        "queue_length": "requests waiting for a slot or their prefill",
-        "running_slots": "decode slots generating now",
-        "slots": "decode slots in all",
-        "cache_pages_in_use": "KV-cache pages referenced by sequences",
-        "cache_pages_total": "KV-cache pages in the pool",
-        "prefix_cache_hit_rate": "share of prompt tokens served from the prefix cache",
-        "prefix_cache_hit_tokens": "prompt tokens served from the prefix cache",
-        "requests_total": "sequences submitted",
-        "requests_finished": "sequences finished",
-        "requests_cancelled": "sequences cancelled (clients that went away)",
-        "requests_failed": "sequences that failed (an error in their own work or in a device step)",
-        "generated_tokens_total": "tokens generated",
-        "prompt_tokens_total": "prompt tokens prefilled (cache hits excluded)",
-        "tokens_per_second": "generated tokens per second of engine work",
-        "time_to_first_token_seconds": "mean time from submission to the first token (last 1000)",
-        "time_per_output_token_seconds": "mean time per output token after the first (last 1000)",
-    }
-    lines = []
-    for key, value in m.items():
-        name = f"jaxgen_{key}"
-        lines += [f"# HELP {name} {help_text.get(key, key)}", f"# TYPE {name} gauge", f"{name} {float(value):.6g}"]
-    return "\n".join(lines) + "\n"
+def prometheus(engine: Engine) -> bytes:
+    """The engine's statistics in the Prometheus text format: counters, gauges and histograms, all
+    prefixed jaxgen_ (`jaxgen.inference.stats`)."""
+    return prometheus_client.generate_latest(engine.stats.registry)
 
 
 def serve_forever(engine: Engine, app, host: str, port: int, grace_s: float = 10.0, log_level: str = "info") -> None:

@@ -1,0 +1,106 @@
+"""A sequence in the serving engine: its `Request` record, its `Status`, and the engine's errors.
+
+The engine (`jaxgen.inference.engine`) writes a request's progress; clients read it (`result()`, `text`,
+`tokens`, `finish_reason`, `done_event`) and may be called back after each decode chunk (`on_update`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import threading
+import time
+from collections.abc import Callable
+
+from jaxgen.inference.decode import Completion, HostRows, finish_row
+from jaxgen.inference.sampling import SamplingConfig
+
+
+class Status(str, enum.Enum):
+    """Where a sequence is: WAITING -> PREFILL -> RUNNING -> DONE, or CANCELLED / FAILED from any live state;
+    a preempted sequence goes back from PREFILL or RUNNING to WAITING, its tokens kept.
+    A str enum, so `request.status == "running"` reads as it did."""
+
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    RUNNING = "running"
+    DONE = "done"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+LIVE = (Status.WAITING, Status.PREFILL, Status.RUNNING)
+
+
+class EngineClosed(RuntimeError):
+    """The engine is shutting down or stopped: it admits no new request."""
+
+
+class RequestFailed(RuntimeError):
+    """A request ended with an error (`Request.error`), not with a completion."""
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One sequence in the engine (a request with n samples is n of these)."""
+
+    prompt: list[int]
+    sampling: SamplingConfig  # its seed already offset for the sample index
+    prompt_index: int = 0
+    sample_index: int = 0
+    on_update: Callable[[Request], None] | None = None  # called from the engine thread after each chunk
+    # progress, written by the engine
+    status: Status = Status.WAITING
+    slot: int = -1
+    admitted: int = -1  # the order it last got a slot in (the most recent is preempted first)
+    preemptions: int = 0
+    pages: list[int] = dataclasses.field(default_factory=list)
+    prefilled: int = 0  # tokens of `sequence` in the cache
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""  # stop, length; cancelled or error when it ended without a completion
+    error: str | None = None  # what went wrong, for a FAILED request
+    cached_tokens: int = 0  # tokens of its last prefill served from the prefix cache
+    t_submit: float = 0.0
+    t_first: float | None = None
+    t_done: float | None = None
+    done_event: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    @property
+    def sequence(self) -> list[int]:
+        """What a prefill puts in the cache: the prompt, and after a preemption the tokens so far."""
+        return self.prompt + self.tokens
+
+    def limit(self, context: int) -> int:
+        """The most tokens (prompt included) this sequence can reach: max_new_tokens or the context."""
+        return min(len(self.prompt) + self.sampling.max_new_tokens, context)
+
+    def take(self, host: HostRows, row: int) -> list[int]:
+        """Appends what the last decode chunk gave row `row` (tokens, log-probabilities); returns the new tokens."""
+        n = int(host.generated[row]) - len(self.tokens)  # a live row fills columns 0.. of the chunk's buffers
+        new = host.tokens[row, :n].tolist()
+        self.tokens += new
+        self.logprobs += host.logprobs[row, :n].tolist()
+        if self.sampling.logprobs:
+            self.top_logprobs += host.alternatives(row, 0, n, self.sampling.logprobs)
+        return new
+
+    def complete(self, tokenizer, stops: list[tuple[int, ...]], reason: str) -> None:
+        """Its text and finish reason, its tokens cut at a stop string (`finish_row`, as in Generator)."""
+        keep, self.text, self.finish_reason = finish_row(tokenizer, self.tokens, self.sampling, stops, reason)
+        self.tokens, self.logprobs = self.tokens[:keep], self.logprobs[:keep]
+        self.top_logprobs = self.top_logprobs[:keep]
+        self.t_done = time.perf_counter()
+
+    def result(self, timeout: float | None = None) -> Completion:
+        """The completion; RequestFailed for a failed request (a cancelled one returns what it had)."""
+        if not self.done_event.wait(timeout):
+            raise TimeoutError("request not finished")
+        if self.status == Status.FAILED:
+            raise RequestFailed(self.error)
+        alts = self.top_logprobs if self.sampling.logprobs else None
+        return Completion(
+            self.prompt_index, self.sample_index, self.tokens, self.text, self.finish_reason, self.logprobs, alts
+        )

@@ -1,0 +1,138 @@
+"""The engine's statistics, kept in one place: a prometheus_client registry per engine.
+
+    stats = EngineStats(slots=16, queue_length=engine.queue_length, ...)   # live gauges read on demand
+    stats.submitted(4); stats.first_token(request); stats.finished(request)
+    prometheus_client.generate_latest(stats.registry)                     # what GET /metrics returns
+    stats.snapshot()                                                      # the same figures as a dict
+
+Counters count events (requests submitted, finished, cancelled, failed, preempted; tokens generated,
+prefilled, recomputed, served from the prefix cache); gauges read the engine's state when collected
+(queue, slots, pages); time to first token, time per output token and request latency are histograms
+with vLLM's buckets. Every name starts with `jaxgen_`; prometheus_client adds `_total` to counters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# snapshot key: (metric name, help). The keys are the names `Engine.metrics()` has always returned.
+COUNTERS = {
+    "requests_total": ("jaxgen_requests", "sequences submitted"),
+    "requests_finished": ("jaxgen_requests_finished", "sequences finished"),
+    "requests_cancelled": ("jaxgen_requests_cancelled", "sequences cancelled (clients that went away)"),
+    "requests_failed": ("jaxgen_requests_failed", "sequences that failed (their own error or a failed device step)"),
+    "requests_preempted": ("jaxgen_requests_preempted", "preemptions: a sequence's pages freed, to recompute later"),
+    "generated_tokens_total": ("jaxgen_generated_tokens", "tokens generated"),
+    "prompt_tokens_total": ("jaxgen_prompt_tokens", "prompt tokens prefilled (cache hits excluded)"),
+    "recomputed_tokens_total": ("jaxgen_recomputed_tokens", "tokens prefilled again after a preemption"),
+    "prefix_cache_hit_tokens": ("jaxgen_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache"),
+    "prefix_cache_lookup_tokens": ("jaxgen_prefix_cache_lookup_tokens", "prompt tokens looked up in the cache"),
+    "busy_seconds": ("jaxgen_engine_busy_seconds", "seconds the scheduler spent in steps"),
+}
+LIVE = {  # gauges read from the engine when collected: snapshot key: (metric name, help)
+    "queue_length": ("jaxgen_queue_length", "requests waiting for a slot or their prefill"),
+    "running_slots": ("jaxgen_running_slots", "decode slots generating now"),
+    "cache_pages_in_use": ("jaxgen_cache_pages_in_use", "KV-cache pages referenced by sequences"),
+    "cache_pages_total": ("jaxgen_cache_pages_total", "KV-cache pages in the pool"),
+}
+# vLLM's buckets (vllm/engine/metrics.py), in seconds
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0)  # fmt: skip
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                   480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
+
+class EngineStats:
+    """Every statistic of one engine. Thread-safe: the engine thread counts, the HTTP server collects."""
+
+    def __init__(self, slots: int, **live: Callable[[], float]):
+        missing = set(LIVE) - set(live)
+        if missing:
+            raise ValueError(f"EngineStats needs a function for each live gauge; missing {sorted(missing)}")
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.counters = {key: Counter(name, text, registry=r) for key, (name, text) in COUNTERS.items()}
+        self.live = live
+        for key, (name, text) in LIVE.items():
+            Gauge(name, text, registry=r).set_function(live[key])
+        Gauge("jaxgen_slots", "decode slots in all", registry=r).set(slots)
+        self.slots = slots
+        rate = Gauge("jaxgen_prefix_cache_hit_rate", "share of prompt tokens served from the prefix cache", registry=r)
+        rate.set_function(self.prefix_hit_rate)
+        speed = Gauge("jaxgen_tokens_per_second", "generated tokens per second of engine work", registry=r)
+        speed.set_function(self.tokens_per_second)
+        self.ttft = Histogram("jaxgen_time_to_first_token_seconds", "time from submission to the first token",
+                              registry=r, buckets=TTFT_BUCKETS)  # fmt: skip
+        self.tpot = Histogram("jaxgen_time_per_output_token_seconds", "time per output token after the first",
+                              registry=r, buckets=TPOT_BUCKETS)  # fmt: skip
+        self.latency = Histogram("jaxgen_request_latency_seconds", "time from submission to the end (finished)",
+                                 registry=r, buckets=LATENCY_BUCKETS)  # fmt: skip
+
+    # --- events, as the engine sees them -----------------------------------------------------------
+
+    def count(self, key: str, n: float = 1) -> None:
+        """Adds `n` to the counter `key` (a key of COUNTERS)."""
+        if n:
+            self.counters[key].inc(n)
+
+    def submitted(self, n: int) -> None:
+        self.count("requests_total", n)
+
+    def ended(self, status: str) -> None:
+        """A sequence cancelled or failed (one that finished is `finished`)."""
+        self.count("requests_cancelled" if status == "cancelled" else "requests_failed")
+
+    def preempted(self) -> None:
+        self.count("requests_preempted")
+
+    def prefilled(self, n: int, recomputed: bool) -> None:
+        self.count("recomputed_tokens_total" if recomputed else "prompt_tokens_total", n)
+
+    def prefix_lookup(self, looked_up: int, hits: int) -> None:
+        self.count("prefix_cache_lookup_tokens", looked_up)
+        self.count("prefix_cache_hit_tokens", hits)
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def finished(self, t_submit: float, t_first: float | None, t_done: float, tokens: int) -> None:
+        self.count("requests_finished")
+        self.latency.observe(t_done - t_submit)
+        if t_first is not None and tokens > 1:
+            self.tpot.observe((t_done - t_first) / (tokens - 1))
+
+    # --- reading ---------------------------------------------------------------------------------
+
+    def value(self, key: str) -> float:
+        """A counter's total, by its snapshot key."""
+        return self.registry.get_sample_value(COUNTERS[key][0] + "_total") or 0.0
+
+    def mean(self, histogram: str) -> float:
+        """The mean of everything a histogram observed (0 before anything)."""
+        get = self.registry.get_sample_value
+        count = get(f"{histogram}_count") or 0.0
+        return (get(f"{histogram}_sum") or 0.0) / count if count else 0.0
+
+    def prefix_hit_rate(self) -> float:
+        lookups = self.value("prefix_cache_lookup_tokens")
+        return self.value("prefix_cache_hit_tokens") / lookups if lookups else 0.0
+
+    def tokens_per_second(self) -> float:
+        busy = self.value("busy_seconds")
+        return self.value("generated_tokens_total") / busy if busy else 0.0
+
+    def snapshot(self) -> dict[str, float]:
+        """Every figure as a dict (`Engine.metrics()`): counters as ints, histograms as their means."""
+        out: dict[str, float] = {key: fn() for key, fn in self.live.items()}
+        out["slots"] = self.slots
+        out |= {key: int(self.value(key)) for key in COUNTERS if key != "busy_seconds"}
+        out["prefix_cache_hit_rate"] = self.prefix_hit_rate()
+        out["tokens_per_second"] = self.tokens_per_second()
+        out["time_to_first_token_seconds"] = self.mean("jaxgen_time_to_first_token_seconds")
+        out["time_per_output_token_seconds"] = self.mean("jaxgen_time_per_output_token_seconds")
+        out["request_latency_seconds"] = self.mean("jaxgen_request_latency_seconds")
+        return out

@@ -1,0 +1,129 @@
+"""The engine's device steps: pure functions of the decode state, jitted with the state donated.
+
+    init_state(cfg, serve, num_pages, max_pages) -> state      every slot idle, the page pool empty
+    set_tables(state, page_table, capacity) -> state           the host's page tables, every slot at once
+    prefill_chunk(params, state, slot, tokens, positions, last, cfg) -> (state, logits)   (`prefill_inputs`)
+    activate(state, slot, row: SlotRow) -> state               a slot starts (or resumes) decoding
+    retire(state, slot) -> state                               a slot stops
+    decode_chunk(params, state, limit, cfg) -> state           up to `limit` decode steps, every active slot
+
+The state is the `DecodeState` of `jaxgen.generate`, its cache a `PagedCache`. The scheduler
+(`jaxgen.inference.engine`) decides what to run; these functions only run it, and per-request values
+are arrays, so nothing a request asks for recompiles them. `slot_row` builds a slot's row on the host.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgen import model
+from jaxgen.config import ModelConfig, ServeConfig
+from jaxgen.inference.decode import FINISH_LENGTH, MAX_STOPS, RUNNING, DecodeState, bucket, decode_loop
+from jaxgen.inference.sampling import SamplingArrays, SamplingConfig
+from jaxgen.model.paged import PagedCache
+
+STOP_LEN = 8  # the longest stop token sequence a request may give
+
+
+@flax.struct.dataclass
+class SlotRow:
+    """One slot's row of every per-row array of the decode state: where its decoding starts or resumes."""
+
+    logits: jax.Array  # (V,) the distribution of the next token
+    position: jax.Array  # () int32, the position the next token takes
+    generated: jax.Array  # () int32, tokens generated so far (seeded draws are keyed by it)
+    max_new: jax.Array  # () int32
+    stop_seqs: jax.Array  # (MAX_STOPS, STOP_LEN) int32, right-aligned, -1 padded
+    recent: jax.Array  # (STOP_LEN,) int32, the last generated tokens (-1 before any)
+    seen: jax.Array  # (V,) bool, tokens in the prompt or the output
+    counts: jax.Array  # (V,) int32, occurrences in the output
+    sampling: SamplingArrays  # rows of one
+
+
+def slot_row(logits, prompt: list[int], tokens: list[int], c: SamplingConfig, stops, cfg: ModelConfig) -> SlotRow:
+    """The row of a sequence that has its prompt and `tokens` in the cache (none yet, or those it had
+    when it was preempted): the penalties' state, the stop window and the draw index as if it had
+    decoded without a break."""
+    v = cfg.vocab_size
+    stop_seqs = np.full((MAX_STOPS, STOP_LEN), -1, np.int32)
+    for j, seq in enumerate(stops):
+        stop_seqs[j, STOP_LEN - len(seq) :] = seq
+    recent = np.full(STOP_LEN, -1, np.int32)
+    last = tokens[-STOP_LEN:]
+    recent[STOP_LEN - len(last) :] = last
+    seen = np.zeros(v, bool)
+    seen[prompt] = True
+    seen[tokens] = True
+    return SlotRow(
+        logits=logits, position=np.int32(len(prompt) + len(tokens)), generated=np.int32(len(tokens)),
+        max_new=np.int32(min(c.max_new_tokens, cfg.max_seq_len)),  # the context ends it first anyway
+        stop_seqs=stop_seqs, recent=recent, seen=seen, counts=np.bincount(tokens, minlength=v).astype(np.int32),
+        sampling=jax.tree.map(jnp.asarray, SamplingArrays.stack([c], v)),
+    )  # fmt: skip
+
+
+def init_state(cfg: ModelConfig, serve: ServeConfig, num_pages: int, max_pages: int) -> DecodeState:
+    b, v, m, a = serve.slots, cfg.vocab_size, serve.chunk_steps, serve.max_logprobs
+    cache = PagedCache.init(cfg, num_pages, serve.page_size, b, max_pages, serve.cache_dtype)
+    idle = SamplingConfig(temperature=0.0)
+    return DecodeState(
+        step=jnp.int32(0), limit=jnp.int32(0),
+        tokens=jnp.zeros((b, m), jnp.int32), logprobs=jnp.zeros((b, m), jnp.float32),
+        top_ids=jnp.zeros((b, m, a), jnp.int32), top_logprobs=jnp.zeros((b, m, a), jnp.float32),
+        logits=jnp.zeros((b, v), jnp.float32), positions=jnp.zeros((b,), jnp.int32),
+        done=jnp.ones((b,), bool), generated=jnp.zeros((b,), jnp.int32),
+        finish=jnp.full((b,), FINISH_LENGTH, jnp.int32), max_new=jnp.zeros((b,), jnp.int32),
+        stop_seqs=jnp.full((b, MAX_STOPS, STOP_LEN), -1, jnp.int32), recent=jnp.full((b, STOP_LEN), -1, jnp.int32),
+        seen=jnp.zeros((b, v), bool), counts=jnp.zeros((b, v), jnp.int32),
+        sampling=jax.tree.map(jnp.asarray, SamplingArrays.stack([idle] * b, v)), cache=cache,
+    )  # fmt: skip
+
+
+def set_tables(state: DecodeState, page_table, capacity) -> DecodeState:
+    """Every slot's pages (B, M) and capacity in tokens (B,), as the host's `PageTables` hold them."""
+    return state.replace(cache=state.cache.replace(page_table=page_table, capacity=capacity))
+
+
+def prefill_inputs(seq: list[int], start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens and positions (1, C) of `seq[start:start + n]`, padded (position -1) to a power of two."""
+    c = bucket(n, minimum=16)
+    tokens = np.zeros((1, c), np.int32)
+    positions = np.full((1, c), -1, np.int32)
+    tokens[0, :n] = seq[start : start + n]
+    positions[0, :n] = np.arange(start, start + n)
+    return tokens, positions
+
+
+def prefill_chunk(params, state: DecodeState, slot, tokens, positions, last, cfg: ModelConfig):
+    """One chunk of one slot's sequence: tokens, positions (1, C), padding at -1. Returns the state and
+    the next-token logits (V,) after the token at index `last` of the chunk."""
+    cache = state.cache
+    sub = cache.replace(page_table=cache.page_table[slot][None], capacity=cache.capacity[slot][None])
+    x, sub = model.hidden_states(params, tokens, positions, sub, cfg=cfg)
+    logits = model.lm_head(params, jax.lax.dynamic_slice_in_dim(x, last, 1, axis=1), cfg)[0, 0]
+    return state.replace(cache=cache.replace(k=sub.k, v=sub.v)), logits
+
+
+def activate(state: DecodeState, slot, row: SlotRow) -> DecodeState:
+    """Slot `slot` starts decoding from `row`."""
+    return state.replace(
+        logits=state.logits.at[slot].set(row.logits), positions=state.positions.at[slot].set(row.position),
+        done=state.done.at[slot].set(False), finish=state.finish.at[slot].set(RUNNING),
+        generated=state.generated.at[slot].set(row.generated), max_new=state.max_new.at[slot].set(row.max_new),
+        stop_seqs=state.stop_seqs.at[slot].set(row.stop_seqs), recent=state.recent.at[slot].set(row.recent),
+        seen=state.seen.at[slot].set(row.seen), counts=state.counts.at[slot].set(row.counts),
+        sampling=jax.tree.map(lambda a, r: a.at[slot].set(r[0]), state.sampling, row.sampling),
+    )  # fmt: skip
+
+
+def retire(state: DecodeState, slot) -> DecodeState:
+    """Slot `slot` stops (finished, stopped by a string, cancelled or preempted); it runs as padding."""
+    return state.replace(done=state.done.at[slot].set(True), finish=state.finish.at[slot].set(FINISH_LENGTH))
+
+
+def decode_chunk(params, state: DecodeState, limit, cfg: ModelConfig) -> DecodeState:
+    """Up to `limit` decode steps for every active slot, into buffers that start at column 0."""
+    return decode_loop(params, state.replace(step=jnp.int32(0), limit=limit), cfg)
