@@ -19,12 +19,10 @@ pages, (4) runs a jitted `while_loop` of up to `chunk_steps` decode steps for ev
 A request's tokens do not depend on what else runs: each slot has its own sampling settings, and
 seeded draws are keyed by (seed, token index), exactly as in `Generator`.
 
-Memory (vLLM's policy, `PagePolicy`): a sequence takes pages for its prompt and one decode chunk, then
-grows page by page as it decodes. When the pool runs dry, the most recently admitted sequence is
-preempted: its slot and pages are freed and it goes back to the front of the queue with its tokens so
-far; readmitted, it prefills prompt + tokens again and decodes on exactly where it stopped (the draw
-index, the penalties' counts and the stop window are restored). A request that could never fit (prompt
-+ max_new_tokens, capped by the context, over the whole pool) is refused at `submit` with `PageError`.
+Memory (`PagePolicy`, as vLLM): pages grow as a sequence decodes; when the pool runs dry the most
+recently admitted sequence is preempted, back to the front of the queue with its tokens so far, and
+readmitted it prefills prompt + tokens again and decodes on exactly where it stopped (draw index,
+penalty counts and stop window restored). A request that could never fit is refused at `submit`.
 """
 
 from __future__ import annotations
