@@ -41,7 +41,8 @@ from hypothesis import strategies as st
 from jaxgen import model
 from jaxgen.config import ModelConfig, ServeConfig
 from jaxgen.inference.engine import Engine
-from jaxgen.serving.server import _Gone, _Job, create_app
+from jaxgen.serving.responses import ClientGone, Job
+from jaxgen.serving.server import create_app
 from jaxgen.tokenizer import Tokenizer
 
 CFG = ModelConfig(vocab_size=257, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, max_seq_len=256)
@@ -441,9 +442,9 @@ def test_a_client_that_left_or_ran_out_of_time_is_seen_while_tokens_keep_coming(
             return self.gone
 
     async def main():
-        job = _Job(None, ServeConfig(), [1], None, None, "text_completion", NAME, "", False)
+        job = Job(None, ServeConfig(), [1], None, None, "text_completion", NAME, "", False)
         job.updates.put_nowait("a snapshot")  # an update is there at once: no quiet wait
-        with pytest.raises(_Gone):
+        with pytest.raises(ClientGone):
             await job._next_update(Client(gone=True), None)
         job.updates.put_nowait("a snapshot")
         with pytest.raises(TimeoutError):

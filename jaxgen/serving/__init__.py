@@ -1,5 +1,7 @@
 """Serving: the OpenAI-compatible HTTP server and the resumable JSONL batch job, both over the engine.
 
-server.py      FastAPI app, limits, errors in OpenAI's shape, streaming, graceful shutdown
+server.py      the FastAPI app: routes, request models, chat templates, limits, graceful shutdown
+responses.py   one request answered whole or streamed (exact deltas with logprobs; every stream ends)
+errors.py      every error in OpenAI's shape; the body limit (413 before parsing)
 batch_job.py   `serve.py generate --input ... --output ...`: every line its own result or error
 """

@@ -1,0 +1,109 @@
+"""The HTTP server's errors, all in OpenAI's shape `{"error": {"message", "type", "param", "code"}}`, and
+the body limit that answers 413 before anything parses a request."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from jaxgen.inference.engine import EngineClosed
+from jaxgen.inference.pages import PageError
+from jaxgen.inference.sampling import SamplingError, shown
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None, headers: dict | None = None):  # fmt: skip
+        super().__init__(message)
+        self.status, self.param, self.kind, self.code, self.headers = status, param, kind, code, headers
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def api_error_for(e: Exception) -> APIError:
+    """The API error for an exception from validation or the engine's submit."""
+    if isinstance(e, SamplingError):
+        return APIError(400, str(e), e.field)
+    if isinstance(e, PageError):
+        return APIError(400, str(e), "max_tokens")
+    if isinstance(e, EngineClosed):
+        return APIError(503, str(e), kind="service_unavailable")
+    raise e
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape: validation (malformed JSON included), HTTP errors, our own, the rest."""
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_, exc: RequestValidationError):
+        first = exc.errors()[0]
+        if first.get("type") == "json_invalid":
+            detail = first.get("ctx", {}).get("error", first["msg"])
+            return APIError(400, f"the body is not valid JSON: {shown(detail)}", code="json_invalid").response()
+        field = ".".join(str(p) for p in first["loc"] if p != "body") or None
+        message = f"invalid field {field!r}: {first['msg']} (got {shown(first.get('input'))})"
+        return APIError(400, message, field).response()
+
+    @app.exception_handler(APIError)
+    async def api_error(_, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(SamplingError)
+    async def sampling_error(_, exc: SamplingError):
+        return api_error_for(exc).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, exc: HTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), kind=kind).response()
+
+    @app.exception_handler(Exception)
+    async def server_error(_, exc: Exception):
+        return APIError(500, f"internal error: {type(exc).__name__}: {str(exc)[:200]}", kind="server_error").response()
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes gets 413 before anything parses it. The body
+    is read here and replayed; later `receive` calls pass through, so disconnects are still seen."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    def __getattr__(self, name):  # the wrapped FastAPI app's attributes (routes, state, ...)
+        return getattr(self.app, name)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            return await self._too_large(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before sending the body
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self._too_large(scope, receive, send)
+            if not message.get("more_body"):
+                break
+        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replayed():
+            return replay.pop() if replay else await receive()
+
+        await self.app(scope, replayed, send)
+
+    async def _too_large(self, scope, receive, send):
+        error = APIError(413, f"the request body is larger than serve.max_body_bytes={self.limit}")
+        await error.response()(scope, receive, send)

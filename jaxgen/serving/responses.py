@@ -1,0 +1,228 @@
+"""One request's answer: its sequences in the engine, answered whole or streamed as server-sent events
+(exact text deltas with their tokens' logprobs; every stream ends with a final event and [DONE])."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from jaxgen.inference.engine import EngineClosed
+from jaxgen.inference.engine import Request as Sequence
+from jaxgen.inference.pages import PageError
+from jaxgen.inference.sampling import SamplingError
+from jaxgen.inference.textstream import TextDeltas
+from jaxgen.serving.errors import APIError, api_error_for
+
+
+class Job:
+    """One request's sequences in the engine, answered whole or as a stream."""
+
+    def __init__(self, engine, serve, ids, sampling, body, kind, model_name, prefix, want_logprobs):
+        self.engine, self.serve, self.ids, self.sampling, self.body = engine, serve, ids, sampling, body
+        self.kind, self.model_name, self.prefix, self.want_logprobs = kind, model_name, prefix, want_logprobs
+        self.rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + secrets.token_hex(12)
+        self.created = int(time.time())
+        self.updates: asyncio.Queue = asyncio.Queue()
+        self.seqs: list[Sequence] = []
+
+    async def respond(self, request: Request):
+        if self.engine.queue_length() >= self.serve.max_queue:
+            raise APIError(429, f"the server is busy: {self.engine.queue_length()} requests are queued "
+                           f"(serve.max_queue={self.serve.max_queue}); retry shortly", kind="rate_limit_error",
+                           headers={"Retry-After": "1"})  # fmt: skip
+        loop = asyncio.get_running_loop()
+
+        def on_update(seq: Sequence):  # engine thread -> event loop: a snapshot, not the live object
+            snap = _Snapshot(seq.sample_index, seq.text, list(seq.tokens), list(seq.logprobs),
+                             list(seq.top_logprobs), seq.finish_reason, seq.error)  # fmt: skip
+            loop.call_soon_threadsafe(self.updates.put_nowait, snap)
+
+        try:
+            self.seqs = self.engine.submit(self.ids, self.sampling, on_update=on_update)
+        except (SamplingError, PageError, EngineClosed) as e:
+            raise api_error_for(e) from None
+        if self.body.stream:
+            return StreamingResponse(self._stream(request), media_type="text/event-stream")
+        try:
+            return await self._whole(request)
+        finally:
+            self._cancel_unfinished()
+
+    def _cancel_unfinished(self) -> None:
+        for s in self.seqs:
+            if not s.done_event.is_set():
+                self.engine.cancel(s)
+
+    async def _next_update(self, request: Request, deadline: float | None):
+        """The next snapshot; None after a quiet 0.25 s. Raises ClientGone when the client left, TimeoutError past
+        the deadline: both checked after every wait, not only quiet ones, or a request whose tokens keep
+        coming (a chunk every < 0.25 s) would run to max_tokens after its client left or its time was up."""
+        try:
+            snap = await asyncio.wait_for(self.updates.get(), timeout=0.25)
+        except asyncio.TimeoutError:
+            snap = None
+        if await request.is_disconnected():
+            raise ClientGone()
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError
+        return snap
+
+    def _deadline(self) -> float | None:
+        t = self.serve.request_timeout_s
+        return time.monotonic() + t if t > 0 else None
+
+    def _timeout_error(self) -> APIError:
+        t = self.serve.request_timeout_s
+        return APIError(408, f"the request took longer than serve.request_timeout_s={t:g} s and was cancelled",
+                        kind="timeout_error")  # fmt: skip
+
+    async def _whole(self, request: Request):
+        deadline = self._deadline()
+        try:
+            while not all(s.done_event.is_set() for s in self.seqs):
+                await self._next_update(request, deadline)
+        except ClientGone:
+            return JSONResponse({}, status_code=499)
+        except TimeoutError:
+            return self._timeout_error().response()
+        failed = next((s for s in self.seqs if s.finish_reason in ("error", "cancelled")), None)
+        if failed is not None:
+            return _ended_error(failed.error or "the request was cancelled").response()
+        choices = [self._choice(s) for s in self.seqs]
+        completion_tokens = sum(len(s.tokens) for s in self.seqs)
+        usage = {"prompt_tokens": len(self.ids), "completion_tokens": completion_tokens,
+                 "total_tokens": len(self.ids) + completion_tokens}  # fmt: skip
+        return {"id": self.rid, "object": self.kind, "created": self.created, "model": self.model_name,
+                "choices": choices, "usage": usage}  # fmt: skip
+
+    def _choice(self, s: Sequence) -> dict:
+        logprobs = None
+        if self.kind == "chat.completion":
+            if self.want_logprobs:
+                logprobs = _chat_logprobs(self.engine, s.tokens, s.logprobs, s.top_logprobs)
+            message = {"role": "assistant", "content": s.text}
+            return {"index": s.sample_index, "message": message, "finish_reason": s.finish_reason, "logprobs": logprobs}
+        if self.want_logprobs:
+            logprobs = _completion_logprobs(self.engine, s.tokens, s.logprobs, s.top_logprobs, len(self.prefix))
+        text = self.prefix + s.text
+        return {"index": s.sample_index, "text": text, "finish_reason": s.finish_reason, "logprobs": logprobs}
+
+    async def _stream(self, request: Request):
+        """Server-sent events: exact text deltas (with their tokens' logprobs) per sequence, a final event
+        for each, then [DONE], however the request ends (an error event first when it failed)."""
+        hold = max((len(x) for x in self.sampling.stop), default=1) - 1  # a stop string may be half-decoded
+        streams = {s.sample_index: TextDeltas(self.engine.tokenizer, hold) for s in self.seqs}
+        offsets = dict.fromkeys(streams, len(self.prefix))
+        finished: set[int] = set()
+        deadline = self._deadline()
+        try:
+            for s in self.seqs:
+                yield self._event(s.sample_index, self.prefix, None, None, first=True)
+            while len(finished) < len(self.seqs):
+                try:
+                    snap = await self._next_update(request, deadline)
+                except TimeoutError:
+                    yield _sse(self._timeout_error().body())
+                    break
+                if snap is None:
+                    if all(s.done_event.is_set() for s in self.seqs) and self.updates.empty():
+                        break  # every end was reported (a safety net: never wait on a queue nobody fills)
+                    continue
+                if snap.index in finished:
+                    continue
+                if snap.finish in ("error", "cancelled"):
+                    yield _sse(_ended_error(snap.error or "the request was cancelled").body())
+                    break
+                final = bool(snap.finish)
+                delta = streams[snap.index].update(snap.text, final)
+                start, end = streams[snap.index].new_tokens(snap.tokens, final)
+                logprobs, offsets[snap.index] = self._stream_logprobs(snap, start, end, offsets[snap.index])
+                if delta or final or end > start:
+                    yield self._event(snap.index, delta, snap.finish or None, logprobs)
+                if final:
+                    finished.add(snap.index)
+            yield "data: [DONE]\n\n"
+        except ClientGone:
+            return
+        finally:
+            self._cancel_unfinished()
+
+    def _stream_logprobs(self, snap, start: int, end: int, offset: int):
+        if not self.want_logprobs or end <= start:
+            return None, offset
+        toks, lps, tops = snap.tokens[start:end], snap.logprobs[start:end], snap.top_logprobs[start:end]
+        if self.kind == "chat.completion":
+            return _chat_logprobs(self.engine, toks, lps, tops), offset
+        out = _completion_logprobs(self.engine, toks, lps, tops, offset)
+        return out, offset + sum(len(t) for t in out["tokens"])
+
+    def _event(self, index: int, text: str, finish: str | None, logprobs, first: bool = False) -> str:
+        if self.kind == "chat.completion":
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
+            if text and not first:
+                delta = {"content": text}
+            choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+            kind = "chat.completion.chunk"
+        else:
+            choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
+            kind = "text_completion"
+        return _sse({"id": self.rid, "object": kind, "created": self.created, "model": self.model_name,
+                     "choices": [choice]})  # fmt: skip
+
+
+class _Snapshot:
+    __slots__ = ("error", "finish", "index", "logprobs", "text", "tokens", "top_logprobs")
+
+    def __init__(self, index, text, tokens, logprobs, top_logprobs, finish, error):
+        self.index, self.text, self.tokens, self.logprobs = index, text, tokens, logprobs
+        self.top_logprobs, self.finish, self.error = top_logprobs, finish, error
+
+
+class ClientGone(Exception):
+    """The client disconnected."""
+
+
+def _ended_error(message: str) -> APIError:
+    """A request that ended without a completion: shutting down (503) or failed in the engine (500)."""
+    if "shutting down" in message:
+        return APIError(503, message, kind="service_unavailable")
+    return APIError(500, message, kind="server_error")
+
+
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+def _completion_logprobs(engine, tokens, logprobs, top_logprobs, offset: int) -> dict:
+    strings = [engine.tokenizer.decode([t]) for t in tokens]
+    offsets = []
+    for t in strings:
+        offsets.append(offset)
+        offset += len(t)
+    top = [_by_string(engine, alts) for alts in top_logprobs] if top_logprobs else None
+    return {"tokens": strings, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _by_string(engine, alts: dict[int, float]) -> dict[str, float]:
+    """{token text: logprob}, the format's keys; two ids with the same text (e.g. partial UTF-8 bytes,
+    both shown as U+FFFD) keep apart under the vocabulary's own token names."""
+    out: dict[str, float] = {}
+    for i, lp in alts.items():
+        text = engine.tokenizer.decode([i])
+        out[text if text not in out else engine.tokenizer.tok.id_to_token(i)] = lp
+    return out
+
+
+def _chat_logprobs(engine, tokens, logprobs, top_logprobs) -> dict:
+    content = []
+    for i, (t, lp) in enumerate(zip(tokens, logprobs, strict=True)):
+        alts = top_logprobs[i] if top_logprobs else {}
+        top = [{"token": engine.tokenizer.decode([a]), "logprob": v, "bytes": None} for a, v in alts.items()]
+        content.append({"token": engine.tokenizer.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": top})
+    return {"content": content}
