@@ -27,8 +27,6 @@ import dataclasses
 import json
 import math
 import os
-import socket
-import threading
 import time
 
 import httpx
@@ -44,6 +42,7 @@ from jaxgen.inference.engine import Engine
 from jaxgen.serving.responses import ClientGone, Job
 from jaxgen.serving.server import create_app
 from jaxgen.tokenizer import Tokenizer
+from tests.live import live_server
 
 CFG = ModelConfig(vocab_size=257, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, max_seq_len=256)
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
@@ -62,19 +61,8 @@ def server():
     tok = Tokenizer.byte_level()
     tok.chat_template = TEMPLATE
     engine = Engine(params, CFG, tok, ServeConfig(slots=8, num_pages=128, chunk_steps=4, prefill_chunk=64))
-    engine.start()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(create_app(engine, NAME), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    while not uv.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine, uv
-    uv.should_exit = True
-    thread.join(timeout=10)
-    engine.stop()
+    with live_server(engine, create_app(engine, NAME)) as (url, uv):
+        yield url, engine, uv
 
 
 # --- values ------------------------------------------------------------------------------------------

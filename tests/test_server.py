@@ -15,7 +15,6 @@ import jax
 import numpy as np
 import openai
 import pytest
-import uvicorn
 
 from jaxgen import model
 from jaxgen.config import ModelConfig, ServeConfig
@@ -24,6 +23,7 @@ from jaxgen.inference.generator import Generator
 from jaxgen.inference.sampling import SamplingConfig
 from jaxgen.serving.server import create_app
 from jaxgen.tokenizer import Tokenizer
+from tests.live import live_server
 
 CFG = ModelConfig(vocab_size=257, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, max_seq_len=256)
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
@@ -38,21 +38,9 @@ def stack():
     tok = Tokenizer.byte_level()
     tok.chat_template = TEMPLATE
     engine = Engine(params, CFG, tok, ServeConfig(slots=8, num_pages=128, chunk_steps=4, prefill_chunk=64))
-    engine.start()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, NAME), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{port}"
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-    yield client, url, engine, Generator(params, CFG, tok, max_batch=64, chunk_steps=16)
-    server.should_exit = True
-    thread.join(timeout=10)
-    engine.stop()
+    with live_server(engine, create_app(engine, NAME)) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        yield client, url, engine, Generator(params, CFG, tok, max_batch=64, chunk_steps=16)
 
 
 @contextlib.contextmanager
