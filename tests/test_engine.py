@@ -362,3 +362,42 @@ def test_preemption_frees_the_latest_admitted_and_requeues_it_first(params, engi
     engine.run_until_idle()
     _same(second.result(), alone)
     assert first.preemptions == 0 and engine.metrics()["requests_preempted"] == second.preemptions
+
+
+def test_prompt_logprobs_equal_score_in_the_engine_and_generator(engine, gen):
+    """Prompt log-probabilities, computed during the engine's chunked prefill (prompts longer than its
+    32-token chunk, so scores cross chunks) and by Generator, equal teacher-forced `score`."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 256, k).tolist() for k in (1, 7, 45, 100)]
+    c = SamplingConfig(max_new_tokens=3, temperature=0.0, prompt_logprobs=2)
+    for outs in (engine.generate(prompts, c), gen.generate(prompts, c)):
+        for p, out in zip(prompts, outs, strict=True):
+            assert len(out.prompt_logprobs) == len(p) and out.prompt_logprobs[0] is None
+            assert out.prompt_top_logprobs[0] is None
+            if len(p) > 1:
+                (want,) = gen.score([p[:1]], [p[1:]])
+                np.testing.assert_allclose(out.prompt_logprobs[1:], want["token_logprobs"], atol=1e-4)
+            for lp, top in zip(out.prompt_logprobs[1:], out.prompt_top_logprobs[1:], strict=True):
+                best = sorted(top.values(), reverse=True)
+                assert len(top) == 2 and list(top.values()) == best and lp <= best[0] + 1e-6
+    plain = engine.generate(prompts, dataclasses.replace(c, prompt_logprobs=None))
+    assert [o.tokens for o in plain] == [o.tokens for o in outs]  # scoring the prompt changes nothing else
+    assert all(o.prompt_logprobs is None for o in plain)
+
+
+def test_max_new_tokens_zero_scores_the_prompt_only(engine, gen):
+    prompt = list(range(40, 90))
+    c = SamplingConfig(max_new_tokens=0, prompt_logprobs=0)
+    (a,), (b,) = engine.generate([prompt], c), gen.generate([prompt], c)
+    assert a.tokens == b.tokens == [] and a.finish_reason == b.finish_reason == "length"
+    np.testing.assert_allclose(a.prompt_logprobs[1:], b.prompt_logprobs[1:], atol=1e-4)
+    assert a.prompt_top_logprobs[1] == {} == b.prompt_top_logprobs[1]
+
+
+def test_score_greedy_flag_matches_the_argmax(gen):
+    prompt = [5, 6, 7]
+    first = gen.generate([prompt], SamplingConfig(max_new_tokens=4, temperature=0.0))[0].tokens
+    (g,) = gen.score([prompt], [first])
+    assert g["greedy"]
+    other = [(first[0] + 1) % 256, *first[1:]]
+    assert not gen.score([prompt], [other])[0]["greedy"]

@@ -79,6 +79,9 @@ class Completion:
     finish_reason: str  # "stop" or "length"
     logprobs: list[float]
     top_logprobs: list[dict[int, float]] | None = None
+    # with SamplingConfig.prompt_logprobs: per prompt token (None for the first, which nothing predicts)
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclasses.dataclass

@@ -102,6 +102,8 @@ class Engine:
         self._retire = with_mesh(donate(counted(self, steps.retire)), mesh)
         with_cfg = functools.partial(jax.jit, static_argnames="cfg", donate_argnums=1)
         self._prefill = with_mesh(with_cfg(counted(self, steps.prefill_chunk)), mesh)
+        scored = jax.jit(counted(self, steps.prefill_chunk_scored), static_argnames=("cfg", "top"), donate_argnums=1)
+        self._prefill_scored = with_mesh(scored, mesh)
         self._chunk = with_mesh(with_cfg(counted(self, steps.decode_chunk)), mesh)
 
     # --- requests ----------------------------------------------------------------------------------
@@ -110,8 +112,12 @@ class Engine:
         """Raises SamplingError / PageError for a request this engine can never run, before queueing."""
         prompt = check_prompt(prompt, self.cfg.vocab_size, self.cfg.max_seq_len)
         c.check_for_model(self.cfg.vocab_size)
-        if c.logprobs > self.serve.max_logprobs:
-            raise SamplingError(f"logprobs={c.logprobs} is not allowed: at most {self.serve.max_logprobs}", "logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(c, name) or 0) > self.serve.max_logprobs:
+                most = self.serve.max_logprobs
+                raise SamplingError(
+                    f"{name}={getattr(c, name)} is not allowed: at most {most} (serve.max_logprobs)", name
+                )
         stops = self._stops(c)
         if any(len(q) > STOP_LEN for q in stops):
             raise SamplingError(f"a stop token sequence is longer than {STOP_LEN} tokens", "stop_token_sequences")
@@ -308,9 +314,14 @@ class Engine:
             r.prefilled = r.cached_tokens
         seq = r.sequence  # the prompt, and after a preemption the tokens so far
         n = min(len(seq) - r.prefilled, budget)
-        tokens, positions = steps.prefill_inputs(seq, r.prefilled, n)
+        tokens, positions, targets = steps.prefill_inputs(seq, r.prefilled, n)
         self._sync_tables()
-        self.state, logits = self._prefill(self.params, self.state, r.slot, tokens, positions, n - 1, cfg=self.cfg)
+        args = (self.params, self.state, r.slot, tokens, positions, n - 1)
+        if r.wants_prompt_scores:
+            self.state, logits, scores = self._prefill_scored(*args, targets, cfg=self.cfg, top=self.serve.max_logprobs)
+            r.take_prompt_scores(jax.device_get(scores), n)
+        else:
+            self.state, logits = self._prefill(*args, cfg=self.cfg)
         r.prefilled += n
         self.stats.prefilled(n, recomputed=r.preemptions > 0)
         if r.prefilled < len(seq):
@@ -322,6 +333,12 @@ class Engine:
         return n
 
     def _start_decoding(self, r: Request, logits) -> None:
+        if r.sampling.max_new_tokens == 0:  # the prompt only (scored): done once it is in the cache
+            with self.lock:
+                live = r.status == Status.PREFILL
+            if live:
+                self._finish(r, "length")
+            return
         row = steps.slot_row(logits, r.prompt, r.tokens, r.sampling, self._stops(r.sampling), self.cfg)
         self.state = self._activate(self.state, r.slot, row)
         with self.lock:  # a cancel that came during the prefill stands

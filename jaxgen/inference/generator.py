@@ -24,6 +24,7 @@ import numpy as np
 
 from jaxgen import model
 from jaxgen.config import ModelConfig
+from jaxgen.inference import scoring
 from jaxgen.inference.decode import (
     FINISH_LENGTH,
     FINISH_NAMES,
@@ -42,7 +43,7 @@ from jaxgen.inference.decode import (
     stop_sequences,
     stop_string_cut,
 )
-from jaxgen.inference.sampling import SamplingArrays, SamplingConfig, SamplingError, check_prompt
+from jaxgen.inference.sampling import MAX_LOGPROBS, SamplingArrays, SamplingConfig, SamplingError, check_prompt
 from jaxgen.sharding import with_mesh
 from jaxgen.tokenizer import Tokenizer
 
@@ -94,7 +95,7 @@ class Generator:
         jitted_prefill = jax.jit(counted(self, prefill), static_argnames=("cfg", "cache_len", "cache_dtype"))
         self._prefill = with_mesh(jitted_prefill, mesh)
         self._loop = with_mesh(jax.jit(counted(self, decode_loop), static_argnames="cfg", donate_argnums=1), mesh)
-        self._score = with_mesh(jax.jit(counted(self, _score), static_argnames="cfg"), mesh)
+        self._score = with_mesh(jax.jit(counted(self, scoring.score_tokens), static_argnames=("cfg", "top")), mesh)
 
     def prefill(self, tokens, positions, rows, lengths, cache_len: int):
         """The jitted `decode.prefill` on this Generator's params: (cache, next-token logits)."""
@@ -141,7 +142,8 @@ class Generator:
         p_count = bucket(len(prompt_idx), minimum=1)
         t = bucket(max(len(ids[p]) for p in prompt_idx))
         # no row can generate past the context, whatever max_new_tokens asks (it ends with "length")
-        longest_new = min(max(configs[p].max_new_tokens for p, _ in group), cfg.max_seq_len)
+        # (at least 1: the buffers need a column even when every row asks none, max_new_tokens=0)
+        longest_new = max(min(max(configs[p].max_new_tokens for p, _ in group), cfg.max_seq_len), 1)
         # Slots for the padded prompts plus every new token: the padding (up to the bucket t) takes slots
         # too, so capping at the context length would leave no room when t reaches it.
         cache_len = max(bucket(t + min(longest_new, cfg.max_seq_len)), self.min_cache_len)
@@ -156,6 +158,7 @@ class Generator:
         rows = np.asarray([where[p] for p, _ in padded], np.int32)
         cache, logits = self.prefill(tokens, positions, rows, lengths, cache_len)
         state = self._init_state(ids, configs, padded, len(group), cache, logits, longest_new)
+        prompt_scores = self._prompt_scores(ids, configs, prompt_idx)
         stop_at: list[int | None] = [None] * len(group)
         while True:
             limit = min(int(state.step) + self.chunk_steps, longest_new)
@@ -164,7 +167,7 @@ class Generator:
             done = self._check_stop_strings(host, configs, group, stop_at)
             if done.any():
                 state = state.replace(done=state.done | jnp.asarray(np.pad(done, (0, b - len(group)))))
-            yield self._completions(host, configs, group, stop_at)
+            yield self._completions(host, configs, group, stop_at, prompt_scores)
             if bool(jnp.all(state.done)):
                 return
 
@@ -180,7 +183,7 @@ class Generator:
             for j, seq in enumerate(stops[r]):
                 stop_seqs[r, j, longest - len(seq) :] = seq
         row_configs = [sample_config(configs[p], s) for p, s in padded]
-        done = np.arange(b) >= live
+        done = (np.arange(b) >= live) | np.asarray([configs[p].max_new_tokens == 0 for p, _ in padded])
         return DecodeState(
             step=jnp.int32(0), limit=jnp.int32(0),
             tokens=jnp.zeros((b, longest_new), jnp.int32), logprobs=jnp.zeros((b, longest_new), jnp.float32),
@@ -207,7 +210,7 @@ class Generator:
                 newly[r] = True
         return newly
 
-    def _completions(self, host: HostRows, configs, group, stop_at) -> list[Completion]:
+    def _completions(self, host: HostRows, configs, group, stop_at, prompt_scores) -> list[Completion]:
         tokens, generated = host.tokens, host.generated
         out = []
         for r, (p, s) in enumerate(group):
@@ -220,7 +223,7 @@ class Generator:
             else:
                 text = self.tokenizer.decode(toks)
             alts = host.alternatives(r, 0, n, configs[p].logprobs) if configs[p].logprobs else None
-            out.append(Completion(p, s, toks, text, reason, host.logprobs[r, :n].tolist(), alts))
+            out.append(Completion(p, s, toks, text, reason, host.logprobs[r, :n].tolist(), alts, *prompt_scores[p]))
         return out
 
     def _stops(self, c: SamplingConfig) -> list[tuple[int, ...]]:
@@ -232,7 +235,8 @@ class Generator:
         """Teacher-forced log-likelihood of each continuation given its prompt.
 
         Returns per pair: {'logprob': sum, 'tokens': count, 'nll': mean negative log-likelihood per
-        token, 'perplexity': exp(nll), 'token_logprobs': [...]}. Same padding rules as generation.
+        token, 'perplexity': exp(nll), 'token_logprobs': [...], 'greedy': whether every continuation
+        token is the model's most likely one (as evaluation harnesses ask)}. Same padding rules as generation.
         """
         if len(prompts) != len(continuations):
             raise SamplingError(f"{len(prompts)} prompts but {len(continuations)} continuations")
@@ -248,40 +252,43 @@ class Generator:
             check_prompt(pi + ci, self.cfg.vocab_size, self.cfg.max_seq_len + 1, f"pair {i}")
             pairs.append((pi, ci))
         out = []
-        for start in range(0, len(pairs), self.max_batch):
-            out += self._score_batch(pairs[start : start + self.max_batch])
-        return out
-
-    def _score_batch(self, pairs):
-        b = bucket(len(pairs), minimum=1)
-        t = bucket(max(len(p) + len(c) for p, c in pairs))
-        tokens = np.zeros((b, t), np.int32)
-        positions = np.full((b, t), -1, np.int32)
-        mask = np.zeros((b, t), np.int32)  # 1 where the *target* at this input position is scored
-        for i, (p, c) in enumerate(pairs):
-            seq = p + c
-            tokens[i, : len(seq)] = seq
-            positions[i, : len(seq)] = np.arange(len(seq))
-            mask[i, len(p) - 1 : len(seq) - 1] = 1
-        lp = np.asarray(self._score(self.params, tokens, positions, mask, cfg=self.cfg))
-        out = []
-        for i, (p, c) in enumerate(pairs):
-            token_lp = lp[i, len(p) - 1 : len(p) + len(c) - 1].tolist()
+        for (p, _c), (lp, greedy, _, _) in zip(pairs, self._scores([p + c for p, c in pairs]), strict=True):
+            token_lp, token_greedy = lp[len(p) - 1 :].tolist(), greedy[len(p) - 1 :]
             nll = -sum(token_lp) / len(token_lp)
             out.append({
                 "logprob": sum(token_lp), "tokens": len(token_lp), "nll": nll,
                 "perplexity": float(np.exp(min(nll, 50.0))), "token_logprobs": token_lp,
+                "greedy": bool(token_greedy.all()),
             })  # fmt: skip
         return out
 
+    def _scores(self, seqs: list[list[int]]):
+        """Per sequence of L tokens: (logprobs (L-1,), greedy (L-1,), top ids and logprobs (L-1, MAX_LOGPROBS)),
+        position i scoring token i + 1; `max_batch` sequences at a time, lengths bucketed."""
+        out = []
+        for start in range(0, len(seqs), self.max_batch):
+            batch = seqs[start : start + self.max_batch]
+            b, t = bucket(len(batch), minimum=1), bucket(max(len(q) for q in batch))
+            tokens = np.zeros((b, t), np.int32)
+            positions = np.full((b, t), -1, np.int32)
+            for i, q in enumerate(batch):
+                tokens[i, : len(q)], positions[i, : len(q)] = q, np.arange(len(q))
+            targets = np.roll(tokens, -1, axis=1)
+            s = jax.device_get(self._score(self.params, tokens, positions, targets, cfg=self.cfg, top=MAX_LOGPROBS))
+            greedy = s.logprobs >= s.top_logprobs[..., 0]
+            for i, q in enumerate(batch):
+                n = len(q) - 1
+                out.append((s.logprobs[i, :n], greedy[i, :n], s.top_ids[i, :n], s.top_logprobs[i, :n]))
+        return out
 
-def _score(params, tokens, positions, mask, cfg: ModelConfig):
-    """(B, T) log-probabilities of each next token (0 where mask is 0)."""
-    logits, _ = model.forward(params, tokens, positions, cfg=cfg)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    targets = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
-    picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    return jnp.where(mask > 0, picked, 0.0)
+    def _prompt_scores(self, ids, configs, prompt_idx) -> dict[int, tuple]:
+        """(prompt_logprobs, prompt_top_logprobs) of each prompt in `prompt_idx`; (None, None) for those
+        whose settings ask none."""
+        wanted = [p for p in prompt_idx if configs[p].prompt_logprobs is not None]
+        out = {p: (None, None) for p in prompt_idx}
+        for p, (lp, _, top_ids, top_lp) in zip(wanted, self._scores([ids[p] for p in wanted]), strict=True):
+            out[p] = scoring.prompt_entries(lp, top_ids, top_lp, configs[p].prompt_logprobs)
+        return out
 
 
 def generate(

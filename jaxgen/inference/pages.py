@@ -205,7 +205,8 @@ class PagePolicy:
     def take_for_prefill(self, r: Request, running: list[Request]) -> tuple[int, int] | None:
         """Pages for a sequence's prefill and first decode chunk (shared prefix pages first); returns
         (tokens looked up in the prefix cache, tokens found), or None when too few pages are free."""
-        seq = r.sequence if self.prefix else []
+        # a prompt being scored runs whole: cached pages would skip the positions it asks about
+        seq = r.sequence if self.prefix and not r.wants_prompt_scores else []
         need = min(len(r.sequence) + self.chunk_steps, r.limit(self.context))
         try:
             r.pages, r.cached_tokens = self.pool.allocate(seq, need, reserve=sum(self.short(q) for q in running))

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from jaxgen.inference.decode import Completion, HostRows, finish_row
 from jaxgen.inference.sampling import SamplingConfig
+from jaxgen.inference.scoring import prompt_entries
 
 
 class Status(str, enum.Enum):
@@ -59,6 +60,8 @@ class Request:
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     top_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[float | None] = dataclasses.field(default_factory=list)  # when asked for
+    prompt_top_logprobs: list[dict[int, float] | None] = dataclasses.field(default_factory=list)
     text: str = ""
     finish_reason: str = ""  # stop, length; cancelled or error when it ended without a completion
     error: str | None = None  # what went wrong, for a FAILED request
@@ -76,6 +79,23 @@ class Request:
     def limit(self, context: int) -> int:
         """The most tokens (prompt included) this sequence can reach: max_new_tokens or the context."""
         return min(len(self.prompt) + self.sampling.max_new_tokens, context)
+
+    @property
+    def wants_prompt_scores(self) -> bool:
+        """Its settings ask for prompt log-probabilities and its prefill has not yet scored every prompt token
+        (a preempted sequence keeps those it has)."""
+        return self.sampling.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt)
+
+    def take_prompt_scores(self, scores, n: int) -> None:
+        """Appends the prompt log-probabilities of a scored prefill chunk of `n` tokens (from `prefilled`)."""
+        if self.prefilled == 0:
+            self.prompt_logprobs, self.prompt_top_logprobs = [None], [None]  # nothing predicts the first token
+        k = min(n, len(self.prompt) - 1 - self.prefilled)  # chunk positions whose next token is in the prompt
+        lps, tops = prompt_entries(
+            scores.logprobs[0, :k], scores.top_ids[0, :k], scores.top_logprobs[0, :k], self.sampling.prompt_logprobs
+        )
+        self.prompt_logprobs += lps[1:]
+        self.prompt_top_logprobs += tops[1:]
 
     def take(self, host: HostRows, row: int) -> list[int]:
         """Appends what the last decode chunk gave row `row` (tokens, log-probabilities); returns the new tokens."""
@@ -101,6 +121,8 @@ class Request:
         if self.status == Status.FAILED:
             raise RequestFailed(self.error)
         alts = self.top_logprobs if self.sampling.logprobs else None
+        prompt = (self.prompt_logprobs, self.prompt_top_logprobs) if self.sampling.prompt_logprobs is not None else ()
         return Completion(
-            self.prompt_index, self.sample_index, self.tokens, self.text, self.finish_reason, self.logprobs, alts
-        )
+            self.prompt_index, self.sample_index, self.tokens, self.text, self.finish_reason, self.logprobs, alts,
+            *prompt,
+        )  # fmt: skip

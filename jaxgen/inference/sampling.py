@@ -88,7 +88,7 @@ def check_prompt(ids, vocab_size: int, max_seq_len: int, field: str = "prompt") 
 class SamplingConfig:
     """One request's decoding settings."""
 
-    max_new_tokens: int = 64
+    max_new_tokens: int = 64  # 0: the prompt only (with prompt_logprobs, to score it)
     temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
@@ -104,6 +104,7 @@ class SamplingConfig:
     stop_token_sequences: tuple[tuple[int, ...], ...] = ()  # generation ends after any of these
     ignore_eos: bool = False
     logprobs: int = 0  # top-N alternatives per token to return (0 = only the chosen token's)
+    prompt_logprobs: int | None = None  # per prompt token: its logprob and top-N alternatives (None = off)
 
     def __post_init__(self):
         """Bounds that hold for every model; `check_for_model` adds those that need the vocabulary."""
@@ -114,12 +115,14 @@ class SamplingConfig:
                 value = tuple(inner(x) if isinstance(x, list) else x for x in value)
                 object.__setattr__(self, name, value)
         ints = [
-            ("max_new_tokens", self.max_new_tokens, 1, INT32_MAX),
+            ("max_new_tokens", self.max_new_tokens, 0, INT32_MAX),
             ("top_k", self.top_k, 0, INT32_MAX),
             ("n", self.n, 1, MAX_N),
             ("logprobs", self.logprobs, 0, MAX_LOGPROBS),
             ("seed", self.seed, -(2**63), 2**64 - 1),
         ]
+        if self.prompt_logprobs is not None:
+            ints.append(("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS))
         for name, value, lo, hi in ints:
             _require(_is_int(value) and lo <= value <= hi, name, value, f"an integer in [{lo}, {hi}]")
         floats = [

@@ -3,6 +3,7 @@
     init_state(cfg, serve, num_pages, max_pages) -> state      every slot idle, the page pool empty
     set_tables(state, page_table, capacity) -> state           the host's page tables, every slot at once
     prefill_chunk(params, state, slot, tokens, positions, last, cfg) -> (state, logits)   (`prefill_inputs`)
+    prefill_chunk_scored(..., targets, cfg, top) -> (state, logits, TokenScores)        prompt log-probabilities
     activate(state, slot, row: SlotRow) -> state               a slot starts (or resumes) decoding
     retire(state, slot) -> state                               a slot stops
     decode_chunk(params, state, limit, cfg) -> state           up to `limit` decode steps, every active slot
@@ -21,6 +22,7 @@ import numpy as np
 
 from jaxgen import model
 from jaxgen.config import ModelConfig, ServeConfig
+from jaxgen.inference import scoring
 from jaxgen.inference.decode import FINISH_LENGTH, MAX_STOPS, RUNNING, DecodeState, bucket, decode_loop
 from jaxgen.inference.sampling import SamplingArrays, SamplingConfig
 from jaxgen.model.paged import PagedCache
@@ -87,24 +89,41 @@ def set_tables(state: DecodeState, page_table, capacity) -> DecodeState:
     return state.replace(cache=state.cache.replace(page_table=page_table, capacity=capacity))
 
 
-def prefill_inputs(seq: list[int], start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Tokens and positions (1, C) of `seq[start:start + n]`, padded (position -1) to a power of two."""
+def prefill_inputs(seq: list[int], start: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Tokens, positions and targets (each token's next, 0 past the end) (1, C) of `seq[start:start + n]`,
+    padded (position -1) to a power of two."""
     c = bucket(n, minimum=16)
     tokens = np.zeros((1, c), np.int32)
     positions = np.full((1, c), -1, np.int32)
+    targets = np.zeros((1, c), np.int32)
     tokens[0, :n] = seq[start : start + n]
     positions[0, :n] = np.arange(start, start + n)
-    return tokens, positions
+    nxt = seq[start + 1 : start + n + 1]
+    targets[0, : len(nxt)] = nxt
+    return tokens, positions, targets
 
 
 def prefill_chunk(params, state: DecodeState, slot, tokens, positions, last, cfg: ModelConfig):
     """One chunk of one slot's sequence: tokens, positions (1, C), padding at -1. Returns the state and
     the next-token logits (V,) after the token at index `last` of the chunk."""
+    state, x = _prefill_hidden(params, state, slot, tokens, positions, cfg)
+    logits = model.lm_head(params, jax.lax.dynamic_slice_in_dim(x, last, 1, axis=1), cfg)[0, 0]
+    return state, logits
+
+
+def prefill_chunk_scored(params, state: DecodeState, slot, tokens, positions, last, targets, cfg: ModelConfig, top):
+    """`prefill_chunk`, and the scores (1, C) of `targets` (1, C): each chunk token's next token, for the
+    prompt's log-probabilities (the head runs over the chunk in blocks, `jaxgen.inference.scoring`)."""
+    state, x = _prefill_hidden(params, state, slot, tokens, positions, cfg)
+    logits = model.lm_head(params, jax.lax.dynamic_slice_in_dim(x, last, 1, axis=1), cfg)[0, 0]
+    return state, logits, scoring.score_hidden(params, x, targets, cfg, top)
+
+
+def _prefill_hidden(params, state: DecodeState, slot, tokens, positions, cfg: ModelConfig):
     cache = state.cache
     sub = cache.replace(page_table=cache.page_table[slot][None], capacity=cache.capacity[slot][None])
     x, sub = model.hidden_states(params, tokens, positions, sub, cfg=cfg)
-    logits = model.lm_head(params, jax.lax.dynamic_slice_in_dim(x, last, 1, axis=1), cfg)[0, 0]
-    return state.replace(cache=cache.replace(k=sub.k, v=sub.v)), logits
+    return state.replace(cache=cache.replace(k=sub.k, v=sub.v)), x
 
 
 def activate(state: DecodeState, slot, row: SlotRow) -> DecodeState:
