@@ -99,6 +99,17 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
+    def info(self) -> dict:
+        """What a client needs to tokenize as the server does (vLLM's /tokenizer_info): special tokens by
+        their text (None when the tokenizer has none), the chat template, the vocabulary size."""
+        special = {t.content for t in self.tok.get_added_tokens_decoder().values() if t.special}
+        bos = next((t for t in ("<|begin_of_text|>", "<s>", "<bos>", "<|endoftext|>") if t in special), None)
+        return {
+            "eos_token": self.tok.id_to_token(self.eos_id), "eos_token_ids": list(self.eos_ids), "bos_token": bos,
+            "pad_token": None, "chat_template": self.chat_template, "vocab_size": self.vocab_size,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+        }  # fmt: skip
+
     def encode(self, text: str, special: bool = True) -> list[int]:
         """Token ids; `special` applies the tokenizer's own post-processor (a BOS token for Llama or
         Gemma, nothing for GPT-2 or byte level), as transformers does by default."""

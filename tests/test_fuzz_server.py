@@ -430,7 +430,7 @@ def test_a_client_that_left_or_ran_out_of_time_is_seen_while_tokens_keep_coming(
             return self.gone
 
     async def main():
-        job = Job(None, ServeConfig(), [1], None, None, "text_completion", NAME, "", False)
+        job = Job(None, ServeConfig(), [[1]], None, None, "text_completion", NAME, False, False)
         job.updates.put_nowait("a snapshot")  # an update is there at once: no quiet wait
         with pytest.raises(ClientGone):
             await job._next_update(Client(gone=True), None)

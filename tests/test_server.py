@@ -469,3 +469,67 @@ def test_streamed_text_and_logprobs_equal_the_whole_response_with_split_characte
         assert [t for c in choices if c["logprobs"] for t in c["logprobs"]["tokens"]] == whole["logprobs"]["tokens"]
         seen_multibyte |= any(ord(ch) > 127 and ch != "\ufffd" for ch in whole["text"])
     assert seen_multibyte
+
+
+def _post(url, path, body):
+    r = httpx.post(f"{url}{path}", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(stack):
+    """lm-evaluation-harness's loglikelihood request: the prompt (context + continuation) as token ids,
+    echo, max_tokens 1, logprobs 1. token_logprobs cover the prompt first (null for the first token),
+    equal to teacher-forced `score`; each top_logprobs entry holds the most likely token."""
+    _, url, _, gen = stack
+    context, continuation = list(b"The cat sat on the "), list(b"mat.")
+    ids = context + continuation
+    body = {"model": NAME, "prompt": [ids], "echo": True, "max_tokens": 1, "logprobs": 1, "temperature": 0}
+    (choice,) = _post(url, "/v1/completions", body)["choices"]
+    lp = choice["logprobs"]
+    assert len(lp["token_logprobs"]) == len(lp["tokens"]) == len(lp["top_logprobs"]) == len(ids) + 1
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert "".join(lp["tokens"]) == choice["text"] and choice["text"].startswith("The cat sat on the mat.")
+    assert lp["text_offset"][: len(ids)] == list(range(len(ids)))  # one character per byte-level token
+    (want,) = gen.score([context], [continuation])
+    np.testing.assert_allclose(lp["token_logprobs"][len(context) : -1], want["token_logprobs"], atol=1e-4)
+    greedy = all(t == max(top.values()) for t, top in zip(lp["token_logprobs"][1:-1], lp["top_logprobs"][1:-1]))
+    assert greedy == want["greedy"]
+    (generated,) = gen.generate([ids], SamplingConfig(max_new_tokens=1, temperature=0.0))
+    np.testing.assert_allclose(lp["token_logprobs"][-1], generated.logprobs[0], atol=1e-4)
+    # max_tokens 0 (older harnesses): the prompt's scores only, the same numbers
+    body.update(max_tokens=0)
+    (zero,) = _post(url, "/v1/completions", body)["choices"]
+    assert zero["text"] == bytes(ids).decode() and zero["finish_reason"] == "length"
+    np.testing.assert_allclose(zero["logprobs"]["token_logprobs"][1:], lp["token_logprobs"][1:-1], atol=1e-5)
+
+
+def test_a_list_of_prompts_gives_one_choice_each_in_order(stack):
+    """A list of strings or of token-id lists: choices indexed prompt * n + sample, each equal to its
+    prompt alone; usage counts every prompt."""
+    client, url, _, gen = stack
+    prompts = ["def fib(n):", "import os", "x"]
+    out = client.completions.create(model=NAME, prompt=prompts, max_tokens=6, temperature=0, n=2)
+    want = gen.generate(prompts, SamplingConfig(max_new_tokens=6, temperature=0.0, n=2))
+    assert [c.index for c in out.choices] == list(range(6))
+    assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == [w.text for w in want]
+    assert out.usage.prompt_tokens == sum(len(p) for p in prompts)
+    as_ids = _post(url, "/v1/completions", {"prompt": [list(p.encode()) for p in prompts], "max_tokens": 6,
+                                            "temperature": 0})  # fmt: skip
+    assert [c["text"] for c in as_ids["choices"]] == [w.text for w in want[::2]]
+
+
+def test_tokenizer_endpoints_round_trip(stack):
+    _, url, engine, _ = stack
+    text = "héllo <|endoftext|>"
+    got = _post(url, "/tokenize", {"prompt": text, "add_special_tokens": False})
+    assert got["tokens"] == engine.tokenizer.encode(text, special=False) and got["count"] == len(got["tokens"])
+    assert _post(url, "/detokenize", {"tokens": got["tokens"]})["prompt"] == text
+    info = httpx.get(f"{url}/tokenizer_info", timeout=60).json()
+    assert info["eos_token"] == engine.tokenizer.tok.id_to_token(engine.tokenizer.eos_id)
+    assert _post(url, "/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False})["tokens"] == [
+        engine.tokenizer.eos_id
+    ]  # lm-eval finds the end-of-text id this way
+    assert info["model_max_length"] == CFG.max_seq_len and info["chat_template"] == TEMPLATE
+    bad = httpx.post(f"{url}/detokenize", json={"tokens": [1, 99999]}, timeout=60)
+    assert bad.status_code == 400 and "99999" in bad.json()["error"]["message"]

@@ -21,11 +21,16 @@ from jaxgen.serving.errors import APIError, api_error_for
 
 
 class Job:
-    """One request's sequences in the engine, answered whole or as a stream."""
+    """One request's sequences in the engine (n per prompt), answered whole or as a stream.
 
-    def __init__(self, engine, serve, ids, sampling, body, kind, model_name, prefix, want_logprobs):
-        self.engine, self.serve, self.ids, self.sampling, self.body = engine, serve, ids, sampling, body
-        self.kind, self.model_name, self.prefix, self.want_logprobs = kind, model_name, prefix, want_logprobs
+    Choice `index` is prompt_index * n + sample_index, as OpenAI numbers them. With `echo`, each choice's text
+    starts with its prompt, and with logprobs too (sampling.prompt_logprobs set) its logprobs cover the
+    prompt's tokens first (null for the first), as scoring harnesses such as lm-evaluation-harness read them."""
+
+    def __init__(self, engine, serve, prompts, sampling, body, kind, model_name, echo: bool, want_logprobs):
+        self.engine, self.serve, self.prompts, self.sampling, self.body = engine, serve, prompts, sampling, body
+        self.kind, self.model_name, self.want_logprobs = kind, model_name, want_logprobs
+        self.prefixes = [engine.tokenizer.decode(ids) if echo else "" for ids in prompts]
         self.rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
         self.updates: asyncio.Queue = asyncio.Queue()
@@ -39,13 +44,15 @@ class Job:
         loop = asyncio.get_running_loop()
 
         def on_update(seq: Sequence):  # engine thread -> event loop: a snapshot, not the live object
-            snap = _Snapshot(seq.sample_index, seq.text, list(seq.tokens), list(seq.logprobs),
+            snap = _Snapshot(self._index(seq), seq.text, list(seq.tokens), list(seq.logprobs),
                              list(seq.top_logprobs), seq.finish_reason, seq.error)  # fmt: skip
             loop.call_soon_threadsafe(self.updates.put_nowait, snap)
 
         try:
-            self.seqs = self.engine.submit(self.ids, self.sampling, on_update=on_update)
+            for i, ids in enumerate(self.prompts):
+                self.seqs += self.engine.submit(ids, self.sampling, prompt_index=i, on_update=on_update)
         except (SamplingError, PageError, EngineClosed) as e:
+            self._cancel_unfinished()  # the prompts before the bad one
             raise api_error_for(e) from None
         if self.body.stream:
             return StreamingResponse(self._stream(request), media_type="text/event-stream")
@@ -53,6 +60,9 @@ class Job:
             return await self._whole(request)
         finally:
             self._cancel_unfinished()
+
+    def _index(self, seq: Sequence) -> int:
+        return seq.prompt_index * self.sampling.n + seq.sample_index
 
     def _cancel_unfinished(self) -> None:
         for s in self.seqs:
@@ -96,34 +106,37 @@ class Job:
             return _ended_error(failed.error or "the request was cancelled").response()
         choices = [self._choice(s) for s in self.seqs]
         completion_tokens = sum(len(s.tokens) for s in self.seqs)
-        usage = {"prompt_tokens": len(self.ids), "completion_tokens": completion_tokens,
-                 "total_tokens": len(self.ids) + completion_tokens}  # fmt: skip
+        prompt_tokens = sum(len(ids) for ids in self.prompts)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
         return {"id": self.rid, "object": self.kind, "created": self.created, "model": self.model_name,
                 "choices": choices, "usage": usage}  # fmt: skip
 
     def _choice(self, s: Sequence) -> dict:
-        logprobs = None
+        logprobs, index = None, self._index(s)
         if self.kind == "chat.completion":
             if self.want_logprobs:
                 logprobs = _chat_logprobs(self.engine, s.tokens, s.logprobs, s.top_logprobs)
             message = {"role": "assistant", "content": s.text}
-            return {"index": s.sample_index, "message": message, "finish_reason": s.finish_reason, "logprobs": logprobs}
+            return {"index": index, "message": message, "finish_reason": s.finish_reason, "logprobs": logprobs}
+        prefix = self.prefixes[s.prompt_index]
         if self.want_logprobs:
-            logprobs = _completion_logprobs(self.engine, s.tokens, s.logprobs, s.top_logprobs, len(self.prefix))
-        text = self.prefix + s.text
-        return {"index": s.sample_index, "text": text, "finish_reason": s.finish_reason, "logprobs": logprobs}
+            logprobs = _completion_logprobs(self.engine, s.tokens, s.logprobs, s.top_logprobs, len(prefix))
+            if self.sampling.prompt_logprobs is not None:  # echo: the prompt's tokens first
+                logprobs = _joined(_prompt_logprobs(self.engine, s), logprobs)
+        return {"index": index, "text": prefix + s.text, "finish_reason": s.finish_reason, "logprobs": logprobs}
 
     async def _stream(self, request: Request):
         """Server-sent events: exact text deltas (with their tokens' logprobs) per sequence, a final event
         for each, then [DONE], however the request ends (an error event first when it failed)."""
         hold = max((len(x) for x in self.sampling.stop), default=1) - 1  # a stop string may be half-decoded
-        streams = {s.sample_index: TextDeltas(self.engine.tokenizer, hold) for s in self.seqs}
-        offsets = dict.fromkeys(streams, len(self.prefix))
+        streams = {self._index(s): TextDeltas(self.engine.tokenizer, hold) for s in self.seqs}
+        offsets = {self._index(s): len(self.prefixes[s.prompt_index]) for s in self.seqs}
         finished: set[int] = set()
         deadline = self._deadline()
         try:
-            for s in self.seqs:
-                yield self._event(s.sample_index, self.prefix, None, None, first=True)
+            for s in self.seqs:  # with echo, the prompt (its logprobs come whole in the final answer only)
+                yield self._event(self._index(s), self.prefixes[s.prompt_index], None, None, first=True)
             while len(finished) < len(self.seqs):
                 try:
                     snap = await self._next_update(request, deadline)
@@ -207,6 +220,25 @@ def _completion_logprobs(engine, tokens, logprobs, top_logprobs, offset: int) ->
         offset += len(t)
     top = [_by_string(engine, alts) for alts in top_logprobs] if top_logprobs else None
     return {"tokens": strings, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _prompt_logprobs(engine, s: Sequence) -> dict:
+    """The completions format for a sequence's prompt tokens: their logprobs (null for the first) and top
+    alternatives with the prompt's own token added (as vLLM); offsets count from the start of the echo."""
+    strings = [engine.tokenizer.decode([t]) for t in s.prompt]
+    offsets = [0]
+    for t in strings[:-1]:
+        offsets.append(offsets[-1] + len(t))
+    tops = [None] + [
+        _by_string(engine, {**alts, tok: lp})
+        for tok, lp, alts in zip(s.prompt[1:], s.prompt_logprobs[1:], s.prompt_top_logprobs[1:], strict=True)
+    ]
+    return {"tokens": strings, "token_logprobs": s.prompt_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _joined(prompt: dict, generated: dict) -> dict:
+    top = generated["top_logprobs"] or [{} for _ in generated["tokens"]]
+    return {k: prompt[k] + (top if k == "top_logprobs" else generated[k]) for k in prompt}
 
 
 def _by_string(engine, alts: dict[int, float]) -> dict[str, float]:

@@ -2,9 +2,11 @@
 
     python serve.py http --checkpoint DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY]
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions (the tokenizer's chat template, rendered in
-jinja2's sandbox, or a plain "role: content" layout when it has none), GET /v1/models, GET /health,
-GET /metrics (the engine's statistics in the Prometheus format, `jaxgen.inference.stats`).
+Endpoints: POST /v1/completions (a prompt or a list of them, as text or token ids; with echo and
+logprobs the prompt's tokens are scored too, as lm-evaluation-harness asks), POST /v1/chat/completions
+(the tokenizer's chat template, rendered in jinja2's sandbox, or a plain "role: content" layout when
+it has none), GET /v1/models, GET /health, GET /metrics (the engine's statistics in the Prometheus
+format, `jaxgen.inference.stats`), and the tokenizer: POST /tokenize, POST /detokenize, GET /tokenizer_info.
 Request fields: max_tokens, temperature, top_p, top_k, min_p, seed, n, stop, logprobs, echo, stream
 (server-sent events), presence_penalty, frequency_penalty, repetition_penalty, logit_bias, and
 ignore_eos (an extension, as in vLLM). Every field is checked by `jaxgen.inference.sampling` (the same bounds
@@ -20,6 +22,7 @@ fails fails alone; a client that goes away (streaming or not) cancels its sequen
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 import threading
 import time
@@ -34,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from jaxgen.config import ServeConfig
 from jaxgen.inference.decode import encode_prompt
 from jaxgen.inference.engine import Engine
-from jaxgen.inference.sampling import SamplingConfig, SamplingError, check_text, shown
+from jaxgen.inference.sampling import SamplingConfig, SamplingError, check_prompt, check_text, shown
 from jaxgen.serving.errors import APIError, BodyLimit, install_error_handlers
 from jaxgen.serving.responses import Job
 
@@ -64,8 +67,8 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str]
-    max_tokens: int = 16
+    prompt: str | list[str] | list[int] | list[list[int]]  # text or token ids; a list of either: one choice each
+    max_tokens: int = 16  # 0 with echo: the prompt's log-probabilities only
     logprobs: int | None = None
     echo: bool = False
 
@@ -73,6 +76,21 @@ class CompletionRequest(_Common):
 class Message(BaseModel):
     role: str
     content: str
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True  # the tokenizer's own (a BOS token for Llama; nothing for GPT-2)
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]
 
 
 class ChatRequest(_Common):
@@ -129,18 +147,21 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, serv
     @app.post("/v1/completions", dependencies=[Depends(check_key)])
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise APIError(400, "only one prompt per request is supported (got a list of several)", "prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            ids = await tokens_of(prompt, "prompt")
-        else:
-            ids = encode_prompt(engine.tokenizer, prompt, engine.cfg)
+        prompts = _prompt_list(body.prompt, serve.max_queue)
+        ids = []
+        for i, p in enumerate(prompts):
+            field = "prompt" if len(prompts) == 1 else f"prompt.{i}"
+            ids.append(
+                await tokens_of(p, field)
+                if isinstance(p, str)
+                else encode_prompt(engine.tokenizer, p, engine.cfg, field)
+            )
         sampling = _sampling(body, body.max_tokens, body.logprobs or 0)
-        prefix = engine.tokenizer.decode(ids) if body.echo else ""
-        job = Job(engine, serve, ids, sampling, body, "text_completion", model_name, prefix, body.logprobs is not None)
+        if body.echo and body.logprobs is not None:  # scores of the prompt too, with the most likely token
+            top = max(body.logprobs, 1)
+            sampling = dataclasses.replace(sampling, logprobs=top, prompt_logprobs=top)
+        want = body.logprobs is not None
+        job = Job(engine, serve, ids, sampling, body, "text_completion", model_name, body.echo, want)
         return await job.respond(request)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
@@ -157,10 +178,42 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, serv
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = body.max_completion_tokens if field == "max_completion_tokens" else body.max_tokens
         sampling = _sampling(body, 256 if max_tokens is None else max_tokens, top, field)
-        job = Job(engine, serve, ids, sampling, body, "chat.completion", model_name, "", body.logprobs)
+        job = Job(engine, serve, [ids], sampling, body, "chat.completion", model_name, False, body.logprobs)
         return await job.respond(request)
 
+    _tokenizer_routes(app, engine, check_key, check_model, tokens_of)
     return BodyLimit(app, serve.max_body_bytes)
+
+
+def _tokenizer_routes(app: FastAPI, engine: Engine, check_key, check_model, tokens_of) -> None:
+    """POST /tokenize, POST /detokenize and GET /tokenizer_info (vLLM's shapes): a client, such as
+    lm-evaluation-harness's remote tokenizer, uses the server's own tokenizer."""
+    tokenizer, cfg = engine.tokenizer, engine.cfg
+
+    @app.post("/tokenize", dependencies=[Depends(check_key)])
+    async def tokenize(body: TokenizeRequest):
+        check_model(body.model)
+        check_text("prompt", body.prompt)
+        ids = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": cfg.max_seq_len}
+
+    @app.post("/detokenize", dependencies=[Depends(check_key)])
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model)
+        check_prompt(body.tokens, cfg.vocab_size, 2**31 - 1, "tokens") if body.tokens else None
+        return {"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens)}
+
+    @app.get("/tokenizer_info", dependencies=[Depends(check_key)])
+    async def tokenizer_info():
+        return tokenizer.info() | {"model_max_length": cfg.max_seq_len}
+
+
+def _prompt_list(prompt, most: int) -> list:
+    """The prompts of a completions request: a string or a list of ids is one; a list of either, several."""
+    prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) else [prompt]
+    if len(prompts) > most:
+        raise APIError(400, f"{len(prompts)} prompts in one request; at most {most} (serve.max_queue)", "prompt")
+    return prompts
 
 
 def _sandboxed_template(source: str) -> jinja2.Template:
