@@ -253,3 +253,20 @@ def test_resume_skips_a_corrupt_complete_line_of_the_output(engine, tmp_path):
     write_lines(out, [{"id": "g1", "choices": [], "prompt_tokens": 2}, b"\x00\xff garbage\n", b"[1, 2]\n"])
     summary = run_job(engine, inp, out, DEFAULTS)
     assert summary["skipped_done"] == 1 and summary["requests"] == 2
+
+
+def test_a_corpus_is_scored_offline_with_prompt_logprobs(engine, tiny_run, tmp_path):
+    """`max_new_tokens: 0, prompt_logprobs: 0` lines: each record's prompt_logprobs equal `score`."""
+    from jaxgen.inference.generator import Generator
+
+    texts = ["import os\nimport sys\n", "def add(a, b):\n    return a + b\n"]
+    write_lines(tmp_path / "in.jsonl", [{"id": i, "prompt": t, "max_new_tokens": 0, "prompt_logprobs": 0}
+                                        for i, t in enumerate(texts)])  # fmt: skip
+    run_job(engine, tmp_path / "in.jsonl", tmp_path / "out.jsonl", DEFAULTS)
+    records = sorted(read(tmp_path / "out.jsonl"), key=lambda r: r["id"])
+    gen = Generator(engine.params, engine.cfg, engine.tokenizer)
+    for r, text in zip(records, texts, strict=True):
+        ids = engine.tokenizer.encode(text)
+        assert r["choices"][0]["tokens"] == [] and r["prompt_logprobs"][0] is None
+        (want,) = gen.score([ids[:1]], [ids[1:]])
+        assert r["prompt_logprobs"][1:] == pytest.approx(want["token_logprobs"], abs=1e-4)

@@ -252,7 +252,7 @@ class Generator:
             check_prompt(pi + ci, self.cfg.vocab_size, self.cfg.max_seq_len + 1, f"pair {i}")
             pairs.append((pi, ci))
         out = []
-        for (p, _c), (lp, greedy, _, _) in zip(pairs, self._scores([p + c for p, c in pairs]), strict=True):
+        for (p, _c), (lp, greedy, _, _) in zip(pairs, self._scores([p + c for p, c in pairs], top=1), strict=True):
             token_lp, token_greedy = lp[len(p) - 1 :].tolist(), greedy[len(p) - 1 :]
             nll = -sum(token_lp) / len(token_lp)
             out.append({
@@ -262,9 +262,10 @@ class Generator:
             })  # fmt: skip
         return out
 
-    def _scores(self, seqs: list[list[int]]):
-        """Per sequence of L tokens: (logprobs (L-1,), greedy (L-1,), top ids and logprobs (L-1, MAX_LOGPROBS)),
-        position i scoring token i + 1; `max_batch` sequences at a time, lengths bucketed."""
+    def _scores(self, seqs: list[list[int]], top: int):
+        """Per sequence of L tokens: (logprobs (L-1,), greedy (L-1,), top ids and logprobs (L-1, top)),
+        position i scoring token i + 1; `max_batch` sequences at a time, lengths bucketed. (`top` is static:
+        score() asks 1, prompt log-probabilities MAX_LOGPROBS, whatever a request asks, so neither recompiles.)"""
         out = []
         for start in range(0, len(seqs), self.max_batch):
             batch = seqs[start : start + self.max_batch]
@@ -274,7 +275,7 @@ class Generator:
             for i, q in enumerate(batch):
                 tokens[i, : len(q)], positions[i, : len(q)] = q, np.arange(len(q))
             targets = np.roll(tokens, -1, axis=1)
-            s = jax.device_get(self._score(self.params, tokens, positions, targets, cfg=self.cfg, top=MAX_LOGPROBS))
+            s = jax.device_get(self._score(self.params, tokens, positions, targets, cfg=self.cfg, top=top))
             greedy = s.logprobs >= s.top_logprobs[..., 0]
             for i, q in enumerate(batch):
                 n = len(q) - 1
@@ -286,7 +287,9 @@ class Generator:
         whose settings ask none."""
         wanted = [p for p in prompt_idx if configs[p].prompt_logprobs is not None]
         out = {p: (None, None) for p in prompt_idx}
-        for p, (lp, _, top_ids, top_lp) in zip(wanted, self._scores([ids[p] for p in wanted]), strict=True):
+        for p, (lp, _, top_ids, top_lp) in zip(
+            wanted, self._scores([ids[p] for p in wanted], top=MAX_LOGPROBS), strict=True
+        ):
             out[p] = scoring.prompt_entries(lp, top_ids, top_lp, configs[p].prompt_logprobs)
         return out
 

@@ -41,6 +41,11 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[Completion]
 
+    @property
+    def prompt_logprobs(self) -> list[float | None] | None:
+        """Per prompt token, its log-probability (None for the first), with SamplingConfig.prompt_logprobs."""
+        return self.outputs[0].prompt_logprobs if self.outputs else None
+
 
 class LLM:
     """A model loaded once, with a serving engine (and, for `score`, a Generator) on the same params.

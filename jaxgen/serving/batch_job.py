@@ -4,6 +4,8 @@ Input: one JSON object per line, `{"id": ..., "prompt": "...", <any SamplingConf
 stream of bytes split at b"\\n" only (U+2028 and the like inside a JSON string are text, not line ends).
 Output: one JSON object per line, appended as each is known:
     {"id", "choices": [{"text", "finish_reason", "tokens", "logprobs"}], "prompt_tokens"}
+(with "prompt_logprobs": [null, ...] beside "prompt_tokens" when a line asks for them, e.g. to score a
+corpus: `{"id": 1, "prompt": "...", "max_new_tokens": 0, "prompt_logprobs": 0}`)
 or {"id", "error"} for a line that can never give a result: not UTF-8, not JSON, a setting out of
 range, or a request the engine failed (run again alone first, in case it only failed beside another).
 A bad line costs only itself; the job goes on. Running the same command again skips ids already in
@@ -56,7 +58,10 @@ class Output:
             {"text": c.text, "finish_reason": c.finish_reason, "tokens": c.tokens, "logprobs": c.logprobs}
             for c in completions
         ]
-        self._write({"id": req.id, "choices": choices, "prompt_tokens": len(req.prompt_ids)})
+        record = {"id": req.id, "choices": choices, "prompt_tokens": len(req.prompt_ids)}
+        if completions and completions[0].prompt_logprobs is not None:
+            record["prompt_logprobs"] = completions[0].prompt_logprobs
+        self._write(record)
         self.tokens += sum(len(c.tokens) for c in completions)
         self.bar.set_postfix(tok_s=f"{self.tokens / max(time.perf_counter() - self.start, 1e-9):.0f}")
 
