@@ -108,15 +108,16 @@ LENGTH = st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8, 2**31 - 1])  # mostly short; s
 PROMPT = st.one_of(
     st.text(min_size=1, max_size=40),
     st.lists(st.integers(0, 256), min_size=1, max_size=30),
-    st.text(min_size=1, max_size=40).map(lambda s: [s]),
+    st.lists(st.text(min_size=1, max_size=20), min_size=1, max_size=3),  # one choice per prompt
+    st.lists(st.lists(st.integers(0, 256), min_size=1, max_size=10), min_size=1, max_size=3),
 )
-BAD_PROMPTS = ["", [], [""], [LONE], "a" + LONE, [-1], [257], [2**63], [1.5], ["a", "b"], [1, "a"], [[1]],
-               list(range(256)), *HUGE, [HUGE[0]]]  # fmt: skip
+BAD_PROMPTS = ["", [], [""], [LONE], "a" + LONE, [-1], [257], [2**63], [1.5], ["a", ""], [1, "a"], [[1], []],
+               [[257]], [["a"]], [[1], "a"], list(range(256)), *HUGE, [HUGE[0]]]  # fmt: skip
 BAD_PROMPT = st.one_of(st.sampled_from(BAD_PROMPTS), ANY)
 COMPLETION = {
     **COMMON,
     "prompt": (PROMPT, BAD_PROMPT),
-    "max_tokens": (LENGTH, st.one_of(st.sampled_from([0, 2**31 - 1, 2**31, 255]), ANY)),
+    "max_tokens": (st.one_of(LENGTH, st.just(0)), st.one_of(st.sampled_from([-1, 2**31 - 1, 2**31, 255]), ANY)),
     "logprobs": (st.one_of(st.none(), st.integers(0, 5)), ANY),
     "echo": (st.booleans(), ANY),
 }
@@ -259,8 +260,11 @@ def check_error(status: int, data) -> None:
 
 
 def _n(call: Call) -> int | None:
+    """The choices a request asks: n per prompt (a list of strings or of id lists is several prompts)."""
     n = call.body.get("n", 1) if isinstance(call.body, dict) else None
-    return n if type(n) is int else None  # "2" or 2.0 are accepted too, but leave them uncounted
+    prompt = call.body.get("prompt") if isinstance(call.body, dict) else None
+    several = isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list)
+    return n * (len(prompt) if several else 1) if type(n) is int else None  # "2" or 2.0 are accepted, uncounted
 
 
 def check_completion(call: Call, data) -> None:

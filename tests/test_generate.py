@@ -152,6 +152,25 @@ def test_score_equals_training_loss(gen):
     np.testing.assert_allclose(batched["nll"], s["nll"], rtol=1e-5)
 
 
+def test_score_shared_equals_score(gen):
+    """Prompts run once with their continuations reading the KV cache (ragged prompts, shared by several
+    continuations, continuations of one token and of many, more pairs than max_batch) equal `score`."""
+    rng = np.random.default_rng(5)
+    contexts = [rng.integers(0, 256, k).tolist() for k in (1, 9, 30)]
+    prompts, conts = [], []
+    for ctx in contexts:
+        for k in (1, 2, 7, 20):
+            prompts.append(ctx)
+            conts.append(rng.integers(0, 256, k).tolist())
+    small = Generator(gen.params, CFG, gen.tokenizer, max_batch=8)
+    got, want = small.score_shared(prompts, conts), gen.score(prompts, conts)
+    for g, w in zip(got, want, strict=True):
+        assert g["tokens"] == w["tokens"] and g["greedy"] == w["greedy"]
+        np.testing.assert_allclose(g["token_logprobs"], w["token_logprobs"], atol=1e-4)
+    greedy = gen.generate([contexts[1]], SamplingConfig(max_new_tokens=3, temperature=0.0))[0].tokens
+    assert small.score_shared([contexts[1]], [greedy])[0]["greedy"]
+
+
 @pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
 def testdecode_loop_updates_the_cache_in_place(gen, cache_dtype):
     """The compiled loop writes the cache with dynamic-update-slice and never copies or converts it whole."""

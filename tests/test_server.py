@@ -185,7 +185,11 @@ def _metric(url, name):
     ("body", "field", "message"),
     [
         ({"prompt": "x", "temperature": -1}, "temperature", "temperature=-1.0 is not allowed: a number in [0,"),
-        ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens=0 is not allowed: an integer in [1, 2147483647]"),
+        (
+            {"prompt": "x", "max_tokens": -1},
+            "max_tokens",
+            "max_tokens=-1 is not allowed: an integer in [0, 2147483647]",
+        ),
         ({"prompt": "x", "colour": "blue"}, "colour", "Extra inputs are not permitted"),
         ({"max_tokens": 3}, "prompt", "Field required"),
         ({"prompt": "x" * 300}, "prompt", "the prompt has 300 tokens; the model's context is 256"),
@@ -471,7 +475,7 @@ def test_streamed_text_and_logprobs_equal_the_whole_response_with_split_characte
     assert seen_multibyte
 
 
-def _post(url, path, body):
+def _post_json(url, path, body):
     r = httpx.post(f"{url}{path}", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
@@ -485,7 +489,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(stack):
     context, continuation = list(b"The cat sat on the "), list(b"mat.")
     ids = context + continuation
     body = {"model": NAME, "prompt": [ids], "echo": True, "max_tokens": 1, "logprobs": 1, "temperature": 0}
-    (choice,) = _post(url, "/v1/completions", body)["choices"]
+    (choice,) = _post_json(url, "/v1/completions", body)["choices"]
     lp = choice["logprobs"]
     assert len(lp["token_logprobs"]) == len(lp["tokens"]) == len(lp["top_logprobs"]) == len(ids) + 1
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
@@ -499,7 +503,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(stack):
     np.testing.assert_allclose(lp["token_logprobs"][-1], generated.logprobs[0], atol=1e-4)
     # max_tokens 0 (older harnesses): the prompt's scores only, the same numbers
     body.update(max_tokens=0)
-    (zero,) = _post(url, "/v1/completions", body)["choices"]
+    (zero,) = _post_json(url, "/v1/completions", body)["choices"]
     assert zero["text"] == bytes(ids).decode() and zero["finish_reason"] == "length"
     np.testing.assert_allclose(zero["logprobs"]["token_logprobs"][1:], lp["token_logprobs"][1:-1], atol=1e-5)
 
@@ -514,7 +518,7 @@ def test_a_list_of_prompts_gives_one_choice_each_in_order(stack):
     assert [c.index for c in out.choices] == list(range(6))
     assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == [w.text for w in want]
     assert out.usage.prompt_tokens == sum(len(p) for p in prompts)
-    as_ids = _post(url, "/v1/completions", {"prompt": [list(p.encode()) for p in prompts], "max_tokens": 6,
+    as_ids = _post_json(url, "/v1/completions", {"prompt": [list(p.encode()) for p in prompts], "max_tokens": 6,
                                             "temperature": 0})  # fmt: skip
     assert [c["text"] for c in as_ids["choices"]] == [w.text for w in want[::2]]
 
@@ -522,12 +526,12 @@ def test_a_list_of_prompts_gives_one_choice_each_in_order(stack):
 def test_tokenizer_endpoints_round_trip(stack):
     _, url, engine, _ = stack
     text = "héllo <|endoftext|>"
-    got = _post(url, "/tokenize", {"prompt": text, "add_special_tokens": False})
+    got = _post_json(url, "/tokenize", {"prompt": text, "add_special_tokens": False})
     assert got["tokens"] == engine.tokenizer.encode(text, special=False) and got["count"] == len(got["tokens"])
-    assert _post(url, "/detokenize", {"tokens": got["tokens"]})["prompt"] == text
+    assert _post_json(url, "/detokenize", {"tokens": got["tokens"]})["prompt"] == text
     info = httpx.get(f"{url}/tokenizer_info", timeout=60).json()
     assert info["eos_token"] == engine.tokenizer.tok.id_to_token(engine.tokenizer.eos_id)
-    assert _post(url, "/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False})["tokens"] == [
+    assert _post_json(url, "/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False})["tokens"] == [
         engine.tokenizer.eos_id
     ]  # lm-eval finds the end-of-text id this way
     assert info["model_max_length"] == CFG.max_seq_len and info["chat_template"] == TEMPLATE

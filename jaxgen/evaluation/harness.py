@@ -10,8 +10,9 @@ Registered as the model "jaxgen" when this module is imported (`python -m jaxgen
 
 - `loglikelihood` (every multiple-choice task): the context and continuation are tokenized as lm-eval's
   other causal models do (`TemplateLM`: the whole string encoded, the context's tokens split off), then
-  scored in batches by `Generator.score`, sorted by length so that a batch pads little; one teacher-forced
-  forward per batch, no decoding.
+  scored in batches by `Generator.score_shared`: each distinct context runs once into a KV cache and its
+  choices read it (a four-way question costs one context and four endings, not four of each); sorted by
+  length so that a batch pads little.
 - `loglikelihood_rolling` (perplexity tasks): lm-eval's rolling windows of the context length, scored the same way.
 - `generate_until`: every request queued at once on the continuous-batching `Engine` (greedy unless the
   task asks `do_sample`), `until` as stop strings.
@@ -87,12 +88,13 @@ class JaxgenLM(TemplateLM):
         """(sum of the continuation's log-probabilities, whether it is the greedy continuation) per request of
         (key, context ids, continuation ids); the context is cut from the left to fit the model's context."""
         pairs = [self._fit(ctx, cont) for _, ctx, cont in requests]
-        order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
+        # a context's choices side by side (they share its cache), similar lengths in a batch
+        order = sorted(range(len(pairs)), key=lambda i: (len(pairs[i][0]), pairs[i][0], len(pairs[i][1])))
         out: list[tuple[float, bool] | None] = [None] * len(pairs)
         bar = tqdm(total=len(pairs), desc="jaxgen loglikelihood", disable=disable_tqdm)
         for start in range(0, len(order), self.batch_size):
             batch = order[start : start + self.batch_size]
-            scores = self.gen.score([pairs[i][0] for i in batch], [pairs[i][1] for i in batch])
+            scores = self.gen.score_shared([pairs[i][0] for i in batch], [pairs[i][1] for i in batch])
             for i, s in zip(batch, scores, strict=True):
                 out[i] = (s["logprob"], s["greedy"])
                 if requests[i][0] is not None:

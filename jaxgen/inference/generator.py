@@ -96,6 +96,10 @@ class Generator:
         self._prefill = with_mesh(jitted_prefill, mesh)
         self._loop = with_mesh(jax.jit(counted(self, decode_loop), static_argnames="cfg", donate_argnums=1), mesh)
         self._score = with_mesh(jax.jit(counted(self, scoring.score_tokens), static_argnames=("cfg", "top")), mesh)
+        statics = ("cfg", "cache_len", "cache_dtype")
+        self._score_after = with_mesh(
+            jax.jit(counted(self, scoring.score_after_prompts), static_argnames=statics), mesh
+        )
 
     def prefill(self, tokens, positions, rows, lengths, cache_len: int):
         """The jitted `decode.prefill` on this Generator's params: (cache, next-token logits)."""
@@ -238,6 +242,54 @@ class Generator:
         token, 'perplexity': exp(nll), 'token_logprobs': [...], 'greedy': whether every continuation
         token is the model's most likely one (as evaluation harnesses ask)}. Same padding rules as generation.
         """
+        pairs = self._pairs(prompts, continuations)
+        out = []
+        for (p, _c), (lp, greedy, _, _) in zip(pairs, self._scores([p + c for p, c in pairs], top=1), strict=True):
+            out.append(_score_dict(lp[len(p) - 1 :].tolist(), bool(greedy[len(p) - 1 :].all())))
+        return out
+
+    def score_shared(self, prompts, continuations) -> list[dict]:
+        """`score`, with each distinct prompt run once: its continuations read its KV cache (a multiple-choice
+        question's context runs once for all its endings). The same dicts as `score`, in order; pairs are
+        batched `max_batch` at a time, sorted by length."""
+        pairs = self._pairs(prompts, continuations)
+        order = sorted(range(len(pairs)), key=lambda i: (len(pairs[i][0]), pairs[i][0], len(pairs[i][1])))
+        out: list[dict | None] = [None] * len(pairs)
+        for start in range(0, len(order), self.max_batch):
+            idx = order[start : start + self.max_batch]
+            for i, result in zip(idx, self._score_shared_batch([pairs[i] for i in idx]), strict=True):
+                out[i] = result
+        return out
+
+    def _score_shared_batch(self, pairs) -> list[dict]:
+        unique = list(dict.fromkeys(tuple(p) for p, _ in pairs))
+        where = {p: i for i, p in enumerate(unique)}
+        p_count, b = bucket(len(unique), minimum=1), bucket(len(pairs), minimum=1)
+        t, c = bucket(max(len(p) for p in unique)), bucket(max(len(q) for _, q in pairs))
+        tokens, positions = np.zeros((p_count, t), np.int32), np.full((p_count, t), -1, np.int32)
+        lengths = np.ones((p_count,), np.int32)
+        for i, p in enumerate(unique):
+            tokens[i, : len(p)], positions[i, : len(p)], lengths[i] = p, np.arange(len(p)), len(p)
+        rows = np.zeros((b,), np.int32)
+        cont = np.zeros((b, c), np.int32)
+        cont_pos = np.full((b, c), -1, np.int32)
+        for r, (p, q) in enumerate(pairs):
+            rows[r] = where[tuple(p)]
+            cont[r, : len(q)], cont_pos[r, : len(q)] = q, np.arange(len(p), len(p) + len(q))
+        targets = np.roll(cont, -1, axis=1)
+        first, first_greedy, rest = jax.device_get(
+            self._score_after(self.params, tokens, positions, lengths, rows, cont, cont_pos, targets, cfg=self.cfg,
+                              cache_len=bucket(t + c), cache_dtype=self.cache_dtype)
+        )  # fmt: skip
+        out = []
+        for r, (_, q) in enumerate(pairs):
+            token_lp = [float(first[r]), *rest.logprobs[r, : len(q) - 1].tolist()]
+            greedy = bool(first_greedy[r]) and bool(rest.greedy[r, : len(q) - 1].all())
+            out.append(_score_dict(token_lp, greedy))
+        return out
+
+    def _pairs(self, prompts, continuations) -> list[tuple[list[int], list[int]]]:
+        """Token ids of each (prompt, continuation) pair, checked before any compilation."""
         if len(prompts) != len(continuations):
             raise SamplingError(f"{len(prompts)} prompts but {len(continuations)} continuations")
         pairs = []
@@ -251,16 +303,7 @@ class Generator:
             # ids outside the vocabulary would index past the embedding (NaN log-likelihoods)
             check_prompt(pi + ci, self.cfg.vocab_size, self.cfg.max_seq_len + 1, f"pair {i}")
             pairs.append((pi, ci))
-        out = []
-        for (p, _c), (lp, greedy, _, _) in zip(pairs, self._scores([p + c for p, c in pairs], top=1), strict=True):
-            token_lp, token_greedy = lp[len(p) - 1 :].tolist(), greedy[len(p) - 1 :]
-            nll = -sum(token_lp) / len(token_lp)
-            out.append({
-                "logprob": sum(token_lp), "tokens": len(token_lp), "nll": nll,
-                "perplexity": float(np.exp(min(nll, 50.0))), "token_logprobs": token_lp,
-                "greedy": bool(token_greedy.all()),
-            })  # fmt: skip
-        return out
+        return pairs
 
     def _scores(self, seqs: list[list[int]], top: int):
         """Per sequence of L tokens: (logprobs (L-1,), greedy (L-1,), top ids and logprobs (L-1, top)),
@@ -292,6 +335,14 @@ class Generator:
         ):
             out[p] = scoring.prompt_entries(lp, top_ids, top_lp, configs[p].prompt_logprobs)
         return out
+
+
+def _score_dict(token_lp: list[float], greedy: bool) -> dict:
+    nll = -sum(token_lp) / len(token_lp)
+    return {
+        "logprob": sum(token_lp), "tokens": len(token_lp), "nll": nll, "perplexity": float(np.exp(min(nll, 50.0))),
+        "token_logprobs": token_lp, "greedy": greedy,
+    }  # fmt: skip
 
 
 def generate(

@@ -80,3 +80,25 @@ def prompt_entries(logprobs, top_ids, top_logprobs, n: int) -> tuple[list[float 
     ids, alt = top_ids[:, :n].tolist(), top_logprobs[:, :n].tolist()
     tops = [None, *(dict(zip(i, a, strict=True)) for i, a in zip(ids, alt, strict=True))]
     return lps, tops
+
+
+def score_after_prompts(
+    params, tokens, positions, lengths, rows, cont_tokens, cont_positions, cont_targets, *, cfg: ModelConfig,
+    cache_len: int, cache_dtype: str,
+):  # fmt: skip
+    """Continuations scored after shared prompts: each prompt runs once into a KV cache, and each row's
+    continuation reads its prompt's cache (multiple-choice questions: one context, several endings).
+
+    tokens, positions: (P, T) padded prompts; lengths: (P,); rows: (B,) the prompt of each row.
+    cont_tokens, cont_positions, cont_targets: (B, C) each row's continuation, at the positions after its
+    prompt (-1 on padding), and the next token of each (for j < L - 1 of a continuation of L tokens).
+    Returns (first (B,): log-probability of each continuation's first token, from its prompt's last
+    position; first_greedy (B,); TokenScores (B, C) of the rest, top 1).
+    """
+    from jaxgen.inference.decode import prefill  # the decode core's prefill (prompts once, rows gathered)
+
+    cache, last = prefill(params, tokens, positions, rows, lengths, cfg, cache_len, cache_dtype)
+    logp = jax.nn.log_softmax(last, axis=-1)  # (B, V)
+    first = jnp.take_along_axis(logp, cont_tokens[:, :1], axis=-1)[:, 0]
+    x, _ = model.hidden_states(params, cont_tokens, cont_positions, cache, cfg=cfg)
+    return first, first >= logp.max(axis=-1), score_hidden(params, x, cont_targets, cfg, top=1)
