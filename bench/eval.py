@@ -1,10 +1,11 @@
 """Evaluation throughput: a multiple-choice task through lm-evaluation-harness, three ways.
 
-    python bench/eval.py [--config llama-small] [--layers 4] [--examples 500] [--batch-size 32]
+    python bench/eval.py [--config llama-small] [--layers 4] [--examples 500] [--batch-size 8] [--context-lines 3]
 
 The task: `--examples` four-way questions made from the standard library's Python source (each question
-a line's first half; the choices its true second half and three other lines' second halves; fixed
-seed), written as a local JSON task. Each is answered:
+`--context-lines` other lines, then a line's first half; the choices its true second half and three other
+lines' second halves; fixed seed), written as a local JSON task. Long contexts and short endings, as in
+HellaSwag, are where running each context once (`Generator.score_shared`) pays. Each is answered:
 - `score()` one at a time: `Generator.score` called per example (its four choices in one call): the
   baseline a user would write by hand;
 - native: lm-eval's `simple_evaluate` on `JaxgenLM` (every choice of every example scored in length-
@@ -60,7 +61,7 @@ metric_list:
 """
 
 
-def questions(n: int, seed: int) -> list[dict]:
+def questions(n: int, seed: int, context_lines: int = 0) -> list[dict]:
     """Four-way questions from the standard library's source lines (real text on every machine)."""
     rng = random.Random(seed)
     lines = []
@@ -68,13 +69,15 @@ def questions(n: int, seed: int) -> list[dict]:
         lines += [s.strip() for s in path.read_text(errors="ignore").splitlines() if 40 <= len(s.strip()) <= 100]
     rng.shuffle(lines)
     out = []
+    context = lines[4 * n : 4 * n + n * context_lines]
     for i in range(n):
         line, others = lines[i], lines[n + 3 * i : n + 3 * i + 3]
+        before = "".join(x + "\n" for x in context[i * context_lines : (i + 1) * context_lines])
         cut = len(line) // 2
         choices = [line[cut:]] + [o[len(o) // 2 :] for o in others]
         order = list(range(4))
         rng.shuffle(order)
-        out.append({"question": line[:cut], "choices": [choices[j] for j in order], "answer": order.index(0)})
+        out.append({"question": before + line[:cut], "choices": [choices[j] for j in order], "answer": order.index(0)})
     return out
 
 
@@ -112,7 +115,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4, help="model depth (default 4, to keep the run short)")
     parser.add_argument("--examples", type=int, default=500)
     parser.add_argument("--warmup", type=int, default=64, help="examples run first, untimed (compilation)")
-    parser.add_argument("--batch-size", type=int, default=32, help="rows scored together (native and score)")
+    parser.add_argument("--batch-size", type=int, default=8, help="rows the native model scores together")
+    parser.add_argument("--context-lines", type=int, default=3, help="source lines before each question")
     parser.add_argument("--http-batch", type=int, default=16, help="prompts per HTTP request (server)")
     parser.add_argument("--concurrent", type=int, default=4, help="HTTP requests in flight (server)")
     args = parser.parse_args()
@@ -120,16 +124,18 @@ def main() -> None:
     cfg = load_config(ROOT / "configs" / f"{args.config}.yaml", overrides).model
     params = model.init_params(cfg, jax.random.key(0))
     tok = Tokenizer.byte_level()
-    docs = questions(args.examples + args.warmup, seed=0)
+    docs = questions(args.examples + args.warmup, seed=0, context_lines=args.context_lines)
     warm, docs = docs[: args.warmup], docs[args.warmup :]
     folder = Path(tempfile.mkdtemp(prefix="jaxgen-eval-bench-"))
     write_task(folder, "bench_warm", warm)
     write_task(folder, "bench_mc", docs)
     tasks = TaskManager(include_path=str(folder))
-    print(f"{args.config} with {args.layers} layers, float32, byte-level tokens; {len(docs)} four-way examples")
+    tokens = sum(len(d["question"]) for d in docs) / len(docs)
+    print(f"{args.config} with {args.layers} layers, float32, byte-level tokens; {len(docs)} four-way examples, "
+          f"contexts of {tokens:.0f} tokens on average; native batch {args.batch_size}")  # fmt: skip
 
     lm = JaxgenLM(model=(cfg, tok, params), batch_size=args.batch_size)
-    gen = Generator(params, cfg, tok, max_batch=args.batch_size)
+    gen = Generator(params, cfg, tok, max_batch=4)  # one example's four choices per call
     by_hand(gen, lm, docs)  # compiles every shape: the timed run is steady state
     rows = [("score() one example at a time", *timed(by_hand, gen, lm, docs))]
 
