@@ -12,22 +12,20 @@ import os
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the tasks' data are local files; nothing to fetch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import lm_eval
 import numpy as np
 import pytest
+from lm_eval.tasks import TaskManager
 
-lm_eval = pytest.importorskip("lm_eval")  # a test dependency (pyproject's test extra); never skipped in CI
-
-from lm_eval.tasks import TaskManager  # noqa: E402
-
-from jaxgen.config import ServeConfig  # noqa: E402
-from jaxgen.evaluation.harness import JaxgenLM  # noqa: E402
-from jaxgen.inference.engine import Engine  # noqa: E402
-from jaxgen.inference.generator import Generator  # noqa: E402
-from jaxgen.inference.sampling import SamplingConfig  # noqa: E402
-from jaxgen.serving.server import create_app  # noqa: E402
-from jaxgen.training.checkpoint import load_model  # noqa: E402
-from tests.conftest import ROOT  # noqa: E402
-from tests.live import live_server  # noqa: E402
+from jaxgen.config import ServeConfig
+from jaxgen.evaluation.harness import JaxgenLM
+from jaxgen.inference.engine import Engine
+from jaxgen.inference.generator import Generator
+from jaxgen.inference.sampling import SamplingConfig
+from jaxgen.serving.server import create_app
+from jaxgen.training.checkpoint import load_model
+from tests.conftest import ROOT
+from tests.live import live_server
 
 MC = [
     ("def add(a, b):\n    return", [" a + b", " a - b", " None", " print"], 0),
