@@ -112,12 +112,10 @@ class Engine:
         """Raises SamplingError / PageError for a request this engine can never run, before queueing."""
         prompt = check_prompt(prompt, self.cfg.vocab_size, self.cfg.max_seq_len)
         c.check_for_model(self.cfg.vocab_size)
-        for name in ("logprobs", "prompt_logprobs"):
-            if (getattr(c, name) or 0) > self.serve.max_logprobs:
-                most = self.serve.max_logprobs
-                raise SamplingError(
-                    f"{name}={getattr(c, name)} is not allowed: at most {most} (serve.max_logprobs)", name
-                )
+        most = self.serve.max_logprobs
+        for name, value in (("logprobs", c.logprobs), ("prompt_logprobs", c.prompt_logprobs or 0)):
+            if value > most:
+                raise SamplingError(f"{name}={value} is not allowed: at most {most} (serve.max_logprobs)", name)
         stops = self._stops(c)
         if any(len(q) > STOP_LEN for q in stops):
             raise SamplingError(f"a stop token sequence is longer than {STOP_LEN} tokens", "stop_token_sequences")

@@ -151,12 +151,7 @@ class Generator:
         # Slots for the padded prompts plus every new token: the padding (up to the bucket t) takes slots
         # too, so capping at the context length would leave no room when t reaches it.
         cache_len = max(bucket(t + min(longest_new, cfg.max_seq_len)), self.min_cache_len)
-        tokens = np.zeros((p_count, t), np.int32)
-        positions = np.full((p_count, t), -1, np.int32)
-        lengths = np.ones((p_count,), np.int32)
-        for i, p in enumerate(prompt_idx):
-            n = len(ids[p])
-            tokens[i, :n], positions[i, :n], lengths[i] = ids[p], np.arange(n), n
+        tokens, positions, lengths = _padded([ids[p] for p in prompt_idx], p_count, t)
         where = {p: i for i, p in enumerate(prompt_idx)}
         padded = group + [group[0]] * (b - len(group))  # filler rows, finished from the start
         rows = np.asarray([where[p] for p, _ in padded], np.int32)
@@ -266,10 +261,7 @@ class Generator:
         where = {p: i for i, p in enumerate(unique)}
         p_count, b = bucket(len(unique), minimum=1), bucket(len(pairs), minimum=1)
         t, c = bucket(max(len(p) for p in unique)), bucket(max(len(q) for _, q in pairs))
-        tokens, positions = np.zeros((p_count, t), np.int32), np.full((p_count, t), -1, np.int32)
-        lengths = np.ones((p_count,), np.int32)
-        for i, p in enumerate(unique):
-            tokens[i, : len(p)], positions[i, : len(p)], lengths[i] = p, np.arange(len(p)), len(p)
+        tokens, positions, lengths = _padded(unique, p_count, t)
         rows = np.zeros((b,), np.int32)
         cont = np.zeros((b, c), np.int32)
         cont_pos = np.full((b, c), -1, np.int32)
@@ -313,16 +305,12 @@ class Generator:
         for start in range(0, len(seqs), self.max_batch):
             batch = seqs[start : start + self.max_batch]
             b, t = bucket(len(batch), minimum=1), bucket(max(len(q) for q in batch))
-            tokens = np.zeros((b, t), np.int32)
-            positions = np.full((b, t), -1, np.int32)
-            for i, q in enumerate(batch):
-                tokens[i, : len(q)], positions[i, : len(q)] = q, np.arange(len(q))
+            tokens, positions, _ = _padded(batch, b, t)
             targets = np.roll(tokens, -1, axis=1)
             s = jax.device_get(self._score(self.params, tokens, positions, targets, cfg=self.cfg, top=top))
-            greedy = s.logprobs >= s.top_logprobs[..., 0]
             for i, q in enumerate(batch):
                 n = len(q) - 1
-                out.append((s.logprobs[i, :n], greedy[i, :n], s.top_ids[i, :n], s.top_logprobs[i, :n]))
+                out.append((s.logprobs[i, :n], s.greedy[i, :n], s.top_ids[i, :n], s.top_logprobs[i, :n]))
         return out
 
     def _prompt_scores(self, ids, configs, prompt_idx) -> dict[int, tuple]:
@@ -335,6 +323,17 @@ class Generator:
         ):
             out[p] = scoring.prompt_entries(lp, top_ids, top_lp, configs[p].prompt_logprobs)
         return out
+
+
+def _padded(seqs, rows: int, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Token ids and positions (rows, length) of `seqs`, right-padded with position -1, and their lengths
+    (rows,) (1 for the filler rows past the last sequence)."""
+    tokens = np.zeros((rows, length), np.int32)
+    positions = np.full((rows, length), -1, np.int32)
+    lengths = np.ones((rows,), np.int32)
+    for i, q in enumerate(seqs):
+        tokens[i, : len(q)], positions[i, : len(q)], lengths[i] = q, np.arange(len(q)), len(q)
+    return tokens, positions, lengths
 
 
 def _score_dict(token_lp: list[float], greedy: bool) -> dict:

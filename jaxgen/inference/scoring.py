@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from jaxgen import model
 from jaxgen.config import ModelConfig
+from jaxgen.inference.decode import prefill
 
 BLOCK = 128  # positions per head call
 
@@ -67,11 +68,6 @@ def score_tokens(params, tokens, positions, targets, *, cfg: ModelConfig, top: i
     return score_hidden(params, x, targets, cfg, top)
 
 
-def next_tokens(tokens):
-    """(B, T) targets for `tokens`: each position's next token (the last position gets the first, to be masked)."""
-    return jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
-
-
 def prompt_entries(logprobs, top_ids, top_logprobs, n: int) -> tuple[list[float | None], list[dict[int, float] | None]]:
     """A prompt's log-probabilities as the APIs return them, from its scores at positions 0 .. L-2 (each
     predicting the next prompt token): per prompt token, its log-probability and its top-`n`
@@ -95,8 +91,6 @@ def score_after_prompts(
     Returns (first (B,): log-probability of each continuation's first token, from its prompt's last
     position; first_greedy (B,); TokenScores (B, C) of the rest, top 1).
     """
-    from jaxgen.inference.decode import prefill  # the decode core's prefill (prompts once, rows gathered)
-
     cache, last = prefill(params, tokens, positions, rows, lengths, cfg, cache_len, cache_dtype)
     logp = jax.nn.log_softmax(last, axis=-1)  # (B, V)
     first = jnp.take_along_axis(logp, cont_tokens[:, :1], axis=-1)[:, 0]

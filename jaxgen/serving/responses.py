@@ -135,7 +135,7 @@ class Job:
         finished: set[int] = set()
         deadline = self._deadline()
         try:
-            for s in self.seqs:  # with echo, the prompt (its logprobs come whole in the final answer only)
+            for s in self.seqs:  # with echo, the prompt's text (a stream does not carry the prompt's logprobs)
                 yield self._event(self._index(s), self.prefixes[s.prompt_index], None, None, first=True)
             while len(finished) < len(self.seqs):
                 try:
@@ -237,8 +237,8 @@ def _prompt_logprobs(engine, s: Sequence) -> dict:
 
 
 def _joined(prompt: dict, generated: dict) -> dict:
-    top = generated["top_logprobs"] or [{} for _ in generated["tokens"]]
-    return {k: prompt[k] + (top if k == "top_logprobs" else generated[k]) for k in prompt}
+    """The prompt's entries, then the generated tokens' (none with max_tokens 0: their top_logprobs is None)."""
+    return {k: prompt[k] + (generated[k] or []) for k in prompt}
 
 
 def _by_string(engine, alts: dict[int, float]) -> dict[str, float]:

@@ -200,7 +200,8 @@ def _tokenizer_routes(app: FastAPI, engine: Engine, check_key, check_model, toke
     @app.post("/detokenize", dependencies=[Depends(check_key)])
     async def detokenize(body: DetokenizeRequest):
         check_model(body.model)
-        check_prompt(body.tokens, cfg.vocab_size, 2**31 - 1, "tokens") if body.tokens else None
+        if body.tokens:  # (an empty list decodes to "")
+            check_prompt(body.tokens, cfg.vocab_size, 2**31 - 1, "tokens")
         return {"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens)}
 
     @app.get("/tokenizer_info", dependencies=[Depends(check_key)])
