@@ -57,6 +57,26 @@ class ModelConfig:
     embed_scale: bool = False  # token embeddings times sqrt(d_model) on the way in (Gemma)
     tie_embeddings: bool = False  # the LM head reuses the token embedding (GPT-2: True)
     sliding_window: int | None = None  # attend to at most this many previous positions
+    global_every: int = 0  # with sliding_window: layer i attends globally when (i + 1) % n == 0 (Gemma 2: 2)
+    rope_local_theta: float | None = None  # RoPE base of the sliding-window layers (Gemma 3); None = rope_theta
+    qk_norm: Literal["none", "head", "full"] = "none"  # RMSNorm on q and k before RoPE: per head (Qwen3,
+    #   Gemma 3) or over the whole projection N * H / K * H (OLMo 2)
+    norm_placement: Literal["pre", "sandwich", "post"] = "pre"  # sandwich: pre- and post-norms (Gemma 2/3);
+    #   post: the sublayer's output normed before the residual add, no pre-norm (OLMo 2)
+    query_scale: float | None = None  # logits scaled by query_scale ** -0.5 (Gemma's query_pre_attn_scalar);
+    #   None = head_dim
+    attn_softcap: float | None = None  # attention logits capped as cap * tanh(x / cap) (Gemma 2)
+    final_softcap: float | None = None  # the same on the output logits
+    num_experts: int = 0  # E; 0 = a dense MLP, else a mixture of experts (Mixtral, Qwen3-MoE) of width d_ff
+    experts_per_token: int = 2  # k: experts each token is routed to
+    router_renormalize: bool = True  # the k routing weights rescaled to sum to 1 (Mixtral; Qwen3's norm_topk_prob)
+    router_aux_coef: float = 0.01  # weight of the load-balancing loss in training (Switch Transformer)
+    router_z_coef: float = 0.0  # weight of the router z-loss (mean squared logsumexp of router logits)
+    moe_impl: Literal["auto", "grouped", "ragged_dot", "dense"] = "auto"  # how tokens reach their experts:
+    #   grouped: tokens sorted by expert, one product per tile of rows (reads only the experts in use);
+    #   ragged_dot: jax.lax.ragged_dot (a kernel on GPU/TPU; dense under a mask on CPU);
+    #   dense: every expert on every token (the reference); auto: ragged_dot on GPU/TPU, grouped on CPU
+    family: str | None = None  # the Hugging Face family imported from, kept for export (None: from the fields)
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; params stay float32
     init_std: float = 0.02
 
@@ -96,6 +116,43 @@ class ModelConfig:
             _check(self.head_size % 2 == 0, "model.head_dim", self.head_size, "an even number with rope")
         if self.sliding_window is not None:
             _check(self.sliding_window > 0, "model.sliding_window", self.sliding_window, "null or > 0")
+        self._check_layer_pattern()
+        self._check_attention_extras()
+        self._check_experts()
+
+    def _check_layer_pattern(self):
+        _check(self.global_every >= 0, "model.global_every", self.global_every, "an integer >= 0")
+        for name in ("global_every", "rope_local_theta"):
+            if getattr(self, name) and self.sliding_window is None:
+                _check(False, f"model.{name}", getattr(self, name), "only with model.sliding_window set")
+        if self.rope_local_theta is not None:
+            _check(self.position == "rope", "model.rope_local_theta", self.rope_local_theta, "only with rope")
+
+    def _check_attention_extras(self):
+        kinds = ("none", "head", "full")
+        _check(self.qk_norm in kinds, "model.qk_norm", self.qk_norm, ", ".join(kinds))
+        places = ("pre", "sandwich", "post")
+        _check(self.norm_placement in places, "model.norm_placement", self.norm_placement, ", ".join(places))
+        for name in ("query_scale", "attn_softcap", "final_softcap"):
+            value = getattr(self, name)
+            _check(value is None or value > 0, f"model.{name}", value, "null or a number > 0")
+
+    def _check_experts(self):
+        _check(self.num_experts >= 0, "model.num_experts", self.num_experts, "0 (dense MLP) or a positive integer")
+        if not self.num_experts:
+            return
+        _check(
+            1 <= self.experts_per_token <= self.num_experts,
+            "model.experts_per_token",
+            self.experts_per_token,
+            f"1..num_experts={self.num_experts}",
+        )
+        _check(self.mlp in ("swiglu", "geglu"), "model.mlp", self.mlp, "swiglu or geglu with experts")
+        _check(not self.use_bias, "model.use_bias", self.use_bias, "false with experts")
+        impls = ("auto", "grouped", "ragged_dot", "dense")
+        _check(self.moe_impl in impls, "model.moe_impl", self.moe_impl, ", ".join(impls))
+        for name in ("router_aux_coef", "router_z_coef"):
+            _check(getattr(self, name) >= 0, f"model.{name}", getattr(self, name), "a number >= 0")
 
     @property
     def kv_heads(self) -> int:
@@ -104,6 +161,12 @@ class ModelConfig:
     @property
     def head_size(self) -> int:
         return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
+
+    def is_global(self, layer: int) -> bool:
+        """Whether `layer` attends to the whole context (no sliding window)."""
+        if self.sliding_window is None:
+            return True
+        return self.global_every > 0 and (layer + 1) % self.global_every == 0
 
     @property
     def groups(self) -> int:

@@ -2,7 +2,8 @@
 
 Axis glossary (used in names, einsum strings and shape comments across jaxgen):
     B batch, T query length, S key/cache length, D model width, N query heads, K kv heads,
-    G query heads per kv head (N = K * G), H head dim, F mlp width, V vocab, L layers.
+    G query heads per kv head (N = K * G), H head dim, F mlp width, V vocab, L layers, E experts,
+    M tokens flattened (B * T), A (token, expert) assignments (M * k).
 
 Every parameter and the main activations carry logical names (below); `RULES` maps each to mesh
 axes. A dimension that the mesh axes do not divide is replicated instead (e.g. one kv head under
@@ -30,6 +31,7 @@ RULES: dict[str, tuple[str, ...] | str | None] = {
     "heads": "tensor",
     "kv_heads": "tensor",
     "mlp": "tensor",
+    "expert": "tensor",  # expert parallelism: each device holds E / tensor whole experts (F then stays whole)
     "head_dim": None,
     "layers": None,
     "seq": None,
@@ -52,12 +54,17 @@ def _axis_size(mesh, axes) -> int:
 
 
 def logical_spec(names: tuple[str | None, ...], shape: tuple[int, ...] | None = None, mesh=None) -> PartitionSpec:
-    """PartitionSpec for logical axis names; drops mesh axes that do not divide the dimension."""
-    spec = []
+    """PartitionSpec for logical axis names; drops mesh axes that do not divide the dimension, and a
+    mesh axis an earlier dimension already uses (experts over tensor leave their F axis whole)."""
+    spec, used = [], set()
     for i, name in enumerate(names):
         axes = RULES[name] if name is not None else None
         if axes is not None and mesh is not None and shape[i] % _axis_size(mesh, axes) != 0:
             axes = None
+        if axes is not None and used & set((axes,) if isinstance(axes, str) else axes):
+            axes = None
+        if axes is not None:
+            used |= set((axes,) if isinstance(axes, str) else axes)
         spec.append(axes)
     return PartitionSpec(*spec)
 

@@ -1,5 +1,9 @@
 """config.json <-> ModelConfig: the supported families, reading a folder's config, choosing the family a
-jaxgen model exports to and writing its config.json; HFError, the error every hf module raises."""
+jaxgen model exports to and writing its config.json; HFError, the error every hf module raises.
+
+Each family is the Llama layout plus a few fields (`_FAMILY_FIELDS`); reading and writing are one
+table each way, and `family_of` checks a candidate by writing the config and reading it back.
+"""
 
 from __future__ import annotations
 
@@ -10,15 +14,44 @@ from pathlib import Path
 from jaxgen.config import ModelConfig
 from jaxgen.tokenizer import Tokenizer
 
-FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "gemma")
 _ARCHITECTURES = {
     "gpt2": "GPT2LMHeadModel",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "gemma": "GemmaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
+FAMILIES = tuple(_ARCHITECTURES)
+_GEMMAS = ("gemma", "gemma2", "gemma3_text")
 _TANH_GELU = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+
+# What each RoPE family sets beyond Llama's layout (read: these values; export: the family if they match).
+_FAMILY_FIELDS = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {"qkv_bias": True},
+    "gemma": {"mlp": "geglu", "norm_unit_offset": True, "embed_scale": True},
+    "qwen3": {"qk_norm": "head"},
+    "gemma2": {"mlp": "geglu", "norm_unit_offset": True, "embed_scale": True, "norm_placement": "sandwich"},
+    "gemma3_text": {
+        "mlp": "geglu", "norm_unit_offset": True, "embed_scale": True, "norm_placement": "sandwich",
+        "qk_norm": "head",
+    },
+    "olmo2": {"qk_norm": "full", "norm_placement": "post"},
+    "phi3": {},
+    "mixtral": {},
+    "qwen3_moe": {"qk_norm": "head"},
+}  # fmt: skip
+_WINDOWED = ("mistral", "phi3", "mixtral", "gemma2", "gemma3_text")  # families with a sliding window
+# Fields a round trip through config.json need not keep: how jaxgen computes, not what the model is.
+_NOT_ARCHITECTURE = ("dtype", "init_std", "family", "moe_impl", "router_z_coef")
 
 
 class HFError(ValueError):
@@ -38,7 +71,11 @@ def read_config(folder: str | Path) -> tuple[str, ModelConfig]:
     family = hf.get("model_type")
     if family not in FAMILIES:
         raise _fail(folder, f"unsupported architecture model_type={family!r} ({hf.get('architectures')})")
-    return family, (_gpt2_config(hf, folder) if family == "gpt2" else _llama_like_config(hf, family, folder))
+    return family, _from_hf(hf, family, folder)
+
+
+def _from_hf(hf: dict, family: str, folder) -> ModelConfig:
+    return _gpt2_config(hf, folder) if family == "gpt2" else _llama_like_config(hf, family, folder)
 
 
 def _gpt2_config(hf: dict, folder) -> ModelConfig:
@@ -52,15 +89,28 @@ def _gpt2_config(hf: dict, folder) -> ModelConfig:
         vocab_size=hf["vocab_size"], num_layers=hf["n_layer"], d_model=d, num_heads=hf["n_head"],
         d_ff=hf.get("n_inner") or 4 * d, max_seq_len=hf.get("n_positions", 1024), position="learned",
         norm="layernorm", norm_eps=hf.get("layer_norm_epsilon", 1e-5), mlp="gelu", use_bias=True,
-        tie_embeddings=hf.get("tie_word_embeddings", True),
+        tie_embeddings=hf.get("tie_word_embeddings", True), family="gpt2",
     )  # fmt: skip
 
 
-def _rope_fields(hf: dict, folder) -> dict:
-    """RoPE settings from transformers 5's rope_parameters or the older rope_theta + rope_scaling."""
+def _rope_fields(hf: dict, family: str, folder) -> dict:
+    """RoPE settings from transformers 5's rope_parameters (per layer type for Gemma 3) or the older
+    rope_theta + rope_scaling."""
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    fields = {}
+    if "full_attention" in rope:  # per layer type: the global layers' settings, the local layers' base
+        local = rope.get("sliding_attention", {})
+        fields["rope_local_theta"] = float(local.get("rope_theta", hf.get("rope_local_base_freq", 10000.0)))
+        if local.get("rope_type", "default") != "default":
+            raise _fail(folder, f"sliding-window rope type {local['rope_type']!r}; allowed: default")
+        rope = rope["full_attention"]
+    elif family == "gemma3_text":
+        fields["rope_local_theta"] = float(hf.get("rope_local_base_freq", 10000.0))
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise _fail(folder, f"partial_rotary_factor={partial} is not supported; allowed: 1.0")
     kind = rope.get("rope_type", rope.get("type", "default"))
-    fields = {"rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+    fields["rope_theta"] = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
     if kind == "default":
         return fields
     if kind == "linear":
@@ -76,56 +126,113 @@ def _rope_fields(hf: dict, folder) -> dict:
     raise _fail(folder, f"rope type {kind!r} is not supported; allowed: default, linear, llama3")
 
 
+def _window_fields(hf: dict, family: str, folder) -> dict:
+    """The sliding window, and for Gemma 2/3 which layers are global (`global_every`)."""
+    if family in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window"):
+        raise _fail(folder, f"{family} with use_sliding_window=true (per-layer windows) is not supported")
+    window = hf.get("sliding_window") if family in _WINDOWED else None
+    if window is None:
+        return {}
+    if family not in ("gemma2", "gemma3_text"):
+        return {"sliding_window": window}
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is None:  # older configs: Gemma 2 alternates, Gemma 3 has a period
+        period = 2 if family == "gemma2" else hf.get("sliding_window_pattern", 6)
+        types = ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n)]
+    is_global = [t == "full_attention" for t in types]
+    every = is_global.index(True) + 1 if any(is_global) else 0
+    if is_global != [every > 0 and (i + 1) % every == 0 for i in range(n)]:
+        raise _fail(folder, f"layer_types={types} is not every-n-th-layer-global; jaxgen needs that pattern")
+    return {"sliding_window": window, "global_every": every}
+
+
+def _expert_fields(hf: dict, family: str, folder) -> dict:
+    if family == "mixtral":
+        return {
+            "num_experts": hf["num_local_experts"], "experts_per_token": hf["num_experts_per_tok"],
+            "router_renormalize": True, "router_aux_coef": float(hf.get("router_aux_loss_coef", 0.02)),
+        }  # fmt: skip
+    if family == "qwen3_moe":
+        if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+            raise _fail(folder, "qwen3_moe with dense layers (decoder_sparse_step != 1 or mlp_only_layers)")
+        return {
+            "num_experts": hf["num_experts"], "experts_per_token": hf["num_experts_per_tok"],
+            "d_ff": hf["moe_intermediate_size"], "router_renormalize": bool(hf.get("norm_topk_prob", False)),
+            "router_aux_coef": float(hf.get("router_aux_loss_coef", 0.001)),
+        }  # fmt: skip
+    return {}
+
+
+def _gemma_fields(hf: dict, family: str) -> dict:
+    if family not in ("gemma2", "gemma3_text"):
+        return {}
+    return {
+        "query_scale": float(hf.get("query_pre_attn_scalar") or hf.get("head_dim") or 256),
+        "attn_softcap": hf.get("attn_logit_softcapping"), "final_softcap": hf.get("final_logit_softcapping"),
+    }  # fmt: skip
+
+
 def _llama_like_config(hf: dict, family: str, folder) -> ModelConfig:
     act = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
-    want = _TANH_GELU if family == "gemma" else ("silu",)
+    want = _TANH_GELU if family in _GEMMAS else ("silu",)
     if act not in want:
         raise _fail(folder, f"{family} hidden_act={act!r} is not supported; allowed: {', '.join(want)}")
     attn_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
     if attn_bias != mlp_bias:
         raise _fail(folder, f"attention_bias={attn_bias} with mlp_bias={mlp_bias}: jaxgen biases both or neither")
-    window = hf.get("sliding_window") if family == "mistral" else None
-    if family == "qwen2" and hf.get("use_sliding_window"):
-        raise _fail(folder, "qwen2 with use_sliding_window=true (per-layer windows) is not supported")
+    if attn_bias and family != "llama":
+        raise _fail(folder, f"{family} with attention_bias=true is not supported")
     d, n = hf["hidden_size"], hf["num_attention_heads"]
-    return ModelConfig(
+    fields = dict(
         vocab_size=hf["vocab_size"], num_layers=hf["num_hidden_layers"], d_model=d, num_heads=n,
         num_kv_heads=hf.get("num_key_value_heads") or n, head_dim=hf.get("head_dim") or d // n,
         d_ff=hf["intermediate_size"], max_seq_len=hf.get("max_position_embeddings", 2048), position="rope",
-        norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6), mlp="geglu" if family == "gemma" else "swiglu",
-        use_bias=attn_bias, qkv_bias=family == "qwen2", sliding_window=window,
-        tie_embeddings=hf.get("tie_word_embeddings", family == "gemma"),
-        norm_unit_offset=family == "gemma", embed_scale=family == "gemma", **_rope_fields(hf, folder),
+        norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6), mlp="swiglu", use_bias=attn_bias,
+        tie_embeddings=hf.get("tie_word_embeddings", family in _GEMMAS), family=family,
     )  # fmt: skip
+    fields |= _FAMILY_FIELDS[family] | _rope_fields(hf, family, folder) | _window_fields(hf, family, folder)
+    fields |= _gemma_fields(hf, family) | _expert_fields(hf, family, folder)
+    return ModelConfig(**fields)
+
+
+# --- export ----------------------------------------------------------------------------------------
 
 
 def family_of(cfg: ModelConfig) -> str:
-    """The Hugging Face family a jaxgen model config exports to, or HFError saying what does not fit."""
-    gpt2 = dict(position="learned", norm="layernorm", mlp="gelu", use_bias=True, qkv_bias=False, sliding_window=None)
-    gpt2 |= dict(norm_unit_offset=False, embed_scale=False, num_kv_heads=None, head_dim=None)
-    rope = dict(position="rope", norm="rmsnorm", embed_scale=False, norm_unit_offset=False, sliding_window=None)
-    candidates = {
-        "gemma": rope | dict(mlp="geglu", use_bias=False, qkv_bias=False, norm_unit_offset=True, embed_scale=True),
-        "qwen2": rope | dict(mlp="swiglu", use_bias=False, qkv_bias=True),
-        "mistral": rope | dict(mlp="swiglu", use_bias=False, qkv_bias=False, sliding_window=cfg.sliding_window),
-        "llama": rope | dict(mlp="swiglu", qkv_bias=False, use_bias=cfg.use_bias),
-        "gpt2": gpt2,
-    }
-    if cfg.sliding_window is None:
-        del candidates["mistral"]
-    plain = dataclasses.replace(  # GPT-2 spells head size and head count only one way
-        cfg,
-        head_dim=None if cfg.head_size * cfg.num_heads == cfg.d_model else cfg.head_dim,
-        num_kv_heads=None if cfg.kv_heads == cfg.num_heads else cfg.num_kv_heads,
-    )
-    for family, fields in candidates.items():
-        if all(getattr(plain, k) == v for k, v in fields.items()):
+    """The Hugging Face family a jaxgen model config exports to (its own `family` first, if it still
+    fits), or HFError saying what does not fit. A family fits when its config.json reads back as the
+    same architecture."""
+    order = ([cfg.family] if cfg.family in FAMILIES else []) + [f for f in FAMILIES if f != cfg.family]
+    for family in order:
+        try:
+            back = _from_hf(hf_config(cfg, family), family, "export")
+        except (HFError, KeyError, TypeError, ValueError):
+            continue
+        if _architecture(back) == _architecture(cfg):
             return family
     raise HFError(
         f"this model has no Hugging Face equivalent (position={cfg.position}, norm={cfg.norm}, mlp={cfg.mlp}, "
-        f"use_bias={cfg.use_bias}, qkv_bias={cfg.qkv_bias}); exportable: gpt2 (learned, layernorm, gelu, "
-        "biases, multi-head), llama/mistral/qwen2 (rope, rmsnorm, swiglu), gemma (rope, rmsnorm, geglu)"
+        f"use_bias={cfg.use_bias}, qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm}, "
+        f"norm_placement={cfg.norm_placement}, num_experts={cfg.num_experts}); exportable: {', '.join(FAMILIES)} "
+        "as transformers defines them (see jaxgen.hf.config._FAMILY_FIELDS)"
     )
+
+
+def _architecture(cfg: ModelConfig) -> dict:
+    """The fields that define the network, spelled one way (defaults filled in, unused ones dropped)."""
+    out = dataclasses.asdict(cfg)
+    out |= {"head_dim": cfg.head_size, "num_kv_heads": cfg.kv_heads, "query_scale": cfg.query_scale or cfg.head_size}
+    out |= {"global_every": tuple(cfg.is_global(i) for i in range(cfg.num_layers))}
+    out["rope_local_theta"] = cfg.rope_theta if cfg.rope_local_theta is None else cfg.rope_local_theta
+    drop = set(_NOT_ARCHITECTURE)
+    if cfg.rope_scaling == "none":
+        drop |= {"rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len"}
+    if cfg.position != "rope":
+        drop |= {"rope_theta", "rope_scaling"}
+    if not cfg.num_experts:
+        drop |= {"experts_per_token", "router_renormalize", "router_aux_coef"}
+    return {k: v for k, v in out.items() if k not in drop}
 
 
 def hf_config(cfg: ModelConfig, family: str, tokenizer: Tokenizer | None = None) -> dict:
@@ -139,6 +246,29 @@ def hf_config(cfg: ModelConfig, family: str, tokenizer: Tokenizer | None = None)
             "n_layer": cfg.num_layers, "n_embd": cfg.d_model, "n_head": cfg.num_heads, "n_inner": cfg.d_ff,
             "n_positions": cfg.max_seq_len, "layer_norm_epsilon": cfg.norm_eps, "activation_function": "gelu_new",
         }  # fmt: skip
+    out = common | {
+        "num_hidden_layers": cfg.num_layers, "hidden_size": cfg.d_model, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_size, "intermediate_size": cfg.d_ff,
+        "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+        "rope_parameters": _rope_json(cfg, family), "attention_bias": cfg.use_bias, "mlp_bias": cfg.use_bias,
+        "hidden_act": "gelu_pytorch_tanh" if family in _GEMMAS else "silu",
+    }  # fmt: skip
+    if family in _GEMMAS:
+        out["hidden_activation"] = out["hidden_act"]
+    if family in _WINDOWED:
+        out["sliding_window"] = cfg.sliding_window
+    if family in ("qwen2", "qwen3", "qwen3_moe"):
+        out |= {"use_sliding_window": False, "sliding_window": None}
+    if family in ("gemma2", "gemma3_text"):
+        layer_types = ["full_attention" if cfg.is_global(i) else "sliding_attention" for i in range(cfg.num_layers)]
+        out |= {"layer_types": layer_types, "query_pre_attn_scalar": cfg.query_scale or cfg.head_size}
+        out |= {"attn_logit_softcapping": cfg.attn_softcap, "final_logit_softcapping": cfg.final_softcap}
+    if family == "phi3":
+        out["pad_token_id"] = common.get("eos_token_id", 0)  # transformers' default (= vocab size) fails
+    return out | _experts_json(cfg, family)
+
+
+def _rope_json(cfg: ModelConfig, family: str) -> dict:
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling == "linear":
         rope |= {"rope_type": "linear", "factor": cfg.rope_factor}
@@ -148,16 +278,22 @@ def hf_config(cfg: ModelConfig, family: str, tokenizer: Tokenizer | None = None)
             "high_freq_factor": cfg.rope_high_freq_factor,
             "original_max_position_embeddings": cfg.rope_original_max_len,
         }  # fmt: skip
-    out = common | {
-        "num_hidden_layers": cfg.num_layers, "hidden_size": cfg.d_model, "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_size, "intermediate_size": cfg.d_ff,
-        "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "rope_parameters": rope,
-        "hidden_act": "gelu_pytorch_tanh" if family == "gemma" else "silu",
-    }  # fmt: skip
-    if family == "llama":
-        out |= {"attention_bias": cfg.use_bias, "mlp_bias": cfg.use_bias}
-    if family == "mistral":
-        out["sliding_window"] = cfg.sliding_window
-    if family == "qwen2":
-        out |= {"use_sliding_window": False, "sliding_window": None}
-    return out
+    if family == "gemma3_text":
+        local = cfg.rope_theta if cfg.rope_local_theta is None else cfg.rope_local_theta
+        return {"full_attention": rope, "sliding_attention": {"rope_type": "default", "rope_theta": local}}
+    return rope
+
+
+def _experts_json(cfg: ModelConfig, family: str) -> dict:
+    if family == "mixtral":
+        return {
+            "num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.experts_per_token,
+            "router_aux_loss_coef": cfg.router_aux_coef, "output_router_logits": False,
+        }  # fmt: skip
+    if family == "qwen3_moe":
+        return {
+            "num_experts": cfg.num_experts, "num_experts_per_tok": cfg.experts_per_token,
+            "moe_intermediate_size": cfg.d_ff, "norm_topk_prob": cfg.router_renormalize,
+            "router_aux_loss_coef": cfg.router_aux_coef, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        }  # fmt: skip
+    return {}

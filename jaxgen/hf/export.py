@@ -22,28 +22,26 @@ def _hf_tensors(params: dict, cfg: ModelConfig, family: str) -> Iterator[tuple[s
     table = tensor_map(family, cfg)
     fused: dict[str, list] = {}
     for path, t in table.items():
-        stacked = path.startswith("layers/")
-        for i in range(cfg.num_layers) if stacked else [None]:
-            x = np.asarray(jax.device_get(_lookup(params, path, i)), np.float32)
-            name = t.name.format(i=i)
+        for name, index in t.names(cfg, path):
+            x = np.asarray(jax.device_get(_lookup(params, path, index)), np.float32)
             if t.part is None:
                 yield name, _to_hf(t, x)
                 continue
-            parts = fused.setdefault(name, [None] * t.part[1])
+            parts = fused.setdefault(name, [None] * len(t.part[1]))
             parts[t.part[0]] = _to_hf(t, x)
             if all(p is not None for p in parts):
                 yield name, np.concatenate(fused.pop(name), axis=-1)
 
 
-def _lookup(params: dict, path: str, layer: int | None):
-    """One parameter (one layer's slice of it): layers may be stacked or a list (`unstack_layers`)."""
+def _lookup(params: dict, path: str, index: tuple):
+    """One checkpoint tensor's slice of a parameter (`index`: layer, then expert); layers may be
+    stacked or a list (`unstack_layers`)."""
     node = params
-    keys = path.split("/")
-    for key in keys:
+    for key in path.split("/"):
         node = node[key]
         if key == "layers" and isinstance(node, list):
-            node, layer = node[layer], None
-    return node if layer is None else node[layer]
+            node, index = node[index[0]], index[1:]
+    return node[index] if index else node
 
 
 def save_pretrained(

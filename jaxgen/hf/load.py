@@ -13,7 +13,7 @@ from jaxgen import model
 from jaxgen.config import MeshConfig, ModelConfig
 from jaxgen.hf.config import read_config
 from jaxgen.hf.safetensors import _Checkpoint
-from jaxgen.hf.weights import _hf_shape, _param_paths, _to_jaxgen, tensor_map
+from jaxgen.hf.weights import _hf_shape, _param_paths, _per_tensor_shape, _to_jaxgen, tensor_map
 from jaxgen.sharding import make_mesh
 from jaxgen.tokenizer import Tokenizer
 
@@ -34,15 +34,11 @@ def load_params(folder: str | Path, cfg: ModelConfig, family: str, mesh=None) ->
     placed = {}
     for path, t in tensor_map(family, cfg).items():
         spec = specs[path]
-        stacked = path.startswith("layers/")
-        shape = spec.shape[1:] if stacked else spec.shape
+        shape = _per_tensor_shape(t, path, spec.shape)
         expected = _hf_shape(t, shape)
-        if stacked:
-            host = np.empty(spec.shape, np.float32)
-            for i in range(cfg.num_layers):
-                host[i] = _to_jaxgen(t, ckpt.get(t.name.format(i=i), expected, path), shape)
-        else:
-            host = _to_jaxgen(t, ckpt.get(t.name, expected, path), shape).astype(np.float32)
+        host = np.empty(spec.shape, np.float32)
+        for name, index in t.names(cfg, path):
+            host[index] = _to_jaxgen(t, ckpt.get(name, expected, path), shape)
         # Wait for the transfer: device_put is asynchronous and keeps `host` alive until it is done,
         # so without this two stacked parameters could be on the host at once.
         placed[path] = jax.block_until_ready(jax.device_put(host, shardings[path]))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxgen.model import layers
 from jaxgen.model.kvcache import from_storage
 
 NEG_INF = jnp.finfo(jnp.float32).min  # finite, so a fully masked row (padding) gives no NaN
@@ -31,7 +32,7 @@ NEG_INF = jnp.finfo(jnp.float32).min  # finite, so a fully masked row (padding) 
 def attention_mask(q_pos_bt, k_pos_bs, q_seg_bt=None, k_seg_bs=None, window: int | None = None):
     """Boolean (B, T, S): may the query at position q_pos attend to the key at position k_pos?"""
     q, k = q_pos_bt[:, :, None], k_pos_bs[:, None, :]
-    mask = (k >= 0) & (k <= q)
+    mask = (k >= 0) & (k <= q)  # window may be a traced per-layer scalar (see transformer.layer_constants)
     if q_seg_bt is not None:
         mask = mask & (q_seg_bt[:, :, None] == k_seg_bs[:, None, :])
     if window is not None:
@@ -39,33 +40,39 @@ def attention_mask(q_pos_bt, k_pos_bs, q_seg_bt=None, k_seg_bs=None, window: int
     return mask
 
 
-def dense_attention(q_btnh, k_bskh, v_bskh, mask_bts, num_kv_heads: int):
+def logit_scale(cfg) -> float:
+    """What q . k is multiplied by: 1 / sqrt(head_dim), or 1 / sqrt(query_scale) (Gemma 2/3)."""
+    return (cfg.query_scale or cfg.head_size) ** -0.5
+
+
+def dense_attention(q_btnh, k_bskh, v_bskh, mask_bts, cfg):
     """Grouped-query attention over the whole (T, S) score matrix: N query heads share K kv heads
     (G = N / K per group). The reference path, and the training path today."""
     b, t, n, h = q_btnh.shape
-    q = q_btnh.reshape(b, t, num_kv_heads, n // num_kv_heads, h)  # (B, T, K, G, H)
+    q = q_btnh.reshape(b, t, cfg.kv_heads, n // cfg.kv_heads, h)  # (B, T, K, G, H)
     logits = jnp.einsum("btkgh,bskh->bkgts", q, k_bskh, preferred_element_type=jnp.float32)
-    logits = logits * (h**-0.5)
+    logits = layers.softcap(logits * logit_scale(cfg), cfg.attn_softcap)
     logits = jnp.where(mask_bts[:, None, None], logits, NEG_INF)
     probs = jax.nn.softmax(logits, axis=-1).astype(v_bskh.dtype)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh)
     return out.reshape(b, t, n, h)
 
 
-def cached_attention(q_btnh, cache, kv, layer, q_pos_bt, num_kv_heads: int, window: int | None):
+def cached_attention(q_btnh, cache, kv, layer, q_pos_bt, window, cfg):
     """Attention of the queries (B, T, N, H) at positions q_pos_bt over `cache`'s keys of `layer`, one
     block at a time with an online softmax: only `cache.blocks_to_visit` blocks are read, so a step
-    costs what the filled part of the cache costs, not its allocated length. Returns (B, T, N, H) and
-    `kv` (this call's keys already written by `cache.write`)."""
+    costs what the filled part of the cache costs, not its allocated length. `window`: this layer's
+    sliding window (an int, a traced scalar, or None). Returns (B, T, N, H) and `kv` (this call's keys
+    already written by `cache.write`)."""
     b, t, n, h = q_btnh.shape
-    k = num_kv_heads
-    q = q_btnh.reshape(b, t, k, n // k, h).astype(jnp.float32) * (h**-0.5)
+    k = cfg.kv_heads
+    q = q_btnh.reshape(b, t, k, n // k, h).astype(jnp.float32) * logit_scale(cfg)
 
     def block(j, carry):
         stats, kv = carry
         k_bskh, v_bskh, k_pos_bs = cache.key_block(kv, layer, j)
         mask = attention_mask(q_pos_bt, k_pos_bs, window=window)
-        return _online_softmax_step(stats, q, k_bskh, v_bskh, mask), kv
+        return _online_softmax_step(stats, q, k_bskh, v_bskh, mask, cfg.attn_softcap), kv
 
     init = (
         jnp.full((b, k, n // k, t), NEG_INF, jnp.float32),  # running max
@@ -77,11 +84,12 @@ def cached_attention(q_btnh, cache, kv, layer, q_pos_bt, num_kv_heads: int, wind
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q_btnh.dtype), kv
 
 
-def _online_softmax_step(carry, q_btkgh, k_bskh, v_bskh, mask_bts):
+def _online_softmax_step(carry, q_btkgh, k_bskh, v_bskh, mask_bts, softcap):
     """One block of keys folded into the running max m, normaliser l and weighted sum acc."""
     m, l, acc = carry  # (B, K, G, T), (B, K, G, T), (B, K, G, T, H)
     mask = mask_bts[:, None, None]
     s = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, from_storage(k_bskh).astype(jnp.float32))
+    s = layers.softcap(s, softcap)
     s = jnp.where(mask, s, NEG_INF)
     m_new = jnp.maximum(m, s.max(-1))
     p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)

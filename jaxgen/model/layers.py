@@ -10,6 +10,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxgen.config import ModelConfig
 
@@ -32,34 +33,50 @@ def norm(x_btd, p: dict, cfg: ModelConfig):
     x = x_btd.astype(jnp.float32)
     if cfg.norm == "layernorm":
         x = x - x.mean(-1, keepdims=True)
-    x = x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + cfg.norm_eps)
-    scale = p["scale_d"].astype(jnp.float32)
-    x = x * (1.0 + scale if cfg.norm_unit_offset else scale)
+    x = rms_norm(x, p["scale_d"], cfg)
     if "bias_d" in p:
         x = x + p["bias_d"].astype(jnp.float32)
     return x.astype(x_btd.dtype)
 
 
-def rope_frequencies(cfg: ModelConfig):
-    """Inverse frequencies (H/2,) float32 of the rotary embedding, with the config's context scaling.
+def rms_norm(x, scale, cfg: ModelConfig):
+    """RMSNorm over the trailing `scale.ndim` axes (one head's H, or a whole projection's N x H), in
+    float32; Gemma's norms multiply by (1 + scale)."""
+    axes = tuple(range(x.ndim - scale.ndim, x.ndim))
+    y = x.astype(jnp.float32)
+    y = y * jax.lax.rsqrt((y * y).mean(axes, keepdims=True) + cfg.norm_eps)
+    scale = scale.astype(jnp.float32)
+    return (y * (1.0 + scale if cfg.norm_unit_offset else scale)).astype(x.dtype)
+
+
+def softcap(x, cap: float | None):
+    """cap * tanh(x / cap): logits squashed into (-cap, cap) (Gemma 2); identity for None."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def rope_frequencies(cfg: ModelConfig, theta: float | None = None):
+    """Inverse frequencies (H/2,) float32 (numpy: constants, also under jit) of the rotary embedding, with the config's context scaling.
 
     linear divides every frequency by rope_factor. llama3 (Llama 3.1) leaves high frequencies alone,
     divides low ones (wavelength beyond original_max_len / low_freq_factor) by the factor, and blends
     linearly in between.
     """
     h = cfg.head_size
-    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    exponents = np.arange(0, h, 2, dtype=np.float32) / h
+    if theta is not None:  # a sliding-window layer's own base (Gemma 3): no context scaling
+        return (1.0 / theta**exponents).astype(np.float32)
+    inv_freq = (1.0 / cfg.rope_theta**exponents).astype(np.float32)
     factor = cfg.rope_factor
     if cfg.rope_scaling == "linear":
-        return inv_freq / factor
+        return inv_freq / np.float32(factor)
     if cfg.rope_scaling == "llama3":
         low, high, old_len = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_len
         wavelen = 2 * math.pi / inv_freq
-        scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
         smooth = (old_len / wavelen - low) / (high - low)
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        return jnp.where(medium, blended, scaled)
+        return np.where(medium, blended, scaled).astype(np.float32)
     return inv_freq
 
 
@@ -74,6 +91,12 @@ def rope(x_btnh, positions_bt, inv_freq):
     return out.astype(x_btnh.dtype)
 
 
+def gated(gate, up, cfg: ModelConfig):
+    """SwiGLU's silu(gate) * up, or GeGLU's tanh-GELU(gate) * up."""
+    act = jax.nn.silu(gate) if cfg.mlp == "swiglu" else jax.nn.gelu(gate, approximate=True)
+    return act * up
+
+
 def mlp(x_btd, p: dict, cfg: ModelConfig):
     """GELU MLP (GPT-2), SwiGLU (Llama) or GeGLU (Gemma; tanh-approximated GELU gate)."""
     up = dense(x_btd, p["w_up_df"])
@@ -83,8 +106,7 @@ def mlp(x_btd, p: dict, cfg: ModelConfig):
         gate = dense(x_btd, p["w_gate_df"])
         if "b_gate_f" in p:
             gate = gate + p["b_gate_f"]
-        act = jax.nn.silu(gate) if cfg.mlp == "swiglu" else jax.nn.gelu(gate, approximate=True)
-        hidden = act * up
+        hidden = gated(gate, up, cfg)
     else:
         hidden = jax.nn.gelu(up, approximate=True)
     out = dense(hidden, p["w_down_fd"])

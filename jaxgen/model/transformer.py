@@ -17,9 +17,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxgen.config import ModelConfig
-from jaxgen.model import attention, layers
+from jaxgen.model import attention, layers, moe
 from jaxgen.model.kvcache import KVCache
 from jaxgen.sharding import constrain, named_sharding
 
@@ -46,18 +47,21 @@ def param_specs(cfg: ModelConfig) -> dict:
         cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_size, cfg.d_ff, cfg.vocab_size,
     )  # fmt: skip
     layer = {
-        "attn_norm": _norm_specs(cfg, stacked=True),
         "w_q_dnh": ParamSpec((L, D, N, H), ("layers", "embed", "heads", "head_dim"), "normal"),
         "w_k_dkh": ParamSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
         "w_v_dkh": ParamSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
         "w_o_nhd": ParamSpec((L, N, H, D), ("layers", "heads", "head_dim", "embed"), "out"),
-        "mlp_norm": _norm_specs(cfg, stacked=True),
-        "mlp": {
+        "mlp": _expert_specs(cfg) if cfg.num_experts else {
             "w_up_df": ParamSpec((L, D, F), ("layers", "embed", "mlp"), "normal"),
             "w_down_fd": ParamSpec((L, F, D), ("layers", "mlp", "embed"), "out"),
         },
-    }
-    if cfg.mlp in ("swiglu", "geglu"):
+    }  # fmt: skip
+    if cfg.norm_placement != "post":
+        layer |= {"attn_norm": _norm_specs(cfg, stacked=True), "mlp_norm": _norm_specs(cfg, stacked=True)}
+    if cfg.norm_placement != "pre":
+        layer |= {"post_attn_norm": _norm_specs(cfg, stacked=True), "post_mlp_norm": _norm_specs(cfg, stacked=True)}
+    layer |= _qk_norm_specs(cfg)
+    if cfg.mlp in ("swiglu", "geglu") and not cfg.num_experts:
         layer["mlp"]["w_gate_df"] = ParamSpec((L, D, F), ("layers", "embed", "mlp"), "normal")
     if cfg.use_bias or cfg.qkv_bias:
         layer |= {
@@ -83,6 +87,34 @@ def param_specs(cfg: ModelConfig) -> dict:
     if not cfg.tie_embeddings:
         specs["head_dv"] = ParamSpec((D, V), ("embed", "vocab"), "normal")
     return specs
+
+
+def _qk_norm_specs(cfg: ModelConfig) -> dict:
+    """RMSNorm scales for queries and keys: per head (H,) or over the whole projection (N, H) / (K, H)."""
+    L, N, K, H = cfg.num_layers, cfg.num_heads, cfg.kv_heads, cfg.head_size
+    init = "zeros" if cfg.norm_unit_offset else "ones"
+    if cfg.qk_norm == "head":
+        return {
+            "q_norm_h": ParamSpec((L, H), ("layers", "head_dim"), init),
+            "k_norm_h": ParamSpec((L, H), ("layers", "head_dim"), init),
+        }
+    if cfg.qk_norm == "full":
+        return {
+            "q_norm_nh": ParamSpec((L, N, H), ("layers", "heads", "head_dim"), init),
+            "k_norm_kh": ParamSpec((L, K, H), ("layers", "kv_heads", "head_dim"), init),
+        }
+    return {}
+
+
+def _expert_specs(cfg: ModelConfig) -> dict:
+    """The router and E stacked gated MLPs of width F (see jaxgen.model.moe)."""
+    L, D, E, F = cfg.num_layers, cfg.d_model, cfg.num_experts, cfg.d_ff
+    return {
+        "w_router_de": ParamSpec((L, D, E), ("layers", "embed", None), "normal"),
+        "w_gate_edf": ParamSpec((L, E, D, F), ("layers", "expert", "embed", "mlp"), "normal"),
+        "w_up_edf": ParamSpec((L, E, D, F), ("layers", "expert", "embed", "mlp"), "normal"),
+        "w_down_efd": ParamSpec((L, E, F, D), ("layers", "expert", "mlp", "embed"), "out"),
+    }
 
 
 def _is_spec(x) -> bool:
@@ -126,7 +158,8 @@ def forward(
     *,
     cfg: ModelConfig,
     segment_ids: jax.Array | None = None,
-) -> tuple[jax.Array, KVCache | None]:
+    with_aux: bool = False,
+):
     """Logits for every position, and the updated cache.
 
     tokens, positions: (B, T) int32; a position of -1 marks padding, never attended to.
@@ -136,15 +169,42 @@ def forward(
         with the interface of `jaxgen.model.attention`: a `KVCache`, whose slots [end, end + T)
         receive this call's keys and values, or the serving engine's `PagedCache`, where each token
         goes to its row's page for its position). The model never asks which.
-    Returns logits (B, T, V) float32 and the cache (None when none was given).
+    Returns logits (B, T, V) float32 and the cache (None when none was given); with `with_aux`, also
+    the auxiliary losses {"router_aux", "router_z"} (mixture of experts; zeros for a dense model),
+    each the mean over layers.
     """
-    x, cache = hidden_states(params, tokens, positions, cache, cfg=cfg, segment_ids=segment_ids)
-    return lm_head(params, x, cfg), cache
+    x, cache, aux = _run(params, tokens, positions, cache, cfg, segment_ids)
+    logits = lm_head(params, x, cfg)
+    return (logits, cache, aux) if with_aux else (logits, cache)
 
 
 def hidden_states(params, tokens, positions, cache=None, *, cfg: ModelConfig, segment_ids=None):
     """The final-normed hidden states (B, T, D) and the cache: `forward` without the LM head, for
     callers that need logits at a few positions only (prefill needs the last one)."""
+    x, cache, _ = _run(params, tokens, positions, cache, cfg, segment_ids)
+    return x, cache
+
+
+def layer_constants(cfg: ModelConfig) -> dict:
+    """What differs between layers beside their weights, as arrays with a leading L axis that the layer
+    scan carries (so a pattern of local and global layers keeps one stacked, scanned layer):
+    "window" (L,) int32, a huge number on global layers (only with a sliding window), and "inv_freq"
+    (L, H/2), the rotary frequencies of each layer (only with RoPE)."""
+    consts = {"index": np.arange(cfg.num_layers, dtype=np.int32)}
+    if cfg.sliding_window is not None:
+        wide = np.iinfo(np.int32).max
+        consts["window"] = np.array(
+            [wide if cfg.is_global(i) else cfg.sliding_window for i in range(cfg.num_layers)], np.int32
+        )
+    if cfg.position == "rope":
+        glob = np.asarray(layers.rope_frequencies(cfg))
+        local = glob if cfg.rope_local_theta is None else np.asarray(layers.rope_frequencies(cfg, cfg.rope_local_theta))
+        consts["inv_freq"] = np.stack([glob if cfg.is_global(i) else local for i in range(cfg.num_layers)])
+    return consts
+
+
+def _run(params, tokens, positions, cache, cfg: ModelConfig, segment_ids):
+    """The embedding, every layer and the final norm: (B, T, D), the cache, the mean auxiliary losses."""
     params = _cast(params, cfg)
     x = params["embed_vd"][tokens]  # (B, T, D)
     if cfg.embed_scale:
@@ -154,8 +214,8 @@ def hidden_states(params, tokens, positions, cache=None, *, cfg: ModelConfig, se
     x = constrain(x, ("batch", "seq", "act_embed"))
 
     t = tokens.shape[1]
-    if cache is None:  # training: the whole (T, T) mask once
-        mask = attention.attention_mask(positions, positions, segment_ids, segment_ids, cfg.sliding_window)
+    if cache is None:  # training: the whole (T, T) mask once, windowed per layer
+        mask = attention.attention_mask(positions, positions, segment_ids, segment_ids)
         kv = None
     else:  # decoding: masks are built block by block, over the cache blocks in use only
         cache = cache.with_positions(positions)
@@ -163,21 +223,25 @@ def hidden_states(params, tokens, positions, cache=None, *, cfg: ModelConfig, se
 
     def layer_step(carry, xs):
         x, kv = carry
-        p, i = xs
+        p, consts = xs
         if cache is None:
-            attend = functools.partial(_attend_plain, mask=mask, cfg=cfg)
+            attend = functools.partial(_attend_plain, mask=mask, positions=positions, cfg=cfg)
         else:
-            attend = functools.partial(_attend_cache, cache=cache, kv=kv, layer=i, positions=positions, cfg=cfg)
-        x, kv = _block(x, p, positions, attend, cfg)
-        return (x, kv), None
+            attend = functools.partial(_attend_cache, cache=cache, kv=kv, positions=positions, cfg=cfg)
+        x, kv, aux = _block(x, p, positions, consts, attend, cfg)
+        return (x, kv), aux
 
+    consts = layer_constants(cfg)
     if isinstance(params["layers"], list):  # unstacked (see `unstack_layers`): a Python loop
+        auxes = []
         for i, p in enumerate(params["layers"]):
-            (x, kv), _ = layer_step((x, kv), (p, i))
+            (x, kv), aux = layer_step((x, kv), (p, {k: v[i] for k, v in consts.items()}))
+            auxes.append(aux)
+        aux = jax.tree.map(lambda *a: jnp.stack(a), *auxes)
     else:
-        (x, kv), _ = jax.lax.scan(layer_step, (x, kv), (params["layers"], jnp.arange(cfg.num_layers)))
+        (x, kv), aux = jax.lax.scan(layer_step, (x, kv), (params["layers"], consts))
     x = layers.norm(x, params["final_norm"], cfg)
-    return x, (None if cache is None else cache.advance(kv, t))
+    return x, (None if cache is None else cache.advance(kv, t)), jax.tree.map(jnp.mean, aux)
 
 
 def unstack_layers(params: dict) -> dict:
@@ -203,7 +267,7 @@ def lm_head(params, x_btd, cfg: ModelConfig):
         logits = jax.lax.dot_general(x, params["embed_vd"], contract_d, preferred_element_type=jnp.float32)
     else:
         logits = jnp.matmul(x, params["head_dv"], preferred_element_type=jnp.float32)
-    logits = logits.reshape(*x_btd.shape[:-1], -1)
+    logits = layers.softcap(logits.reshape(*x_btd.shape[:-1], -1), cfg.final_softcap)
     return constrain(logits, ("batch", "seq", "vocab"))
 
 
@@ -212,42 +276,62 @@ def _cast(params, cfg: ModelConfig):
     return jax.tree.map(lambda p: p.astype(dtype), params)
 
 
-def _qkv(x, p, positions, cfg: ModelConfig):
-    """Pre-norm queries (B, T, N, H) and keys and values (B, T, K, H), rotated when RoPE."""
-    h = layers.norm(x, p["attn_norm"], cfg)
+def _qkv(x, p, positions, consts, cfg: ModelConfig):
+    """Queries (B, T, N, H) and keys and values (B, T, K, H) of the (normed) input: biased, q and k
+    normed (qk_norm), then rotated (RoPE, with this layer's frequencies)."""
+    h = layers.norm(x, p["attn_norm"], cfg) if "attn_norm" in p else x
     q = layers.dense(h, p["w_q_dnh"])  # (B, T, N, H)
     k = layers.dense(h, p["w_k_dkh"])  # (B, T, K, H)
     v = layers.dense(h, p["w_v_dkh"])
     if "b_q_nh" in p:
         q, k, v = q + p["b_q_nh"], k + p["b_k_kh"], v + p["b_v_kh"]
+    if cfg.qk_norm != "none":
+        q = layers.rms_norm(q, p.get("q_norm_h", p.get("q_norm_nh")), cfg)
+        k = layers.rms_norm(k, p.get("k_norm_h", p.get("k_norm_kh")), cfg)
     if cfg.position == "rope":
-        inv_freq = layers.rope_frequencies(cfg)
-        q = layers.rope(q, positions, inv_freq)
-        k = layers.rope(k, positions, inv_freq)
+        q = layers.rope(q, positions, consts["inv_freq"])
+        k = layers.rope(k, positions, consts["inv_freq"])
     return q, k, v
 
 
-def _block(x, p, positions, attend, cfg: ModelConfig):
-    """One pre-norm transformer block. `attend(q, k, v) -> (out, kv)` is plain attention (kv None)
-    or cached attention (kv: the cache's keys and values, this layer's written)."""
-    q, k, v = _qkv(x, p, positions, cfg)
-    out, kv = attend(q, k, v)
+def _block(x, p, positions, consts, attend, cfg: ModelConfig):
+    """One transformer block, its norms where `norm_placement` puts them. `attend(q, k, v, consts) ->
+    (out, kv)` is plain attention (kv None) or cached attention (kv: the cache's keys and values, this
+    layer's written). Returns x, kv and the layer's auxiliary losses."""
+    q, k, v = _qkv(x, p, positions, consts, cfg)
+    out, kv = attend(q, k, v, consts)
     out = layers.dense(out, p["w_o_nhd"], in_axes=2)  # (B, T, D)
     if "b_o_d" in p:
         out = out + p["b_o_d"]
+    if "post_attn_norm" in p:
+        out = layers.norm(out, p["post_attn_norm"], cfg)
     x = x + out
-    x = x + layers.mlp(layers.norm(x, p["mlp_norm"], cfg), p["mlp"], cfg)
-    return constrain(x, ("batch", "seq", "act_embed")), kv
+    h = layers.norm(x, p["mlp_norm"], cfg) if "mlp_norm" in p else x
+    if cfg.num_experts:
+        out, aux = moe.mlp(h, p["mlp"], positions >= 0, cfg)
+    else:
+        out, aux = layers.mlp(h, p["mlp"], cfg), {"router_aux": jnp.zeros(()), "router_z": jnp.zeros(())}
+    if "post_mlp_norm" in p:
+        out = layers.norm(out, p["post_mlp_norm"], cfg)
+    return constrain(x + out, ("batch", "seq", "act_embed")), kv, aux
 
 
-def _attend_plain(q, k, v, *, mask, cfg: ModelConfig):
-    return attention.dense_attention(q, k, v, mask, cfg.kv_heads), None
+def _window(consts):
+    return consts.get("window")
 
 
-def _attend_cache(q, k, v, *, cache, kv, layer, positions, cfg: ModelConfig):
+def _attend_plain(q, k, v, consts, *, mask, positions, cfg: ModelConfig):
+    window = _window(consts)
+    if window is not None:  # this layer's window on top of the shared causal mask
+        mask = mask & (positions[:, :, None] - positions[:, None, :] < window)
+    return attention.dense_attention(q, k, v, mask, cfg), None
+
+
+def _attend_cache(q, k, v, consts, *, cache, kv, positions, cfg: ModelConfig):
     """Writes this layer's keys and values into the cache, then attends over the cache's blocks in use."""
+    layer = consts["index"]
     kv = cache.write(kv, layer, k, v, positions)
-    return attention.cached_attention(q, cache, kv, layer, positions, cfg.kv_heads, cfg.sliding_window)
+    return attention.cached_attention(q, cache, kv, layer, positions, _window(consts), cfg)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -262,6 +346,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     D, N, K, H, F, V, L = (
         cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_size, cfg.d_ff, cfg.vocab_size, cfg.num_layers,
     )  # fmt: skip
-    per_layer = D * N * H + 2 * D * K * H + N * H * D + (2 if cfg.mlp == "gelu" else 3) * D * F
+    mlp = (2 if cfg.mlp == "gelu" else 3) * D * F
+    if cfg.num_experts:  # k experts run per token, and the router
+        mlp = 3 * D * F * cfg.experts_per_token + D * cfg.num_experts
+    per_layer = D * N * H + 2 * D * K * H + N * H * D + mlp
     matmul_weights = L * per_layer + D * V
     return 6.0 * matmul_weights + 12.0 * L * seq_len * N * H

@@ -1,0 +1,140 @@
+"""Mixture of experts (Mixtral, Qwen3-MoE): a router sends each token to k of E gated MLPs.
+
+    out_btd, aux = moe.mlp(x_btd, p, valid_bt, cfg)
+
+p (one layer): w_router_de (D, E); w_gate_edf, w_up_edf (E, D, F); w_down_efd (E, F, D).
+aux: {"router_aux": the load-balancing loss, "router_z": the router z-loss}, scalars for training.
+
+Dispatch is dropless (no token is dropped for want of capacity), in one of three ways that give the
+same numbers (tests/test_moe.py):
+    dense       every expert on every token, weighted by the routing weights (0 for experts not
+                picked): E / k times the expert FLOPs. The reference.
+    grouped     the M * k (token, expert) assignments sorted by expert and laid out so that each tile
+                of rows belongs to one expert; one (tile, D) x (D, F) product per tile in use. FLOPs:
+                the experts' own plus at most E tiles of padding; only the experts in use are read
+                (a decode step at batch 1 reads k experts, not E).
+    ragged_dot  `jax.lax.ragged_dot` over the sorted assignments: a grouped-matmul kernel on GPU and
+                TPU. XLA:CPU lowers it to a product with every expert under a mask (measured: no
+                faster than dense), so `auto` picks `grouped` on CPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxgen.config import ModelConfig
+from jaxgen.model import layers
+from jaxgen.sharding import constrain
+
+
+def mlp(x_btd, p: dict, valid_bt, cfg: ModelConfig):
+    """The MoE layer on (B, T, D); `valid_bt` (bool) marks real tokens for the auxiliary losses."""
+    b, t, d = x_btd.shape
+    x_md = x_btd.reshape(b * t, d)
+    logits_me, weights_mk, experts_mk = route(x_md, p["w_router_de"], cfg)
+    impl = _impl(cfg)
+    if impl == "dense":
+        out = _dense(x_md, weights_mk, experts_mk, p, cfg)
+    else:
+        out = _sorted(x_md, weights_mk, experts_mk, p, cfg, ragged=impl == "ragged_dot")
+    aux = aux_losses(logits_me, experts_mk, valid_bt.reshape(-1), cfg.num_experts)
+    return out.reshape(b, t, d), aux
+
+
+def route(x_md, w_router_de, cfg: ModelConfig):
+    """Router logits (M, E) float32, and each token's k routing weights and experts (M, k): softmax
+    over all experts, the top k kept, rescaled to sum to 1 when `router_renormalize`."""
+    logits = jnp.matmul(x_md, w_router_de, preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, experts = jax.lax.top_k(probs, cfg.experts_per_token)
+    if cfg.router_renormalize:
+        weights = weights / weights.sum(-1, keepdims=True)
+    return logits, weights, experts
+
+
+def aux_losses(logits_me, experts_mk, valid_m, num_experts: int) -> dict:
+    """Switch Transformer's load-balancing loss E * sum_e f_e P_e (f_e: the share of assignments that
+    go to expert e, P_e: its mean router probability; 1 * k when balanced), as transformers computes
+    it, and the router z-loss mean(logsumexp(logits)^2); both over valid tokens only."""
+    w = valid_m.astype(jnp.float32)
+    count = jnp.maximum(w.sum(), 1.0)
+    probs = jax.nn.softmax(logits_me, axis=-1)
+    picked = jax.nn.one_hot(experts_mk, num_experts, dtype=jnp.float32).sum(1)  # (M, E)
+    share = (picked * w[:, None]).sum(0) / count
+    mean_prob = (probs * w[:, None]).sum(0) / count
+    z = jax.nn.logsumexp(logits_me, axis=-1)
+    return {
+        "router_aux": num_experts * jnp.sum(share * mean_prob),
+        "router_z": jnp.sum(w * z * z) / count,
+    }
+
+
+def _impl(cfg: ModelConfig) -> str:
+    if cfg.moe_impl != "auto":
+        return cfg.moe_impl
+    return "grouped" if jax.default_backend() == "cpu" else "ragged_dot"
+
+
+def _expert(x_rd, p: dict, e, cfg: ModelConfig):
+    """Expert e's gated MLP on rows (R, D)."""
+    gate = x_rd @ p["w_gate_edf"][e]
+    up = x_rd @ p["w_up_edf"][e]
+    return layers.gated(gate, up, cfg) @ p["w_down_efd"][e]
+
+
+def _dense(x_md, weights_mk, experts_mk, p: dict, cfg: ModelConfig):
+    """Every expert on every token; the combine weights are zero for experts a token did not pick."""
+    m = x_md.shape[0]
+    combine_me = jnp.zeros((m, cfg.num_experts), x_md.dtype)
+    combine_me = combine_me.at[jnp.arange(m)[:, None], experts_mk].add(weights_mk.astype(x_md.dtype))
+    gate = jnp.einsum("md,edf->emf", x_md, p["w_gate_edf"])
+    up = jnp.einsum("md,edf->emf", x_md, p["w_up_edf"])
+    gate = constrain(gate, ("expert", None, "mlp"))
+    out_emd = jnp.einsum("emf,efd->emd", layers.gated(gate, up, cfg), p["w_down_efd"])
+    return jnp.einsum("emd,me->md", out_emd, combine_me)
+
+
+def _sorted(x_md, weights_mk, experts_mk, p: dict, cfg: ModelConfig, ragged: bool):
+    """The assignments sorted by expert, run as groups (tiles or ragged_dot), and summed back per token."""
+    m, d = x_md.shape
+    k = experts_mk.shape[1]
+    flat_e = experts_mk.reshape(-1)  # (A,), A = M * k; assignment a belongs to token a // k
+    order = jnp.argsort(flat_e, stable=True)
+    sizes = jnp.bincount(flat_e, length=cfg.num_experts).astype(jnp.int32)  # (E,) rows per expert
+    x_ad = x_md[order // k]  # (A, D) sorted by expert
+    if ragged:
+        gate = jax.lax.ragged_dot(x_ad, p["w_gate_edf"], sizes)
+        up = jax.lax.ragged_dot(x_ad, p["w_up_edf"], sizes)
+        y_ad = jax.lax.ragged_dot(layers.gated(gate, up, cfg), p["w_down_efd"], sizes)
+    else:
+        y_ad = _tiles(x_ad, flat_e[order], sizes, p, cfg)
+    y = jnp.zeros_like(y_ad).at[order].set(y_ad)  # back to assignment order
+    return (y.reshape(m, k, d) * weights_mk[..., None].astype(y.dtype)).sum(1)
+
+
+def _tiles(x_ad, sorted_e, sizes_e, p: dict, cfg: ModelConfig):
+    """Sorted rows (A, D) through their experts, one tile of rows at a time.
+
+    Each expert's rows start at a tile boundary, so every tile has one expert; at most
+    (A + E * (tile - 1)) // tile tiles exist and the unused ones are skipped by a `lax.cond`.
+    """
+    a, d = x_ad.shape
+    num_e = cfg.num_experts
+    tile = int(min(128, max(8, 2 ** (-(-a // num_e) - 1).bit_length())))  # about A / E rows, 8..128
+    num_tiles = (a + num_e * (tile - 1)) // tile
+    padded = -(-sizes_e // tile) * tile  # rows each expert takes, rounded up to whole tiles
+    start = jnp.cumsum(padded) - padded  # first padded row of each expert
+    first = jnp.cumsum(sizes_e) - sizes_e  # first sorted row of each expert
+    dest = start[sorted_e] + jnp.arange(a) - first[sorted_e]  # (A,) row in the padded layout
+    x_pad = jnp.zeros((num_tiles * tile, d), x_ad.dtype).at[dest].set(x_ad)
+    tile_start = jnp.arange(num_tiles) * tile
+    tile_e = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded), tile_start, side="right"), num_e - 1)
+    used = tile_start < padded.sum()
+
+    def one(args):
+        x_td, e, live = args
+        return jax.lax.cond(live, lambda: _expert(x_td, p, e, cfg), lambda: jnp.zeros_like(x_td))
+
+    y = jax.lax.map(one, (x_pad.reshape(num_tiles, tile, d), tile_e, used))
+    return y.reshape(-1, d)[dest]
