@@ -15,6 +15,8 @@ import torch
 import transformers
 
 from jaxgen import hf
+from jaxgen.config import ServeConfig
+from jaxgen.inference.engine import Engine
 from jaxgen.inference.generator import Generator
 from jaxgen.inference.sampling import SamplingConfig
 from jaxgen.tokenizer import Tokenizer
@@ -32,6 +34,42 @@ FAMILIES = {
     "mistral": lambda: transformers.MistralConfig(**SMALL, num_key_value_heads=2, head_dim=8, sliding_window=8),
     "qwen2": lambda: transformers.Qwen2Config(**SMALL, num_key_value_heads=2),
     "gemma": lambda: transformers.GemmaConfig(**SMALL, num_key_value_heads=1, head_dim=16),
+    "qwen3": lambda: transformers.Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=16),
+    "gemma2": lambda: transformers.Gemma2Config(
+        **SMALL,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=8,
+        query_pre_attn_scalar=12,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=5.0,
+    ),  # fmt: skip  (layers: local, global)
+    "gemma3_text": lambda: transformers.Gemma3TextConfig(
+        **(SMALL | dict(num_hidden_layers=3)),
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        query_pre_attn_scalar=20,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        },
+    ),  # fmt: skip
+    "olmo2": lambda: transformers.Olmo2Config(**SMALL, num_key_value_heads=2),
+    "phi3": lambda: transformers.Phi3Config(**SMALL, num_key_value_heads=2),  # unequal q, k, v in qkv_proj
+    "mixtral": lambda: transformers.MixtralConfig(
+        **SMALL, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2
+    ),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **SMALL,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        norm_topk_prob=False,
+    ),  # fmt: skip
 }
 
 
@@ -113,6 +151,19 @@ def test_score_equals_transformers_loss(family_model):
         loss = ref(input_ids=torch.tensor([tokens]), labels=torch.tensor([tokens])).loss.item()
     assert scored["tokens"] == 19
     np.testing.assert_allclose(scored["nll"], loss, rtol=1e-5)
+
+
+def test_engine_greedy_equals_generator(family_model):
+    """The serving engine (paged cache, chunked prefill) decodes what Generator (contiguous cache) does,
+    so it matches transformers too; prompts cross the prefill chunk and the local window."""
+    _, _, _, gen = family_model
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, V, n).tolist() for n in (7, 21, 3)]
+    sc = SamplingConfig(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    serve = ServeConfig(slots=4, page_size=8, num_pages=48, chunk_steps=8, prefill_chunk=16)
+    got = Engine(gen.params, gen.cfg, gen.tokenizer, serve).generate(prompts, sc)  # no thread: run in this one
+    for ours, want in zip(got, gen.generate(prompts, sc), strict=True):
+        assert ours.tokens == want.tokens
 
 
 def test_export_reloads_in_transformers(family_model, tmp_path):

@@ -157,7 +157,8 @@ def _expert_fields(hf: dict, family: str, folder) -> dict:
         if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
             raise _fail(folder, "qwen3_moe with dense layers (decoder_sparse_step != 1 or mlp_only_layers)")
         return {
-            "num_experts": hf["num_experts"], "experts_per_token": hf["num_experts_per_tok"],
+            "num_experts": hf.get("num_experts") or hf["num_local_experts"],  # transformers 5 writes the latter
+            "experts_per_token": hf["num_experts_per_tok"],
             "d_ff": hf["moe_intermediate_size"], "router_renormalize": bool(hf.get("norm_topk_prob", False)),
             "router_aux_coef": float(hf.get("router_aux_loss_coef", 0.001)),
         }  # fmt: skip
@@ -261,11 +262,15 @@ def hf_config(cfg: ModelConfig, family: str, tokenizer: Tokenizer | None = None)
         out |= {"use_sliding_window": False, "sliding_window": None}
     if family in ("gemma2", "gemma3_text"):
         layer_types = ["full_attention" if cfg.is_global(i) else "sliding_attention" for i in range(cfg.num_layers)]
-        out |= {"layer_types": layer_types, "query_pre_attn_scalar": cfg.query_scale or cfg.head_size}
+        out |= {"layer_types": layer_types, "query_pre_attn_scalar": _int_if_whole(cfg.query_scale or cfg.head_size)}
         out |= {"attn_logit_softcapping": cfg.attn_softcap, "final_logit_softcapping": cfg.final_softcap}
     if family == "phi3":
         out["pad_token_id"] = common.get("eos_token_id", 0)  # transformers' default (= vocab size) fails
     return out | _experts_json(cfg, family)
+
+
+def _int_if_whole(x: float) -> int | float:
+    return int(x) if float(x).is_integer() else x  # transformers' config classes type-check some fields
 
 
 def _rope_json(cfg: ModelConfig, family: str) -> dict:

@@ -30,7 +30,8 @@ def _hf_tensors(params: dict, cfg: ModelConfig, family: str) -> Iterator[tuple[s
             parts = fused.setdefault(name, [None] * len(t.part[1]))
             parts[t.part[0]] = _to_hf(t, x)
             if all(p is not None for p in parts):
-                yield name, np.concatenate(fused.pop(name), axis=-1)
+                out_axis = 0 if t.layout == "linear" else -1  # torch Linear is (out, in)
+                yield name, np.concatenate(fused.pop(name), axis=out_axis)
 
 
 def _lookup(params: dict, path: str, index: tuple):
