@@ -115,36 +115,48 @@ def cross_entropy(logits_btv, targets_bt, mask_bt):
 
 
 def loss_sum(params, batch, cfg: Config):
-    logits, _ = model.forward(
-        params, batch["inputs"], batch["positions"], cfg=cfg.model, segment_ids=batch["segment_ids"]
+    """(The objective summed over tokens, (its language-model part, the token count, the router
+    losses)). The objective adds, for a mixture of experts, router_aux_coef times the load-balancing
+    loss and router_z_coef times the z-loss, each weighted by the token count so that the mean over
+    the batch carries them once."""
+    m = cfg.model
+    logits, _, router = model.forward(
+        params, batch["inputs"], batch["positions"], cfg=m, segment_ids=batch["segment_ids"], with_aux=True
     )
-    return cross_entropy(logits, batch["targets"], batch["loss_mask"])
+    total, count = cross_entropy(logits, batch["targets"], batch["loss_mask"])
+    objective = total
+    if m.num_experts:
+        objective = total + count * (m.router_aux_coef * router["router_aux"] + m.router_z_coef * router["router_z"])
+    return objective, (total, count, router)
 
 
 def _accumulate_grads(params, batch, cfg: Config):
-    """Gradient of the token-summed loss over `grad_accum` micro-batches (lax.scan)."""
+    """Gradient of the token-summed objective over `grad_accum` micro-batches (lax.scan); returns the
+    language-model loss sum, the token count, the gradients and the router losses (micro-batch mean)."""
     a = cfg.training.grad_accum
     grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
     if a == 1:
-        (total, count), grads = grad_fn(params, batch, cfg)
-        return total, count, grads
+        (_, (total, count, router)), grads = grad_fn(params, batch, cfg)
+        return total, count, grads, router
 
     def split(x):  # (B, T) -> (A, B/A, T), micro-batch j = rows j, A + j, ... (spread over devices)
         return x.reshape(x.shape[0] // a, a, *x.shape[1:]).swapaxes(0, 1)
 
     def body(carry, micro):
-        total, count, grads = carry
-        (t, c), g = grad_fn(params, micro, cfg)
-        return (total + t, count + c, jax.tree.map(jnp.add, grads, g)), None
+        total, count, grads, router = carry
+        (_, (t, c, r)), g = grad_fn(params, micro, cfg)
+        router = jax.tree.map(lambda x, y: x + y / a, router, r)
+        return (total + t, count + c, jax.tree.map(jnp.add, grads, g), router), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    (total, count, grads), _ = jax.lax.scan(body, (0.0, 0.0, zeros), jax.tree.map(split, batch))
-    return total, count, grads
+    no_router = {"router_aux": jnp.zeros(()), "router_z": jnp.zeros(())}
+    (total, count, grads, router), _ = jax.lax.scan(body, (0.0, 0.0, zeros, no_router), jax.tree.map(split, batch))
+    return total, count, grads, router
 
 
 def train_step(state: TrainState, batch: dict, *, cfg: Config, tx: optax.GradientTransformation):
     """One optimizer step with teacher forcing; a non-finite loss or gradient skips the update."""
-    total, count, grads = _accumulate_grads(state.params, batch, cfg)
+    total, count, grads, router = _accumulate_grads(state.params, batch, cfg)
     count = jnp.maximum(count, 1.0)
     loss = total / count  # token-weighted mean over the whole batch
     grads = jax.tree.map(lambda g: g / count, grads)
@@ -168,11 +180,13 @@ def train_step(state: TrainState, batch: dict, *, cfg: Config, tx: optax.Gradien
     )
     lr = lr_schedule(cfg.optimizer, cfg.training.steps)(state.step - 1)
     metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count, "finite": finite, "lr": lr}
+    if cfg.model.num_experts:  # the language-model loss above; the router's own losses beside it
+        metrics |= router
     return state, metrics
 
 
 def eval_step(params, batch, *, cfg: Config):
-    total, count = loss_sum(params, batch, cfg)
+    _, (total, count, _) = loss_sum(params, batch, cfg)
     return total, count
 
 

@@ -271,11 +271,12 @@ class _Rates:
         self.peak = cfg.training.peak_flops or measure_matmul_flops()
 
     def record(self, step: int, m: dict, dt: float, batch: dict) -> dict:
-        return {
+        out = {
             "step": step, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]),
             "tokens_per_s": self.tokens_per_step / dt, "mfu": self.flops_per_step / dt / self.peak, "step_time_s": dt,
             "data": _batch_hash(batch),
         }  # fmt: skip
+        return out | {k: float(m[k]) for k in ("router_aux", "router_z") if k in m}  # mixture of experts
 
 
 def _evaluate_now(eval_fn, state, run: _Run, step: int, result: TrainResult, bar) -> dict:
