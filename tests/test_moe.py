@@ -123,13 +123,13 @@ def test_load_balancing_loss_reaches_the_router_gradient(tiny_cfg):
     """The load-balancing loss is in the training objective: router_aux_coef changes the router's gradient."""
     from jaxgen.training.step import loss_sum
 
-    base = dataclasses.replace(tiny_cfg.model, num_experts=4, experts_per_token=2)
+    base = dataclasses.replace(tiny_cfg.model, num_experts=4, experts_per_token=2, moe_impl="dense")
     batch = random_batch(tiny_cfg, seed=2)
     params = model.init_params(base, jax.random.key(0))
 
     def router_grad(coef):
         cfg = dataclasses.replace(tiny_cfg, model=dataclasses.replace(base, router_aux_coef=coef))
-        grads = jax.grad(lambda p: loss_sum(p, batch, cfg)[0])(params)
+        grads = jax.jit(jax.grad(lambda p: loss_sum(p, batch, cfg)[0]))(params)
         return np.asarray(grads["layers"]["mlp"]["w_router_de"])
 
     without, with_aux = router_grad(0.0), router_grad(1.0)
