@@ -75,6 +75,15 @@ def test_overrides_are_typed():
         (["model.use_bias=yes please"], "model.use_bias='yes please' is not allowed: true or false"),
         (["model=3"], "model=3 is not allowed: a mapping of vocab_size"),
         (["model.num_layers"], "is not of the form key=value"),
+        (["model.qk_norm=layer"], "model.qk_norm='layer' is not allowed: none, head, full"),
+        (["model.global_every=2"], "model.global_every=2 is not allowed: only with model.sliding_window set"),
+        (["model.attn_softcap=0"], "model.attn_softcap=0.0 is not allowed: null or a number > 0"),
+        (
+            ["model.num_experts=4", "model.experts_per_token=5"],
+            "model.experts_per_token=5 is not allowed: 1..num_experts=4",
+        ),
+        (["model.num_experts=4", "model.mlp=gelu"], "model.mlp='gelu' is not allowed: swiglu or geglu with experts"),
+        (["model.num_experts=4", "model.moe_impl=megablox"], "model.moe_impl='megablox' is not allowed"),
     ],
 )
 def test_config_errors_name_key_value_and_allowed(overrides, fragment):

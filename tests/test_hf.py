@@ -359,3 +359,32 @@ def test_hugging_face_tokenizer_adds_its_special_tokens_like_transformers(tmp_pa
     assert ours.encode(text) == fast(text).input_ids and ours.encode(text)[0] == 1
     assert ours.encode(text, special=False) == fast(text, add_special_tokens=False).input_ids
     assert ours.eos_ids == (2,)  # from tokenizer_config.json's eos_token: no config.json here
+
+
+@pytest.mark.parametrize(
+    "family, edit, message",
+    [
+        ("gemma3_text", {"layer_types": ["full_attention", "sliding_attention"]}, r"layer_types=\['full_attention'"),
+        ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, r"rope type 'longrope'"),
+        ("phi3", {"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}, r"partial_rotary_factor=0.5"),
+        ("qwen3_moe", {"mlp_only_layers": [0]}, r"qwen3_moe with dense layers"),
+        ("qwen3", {"use_sliding_window": True}, r"qwen3 with use_sliding_window=true"),
+        ("gemma2", {"hidden_activation": "relu"}, r"gemma2 hidden_act='relu'"),
+    ],
+)
+def test_unsupported_settings_of_the_newer_families_name_the_field(family, edit, message, tmp_path):
+    """Read from config.json alone, before any weight: the error names the field and the value."""
+    cfg = transformers.AutoConfig.for_model(family, **SMALL, num_key_value_heads=2, head_dim=8).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(cfg | edit))
+    with pytest.raises(hf.HFError, match=message):
+        hf.read_config(tmp_path)
+
+
+def test_a_model_no_family_has_is_refused_on_export():
+    from jaxgen.config import ModelConfig
+
+    odd = ModelConfig(qk_norm="full", norm_placement="sandwich")  # OLMo 2's qk-norm with Gemma's norms
+    with pytest.raises(hf.HFError, match=r"no Hugging Face equivalent.*qk_norm=full, norm_placement=sandwich"):
+        hf.family_of(odd)
+    assert hf.family_of(ModelConfig(qk_norm="full", norm_placement="post")) == "olmo2"
+    assert hf.family_of(ModelConfig(num_experts=4)) == "mixtral"
