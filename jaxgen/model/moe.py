@@ -10,9 +10,10 @@ same numbers (tests/test_moe.py):
     dense       every expert on every token, weighted by the routing weights (0 for experts not
                 picked): E / k times the expert FLOPs. The reference.
     grouped     the M * k (token, expert) assignments sorted by expert and laid out so that each tile
-                of rows belongs to one expert; one (tile, D) x (D, F) product per tile in use. FLOPs:
-                the experts' own plus at most E tiles of padding; only the experts in use are read
-                (a decode step at batch 1 reads k experts, not E).
+                of rows belongs to one expert; one (tile, D) x (D, F) product per tile in use
+                (`grouped_matmul`, with its own backward). FLOPs: the experts' own plus at most E
+                tiles of padding; only the experts in use are read (a decode step at batch 1 reads k
+                experts, not E).
     ragged_dot  `jax.lax.ragged_dot` over the sorted assignments: a grouped-matmul kernel on GPU and
                 TPU. XLA:CPU lowers it to a product with every expert under a mask (measured: no
                 faster than dense), so `auto` picks `grouped` on CPU.
@@ -117,7 +118,7 @@ def _tiles(x_ad, sorted_e, sizes_e, p: dict, cfg: ModelConfig):
     """Sorted rows (A, D) through their experts, one tile of rows at a time.
 
     Each expert's rows start at a tile boundary, so every tile has one expert; at most
-    (A + E * (tile - 1)) // tile tiles exist and the unused ones are skipped by a `lax.cond`.
+    (A + E * (tile - 1)) // tile tiles exist, and the tiles in use come first.
     """
     a, d = x_ad.shape
     num_e = cfg.num_experts
@@ -127,14 +128,47 @@ def _tiles(x_ad, sorted_e, sizes_e, p: dict, cfg: ModelConfig):
     start = jnp.cumsum(padded) - padded  # first padded row of each expert
     first = jnp.cumsum(sizes_e) - sizes_e  # first sorted row of each expert
     dest = start[sorted_e] + jnp.arange(a) - first[sorted_e]  # (A,) row in the padded layout
-    x_pad = jnp.zeros((num_tiles * tile, d), x_ad.dtype).at[dest].set(x_ad)
-    tile_start = jnp.arange(num_tiles) * tile
-    tile_e = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded), tile_start, side="right"), num_e - 1)
-    used = tile_start < padded.sum()
-
-    def one(args):
-        x_td, e, live = args
-        return jax.lax.cond(live, lambda: _expert(x_td, p, e, cfg), lambda: jnp.zeros_like(x_td))
-
-    y = jax.lax.map(one, (x_pad.reshape(num_tiles, tile, d), tile_e, used))
+    x_pad = jnp.zeros((num_tiles * tile, d), x_ad.dtype).at[dest].set(x_ad).reshape(num_tiles, tile, d)
+    tile_e = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded), jnp.arange(num_tiles) * tile, side="right"), num_e - 1)
+    used = (padded.sum() // tile).astype(jnp.int32)
+    gate = grouped_matmul(x_pad, p["w_gate_edf"], tile_e, used)
+    up = grouped_matmul(x_pad, p["w_up_edf"], tile_e, used)
+    y = grouped_matmul(layers.gated(gate, up, cfg), p["w_down_efd"], tile_e, used)
     return y.reshape(-1, d)[dest]
+
+
+@jax.custom_vjp
+def grouped_matmul(x_tid, w_eio, tile_e, used):
+    """Tile j of rows (tile, I) times its expert's matrix w[tile_e[j]] (I, O), for the first `used`
+    tiles (the rest are zeros): (tiles, tile, O). Loops run over the used tiles only and write their
+    results in place, forward and backward (the gradient of w is added into one (E, I, O) buffer, slice
+    by slice, instead of a whole buffer per tile as autodiff of a scan would)."""
+    return _tile_products(x_tid, w_eio, tile_e, used, lambda x, w: x @ w, w_eio.shape[-1])
+
+
+def _tile_products(x_tid, w_eio, tile_e, used, product, width):
+    out = jnp.zeros((*x_tid.shape[:2], width), x_tid.dtype)
+
+    def body(j, out):
+        return out.at[j].set(product(x_tid[j], w_eio[tile_e[j]]))
+
+    return jax.lax.fori_loop(0, used, body, out)
+
+
+def _grouped_fwd(x_tid, w_eio, tile_e, used):
+    return grouped_matmul(x_tid, w_eio, tile_e, used), (x_tid, w_eio, tile_e, used)
+
+
+def _grouped_bwd(res, dy_tio):
+    x_tid, w_eio, tile_e, used = res
+    dx = _tile_products(dy_tio, w_eio, tile_e, used, lambda dy, w: dy @ w.T, x_tid.shape[-1])
+
+    def body(j, dw):
+        e = tile_e[j]
+        return dw.at[e].add(x_tid[j].T @ dy_tio[j])
+
+    dw = jax.lax.fori_loop(0, used, body, jnp.zeros_like(w_eio))
+    return dx, dw, None, None
+
+
+grouped_matmul.defvjp(_grouped_fwd, _grouped_bwd)
