@@ -55,7 +55,7 @@ FAMILIES = {
             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
         },
-    ),  # fmt: skip
+    ),
     "olmo2": lambda: transformers.Olmo2Config(**SMALL, num_key_value_heads=2),
     "phi3": lambda: transformers.Phi3Config(**SMALL, num_key_value_heads=2),  # unequal q, k, v in qkv_proj
     "mixtral": lambda: transformers.MixtralConfig(
@@ -69,7 +69,7 @@ FAMILIES = {
         num_experts_per_tok=2,
         moe_intermediate_size=16,
         norm_topk_prob=False,
-    ),  # fmt: skip
+    ),
 }
 
 

@@ -63,3 +63,38 @@ def test_checkpoint_saved_on_eight_devices_restores_on_one(runs, tiny_cfg, tmp_p
         if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
             a, b = jax.random.key_data(a), jax.random.key_data(b)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize(
+    "features",
+    [
+        dict(qk_norm="full", norm_placement="post"),  # OLMo 2: a norm over heads split across devices
+        dict(
+            qk_norm="head",
+            norm_placement="sandwich",
+            norm_unit_offset=True,
+            sliding_window=5,
+            global_every=2,
+            rope_local_theta=100.0,
+            attn_softcap=2.0,
+            final_softcap=5.0,
+            query_scale=10.0,
+        ),  # Gemma 2/3
+    ],
+    ids=["olmo2", "gemma"],
+)
+def test_newer_layer_features_on_eight_devices_equal_one_device(features):
+    from jaxgen import model
+    from jaxgen.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=128, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64, **features)
+    params = model.init_params(cfg, jax.random.key(0))
+    params = jax.tree.map(lambda w: w + 0.1 * jax.random.normal(jax.random.key(1), w.shape), params)  # norms too
+    tokens = np.random.default_rng(0).integers(0, 128, (4, 16)).astype(np.int32)
+    positions = np.tile(np.arange(16, dtype=np.int32), (4, 1))
+    forward = jax.jit(lambda p: model.forward(p, tokens, positions, cfg=cfg)[0])
+    want = forward(params)
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    with jax.set_mesh(mesh):
+        got = forward(jax.device_put(params, model.param_shardings(cfg, mesh)))
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)

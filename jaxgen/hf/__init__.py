@@ -4,7 +4,11 @@
     save_pretrained("out/folder", params, cfg, tokenizer)              # transformers loads it back
 
 Supported families (FAMILIES): GPT-2, Llama (Llama 3 rope scaling included), Mistral (sliding window),
-Qwen2 (q/k/v biases) and Gemma (first generation: GeGLU, scaled embeddings, (1 + scale) RMSNorm).
+Qwen2 (q/k/v biases), Qwen3 (per-head qk-norm), Gemma (GeGLU, scaled embeddings, (1 + scale) RMSNorm),
+Gemma 2 (sandwich norms, soft-capping, alternating local/global layers), Gemma 3 (qk-norm, 5:1
+local/global with a local RoPE base), OLMo 2 (whole-projection qk-norm, post-norms), Phi-3 (fused qkv
+and gate_up, split on import and fused on export), Mixtral and Qwen3-MoE (experts stored one tensor
+per expert, stacked in jaxgen).
 Nothing is downloaded: a folder is what `save_pretrained` or `huggingface-cli download` left on disk.
 
 Weights are read tensor by tensor from memory-mapped safetensors files (single or sharded with

@@ -1,6 +1,7 @@
 """The network: parameters, the forward pass, attention, and the KV caches it reads and writes.
 
-    layers.py       norms, rotary positions, MLP, 2-D weight products
+    layers.py       norms, rotary positions, MLP, soft-capping, 2-D weight products
+    moe.py          mixture of experts: router, dropless dispatch (grouped tiles / ragged_dot / dense)
     attention.py    one attention over every cache (blockwise online softmax) and the training path
     transformer.py  the parameter table, init, forward (cache=None for training), LM head
     kvcache.py      the contiguous KV cache pytree (Generator, beam search)

@@ -55,7 +55,8 @@ def softcap(x, cap: float | None):
 
 
 def rope_frequencies(cfg: ModelConfig, theta: float | None = None):
-    """Inverse frequencies (H/2,) float32 (numpy: constants, also under jit) of the rotary embedding, with the config's context scaling.
+    """Inverse frequencies (H/2,) float32 of the rotary embedding, with the config's context scaling;
+    numpy, so they stay constants under jit. `theta`: a local layer's own base (no scaling).
 
     linear divides every frequency by rope_factor. llama3 (Llama 3.1) leaves high frequencies alone,
     divides low ones (wavelength beyond original_max_len / low_freq_factor) by the factor, and blends

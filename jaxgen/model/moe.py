@@ -122,7 +122,7 @@ def _tiles(x_ad, sorted_e, sizes_e, p: dict, cfg: ModelConfig):
     """
     a, d = x_ad.shape
     num_e = cfg.num_experts
-    tile = int(min(128, max(8, 2 ** (-(-a // num_e) - 1).bit_length())))  # about A / E rows, 8..128
+    tile = int(min(512, max(8, 2 ** (-(-a // num_e) - 1).bit_length())))  # about A / E rows, 8..512
     num_tiles = (a + num_e * (tile - 1)) // tile
     padded = -(-sizes_e // tile) * tile  # rows each expert takes, rounded up to whole tiles
     start = jnp.cumsum(padded) - padded  # first padded row of each expert
