@@ -72,10 +72,11 @@ class ModelConfig:
     router_renormalize: bool = True  # the k routing weights rescaled to sum to 1 (Mixtral; Qwen3's norm_topk_prob)
     router_aux_coef: float = 0.01  # weight of the load-balancing loss in training (Switch Transformer)
     router_z_coef: float = 0.0  # weight of the router z-loss (mean squared logsumexp of router logits)
-    moe_impl: Literal["auto", "grouped", "ragged_dot", "dense"] = "auto"  # how tokens reach their experts:
-    #   grouped: tokens sorted by expert, one product per tile of rows (reads only the experts in use);
-    #   ragged_dot: jax.lax.ragged_dot (a kernel on GPU/TPU; dense under a mask on CPU);
-    #   dense: every expert on every token (the reference); auto: ragged_dot on GPU/TPU, grouped on CPU
+    moe_impl: Literal["auto", "grouped", "ragged_dot", "megablox", "dense"] = "auto"  # how tokens reach
+    #   their experts: grouped: sorted by expert, one product per tile of rows (only the experts in use
+    #   are read); ragged_dot: jax.lax.ragged_dot (a kernel on GPU; dense under a mask on CPU);
+    #   megablox: the Pallas TPU grouped matmul (interpret mode elsewhere); dense: every expert on
+    #   every token (the reference); auto: megablox on TPU, ragged_dot on GPU, grouped on CPU
     family: str | None = None  # the Hugging Face family imported from, kept for export (None: from the fields)
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; params stay float32
     init_std: float = 0.02
@@ -149,7 +150,7 @@ class ModelConfig:
         )
         _check(self.mlp in ("swiglu", "geglu"), "model.mlp", self.mlp, "swiglu or geglu with experts")
         _check(not self.use_bias, "model.use_bias", self.use_bias, "false with experts")
-        impls = ("auto", "grouped", "ragged_dot", "dense")
+        impls = ("auto", "grouped", "ragged_dot", "megablox", "dense")
         _check(self.moe_impl in impls, "model.moe_impl", self.moe_impl, ", ".join(impls))
         for name in ("router_aux_coef", "router_z_coef"):
             _check(getattr(self, name) >= 0, f"model.{name}", getattr(self, name), "a number >= 0")

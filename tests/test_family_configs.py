@@ -1,7 +1,9 @@
-"""Each family's config in configs/ trains with the trainer train.py runs, and its run exports as that
-family: transformers loads the folder and computes the same logits (so the YAML really is a Qwen3, a
-Gemma 3, a Mixtral, ... and not merely something that trains)."""
+"""Each family's config in configs/ takes a training step (the jitted step train.py's trainer runs) and
+exports as that family: transformers loads the folder and computes the same logits (so the YAML really
+is a Qwen3, a Gemma 3, a Mixtral, ... and not merely something that trains). The whole trainer (run
+folder, checkpoints, resume) is tested on the tiny config in test_train.py and test_resume.py."""
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -9,25 +11,29 @@ import transformers
 
 from jaxgen import hf, model
 from jaxgen.config import load_config
-from jaxgen.training.checkpoint import load_model
-from jaxgen.training.trainer import train
+from jaxgen.sharding import make_mesh
+from jaxgen.tokenizer import Tokenizer
+from jaxgen.training.step import create_train_state, make_train_step, put_batch
 from tests.conftest import ROOT
+from tests.test_train import random_batch
 
 CONFIGS = [
     "qwen3-small", "gemma2-small", "gemma3-small", "olmo2-small", "phi3-small", "mixtral-small", "qwen3-moe-small",
 ]  # fmt: skip
-SHORT = ["training.steps=2", "training.batch_size=2", "data.seq_len=64", "training.eval_every=2"]
-SHORT += ["data.eval_batches=1", "checkpoint.every=2", "mesh.data=1"]
+SHORT = ["training.batch_size=2", "data.seq_len=64", "mesh.data=1"]
 
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_family_config_trains_and_exports_as_its_family(name, token_cache, tmp_path):
     cfg = load_config(ROOT / "configs" / f"{name}.yaml", [f"data.cache_dir={token_cache}", *SHORT])
-    result = train(cfg, tmp_path / "run", progress=False)
-    assert result.step == 2 and np.isfinite(result.losses).all() and np.isfinite(result.eval_losses[-1][1])
+    mesh = make_mesh(cfg.mesh, jax.devices()[:1])
+    state = create_train_state(cfg, mesh)
+    state, metrics = make_train_step(cfg, mesh, state)(state, put_batch(random_batch(cfg), mesh))
+    assert np.isfinite(float(metrics["loss"])) and int(state.step) == 1
+    assert ("router_aux" in metrics) == (cfg.model.num_experts > 0)
 
-    model_cfg, tokenizer, params = load_model(tmp_path / "run")
-    folder = hf.save_pretrained(tmp_path / "hf", params, model_cfg, tokenizer)
+    model_cfg, params = cfg.model, state.params
+    folder = hf.save_pretrained(tmp_path / "hf", params, model_cfg, Tokenizer.byte_level())
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
     assert reloaded.config.model_type == model_cfg.family
     tokens = np.random.default_rng(0).integers(0, 257, (1, 80))  # beyond the local windows of 64

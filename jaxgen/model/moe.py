@@ -14,9 +14,12 @@ same numbers (tests/test_moe.py):
                 (`grouped_matmul`, with its own backward). FLOPs: the experts' own plus at most E
                 tiles of padding; only the experts in use are read (a decode step at batch 1 reads k
                 experts, not E).
-    ragged_dot  `jax.lax.ragged_dot` over the sorted assignments: a grouped-matmul kernel on GPU and
-                TPU. XLA:CPU lowers it to a product with every expert under a mask (measured: no
-                faster than dense), so `auto` picks `grouped` on CPU.
+    ragged_dot  `jax.lax.ragged_dot` over the sorted assignments: a grouped-matmul kernel on GPU.
+                XLA:CPU lowers it to a product with every expert under a mask (measured: no faster
+                than dense), so `auto` picks `grouped` on CPU.
+    megablox    the Pallas grouped matmul for TPU shipped in jax (`megablox.gmm`, with its own
+                backward); off TPU it runs in Pallas interpret mode (slow: for tests only).
+`auto` is megablox on TPU, ragged_dot on GPU, grouped on CPU.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def mlp(x_btd, p: dict, valid_bt, cfg: ModelConfig):
     if impl == "dense":
         out = _dense(x_md, weights_mk, experts_mk, p, cfg)
     else:
-        out = _sorted(x_md, weights_mk, experts_mk, p, cfg, ragged=impl == "ragged_dot")
+        out = _sorted(x_md, weights_mk, experts_mk, p, cfg, impl)
     aux = aux_losses(logits_me, experts_mk, valid_bt.reshape(-1), cfg.num_experts)
     return out.reshape(b, t, d), aux
 
@@ -74,7 +77,7 @@ def aux_losses(logits_me, experts_mk, valid_m, num_experts: int) -> dict:
 def _impl(cfg: ModelConfig) -> str:
     if cfg.moe_impl != "auto":
         return cfg.moe_impl
-    return "grouped" if jax.default_backend() == "cpu" else "ragged_dot"
+    return {"cpu": "grouped", "tpu": "megablox"}.get(jax.default_backend(), "ragged_dot")
 
 
 def _expert(x_rd, p: dict, e, cfg: ModelConfig):
@@ -96,29 +99,44 @@ def _dense(x_md, weights_mk, experts_mk, p: dict, cfg: ModelConfig):
     return jnp.einsum("emd,me->md", out_emd, combine_me)
 
 
-def _sorted(x_md, weights_mk, experts_mk, p: dict, cfg: ModelConfig, ragged: bool):
-    """The assignments sorted by expert, run as groups (tiles or ragged_dot), and summed back per token."""
+def _sorted(x_md, weights_mk, experts_mk, p: dict, cfg: ModelConfig, impl: str):
+    """The assignments sorted by expert, run as groups (tiles or a grouped matmul), summed back per token."""
     m, d = x_md.shape
     k = experts_mk.shape[1]
     flat_e = experts_mk.reshape(-1)  # (A,), A = M * k; assignment a belongs to token a // k
-    order = jnp.argsort(flat_e, stable=True)
     sizes = jnp.bincount(flat_e, length=cfg.num_experts).astype(jnp.int32)  # (E,) rows per expert
-    x_ad = x_md[order // k]  # (A, D) sorted by expert
-    if ragged:
-        gate = jax.lax.ragged_dot(x_ad, p["w_gate_edf"], sizes)
-        up = jax.lax.ragged_dot(x_ad, p["w_up_edf"], sizes)
-        y_ad = jax.lax.ragged_dot(layers.gated(gate, up, cfg), p["w_down_efd"], sizes)
+    x_ad = jnp.repeat(x_md, k, axis=0)  # (A, D) in assignment order (its gradient is a sum over k)
+    if impl == "grouped":
+        y = _tiles(x_ad, flat_e, sizes, p, cfg)
     else:
-        y_ad = _tiles(x_ad, flat_e[order], sizes, p, cfg)
-    y = jnp.zeros_like(y_ad).at[order].set(y_ad)  # back to assignment order
+        order = jnp.argsort(flat_e, stable=True)
+        product = jax.lax.ragged_dot if impl == "ragged_dot" else _megablox
+        xs = x_ad[order]
+        h = layers.gated(product(xs, p["w_gate_edf"], sizes), product(xs, p["w_up_edf"], sizes), cfg)
+        y = jnp.zeros_like(xs).at[order].set(product(h, p["w_down_efd"], sizes), unique_indices=True)
     return (y.reshape(m, k, d) * weights_mk[..., None].astype(y.dtype)).sum(1)
 
 
-def _tiles(x_ad, sorted_e, sizes_e, p: dict, cfg: ModelConfig):
-    """Sorted rows (A, D) through their experts, one tile of rows at a time.
+def _megablox(x_ad, w_eio, sizes_e):
+    """megablox.gmm on rows padded to whole row tiles (the padding rows belong to no group)."""
+    from jax.experimental.pallas.ops.tpu.megablox import ops as megablox  # Pallas TPU code: loaded when used
 
-    Each expert's rows start at a tile boundary, so every tile has one expert; at most
-    (A + E * (tile - 1)) // tile tiles exist, and the tiles in use come first.
+    a = x_ad.shape[0]
+    tm = 128 if a >= 128 else 8
+    rows = -(-a // tm) * tm
+    x = jnp.pad(x_ad, ((0, rows - a), (0, 0)))
+    tiling = tuple(128 if n % 128 == 0 else n for n in (tm, *w_eio.shape[1:]))
+    interpret = jax.default_backend() != "tpu"
+    out = megablox.gmm(x, w_eio, sizes_e, jnp.float32, tiling, None, None, False, interpret)
+    return out[:a].astype(x_ad.dtype)
+
+
+def _tiles(x_ad, expert_a, sizes_e, p: dict, cfg: ModelConfig):
+    """Rows (A, D) through their experts (A,), one tile of rows at a time; (A, D) in the same order.
+
+    Rows are placed expert by expert, each expert's from a tile boundary, so every tile has one expert;
+    at most (A + E * (tile - 1)) // tile tiles exist, and the tiles in use come first. Placing is one
+    scatter and reading back one gather (the sort moves integers only).
     """
     a, d = x_ad.shape
     num_e = cfg.num_experts
@@ -126,15 +144,18 @@ def _tiles(x_ad, sorted_e, sizes_e, p: dict, cfg: ModelConfig):
     num_tiles = (a + num_e * (tile - 1)) // tile
     padded = -(-sizes_e // tile) * tile  # rows each expert takes, rounded up to whole tiles
     start = jnp.cumsum(padded) - padded  # first padded row of each expert
-    first = jnp.cumsum(sizes_e) - sizes_e  # first sorted row of each expert
-    dest = start[sorted_e] + jnp.arange(a) - first[sorted_e]  # (A,) row in the padded layout
-    x_pad = jnp.zeros((num_tiles * tile, d), x_ad.dtype).at[dest].set(x_ad).reshape(num_tiles, tile, d)
+    order = jnp.argsort(expert_a, stable=True)  # sorting ints only: rows move once, below
+    first = jnp.cumsum(sizes_e) - sizes_e  # first sorted position of each expert
+    rank = jnp.zeros_like(expert_a).at[order].set(jnp.arange(a) - first[expert_a[order]], unique_indices=True)
+    place = start[expert_a] + rank  # (A,) each row's row in the padded layout, distinct
+    x_pad = jnp.zeros((num_tiles * tile, d), x_ad.dtype).at[place].set(x_ad, unique_indices=True)
     tile_e = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded), jnp.arange(num_tiles) * tile, side="right"), num_e - 1)
     used = (padded.sum() // tile).astype(jnp.int32)
+    x_pad = x_pad.reshape(num_tiles, tile, d)
     gate = grouped_matmul(x_pad, p["w_gate_edf"], tile_e, used)
     up = grouped_matmul(x_pad, p["w_up_edf"], tile_e, used)
     y = grouped_matmul(layers.gated(gate, up, cfg), p["w_down_efd"], tile_e, used)
-    return y.reshape(-1, d)[dest]
+    return y.reshape(-1, d).at[place].get(unique_indices=True)
 
 
 @jax.custom_vjp
