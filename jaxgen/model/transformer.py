@@ -43,40 +43,19 @@ def _norm_specs(cfg: ModelConfig, stacked: bool) -> dict:
 
 def param_specs(cfg: ModelConfig) -> dict:
     """The single table of parameters: shape, logical axes and initialiser of each."""
-    L, D, N, K, H, F, V = (
-        cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_size, cfg.d_ff, cfg.vocab_size,
-    )  # fmt: skip
+    L, D, N, K, H, V = cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_size, cfg.vocab_size
     layer = {
         "w_q_dnh": ParamSpec((L, D, N, H), ("layers", "embed", "heads", "head_dim"), "normal"),
         "w_k_dkh": ParamSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
         "w_v_dkh": ParamSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
         "w_o_nhd": ParamSpec((L, N, H, D), ("layers", "heads", "head_dim", "embed"), "out"),
-        "mlp": _expert_specs(cfg) if cfg.num_experts else {
-            "w_up_df": ParamSpec((L, D, F), ("layers", "embed", "mlp"), "normal"),
-            "w_down_fd": ParamSpec((L, F, D), ("layers", "mlp", "embed"), "out"),
-        },
-    }  # fmt: skip
+        "mlp": _expert_specs(cfg) if cfg.num_experts else _mlp_specs(cfg),
+    }
     if cfg.norm_placement != "post":
         layer |= {"attn_norm": _norm_specs(cfg, stacked=True), "mlp_norm": _norm_specs(cfg, stacked=True)}
     if cfg.norm_placement != "pre":
         layer |= {"post_attn_norm": _norm_specs(cfg, stacked=True), "post_mlp_norm": _norm_specs(cfg, stacked=True)}
-    layer |= _qk_norm_specs(cfg)
-    if cfg.mlp in ("swiglu", "geglu") and not cfg.num_experts:
-        layer["mlp"]["w_gate_df"] = ParamSpec((L, D, F), ("layers", "embed", "mlp"), "normal")
-    if cfg.use_bias or cfg.qkv_bias:
-        layer |= {
-            "b_q_nh": ParamSpec((L, N, H), ("layers", "heads", "head_dim"), "zeros"),
-            "b_k_kh": ParamSpec((L, K, H), ("layers", "kv_heads", "head_dim"), "zeros"),
-            "b_v_kh": ParamSpec((L, K, H), ("layers", "kv_heads", "head_dim"), "zeros"),
-        }
-    if cfg.use_bias:
-        layer["b_o_d"] = ParamSpec((L, D), ("layers", "act_embed"), "zeros")
-        layer["mlp"] |= {
-            "b_up_f": ParamSpec((L, F), ("layers", "mlp"), "zeros"),
-            "b_down_d": ParamSpec((L, D), ("layers", "act_embed"), "zeros"),
-        }
-        if cfg.mlp != "gelu":
-            layer["mlp"]["b_gate_f"] = ParamSpec((L, F), ("layers", "mlp"), "zeros")
+    layer |= _qk_norm_specs(cfg) | _attention_bias_specs(cfg)
     specs = {
         "embed_vd": ParamSpec((V, D), ("vocab", "embed"), "normal"),
         "layers": layer,
@@ -86,6 +65,38 @@ def param_specs(cfg: ModelConfig) -> dict:
         specs["pos_embed_td"] = ParamSpec((cfg.max_seq_len, D), (None, "embed"), "normal")
     if not cfg.tie_embeddings:
         specs["head_dv"] = ParamSpec((D, V), ("embed", "vocab"), "normal")
+    return specs
+
+
+def _mlp_specs(cfg: ModelConfig) -> dict:
+    L, D, F = cfg.num_layers, cfg.d_model, cfg.d_ff
+    mlp = {
+        "w_up_df": ParamSpec((L, D, F), ("layers", "embed", "mlp"), "normal"),
+        "w_down_fd": ParamSpec((L, F, D), ("layers", "mlp", "embed"), "out"),
+    }
+    if cfg.mlp in ("swiglu", "geglu"):
+        mlp["w_gate_df"] = ParamSpec((L, D, F), ("layers", "embed", "mlp"), "normal")
+    if cfg.use_bias:
+        mlp |= {
+            "b_up_f": ParamSpec((L, F), ("layers", "mlp"), "zeros"),
+            "b_down_d": ParamSpec((L, D), ("layers", "act_embed"), "zeros"),
+        }
+        if cfg.mlp != "gelu":
+            mlp["b_gate_f"] = ParamSpec((L, F), ("layers", "mlp"), "zeros")
+    return mlp
+
+
+def _attention_bias_specs(cfg: ModelConfig) -> dict:
+    L, D, N, K, H = cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_size
+    specs = {}
+    if cfg.use_bias or cfg.qkv_bias:
+        specs |= {
+            "b_q_nh": ParamSpec((L, N, H), ("layers", "heads", "head_dim"), "zeros"),
+            "b_k_kh": ParamSpec((L, K, H), ("layers", "kv_heads", "head_dim"), "zeros"),
+            "b_v_kh": ParamSpec((L, K, H), ("layers", "kv_heads", "head_dim"), "zeros"),
+        }
+    if cfg.use_bias:
+        specs["b_o_d"] = ParamSpec((L, D), ("layers", "act_embed"), "zeros")
     return specs
 
 
