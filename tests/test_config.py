@@ -83,7 +83,7 @@ def test_overrides_are_typed():
             "model.experts_per_token=5 is not allowed: 1..num_experts=4",
         ),
         (["model.num_experts=4", "model.mlp=gelu"], "model.mlp='gelu' is not allowed: swiglu or geglu with experts"),
-        (["model.num_experts=4", "model.moe_impl=megablox"], "model.moe_impl='megablox' is not allowed"),
+        (["model.num_experts=4", "model.moe_impl=gmm"], "model.moe_impl='gmm' is not allowed"),
     ],
 )
 def test_config_errors_name_key_value_and_allowed(overrides, fragment):
