@@ -388,3 +388,23 @@ def test_a_model_no_family_has_is_refused_on_export():
         hf.family_of(odd)
     assert hf.family_of(ModelConfig(qk_norm="full", norm_placement="post")) == "olmo2"
     assert hf.family_of(ModelConfig(num_experts=4)) == "mixtral"
+
+
+def test_keys_a_config_leaves_out_take_the_family_defaults_of_transformers():
+    """jaxgen's table of per-family defaults agrees with transformers' config classes, so a sparse
+    config.json (as in a multimodal Gemma 3's text_config) reads as transformers would read it."""
+    from jaxgen.hf.config import _DEFAULTS
+
+    for family, defaults in _DEFAULTS.items():
+        theirs = transformers.AutoConfig.for_model(family, pad_token_id=0).to_dict()
+        rope = theirs.get("rope_parameters") or {}
+        theirs["rope_theta"] = rope.get("full_attention", rope).get("rope_theta")
+        theirs["rope_local_base_freq"] = rope.get("sliding_attention", {}).get("rope_theta")
+        theirs["hidden_act"] = theirs.get("hidden_act") or theirs.get("hidden_activation")
+        for key, value in defaults.items():
+            assert theirs[key] == value, (family, key, theirs[key], value)
+    sparse = {"model_type": "gemma3_text", "vocab_size": V, "hidden_size": 64, "intermediate_size": 128}
+    sparse |= {"num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 1}
+    cfg = hf.config._from_hf(sparse, "gemma3_text", "sparse")
+    assert (cfg.head_size, cfg.rope_theta, cfg.rope_local_theta, cfg.query_scale) == (256, 1e6, 1e4, 256)
+    assert cfg.sliding_window == 4096 and cfg.global_every == 6 and cfg.mlp == "geglu"

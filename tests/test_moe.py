@@ -41,8 +41,8 @@ def test_grouped_ragged_dot_and_megablox_equal_dense_values_and_gradients(shape,
         c = dataclasses.replace(cfg, moe_impl=impl)
 
         def f(p, x):
-            out, aux = moe.mlp(x, p, valid, c)
-            return jnp.sum(out * probe) + aux["router_aux"], out
+            out, stats = moe.mlp(x, p, valid, c)
+            return jnp.sum(out * probe) + moe.balance_loss(stats["share"][None], stats["mean_prob"][None]), out
 
         (_, out), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(p, x)
         return out, grads
@@ -78,18 +78,23 @@ def test_every_token_reaches_exactly_its_top_k_experts():
 
 
 def test_router_losses_equal_transformers_load_balancing_loss():
+    """Two layers that route differently: f and P are pooled over layers before their product, as
+    transformers' load_balancing_loss_func does (a mean of per-layer products would differ)."""
     rng = np.random.default_rng(0)
     b, t, e, k = 3, 7, 8, 2
-    logits = rng.normal(size=(b * t, e)).astype(np.float32) * 2
+    logits = [rng.normal(size=(b * t, e)).astype(np.float32) * s for s in (2, 0.5)]
     mask = np.ones((b, t), np.int64)
     mask[1, 4:] = 0  # padding is left out of both
-    _, experts = jax.lax.top_k(jax.nn.softmax(logits), k)
-    ours = moe.aux_losses(jnp.asarray(logits), experts, jnp.asarray(mask.reshape(-1) > 0), e)
-    theirs = load_balancing_loss_func((torch.from_numpy(logits),), e, k, torch.from_numpy(mask))
-    np.testing.assert_allclose(float(ours["router_aux"]), float(theirs), rtol=1e-5)
     valid = mask.reshape(-1) > 0
-    lse = np.log(np.exp(logits).sum(-1))
-    np.testing.assert_allclose(float(ours["router_z"]), np.mean(lse[valid] ** 2), rtol=1e-5)
+    stats = []
+    for lg in logits:
+        _, experts = jax.lax.top_k(jax.nn.softmax(lg), k)
+        stats.append(moe.router_stats(jnp.asarray(lg), experts, jnp.asarray(valid), e))
+    ours = moe.balance_loss(jnp.stack([s["share"] for s in stats]), jnp.stack([s["mean_prob"] for s in stats]))
+    theirs = load_balancing_loss_func(tuple(torch.from_numpy(lg) for lg in logits), e, k, torch.from_numpy(mask))
+    np.testing.assert_allclose(float(ours), float(theirs), rtol=1e-5)
+    lse = np.log(np.exp(logits[0]).sum(-1))
+    np.testing.assert_allclose(float(stats[0]["router_z"]), np.mean(lse[valid] ** 2), rtol=1e-5)
 
 
 @pytest.mark.parametrize("impl", ["grouped", "dense"])

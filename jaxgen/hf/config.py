@@ -49,6 +49,24 @@ _FAMILY_FIELDS = {
     "mixtral": {},
     "qwen3_moe": {"qk_norm": "head"},
 }  # fmt: skip
+# transformers' own defaults for keys a config.json may leave out, where jaxgen's generic fallback (the
+# Llama one) would read a different model: e.g. Gemma's head_dim is 256, not hidden_size / heads.
+_DEFAULTS = {
+    "gemma": {"head_dim": 256, "hidden_act": "gelu_pytorch_tanh", "max_position_embeddings": 8192},
+    "gemma2": {
+        "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
+        "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "sliding_window": 4096,
+        "max_position_embeddings": 8192,
+    },
+    "gemma3_text": {
+        "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
+        "sliding_window": 4096, "max_position_embeddings": 131072, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+    },
+    "mixtral": {"rope_theta": 1e6, "max_position_embeddings": 131072},
+    "qwen3": {"head_dim": 128, "max_position_embeddings": 32768},
+    "qwen3_moe": {"max_position_embeddings": 32768},
+    "phi3": {"max_position_embeddings": 4096},
+}  # fmt: skip
 _WINDOWED = ("mistral", "phi3", "mixtral", "gemma2", "gemma3_text")  # families with a sliding window
 # Fields a round trip through config.json need not keep: how jaxgen computes, not what the model is.
 _NOT_ARCHITECTURE = ("dtype", "init_std", "family", "moe_impl", "router_z_coef")
@@ -75,6 +93,7 @@ def read_config(folder: str | Path) -> tuple[str, ModelConfig]:
 
 
 def _from_hf(hf: dict, family: str, folder) -> ModelConfig:
+    hf = _DEFAULTS.get(family, {}) | hf
     return _gpt2_config(hf, folder) if family == "gpt2" else _llama_like_config(hf, family, folder)
 
 

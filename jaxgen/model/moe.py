@@ -3,7 +3,7 @@
     out_btd, aux = moe.mlp(x_btd, p, valid_bt, cfg)
 
 p (one layer): w_router_de (D, E); w_gate_edf, w_up_edf (E, D, F); w_down_efd (E, F, D).
-aux: {"router_aux": the load-balancing loss, "router_z": the router z-loss}, scalars for training.
+aux: this layer's router statistics (`router_stats`); `balance_loss` pools them over layers.
 
 Dispatch is dropless (no token is dropped for want of capacity), in one of three ways that give the
 same numbers (tests/test_moe.py):
@@ -42,8 +42,7 @@ def mlp(x_btd, p: dict, valid_bt, cfg: ModelConfig):
         out = _dense(x_md, weights_mk, experts_mk, p, cfg)
     else:
         out = _sorted(x_md, weights_mk, experts_mk, p, cfg, impl)
-    aux = aux_losses(logits_me, experts_mk, valid_bt.reshape(-1), cfg.num_experts)
-    return out.reshape(b, t, d), aux
+    return out.reshape(b, t, d), router_stats(logits_me, experts_mk, valid_bt.reshape(-1), cfg.num_experts)
 
 
 def route(x_md, w_router_de, cfg: ModelConfig):
@@ -57,21 +56,27 @@ def route(x_md, w_router_de, cfg: ModelConfig):
     return logits, weights, experts
 
 
-def aux_losses(logits_me, experts_mk, valid_m, num_experts: int) -> dict:
-    """Switch Transformer's load-balancing loss E * sum_e f_e P_e (f_e: the share of assignments that
-    go to expert e, P_e: its mean router probability; 1 * k when balanced), as transformers computes
-    it, and the router z-loss mean(logsumexp(logits)^2); both over valid tokens only."""
+def router_stats(logits_me, experts_mk, valid_m, num_experts: int) -> dict:
+    """One layer's router statistics over valid tokens: "share" (E,), the share of assignments that go
+    to each expert (summing to k); "mean_prob" (E,), each expert's mean router probability; and
+    "router_z", the z-loss mean(logsumexp(logits)^2). `balance_loss` pools the first two over layers."""
     w = valid_m.astype(jnp.float32)
     count = jnp.maximum(w.sum(), 1.0)
     probs = jax.nn.softmax(logits_me, axis=-1)
     picked = jax.nn.one_hot(experts_mk, num_experts, dtype=jnp.float32).sum(1)  # (M, E)
-    share = (picked * w[:, None]).sum(0) / count
-    mean_prob = (probs * w[:, None]).sum(0) / count
     z = jax.nn.logsumexp(logits_me, axis=-1)
     return {
-        "router_aux": num_experts * jnp.sum(share * mean_prob),
+        "share": (picked * w[:, None]).sum(0) / count,
+        "mean_prob": (probs * w[:, None]).sum(0) / count,
         "router_z": jnp.sum(w * z * z) / count,
     }
+
+
+def balance_loss(share_le, mean_prob_le):
+    """Switch Transformer's load-balancing loss E * sum_e f_e P_e with f and P pooled over the layers
+    first (L, E) -> (E,), as transformers' load_balancing_loss_func computes it; k when balanced."""
+    num_experts = share_le.shape[-1]
+    return num_experts * jnp.sum(share_le.mean(0) * mean_prob_le.mean(0))
 
 
 def _impl(cfg: ModelConfig) -> str:
@@ -186,12 +191,12 @@ def _grouped_bwd(res, dy_tio):
     x_tid, w_eio, tile_e, used = res
     dx = _tile_products(dy_tio, w_eio, tile_e, used, lambda dy, w: dy @ w.T, x_tid.shape[-1])
 
-    def body(j, dw):
+    def body(j, dw):  # accumulated in float32 whatever the weights' dtype
         e = tile_e[j]
-        return dw.at[e].add(x_tid[j].T @ dy_tio[j])
+        return dw.at[e].add(jnp.matmul(x_tid[j].T, dy_tio[j], preferred_element_type=jnp.float32))
 
-    dw = jax.lax.fori_loop(0, used, body, jnp.zeros_like(w_eio))
-    return dx, dw, None, None
+    dw = jax.lax.fori_loop(0, used, body, jnp.zeros(w_eio.shape, jnp.float32))
+    return dx, dw.astype(w_eio.dtype), None, None
 
 
 grouped_matmul.defvjp(_grouped_fwd, _grouped_bwd)

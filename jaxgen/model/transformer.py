@@ -181,8 +181,8 @@ def forward(
         receive this call's keys and values, or the serving engine's `PagedCache`, where each token
         goes to its row's page for its position). The model never asks which.
     Returns logits (B, T, V) float32 and the cache (None when none was given); with `with_aux`, also
-    the auxiliary losses {"router_aux", "router_z"} (mixture of experts; zeros for a dense model),
-    each the mean over layers.
+    the auxiliary losses {"router_aux": the load-balancing loss over all layers, "router_z": the
+    z-loss's mean over layers} (mixture of experts; zeros for a dense model).
     """
     x, cache, aux = _run(params, tokens, positions, cache, cfg, segment_ids)
     logits = lm_head(params, x, cfg)
@@ -252,7 +252,8 @@ def _run(params, tokens, positions, cache, cfg: ModelConfig, segment_ids):
     else:
         (x, kv), aux = jax.lax.scan(layer_step, (x, kv), (params["layers"], consts))
     x = layers.norm(x, params["final_norm"], cfg)
-    return x, (None if cache is None else cache.advance(kv, t)), jax.tree.map(jnp.mean, aux)
+    router = {"router_aux": moe.balance_loss(aux["share"], aux["mean_prob"]), "router_z": aux["router_z"].mean()}
+    return x, (None if cache is None else cache.advance(kv, t)), router
 
 
 def unstack_layers(params: dict) -> dict:
@@ -321,10 +322,14 @@ def _block(x, p, positions, consts, attend, cfg: ModelConfig):
     if cfg.num_experts:
         out, aux = moe.mlp(h, p["mlp"], positions >= 0, cfg)
     else:
-        out, aux = layers.mlp(h, p["mlp"], cfg), {"router_aux": jnp.zeros(()), "router_z": jnp.zeros(())}
+        out, aux = layers.mlp(h, p["mlp"], cfg), _NO_ROUTER
     if "post_mlp_norm" in p:
         out = layers.norm(out, p["post_mlp_norm"], cfg)
     return constrain(x + out, ("batch", "seq", "act_embed")), kv, aux
+
+
+# A dense MLP's router statistics: no experts (numpy, so importing this module starts no JAX backend).
+_NO_ROUTER = {"share": np.zeros((0,), np.float32), "mean_prob": np.zeros((0,), np.float32), "router_z": np.float32(0)}
 
 
 def _window(consts):
