@@ -332,12 +332,8 @@ def _block(x, p, positions, consts, attend, cfg: ModelConfig):
 _NO_ROUTER = {"share": np.zeros((0,), np.float32), "mean_prob": np.zeros((0,), np.float32), "router_z": np.float32(0)}
 
 
-def _window(consts):
-    return consts.get("window")
-
-
 def _attend_plain(q, k, v, consts, *, mask, positions, cfg: ModelConfig):
-    window = _window(consts)
+    window = consts.get("window")  # None without a sliding window
     if window is not None:  # this layer's window on top of the shared causal mask
         mask = mask & (positions[:, :, None] - positions[:, None, :] < window)
     return attention.dense_attention(q, k, v, mask, cfg), None
@@ -347,7 +343,7 @@ def _attend_cache(q, k, v, consts, *, cache, kv, positions, cfg: ModelConfig):
     """Writes this layer's keys and values into the cache, then attends over the cache's blocks in use."""
     layer = consts["index"]
     kv = cache.write(kv, layer, k, v, positions)
-    return attention.cached_attention(q, cache, kv, layer, positions, _window(consts), cfg)
+    return attention.cached_attention(q, cache, kv, layer, positions, consts.get("window"), cfg)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
