@@ -330,11 +330,28 @@ class HttpConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """Running as one of several processes (`jaxgen.distributed`); the defaults detect it from the environment."""
+
+    coordinator: str | None = None  # HOST:PORT of process 0; None = from the environment, or a single process
+    num_processes: int = 1
+    process_id: int = 0
+    heartbeat_timeout_s: int = 60  # a process silent this long is taken as dead and every process stops
+    init_timeout_s: int = 300  # how long to wait for all processes to join
+
+    def __post_init__(self):
+        for name in ("num_processes", "heartbeat_timeout_s", "init_timeout_s"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and value > 0, f"distributed.{name}", value, "a positive integer")
+
+
+@dataclasses.dataclass(frozen=True)
 class ServeCommandConfig:
     """What `serve.py` reads (configs/serve.yaml): the engine and its limits, and the HTTP server."""
 
     serve: ServeConfig = ServeConfig()
     http: HttpConfig = HttpConfig()
+    distributed: DistributedConfig = DistributedConfig()
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -360,6 +377,7 @@ class Config:
     mesh: MeshConfig = MeshConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     serve: ServeConfig = ServeConfig()
+    distributed: DistributedConfig = DistributedConfig()
 
     def __post_init__(self):
         _check(

@@ -86,6 +86,21 @@ def batch_sharding(mesh: Mesh, shape) -> NamedSharding:
     return named_sharding(mesh, ("batch",) + (None,) * (len(shape) - 1), shape)
 
 
+def process_rows(mesh: Mesh, batch_size: int) -> slice:
+    """The rows of a global batch whose shards live on this process's devices: what this process loads.
+
+    One contiguous run (devices are ordered by process, and the batch axis is split in order); the whole
+    batch when the batch axis is not split across processes (e.g. a mesh that is all tensor parallel).
+    """
+    shape = (batch_size,)
+    index = batch_sharding(mesh, shape).addressable_devices_indices_map(shape).values()
+    starts = {idx[0].indices(batch_size)[:2] for idx in index}
+    lo, hi = min(a for a, _ in starts), max(b for _, b in starts)
+    if sum(b - a for a, b in starts) != hi - lo or batch_size % (hi - lo) or lo % (hi - lo):
+        raise ValueError(f"this process's rows of the batch {sorted(starts)} are not one aligned run of {batch_size}")
+    return slice(lo, hi)
+
+
 def with_mesh(fn, mesh):
     """`fn` called under `jax.set_mesh(mesh)` (so `constrain` applies); no-op wrapper when mesh is None.
     The wrapped function is kept as `.jitted` (for `.lower()` in benchmarks and tests)."""

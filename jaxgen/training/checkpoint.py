@@ -24,6 +24,7 @@ import orbax.checkpoint as ocp
 
 from jaxgen import model
 from jaxgen.config import CheckpointConfig, Config, MeshConfig, load_config
+from jaxgen.distributed import barrier, is_main
 from jaxgen.sharding import make_mesh
 from jaxgen.tokenizer import Tokenizer
 
@@ -167,12 +168,13 @@ class Checkpointer:
         Moved, not deleted: a file that went missing may still turn up, and the folder shows what was damaged.
         """
         folder = self.directory.parent / "checkpoints_damaged"
-        for step in steps:
+        for step in steps if is_main() else ():  # one process moves them; the others wait for it
             folder.mkdir(exist_ok=True)
             dest, n = folder / str(step), 1
             while dest.exists():
                 dest, n = folder / f"{step}.{n}", n + 1
             (self.directory / str(step)).rename(dest)
+        barrier("jaxgen-set-aside")
         self.manager.reload()
         return folder
 

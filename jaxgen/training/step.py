@@ -14,6 +14,7 @@ import functools
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxgen import model
@@ -70,32 +71,34 @@ def create_train_state(cfg: Config, mesh, params: dict | None = None) -> TrainSt
     params: starting weights already in their shardings (fine-tuning); None draws them at random.
     """
     tx = make_optimizer(cfg.optimizer, cfg.training.steps)
-    rng = jax.random.key(cfg.training.seed)
-    init_rng, state_rng = jax.random.split(rng)
+
+    def rng(i):  # 0: the init key, 1: the state's key
+        return jax.random.split(jax.random.key(cfg.training.seed))[i]
+
     with jax.set_mesh(mesh):
         if params is None:
             shardings = param_shardings(cfg.model, mesh)
-            params = jax.jit(functools.partial(model.init_params, cfg.model), out_shardings=shardings)(init_rng)
+            params = jax.jit(lambda: model.init_params(cfg.model, rng(0)), out_shardings=shardings)()
         opt_state = tx.init(params)  # eager, inside the mesh: moments take the params' shardings
-        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-
-        def zero():  # separate buffers: donation refuses one buffer passed twice
-            return jax.device_put(jnp.zeros((), jnp.int32), replicated)
-
+        stray = lambda x: x if _on_mesh(x) else _replicated(mesh, lambda v=np.asarray(x): v)
+        opt_state = jax.tree.map(stray, opt_state)
         return TrainState(
-            step=zero(), params=params, opt_state=jax.device_put(opt_state, _like(opt_state, replicated)),
-            rng=jax.device_put(state_rng, replicated), nonfinite_in_row=zero(), nonfinite_total=zero(),
+            step=_replicated(mesh, _zero), params=params, opt_state=opt_state, rng=_replicated(mesh, lambda: rng(1)),
+            nonfinite_in_row=_replicated(mesh, _zero), nonfinite_total=_replicated(mesh, _zero),
         )  # fmt: skip
 
 
-def _like(tree, default):
-    """Keeps shardings that are already on the mesh; puts stray scalars (optax counts) on `default`."""
+def _zero():
+    return jnp.zeros((), jnp.int32)
 
-    def pick(x):
-        sh = getattr(x, "sharding", None)
-        return sh if isinstance(sh, jax.sharding.NamedSharding) else default
 
-    return jax.tree.map(pick, tree)
+def _on_mesh(x) -> bool:
+    return isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)
+
+
+def _replicated(mesh, make):
+    """make() on every device of the mesh, other processes' included (device_put reaches only this process's)."""
+    return jax.jit(make, out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))()
 
 
 def cross_entropy(logits_btv, targets_bt, mask_bt):
@@ -214,11 +217,12 @@ def make_eval_step(cfg: Config, mesh, state: TrainState):
     return with_mesh(fn, mesh)
 
 
-def put_batch(batch: dict, mesh) -> dict:
-    """Places this process's numpy batch as global arrays sharded over the batch axis."""
+def put_batch(batch: dict, mesh, global_batch: int | None = None) -> dict:
+    """Places this process's numpy rows (`process_rows` of the global batch) as global arrays sharded over
+    the batch axis. global_batch: rows in all (default: this process's rows, i.e. a single process)."""
     out = {}
     for k in BATCH_KEYS:
         local = batch[k]
-        global_shape = (local.shape[0] * jax.process_count(), *local.shape[1:])
+        global_shape = (global_batch or local.shape[0], *local.shape[1:])
         out[k] = jax.make_array_from_process_local_data(batch_sharding(mesh, global_shape), local, global_shape)
     return out

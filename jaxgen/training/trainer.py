@@ -25,7 +25,8 @@ from tqdm import tqdm
 
 from jaxgen import model
 from jaxgen.config import Config, ConfigError, load_config, save_config
-from jaxgen.sharding import make_mesh
+from jaxgen.distributed import any_process, is_main
+from jaxgen.sharding import make_mesh, process_rows
 from jaxgen.tokenizer import Tokenizer
 from jaxgen.training.checkpoint import Checkpointer, has_checkpoint, quiet_background_errors, restore_newest
 from jaxgen.training.data.pipeline import PackedSequences, eval_batches, train_iterator
@@ -77,8 +78,9 @@ def prepare_run_dir(cfg: Config, run_dir: Path) -> Tokenizer:
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
             f"({tokenizer.vocab_size}); allowed: model.vocab_size >= {tokenizer.vocab_size}"
         )
-    tokenizer.save_folder(run_dir)
-    save_config(cfg, run_dir / "config.yaml")
+    if is_main():  # one writer; every process has the same tokenizer and config
+        tokenizer.save_folder(run_dir)
+        save_config(cfg, run_dir / "config.yaml")
     return tokenizer
 
 
@@ -100,6 +102,38 @@ class _StopFlag:
     def __exit__(self, *exc):
         for s, h in self._old.items():
             signal.signal(s, h)
+
+    def agreed(self) -> bool:
+        """Whether any process was asked to stop: all of them then save the same step and stop together."""
+        return any_process(self.requested is not None)
+
+
+class _SilentBar(tqdm):
+    """The progress bar of processes other than 0: it neither draws nor writes."""
+
+    @classmethod
+    def write(cls, *args, **kwargs):
+        pass
+
+
+class _NoMetrics:
+    """What processes other than 0 write: nothing."""
+
+    path = "metrics.jsonl"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def write(self, record: dict) -> None:
+        pass
+
+
+def _say(text: str) -> None:
+    if is_main():
+        print(text)
 
 
 def _batch_hash(batch: dict) -> str:
@@ -140,8 +174,9 @@ def train(cfg: Config, run_dir: str | Path, progress: bool = True) -> TrainResul
             splits = load_splits(cfg.data, tokenizer)
         train_src = PackedSequences(splits["train"]["tokens"], splits["train"]["flags"], cfg.data.seq_len)
         eval_src = PackedSequences(splits["eval"]["tokens"], splits["eval"]["flags"], cfg.data.seq_len)
-        data_iter = train_iterator(train_src, cfg.training.batch_size, cfg.data.seed)
-        held_out = eval_batches(eval_src, cfg.training.batch_size, cfg.data.eval_batches)
+        rows = process_rows(mesh, cfg.training.batch_size)  # this process loads only its share of each batch
+        data_iter = train_iterator(train_src, cfg.training.batch_size, cfg.data.seed, rows)
+        held_out = eval_batches(eval_src, cfg.training.batch_size, cfg.data.eval_batches, rows)
         ckpt = Checkpointer(run_dir, cfg.checkpoint)
         try:
             state, step = _resume(cfg, run_dir, ckpt, mesh, data_iter, family)
@@ -185,7 +220,7 @@ def _resume(
 
     step, restored = restore_newest(ckpt, restore, steps)
     if restored is None:
-        print(
+        _say(
             f"{run_dir} already finished: {step} of training.steps={cfg.training.steps} steps done. "
             f"To train further, run the same command with training.steps={step * 2} (or any number > {step})."
         )
@@ -195,7 +230,7 @@ def _resume(
         data_iter.set_state(data_state)
     damaged = [s for s in steps if s > step]
     note = f" (checkpoints {damaged} did not restore: moved to {ckpt.set_aside(damaged)})" if damaged else ""
-    print(f"resuming {run_dir} from step {int(state.step)}{note}")
+    _say(f"resuming {run_dir} from step {int(state.step)}{note}")
     return state, int(state.step)
 
 
@@ -206,7 +241,7 @@ def _init_from_params(cfg: Config, mesh, family: str | None):
     from jaxgen import hf
 
     params = hf.load_params(cfg.training.init_from, cfg.model, family, mesh)
-    print(f"fine-tuning {family} weights from {cfg.training.init_from}")
+    _say(f"fine-tuning {family} weights from {cfg.training.init_from}")
     return params
 
 
@@ -230,12 +265,14 @@ def _loop(run: _Run, state: TrainState, start: int, progress: bool) -> TrainResu
     end = cfg.training.steps
     if cfg.training.steps_per_run:
         end = min(end, start + cfg.training.steps_per_run)
-    bar = tqdm(total=cfg.training.steps, initial=start, desc="train", unit="step", disable=not progress)
-    with bar, MetricsWriter(run.run_dir) as metrics, _StopFlag() as stop:
+    main = is_main()  # only process 0 writes metrics and shows the bar
+    bar_kind, progress = (tqdm, progress) if main else (_SilentBar, False)
+    bar = bar_kind(total=cfg.training.steps, initial=start, desc="train", unit="step", disable=not progress)
+    with bar, MetricsWriter(run.run_dir) if main else _NoMetrics() as metrics, _StopFlag() as stop:
         for step in range(start + 1, end + 1):
             batch = next(run.data_iter)
             t0 = time.perf_counter()
-            state, m = step_fn(state, put_batch(batch, run.mesh))
+            state, m = step_fn(state, put_batch(batch, run.mesh, cfg.training.batch_size))
             m = jax.device_get(m)
             record = rates.record(step, m, time.perf_counter() - t0, batch)
             if not m["finite"]:
@@ -252,12 +289,14 @@ def _loop(run: _Run, state: TrainState, start: int, progress: bool) -> TrainResu
             if not m["finite"]:
                 _check_nonfinite(state, cfg, bar)
             result.step = step
-            if stop.requested or step == end or step % cfg.checkpoint.every == 0:
+            stopping = stop.agreed()
+            if stopping or step == end or step % cfg.checkpoint.every == 0:
                 with _disk_full_is_one_error(f"a checkpoint in {run.ckpt.directory}"):
                     run.ckpt.save(step, state, run.data_iter.get_state())
-            if stop.requested:
+            if stopping:
                 result.status = "stopped"
-                bar.write(f"{stop.requested}: saved a checkpoint at step {step}; run the same command to continue")
+                why = stop.requested or "another process was stopped"
+                bar.write(f"{why}: saved a checkpoint at step {step}; run the same command to continue")
                 break
     return _finish_run(run, state, result)
 
@@ -280,7 +319,7 @@ class _Rates:
 
 
 def _evaluate_now(eval_fn, state, run: _Run, step: int, result: TrainResult, bar) -> dict:
-    loss = _evaluate(eval_fn, state, run.held_out, run.mesh)
+    loss = _evaluate(eval_fn, state, run.held_out, run.mesh, run.cfg.training.batch_size)
     result.eval_losses.append((step, loss))
     ppl = math.exp(min(loss, 50.0))
     bar.write(f"step {step}: held-out loss {loss:.4f}, perplexity {ppl:.2f}")
@@ -291,10 +330,11 @@ def _finish_run(run: _Run, state: TrainState, result: TrainResult) -> TrainResul
     result.nonfinite_total = int(state.nonfinite_total)
     if result.step < run.cfg.training.steps and result.status == "finished":
         result.status = "stopped"
-        print(f"stopped after training.steps_per_run={run.cfg.training.steps_per_run} steps at step {result.step}")
+        _say(f"stopped after training.steps_per_run={run.cfg.training.steps_per_run} steps at step {result.step}")
     with _disk_full_is_one_error(f"a checkpoint in {run.ckpt.directory}"):
         run.ckpt.wait()
-    print(f"loss curve: {plot_loss(run.run_dir)}")
+    if is_main():
+        print(f"loss curve: {plot_loss(run.run_dir)}")
     return result
 
 
@@ -309,10 +349,10 @@ def _check_nonfinite(state, cfg: Config, bar) -> None:
         )
 
 
-def _evaluate(eval_fn, state, batches, mesh) -> float:
+def _evaluate(eval_fn, state, batches, mesh, batch_size: int) -> float:
     total = count = 0.0
     for batch in batches:
-        t, c = jax.device_get(eval_fn(state.params, put_batch(batch, mesh)))
+        t, c = jax.device_get(eval_fn(state.params, put_batch(batch, mesh, batch_size)))
         total, count = total + float(t), count + float(c)
     return total / max(count, 1.0)
 

@@ -9,7 +9,6 @@ document boundary; the target that would predict the next document's first token
 from __future__ import annotations
 
 import grain
-import jax
 import numpy as np
 
 from jaxgen.training.data.tokens import DOC_START, NO_LOSS
@@ -50,21 +49,27 @@ def pack_window(tokens: np.ndarray, flags: np.ndarray) -> dict[str, np.ndarray]:
     }
 
 
-def train_iterator(source: PackedSequences, batch_size: int, seed: int) -> grain.DatasetIterator:
-    """Shuffled, repeating, deterministic batches for this process; `get_state()` makes it resumable."""
-    per_process = batch_size // jax.process_count()
-    ds = grain.MapDataset.source(source)[jax.process_index() :: jax.process_count()]
-    ds = ds.shuffle(seed=seed).repeat(None)  # shuffle then repeat: every epoch sees every example once
-    ds = ds.batch(per_process, drop_remainder=True)
+def train_iterator(source: PackedSequences, batch_size: int, seed: int, rows: slice | None = None):
+    """Shuffled, repeating, deterministic batches; `get_state()` makes it resumable.
+
+    rows: this process's rows of every global batch of `batch_size` (`sharding.process_rows`); default all.
+    Every process walks the same global order and reads only its rows, so the global batches, and each
+    iterator's state (global batches consumed), do not depend on how many processes share them.
+    """
+    rows = slice(0, batch_size) if rows is None else rows
+    share = rows.stop - rows.start
+    ds = grain.MapDataset.source(source).shuffle(seed=seed).repeat(None)  # every epoch sees every example once
+    ds = ds.batch(share, drop_remainder=True)[rows.start // share :: batch_size // share]
     return iter(ds.to_iter_dataset())
 
 
-def eval_batches(source: PackedSequences, batch_size: int, num_batches: int) -> list[dict[str, np.ndarray]]:
-    """A fixed list of held-out batches (wrapping around a small held-out set)."""
-    n = batch_size * num_batches
-    idx = np.arange(n) % len(source)
-    examples = [source[i] for i in idx]
-    return [
-        {k: np.stack([e[k] for e in examples[b * batch_size : (b + 1) * batch_size]]) for k in examples[0]}
-        for b in range(num_batches)
-    ]
+def eval_batches(
+    source: PackedSequences, batch_size: int, num_batches: int, rows: slice | None = None
+) -> list[dict[str, np.ndarray]]:
+    """A fixed list of held-out batches (wrapping around a small held-out set); `rows` as in train_iterator."""
+    rows = slice(0, batch_size) if rows is None else rows
+    batches = []
+    for b in range(num_batches):
+        examples = [source[(b * batch_size + i) % len(source)] for i in range(rows.start, rows.stop)]
+        batches.append({k: np.stack([e[k] for e in examples]) for k in examples[0]})
+    return batches

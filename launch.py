@@ -1,0 +1,135 @@
+"""Start N local processes of one jaxgen command, joined by jax.distributed (for trying and for tests).
+
+    python launch.py -n 2 --cpu-devices 4 -- python train.py --config configs/tiny.yaml
+
+Each process gets JAX_COORDINATOR_ADDRESS (127.0.0.1 and a free port), JAX_NUM_PROCESSES and
+JAX_PROCESS_ID, which train.py and serve.py read; its output lines are prefixed with "[i] ". When one
+process fails, the others get --grace seconds to notice and stop on their own (jax.distributed's
+heartbeat), then are terminated; the exit status is the first failure's. Ctrl-C or SIGTERM is passed
+on to every process (a training run saves a checkpoint and stops). On real clusters use the cluster's
+own launcher instead (README: several machines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from jaxgen.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, free_port
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Run N processes of a command on this machine as one jax.distributed job.",
+        epilog="example: python launch.py -n 2 --cpu-devices 4 -- python train.py --config configs/tiny.yaml",
+    )
+    parser.add_argument("-n", "--num-processes", type=int, default=2, help="processes to start (default 2)")
+    parser.add_argument(
+        "--cpu-devices", type=int, metavar="K", help="run on the CPU with K devices per process (JAX_NUM_CPU_DEVICES)"
+    )
+    parser.add_argument("--port", type=int, default=0, help="the coordinator's port (default: a free one)")
+    parser.add_argument(
+        "--grace", type=float, default=90.0,
+        help="seconds the others get to stop on their own after one process fails (default 90)",
+    )  # fmt: skip
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
+    return parser
+
+
+_write_lock = threading.Lock()
+
+
+def _pipe(stream, index: int, out) -> None:
+    """Copies a process's output whole line by line (a progress-bar redraw ends at "\r"), each prefixed "[i] "."""
+    pending = b""
+    for chunk in iter(lambda: stream.read1(1 << 16), b""):
+        pending += chunk
+        cut = max(pending.rfind(b"\n"), pending.rfind(b"\r")) + 1
+        if cut:
+            _emit(pending[:cut], index, out)
+            pending = pending[cut:]
+    if pending:
+        _emit(pending + b"\n", index, out)
+
+
+def _emit(data: bytes, index: int, out) -> None:
+    text = data.decode(errors="replace")
+    lines = text.replace("\r", "\r\0").replace("\n", "\n\0").split("\0")
+    with _write_lock:
+        out.write("".join(f"[{index}] {line}" for line in lines if line))
+        out.flush()
+
+
+def _start(command: list[str], n: int, port: int, cpu_devices: int | None) -> list[subprocess.Popen]:
+    procs = []
+    for i in range(n):
+        env = dict(os.environ)
+        if n > 1:
+            env |= {ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(n), ENV_PROCESS_ID: str(i)}
+        if cpu_devices:
+            env |= {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(cpu_devices)}
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        threading.Thread(target=_pipe, args=(proc.stdout, i, sys.stdout), daemon=True).start()
+        procs.append(proc)
+    return procs
+
+
+def _status(code: int) -> int:
+    return 128 - code if code < 0 else code  # killed by signal s: 128 + s, as a shell reports it
+
+
+def supervise(procs: list[subprocess.Popen], grace: float) -> int:
+    """Waits for every process; after the first failure, the rest get `grace` seconds, then are ended."""
+    failed_at, status = None, 0
+    while any(p.poll() is None for p in procs):
+        for i, p in enumerate(procs):
+            if p.returncode not in (None, 0) and failed_at is None:
+                failed_at, status = time.monotonic(), _status(p.returncode)
+                print(f"launch: process {i} exited with status {status}", file=sys.stderr, flush=True)
+        if failed_at is not None and time.monotonic() - failed_at > grace:
+            print(f"launch: ending the other processes after {grace:.0f} s", file=sys.stderr, flush=True)
+            _end([p for p in procs if p.poll() is None])
+        time.sleep(0.2)
+    codes = [_status(p.returncode) for p in procs]
+    return status or next((c for c in codes if c), 0)
+
+
+def _end(procs: list[subprocess.Popen], wait_s: float = 10.0) -> None:
+    for p in procs:
+        p.terminate()
+    deadline = time.monotonic() + wait_s
+    for p in procs:
+        try:
+            p.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        _parser().error("no command given; put it after --, e.g. -- python train.py")
+    if args.num_processes < 1:
+        _parser().error(f"--num-processes={args.num_processes} is not allowed: an integer >= 1")
+    if args.cpu_devices is not None and args.cpu_devices < 1:
+        _parser().error(f"--cpu-devices={args.cpu_devices} is not allowed: an integer >= 1")
+    procs = _start(command, args.num_processes, args.port or free_port(), args.cpu_devices)
+
+    def forward(signum, frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    return supervise(procs, args.grace)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Several processes on jax.distributed: 2 processes x 4 CPU devices (gloo over 127.0.0.1) against one process.
+
+Each multi-process run starts fresh interpreters, so these tests are few and share their runs.
+"""
+
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jaxgen.config import MeshConfig
+from jaxgen.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, free_port
+from jaxgen.sharding import make_mesh
+from jaxgen.training.checkpoint import load_run
+from tests.conftest import ROOT
+
+STEPS = 24
+MESH = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+
+
+def train_args(token_cache, run_dir, *more):
+    return [
+        "train.py", "--config", "configs/tiny.yaml", "--run-dir", str(run_dir), "--no-progress", *MESH,
+        f"training.steps={STEPS}", f"data.cache_dir={token_cache}", "distributed.heartbeat_timeout_s=10", *more,
+    ]  # fmt: skip
+
+
+def launch(args, n=2, timeout=600):
+    cmd = [sys.executable, "launch.py", "-n", str(n), "--cpu-devices", "4", "--", sys.executable, *args]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def losses(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines]
+
+
+def params_on_one_device(run_dir):
+    """The run's final params, restored in this process onto one device (whatever wrote them)."""
+    _, _, params = load_run(run_dir, mesh=make_mesh(MeshConfig(data=1), devices=jax.devices()[:1]))
+    return jax.tree.map(np.asarray, params)
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tiny_cfg, tmp_path_factory):
+    """The reference: this process, 8 devices, the same (data=2, fsdp=2, tensor=2) mesh."""
+    from jaxgen.training.trainer import train
+
+    run_dir = tmp_path_factory.mktemp("one_process")
+    cfg = dataclasses.replace(
+        tiny_cfg,
+        mesh=MeshConfig(data=2, fsdp=2, tensor=2),
+        training=dataclasses.replace(tiny_cfg.training, steps=STEPS),
+    )
+    train(cfg, run_dir, progress=False)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def two_process_run(one_process_run, token_cache, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("two_processes")
+    out = launch(train_args(token_cache, run_dir))
+    assert "process 1 of 2" in out and "process 0 of 2" in out
+    return run_dir
+
+
+def test_two_processes_train_like_one(one_process_run, two_process_run):
+    """Same global batches, same losses and final parameters; the 2-process checkpoint restores on one device.
+
+    Not bitwise: across processes the reductions over devices run in gloo (in another order than XLA's
+    in-process all-reduce), so float32 sums differ in the last bits and drift a little over 24 Adam steps.
+    """
+    ref, two = losses(one_process_run), losses(two_process_run)
+    assert len(ref) == len(two) == STEPS  # one line a step: only process 0 writes metrics
+    np.testing.assert_allclose(two, ref, rtol=1e-5)
+    ref_data = [json.loads(line)["data"] for line in (one_process_run / "metrics.jsonl").read_text().splitlines()]
+    assert len(set(ref_data)) == STEPS  # a new batch every step
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+        params_on_one_device(two_process_run), params_on_one_device(one_process_run),
+    )  # fmt: skip
+
+
+def test_a_killed_process_stops_the_other_and_the_run_resumes(two_process_run, token_cache, tmp_path):
+    """kill -9 of process 1: process 0 stops on its own within the heartbeat timeout (10 s here) with a message
+    naming the lost task; the same command then resumes and ends with the uninterrupted run's parameters."""
+    run_dir = tmp_path / "killed"
+    args = train_args(token_cache, run_dir, "checkpoint.every=2")
+    port = free_port()
+    procs = []
+    with contextlib.ExitStack() as stack:
+        for i in range(2):
+            env = os.environ | {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "4"}
+            env |= {ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: "2", ENV_PROCESS_ID: str(i)}
+            log = stack.enter_context(open(tmp_path / f"process{i}.log", "w"))
+            procs.append(subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=log, stderr=log))
+            stack.callback(procs[-1].kill)
+        deadline = time.monotonic() + 600
+        while not (run_dir / "checkpoints" / "4").is_dir():
+            assert procs[1].poll() is None, "process 1 ended before the first checkpoints"
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.kill(procs[1].pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        status = procs[0].wait(timeout=300)
+        waited = time.monotonic() - killed_at
+    log = (tmp_path / "process0.log").read_text()
+    assert status != 0, log[-2000:]
+    assert waited < 120, waited  # heartbeat timeout 10 s, plus a busy machine's slack
+    assert "heartbeat" in log and "another task died" in log, log[-2000:]
+
+    out = launch(args)
+    assert "resuming" in out
+    jax.tree.map(np.testing.assert_array_equal, params_on_one_device(run_dir), params_on_one_device(two_process_run))
