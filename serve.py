@@ -16,6 +16,8 @@ import os
 import sys
 from pathlib import Path
 
+from jaxgen.distributed import add_distributed_flags, distributed_overrides
+
 PRECEDENCE = (
     "Settings, later wins: the defaults (configs/serve.yaml lists them all), the --config file, the key=value "
     "overrides, then the flags given explicitly (each flag sets the config field it names)"
@@ -53,6 +55,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--no-prefix-caching", dest="prefix_caching", action="store_false", default=None,
         help="sets serve.prefix_caching=false: do not share pages of common prompt prefixes",
     )  # fmt: skip
+    add_distributed_flags(p)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -115,7 +118,7 @@ def command_config(args):
     from jaxgen.config import load_serve_config
 
     flags = {field: getattr(args, dest) for dest, field in FLAG_FIELDS.items() if getattr(args, dest, None) is not None}
-    return load_serve_config(args.config, args.overrides, flags)
+    return load_serve_config(args.config, args.overrides + distributed_overrides(args), flags)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,12 +127,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate" and args.input is not None and args.output is None:
         parser.error("--input needs --output")
     from jaxgen.config import ConfigError
+    from jaxgen.distributed import describe, initialize
 
     try:
         settings = command_config(args)  # every setting is checked before anything loads
+        _check_processes(args, settings)
+        joined = initialize(settings.distributed)  # before anything else touches JAX
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if joined:
+        print(describe(joined), file=sys.stderr)
     from jaxgen.inference.sampling import SamplingConfig, SamplingError
 
     if args.command == "generate":
@@ -146,25 +154,58 @@ def main(argv: list[str] | None = None) -> int:
 
     enable_compilation_cache()
     try:
-        cfg, tokenizer, params = load_model(args.checkpoint)
+        mesh = _engine_mesh(settings)
+        cfg, tokenizer, params = load_model(args.checkpoint, mesh)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    engine = Engine(params, cfg, tokenizer, settings.serve)
+    engine = Engine(params, cfg, tokenizer, settings.serve, mesh=mesh if mesh.size > 1 else None)
     if args.command == "http":
         return _http(engine, args, settings.http)
     if args.prompt is not None:
         return _one_prompt(engine, args.prompt, defaults)
-    from jaxgen.serving.batch_job import run_job
+    from jaxgen.serving import batch_job
 
-    summary = run_job(engine, args.input, args.output, defaults)
-    print(json.dumps(summary))
+    run = batch_job.run_shared if settings.serve.processes == "shared" else batch_job.run_split
+    print(json.dumps(run(engine, args.input, args.output, defaults)))
     return 0
 
 
+def _check_processes(args, settings) -> None:
+    """What runs as several processes: `generate --input` (split or shared), and --prompt when shared."""
+    from jaxgen.config import ConfigError
+    from jaxgen.distributed import detect
+
+    if detect(settings.distributed) is None:
+        return
+    if args.command == "http":
+        raise ConfigError("serve.py http runs as one process; for several processes use serve.py generate --input")
+    if args.prompt is not None and settings.serve.processes != "shared":
+        raise ConfigError(
+            "--prompt as one of several processes needs serve.processes=shared (one engine over every process); "
+            "serve.processes=split shares the lines of --input"
+        )
+
+
+def _engine_mesh(settings):
+    """The engine's devices: `mesh` over this process's devices (split), or over every process's (shared)."""
+    import jax
+
+    from jaxgen.sharding import make_mesh
+
+    shared = settings.serve.processes == "shared"
+    return make_mesh(settings.serve.mesh, jax.devices() if shared else jax.local_devices())
+
+
 def _one_prompt(engine, prompt: str, defaults) -> int:
+    from jaxgen.distributed import is_main
     from jaxgen.inference.sampling import SamplingError
     from jaxgen.inference.textstream import TextDeltas
+
+    if not is_main():  # the other processes of a shared engine run the same steps and print nothing
+        engine.submit(prompt, defaults)
+        engine.run_until_idle()
+        return 0
 
     hold = max((len(s) for s in defaults.stop), default=1) - 1
     deltas = TextDeltas(engine.tokenizer, hold)  # exact text: no half characters, no half stop strings

@@ -293,6 +293,12 @@ class ServeConfig:
     max_logprobs: int = 5  # the most top alternatives a request may ask for
     prefix_caching: bool = True  # share the pages of prompt prefixes already in the cache
     cache_dtype: Literal["float32", "bfloat16"] = "float32"
+    # several processes (`serve.py generate --input`): split = each serves its share of the lines on its own
+    # devices (data parallel); shared = one engine on a mesh over every process's devices (model parallel)
+    processes: Literal["split", "shared"] = "split"
+    # the engine's mesh (data, tensor) over this process's devices (split) or every process's (shared); -1 = the rest
+    data_parallel: int = 1  # slots split over devices
+    tensor_parallel: int = 1  # heads, kv heads and the MLP split over devices
     # the HTTP server's limits
     max_body_bytes: int = 4_000_000  # a larger request body gets 413 before it is parsed
     max_queue: int = 1024  # requests waiting beyond this get 429 with Retry-After
@@ -313,6 +319,23 @@ class ServeConfig:
             )
         dtypes = ("float32", "bfloat16")
         _check(self.cache_dtype in dtypes, "serve.cache_dtype", self.cache_dtype, ", ".join(dtypes))
+        _check(self.processes in ("split", "shared"), "serve.processes", self.processes, "split, shared")
+        for name in ("data_parallel", "tensor_parallel"):
+            value = getattr(self, name)
+            _check(value == -1 or value > 0, f"serve.{name}", value, "a positive integer, or -1 for the rest")
+        _check(
+            (self.data_parallel, self.tensor_parallel) != (-1, -1), "serve.tensor_parallel", -1,
+            "a positive integer when serve.data_parallel is -1 (one of the two may take the rest)",
+        )  # fmt: skip
+        _check(
+            self.processes == "split" or self.data_parallel == 1, "serve.data_parallel", self.data_parallel,
+            "1 with serve.processes=shared (one engine, tensor parallel over every process's devices); "
+            "serve.processes=split is the data parallelism across processes",
+        )  # fmt: skip
+
+    @property
+    def mesh(self) -> MeshConfig:
+        return MeshConfig(data=self.data_parallel, tensor=self.tensor_parallel)
 
 
 @dataclasses.dataclass(frozen=True)

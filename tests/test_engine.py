@@ -401,3 +401,18 @@ def test_score_greedy_flag_matches_the_argmax(gen):
     assert g["greedy"]
     other = [(first[0] + 1) % 256, *first[1:]]
     assert not gen.score([prompt], [other])[0]["greedy"]
+
+
+def test_engine_on_a_data_and_tensor_mesh_equals_one_device(params, engine):
+    """4 devices, (data=2, tensor=2): params sharded by the model's rules, the same tokens for a mixed workload."""
+    from jaxgen.config import MeshConfig
+    from jaxgen.sharding import make_mesh
+
+    mesh = make_mesh(MeshConfig(data=2, tensor=2), devices=jax.devices()[:4])
+    placed = jax.device_put(params, model.param_shardings(CFG, mesh))
+    sharded = Engine(placed, CFG, Tokenizer.byte_level(), SERVE, mesh=mesh)
+    prompts, configs = _workload(24, seed=3)
+    for a, b in zip(sharded.generate(prompts, configs), engine.generate(prompts, configs), strict=True):
+        _same(a, b)
+    k = sharded.state.cache.k  # (L, Q, Z, K, H): each device holds its kv head of every page
+    assert k.sharding.shard_shape(k.shape)[3] == CFG.num_kv_heads // 2 and len(k.devices()) == 4

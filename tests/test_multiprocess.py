@@ -122,3 +122,113 @@ def test_a_killed_process_stops_the_other_and_the_run_resumes(two_process_run, t
     out = launch(args)
     assert "resuming" in out
     jax.tree.map(np.testing.assert_array_equal, params_on_one_device(run_dir), params_on_one_device(two_process_run))
+
+
+# --- generation across processes ------------------------------------------------------------------------------
+
+
+def write_requests(path, n=50):
+    rng = np.random.default_rng(0)
+    with path.open("w") as f:
+        for i in range(n):
+            settings = {"max_new_tokens": int(rng.integers(4, 40)), "temperature": float(rng.choice([0.0, 0.8]))}
+            prompt = "def f" + "x" * int(rng.integers(0, 30))
+            f.write(json.dumps({"id": f"r{i}", "prompt": prompt, "seed": i, **settings}) + "\n")
+    return path
+
+
+def serve_args(run_dir, inp, out, *more):
+    return ["serve.py", "generate", "--checkpoint", str(run_dir), "--input", str(inp), "--output", str(out),
+            "--slots", "4", *more]  # fmt: skip
+
+
+def by_id(path):
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    out = {r["id"]: r for r in records}
+    assert len(out) == len(records), "an id is written twice"
+    return out
+
+
+def assert_same_results(got, ref):
+    """Same ids, tokens, texts and finish reasons; log-probabilities to float32 rounding (the batches that
+    a request shares differ between the runs, and with them XLA's reduction order)."""
+    assert got.keys() == ref.keys()
+    for rid, r in ref.items():
+        for a, b in zip(got[rid]["choices"], r["choices"], strict=True):
+            assert (a["tokens"], a["text"], a["finish_reason"]) == (b["tokens"], b["text"], b["finish_reason"]), rid
+            np.testing.assert_allclose(a["logprobs"], b["logprobs"], atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def one_process_job(tiny_run, tmp_path_factory):
+    """The reference: the batch job in this process, on one device."""
+    from jaxgen.config import ServeConfig
+    from jaxgen.inference.engine import Engine
+    from jaxgen.inference.sampling import SamplingConfig
+    from jaxgen.serving.batch_job import run_job
+
+    folder = tmp_path_factory.mktemp("job")
+    cfg, tokenizer, params = load_run(tiny_run, mesh=make_mesh(MeshConfig(data=1), devices=jax.devices()[:1]))
+    engine = Engine(params, cfg.model, tokenizer, ServeConfig(slots=4))
+    inp, out = write_requests(folder / "in.jsonl"), folder / "out.jsonl"
+    defaults = SamplingConfig(max_new_tokens=128, temperature=0.8, top_p=0.95)  # serve.py's defaults
+    run_job(engine, inp, out, defaults)
+    return inp, by_id(out)
+
+
+def test_data_parallel_batch_job_equals_one_process(tiny_run, one_process_job, tmp_path):
+    inp, ref = one_process_job
+    out = tmp_path / "out.jsonl"
+    log = launch(serve_args(tiny_run, inp, out))
+    assert '"merged": ' in log and not list(tmp_path.glob("out.jsonl.part*"))  # the parts were merged away
+    assert_same_results(by_id(out), ref)
+
+
+def test_data_parallel_batch_job_killed_then_resumed(tiny_run, one_process_job, tmp_path):
+    """kill -9 of the whole job (launcher and both processes) once results are being written; the same command
+    finishes it: no id lost or written twice, and the results equal the 1-process job's."""
+    inp, ref = one_process_job
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "launch.py", "-n", "2", "--cpu-devices", "4", "--", sys.executable,
+           *serve_args(tiny_run, inp, out)]  # fmt: skip
+    job = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while sum(len(p.read_bytes().splitlines()) for p in tmp_path.glob("out.jsonl.part*")) < 4:
+            assert job.poll() is None, "the job ended before it was killed"
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+    assert not out.exists() or len(by_id(out)) < len(ref)  # killed before the merge finished
+    launch(serve_args(tiny_run, inp, out))
+    assert_same_results(by_id(out), ref)
+
+
+def test_generator_and_engine_on_a_mesh_over_two_processes_equal_one_device(tiny_run, one_process_job, tmp_path):
+    """Model parallel: 2 processes x 1 device, tensor=2 over both. Generator (a script) and the engine
+    (serve.py generate with serve.processes=shared) return the tokens of one device."""
+    from jaxgen.inference.generator import Generator
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    import mp_generate
+
+    out = tmp_path / "generator.json"
+    subprocess.run(
+        [sys.executable, "launch.py", "-n", "2", "--cpu-devices", "1", "--", sys.executable, "tests/mp_generate.py",
+         str(tiny_run), str(out)], cwd=ROOT, check=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    got = json.loads(out.read_text())
+    cfg, tokenizer, params = load_run(tiny_run, mesh=make_mesh(MeshConfig(data=1), devices=jax.devices()[:1]))
+    ref = Generator(params, cfg.model, tokenizer).generate(mp_generate.PROMPTS, mp_generate.CONFIGS)
+    assert got["devices"] == 2 and got["tokens"] == [r.tokens for r in ref]
+
+    inp, ref_job = one_process_job
+    few = tmp_path / "in.jsonl"
+    few.write_text("".join(inp.read_text().splitlines(keepends=True)[:12]))
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "launch.py", "-n", "2", "--cpu-devices", "1", "--", sys.executable,
+           *serve_args(tiny_run, few, out, "serve.processes=shared", "serve.tensor_parallel=2")]  # fmt: skip
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=600)
+    assert_same_results(by_id(out), {k: v for k, v in ref_job.items() if k in {f"r{i}" for i in range(12)}})

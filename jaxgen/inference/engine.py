@@ -74,7 +74,8 @@ class Engine:
         self.paging = PagePolicy(num_pages, z, serve.slots, cfg.max_seq_len, serve.chunk_steps, serve.prefix_caching)
         self.compilations = 0
         self._jit_steps(mesh)
-        self.state = steps.init_state(cfg, serve, num_pages, self.paging.max_pages)
+        init = jax.jit(steps.init_state, static_argnums=(0, 1, 2, 3))  # jitted: the pool is made in its shardings
+        self.state = with_mesh(init, mesh)(cfg, serve, num_pages, self.paging.max_pages)
         self.slots: list[Request | None] = [None] * serve.slots
         self.waiting: deque[Request] = deque()
         self.prefilling: deque[Request] = deque()

@@ -69,7 +69,7 @@ def slot_row(logits, prompt: list[int], tokens: list[int], c: SamplingConfig, st
 
 def init_state(cfg: ModelConfig, serve: ServeConfig, num_pages: int, max_pages: int) -> DecodeState:
     b, v, m, a = serve.slots, cfg.vocab_size, serve.chunk_steps, serve.max_logprobs
-    cache = PagedCache.init(cfg, num_pages, serve.page_size, b, max_pages, serve.cache_dtype)
+    cache = PagedCache.init(cfg, num_pages, serve.page_size, b, max_pages, serve.cache_dtype).constrain()
     idle = SamplingConfig(temperature=0.0)
     return DecodeState(
         step=jnp.int32(0), limit=jnp.int32(0),
@@ -123,7 +123,7 @@ def _prefill_hidden(params, state: DecodeState, slot, tokens, positions, cfg: Mo
     cache = state.cache
     sub = cache.replace(page_table=cache.page_table[slot][None], capacity=cache.capacity[slot][None])
     x, sub = model.hidden_states(params, tokens, positions, sub, cfg=cfg)
-    return state.replace(cache=cache.replace(k=sub.k, v=sub.v)), x
+    return state.replace(cache=cache.replace(k=sub.k, v=sub.v).constrain()), x
 
 
 def activate(state: DecodeState, slot, row: SlotRow) -> DecodeState:
@@ -145,4 +145,5 @@ def retire(state: DecodeState, slot) -> DecodeState:
 
 def decode_chunk(params, state: DecodeState, limit, cfg: ModelConfig) -> DecodeState:
     """Up to `limit` decode steps for every active slot, into buffers that start at column 0."""
-    return decode_loop(params, state.replace(step=jnp.int32(0), limit=limit), cfg)
+    state = decode_loop(params, state.replace(step=jnp.int32(0), limit=limit), cfg)
+    return state.replace(cache=state.cache.constrain())

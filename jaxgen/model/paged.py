@@ -23,8 +23,10 @@ import jax.numpy as jnp
 
 from jaxgen.config import ModelConfig
 from jaxgen.model.kvcache import storage_dtype, to_storage
+from jaxgen.sharding import constrain
 
 NULL_PAGE = 0
+PAGE_NAMES = ("layers", None, None, "kv_heads", "head_dim")  # a page pool is shared by all slots: not over batch
 
 
 @flax.struct.dataclass
@@ -48,6 +50,10 @@ class PagedCache:
     @property
     def page_size(self) -> int:
         return self.k.shape[2]
+
+    def constrain(self) -> PagedCache:
+        """Sharding constraints under the current mesh: kv heads over tensor, each device a slice of every page."""
+        return self.replace(k=constrain(self.k, PAGE_NAMES), v=constrain(self.v, PAGE_NAMES))
 
     def is_full(self, positions_b):
         """Per slot: is there no room for the token at `positions_b`?"""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import glob
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ from typing import IO
 
 from tqdm import tqdm
 
+from jaxgen.distributed import barrier, is_main
 from jaxgen.inference.engine import Engine
 from jaxgen.inference.sampling import SamplingConfig, SamplingError
 
@@ -158,20 +160,25 @@ def _sampling(settings: dict, defaults: SamplingConfig) -> SamplingConfig:
         raise SamplingError(f"{name}={settings.get(name)!r} is not allowed: {type(e).__name__}: {e}") from None
 
 
-def run_job(engine: Engine, input_path: Path, output_path: Path, defaults: SamplingConfig):
+def run_job(
+    engine: Engine, input_path: Path, output_path: Path, defaults: SamplingConfig,
+    lines: tuple[int, int] = (0, 1), done: set[str] | None = None,
+):  # fmt: skip
     """Runs every request of `input_path` not yet in `output_path` on the engine; returns the summary dict.
 
     Lines stream in, a few per slot queued ahead: slots refill as sequences finish, and results are
-    written as they complete.
+    written as they complete. lines=(i, n): only lines i, i + n, i + 2n, ... (counted from 0) are this
+    job's (`run_split`). done: the ids to skip (default: those in `output_path`).
     """
-    done = read_done_ids(output_path)
+    done = read_done_ids(output_path) if done is None else done
     with input_path.open("rb") as f:
-        total = sum(1 for _ in f)
+        total = sum(1 for j, _ in enumerate(f) if j % lines[1] == lines[0])
     start = time.perf_counter()
     compiled_before = engine.compilations
-    with output_path.open("a", encoding="utf-8") as out, tqdm(total=total, desc="generate", unit="line") as bar:
+    bar = tqdm(total=total, desc="generate", unit="line", disable=not is_main())
+    with output_path.open("a", encoding="utf-8") as out, bar:
         sink = Output(out, bar, start)
-        _run_on_engine(engine, _read_requests(input_path, engine, defaults, done, sink), sink)
+        _run_on_engine(engine, _read_requests(input_path, engine, defaults, done, sink, lines), sink)
     elapsed = time.perf_counter() - start
     return {
         "requests": sink.requests, "errors": sink.errors, "skipped_done": len(done), "tokens": sink.tokens,
@@ -180,13 +187,76 @@ def run_job(engine: Engine, input_path: Path, output_path: Path, defaults: Sampl
     }  # fmt: skip
 
 
+def part_path(output_path: Path, index: int, count: int) -> Path:
+    """Where process `index` of `count` writes its share of a split job, beside the output."""
+    return output_path.with_name(f"{output_path.name}.part{index}-of-{count}")
+
+
+def _parts(output_path: Path) -> list[Path]:
+    return sorted(output_path.parent.glob(glob.escape(output_path.name) + ".part*-of-*"))
+
+
+def run_split(engine: Engine, input_path: Path, output_path: Path, defaults: SamplingConfig) -> dict:
+    """Data parallel over processes: process i of n runs input lines i, i + n, ... on its own engine into
+    `part_path(output, i, n)`; once all are done, process 0 appends the parts to the output and deletes them.
+
+    Killed at any point, the same command (with any number of processes) resumes: ids in the output or in
+    any part are skipped, and the merge appends only ids the output does not hold yet.
+    """
+    import jax
+
+    index, count = jax.process_index(), jax.process_count()
+    done = read_done_ids(output_path)
+    for part in _parts(output_path):
+        done |= read_done_ids(part)
+    barrier("jaxgen-batch-read")  # every process has read the parts before any writes to its own
+    summary = run_job(engine, input_path, part_path(output_path, index, count), defaults, (index, count), done)
+    barrier("jaxgen-batch-done", timeout_s=30 * 86400)  # the others may run for long: this only waits
+    if is_main():
+        summary["merged"] = merge_parts(output_path)
+    return summary
+
+
+def merge_parts(output_path: Path) -> int:
+    """Appends the records of every part file whose id the output lacks, then deletes the parts; returns
+    how many were appended. A merge that is killed is done again by the next one, without duplicates."""
+    parts = _parts(output_path)
+    done = read_done_ids(output_path)
+    added = 0
+    with output_path.open("ab") as out:
+        for part in parts:
+            cut_torn_tail(part)
+            with part.open("rb") as f:
+                for line in f:
+                    rid = _record_id(line.decode("utf-8", "replace"))
+                    if rid is not None and rid not in done:
+                        out.write(line)
+                        done.add(rid)
+                        added += 1
+        out.flush()
+        os.fsync(out.fileno())
+    for part in parts:
+        part.unlink()
+    return added
+
+
+def run_shared(engine: Engine, input_path: Path, output_path: Path, defaults: SamplingConfig) -> dict:
+    """Model parallel over processes: every process runs every line on one engine over a mesh that spans them
+    (the same schedule, so the same device programs in the same order); process 0 writes the output."""
+    done = read_done_ids(output_path)
+    barrier("jaxgen-batch-read")  # all start from the same ids done, before process 0 appends any
+    return run_job(engine, input_path, output_path if is_main() else Path(os.devnull), defaults, done=done)
+
+
 def _read_requests(
-    input_path: Path, engine: Engine, defaults: SamplingConfig, done: set[str], sink: Output
+    input_path: Path, engine: Engine, defaults: SamplingConfig, done: set[str], sink: Output, lines=(0, 1)
 ) -> Iterator[Request]:
     """The good lines not done yet, streamed; every other line's error record is written on the way."""
     seen = set(done)
     with input_path.open("rb") as f:
         for lineno, raw in enumerate(f, 1):  # binary lines end at b"\n" only
+            if (lineno - 1) % lines[1] != lines[0]:
+                continue  # another process's line
             if not raw.strip():
                 sink.skip()
                 continue
