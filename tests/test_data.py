@@ -104,6 +104,24 @@ def test_iterator_is_deterministic_and_resumable():
     assert not np.array_equal(next(other)["inputs"], seen[0])
 
 
+def test_process_shares_of_each_batch_make_the_global_batch_at_any_position():
+    """What several processes load: each its rows of every global batch, and the same iterator state."""
+    tokens = np.arange(1000, dtype=np.uint16) % 250
+    flags = np.zeros(1000, np.uint8)
+    flags[::100] = DOC_START
+    src = PackedSequences(tokens, flags, seq_len=16)
+    whole = train_iterator(src, batch_size=8, seed=3)
+    shares = [train_iterator(src, batch_size=8, seed=3, rows=slice(i * 2, i * 2 + 2)) for i in range(4)]
+    for _ in range(10):  # crosses an epoch boundary (62 examples)
+        got = np.concatenate([next(it)["inputs"] for it in shares])
+        np.testing.assert_array_equal(got, next(whole)["inputs"])
+    state = whole.get_state()
+    assert all(it.get_state() == state for it in shares)  # restores into any number of processes
+    resumed = train_iterator(src, batch_size=8, seed=3, rows=slice(4, 6))
+    resumed.set_state(state)
+    np.testing.assert_array_equal(next(resumed)["inputs"], next(whole)["inputs"][4:6])
+
+
 def test_bpe_tokenizer_command(tmp_path):
     corpus = tmp_path / "c.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 200)

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,14 +17,74 @@ import jax
 import numpy as np
 import pytest
 
-from jaxgen.config import MeshConfig
-from jaxgen.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, free_port
+from jaxgen.config import ConfigError, DistributedConfig, MeshConfig
+from jaxgen.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, detect, free_port
 from jaxgen.sharding import make_mesh
 from jaxgen.training.checkpoint import load_run
 from tests.conftest import ROOT
 
 STEPS = 24
+MORE = STEPS + 16  # continuations train on to this step
 MESH = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+
+
+# --- start-up: what is detected, and wrong settings named before JAX starts -----------------------------------
+
+
+@pytest.mark.parametrize(
+    "env, source",
+    [
+        ({}, None),
+        ({"SLURM_NTASKS": "1"}, None),
+        ({"SLURM_NTASKS": "4", "SLURM_PROCID": "1"}, "slurm"),
+        ({"OMPI_COMM_WORLD_SIZE": "2"}, "open mpi"),
+        ({"TPU_WORKER_HOSTNAMES": "10.0.0.1,10.0.0.2"}, "cloud tpu"),
+        ({"TPU_WORKER_HOSTNAMES": "localhost"}, None),  # a single-host TPU VM
+        ({ENV_COORDINATOR: "10.0.0.1:1234", ENV_NUM_PROCESSES: "4", ENV_PROCESS_ID: "3"}, "environment"),
+        ({ENV_COORDINATOR: "10.0.0.1:1234", ENV_NUM_PROCESSES: "4", "JOB_COMPLETION_INDEX": "2"}, "environment"),
+    ],
+)
+def test_detects_how_it_was_started(env, source):
+    found = detect(DistributedConfig(), env)
+    assert (found and found[0]) == source
+    if source == "environment":
+        assert found[1]["num_processes"] == 4 and found[1]["coordinator_address"] == "10.0.0.1:1234"
+        assert found[1]["heartbeat_timeout_seconds"] == 60
+
+
+@pytest.mark.parametrize(
+    "cfg, env, message",
+    [
+        (DistributedConfig(num_processes=2), {}, "distributed.coordinator=None is not allowed: HOST:PORT"),
+        (DistributedConfig(coordinator="host", num_processes=2), {}, "distributed.coordinator='host'"),
+        (DistributedConfig(coordinator="h:1", num_processes=2, process_id=2), {}, "in [0, 1]"),
+        (DistributedConfig(), {ENV_COORDINATOR: "h:1", ENV_NUM_PROCESSES: "two", ENV_PROCESS_ID: "0"}, "'two'"),
+        (DistributedConfig(), {ENV_COORDINATOR: "h:1", ENV_NUM_PROCESSES: "2"}, "$JAX_PROCESS_ID=None"),
+        (DistributedConfig(), {ENV_COORDINATOR: "h:1", ENV_NUM_PROCESSES: "1", ENV_PROCESS_ID: "0"}, ">= 2"),
+    ],
+)
+def test_wrong_settings_are_named(cfg, env, message):
+    with pytest.raises(ConfigError) as e:
+        detect(cfg, env)
+    assert message in str(e.value)
+
+
+def test_command_lines_refuse_wrong_process_settings_before_starting():
+    train = subprocess.run(
+        [sys.executable, "train.py", "--num-processes", "2", "--process-id", "0"], cwd=ROOT, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert train.returncode == 2 and "distributed.coordinator=None is not allowed" in train.stderr
+    serve = subprocess.run(
+        [sys.executable, "serve.py", "http", "--checkpoint", "x", "--coordinator", "h:1", "--num-processes", "2",
+         "--process-id", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert serve.returncode == 2 and "serve.py http runs as one process" in serve.stderr
+    launcher = subprocess.run([sys.executable, "launch.py", "-n", "2"], cwd=ROOT, capture_output=True, text=True)
+    assert launcher.returncode == 2 and "no command given" in launcher.stderr
+
+
+# --- training ---------------------------------------------------------------------------------------------------
 
 
 def train_args(token_cache, run_dir, *more):
@@ -54,16 +115,7 @@ def params_on_one_device(run_dir):
 @pytest.fixture(scope="module")
 def one_process_run(tiny_cfg, tmp_path_factory):
     """The reference: this process, 8 devices, the same (data=2, fsdp=2, tensor=2) mesh."""
-    from jaxgen.training.trainer import train
-
-    run_dir = tmp_path_factory.mktemp("one_process")
-    cfg = dataclasses.replace(
-        tiny_cfg,
-        mesh=MeshConfig(data=2, fsdp=2, tensor=2),
-        training=dataclasses.replace(tiny_cfg.training, steps=STEPS),
-    )
-    train(cfg, run_dir, progress=False)
-    return run_dir
+    return continued(tiny_cfg, tmp_path_factory.mktemp("one_process"), STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -91,11 +143,34 @@ def test_two_processes_train_like_one(one_process_run, two_process_run):
     )  # fmt: skip
 
 
-def test_a_killed_process_stops_the_other_and_the_run_resumes(two_process_run, token_cache, tmp_path):
-    """kill -9 of process 1: process 0 stops on its own within the heartbeat timeout (10 s here) with a message
-    naming the lost task; the same command then resumes and ends with the uninterrupted run's parameters."""
-    run_dir = tmp_path / "killed"
-    args = train_args(token_cache, run_dir, "checkpoint.every=2")
+def continued(tiny_cfg, run_dir, steps):
+    """Trains the run folder on in this process (8 devices) up to `steps`."""
+    from jaxgen.training.trainer import train
+
+    training = dataclasses.replace(tiny_cfg.training, steps=steps)
+    train(dataclasses.replace(tiny_cfg, mesh=MeshConfig(data=2, fsdp=2, tensor=2), training=training), run_dir, False)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def one_process_continued(tiny_cfg, one_process_run, tmp_path_factory):
+    """The 1-process run trained on to MORE steps in this process: what every continuation must equal."""
+    return continued(tiny_cfg, shutil.copytree(one_process_run, tmp_path_factory.mktemp("more") / "run"), MORE)
+
+
+def test_a_two_process_checkpoint_continues_in_one_process(tiny_cfg, two_process_run, one_process_continued, tmp_path):
+    two_to_one = continued(tiny_cfg, shutil.copytree(two_process_run, tmp_path / "two_to_one"), MORE)
+    np.testing.assert_allclose(losses(two_to_one)[STEPS:], losses(one_process_continued)[STEPS:], rtol=1e-5)
+
+
+def test_a_killed_process_stops_the_other_and_the_run_resumes(
+    one_process_run, one_process_continued, token_cache, tmp_path
+):
+    """A 1-process checkpoint continues in 2 processes; kill -9 of process 1 then stops process 0 on its own within
+    the heartbeat timeout (10 s here) with a message naming the lost task, and the same command resumes and ends
+    as the uninterrupted 1-process continuation does."""
+    run_dir = shutil.copytree(one_process_run, tmp_path / "killed")
+    args = train_args(token_cache, run_dir, "checkpoint.every=2", f"training.steps={MORE}")
     port = free_port()
     procs = []
     with contextlib.ExitStack() as stack:
@@ -106,8 +181,8 @@ def test_a_killed_process_stops_the_other_and_the_run_resumes(two_process_run, t
             procs.append(subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=log, stderr=log))
             stack.callback(procs[-1].kill)
         deadline = time.monotonic() + 600
-        while not (run_dir / "checkpoints" / "4").is_dir():
-            assert procs[1].poll() is None, "process 1 ended before the first checkpoints"
+        while not (run_dir / "checkpoints" / str(STEPS + 4)).is_dir():
+            assert procs[1].poll() is None, "process 1 ended before it was killed"
             assert time.monotonic() < deadline
             time.sleep(0.05)
         os.kill(procs[1].pid, signal.SIGKILL)
@@ -115,13 +190,20 @@ def test_a_killed_process_stops_the_other_and_the_run_resumes(two_process_run, t
         status = procs[0].wait(timeout=300)
         waited = time.monotonic() - killed_at
     log = (tmp_path / "process0.log").read_text()
+    assert f"resuming {run_dir} from step {STEPS}" in log
     assert status != 0, log[-2000:]
     assert waited < 120, waited  # heartbeat timeout 10 s, plus a busy machine's slack
     assert "heartbeat" in log and "another task died" in log, log[-2000:]
+    assert not (run_dir / "checkpoints" / str(MORE)).exists()
 
     out = launch(args)
     assert "resuming" in out
-    jax.tree.map(np.testing.assert_array_equal, params_on_one_device(run_dir), params_on_one_device(two_process_run))
+    ref = one_process_continued
+    assert losses(run_dir)[-1] == pytest.approx(losses(ref)[-1], rel=1e-5)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+        params_on_one_device(run_dir), params_on_one_device(ref),
+    )  # fmt: skip
 
 
 # --- generation across processes ------------------------------------------------------------------------------
@@ -176,17 +258,10 @@ def one_process_job(tiny_run, tmp_path_factory):
     return inp, by_id(out)
 
 
-def test_data_parallel_batch_job_equals_one_process(tiny_run, one_process_job, tmp_path):
-    inp, ref = one_process_job
-    out = tmp_path / "out.jsonl"
-    log = launch(serve_args(tiny_run, inp, out))
-    assert '"merged": ' in log and not list(tmp_path.glob("out.jsonl.part*"))  # the parts were merged away
-    assert_same_results(by_id(out), ref)
-
-
 def test_data_parallel_batch_job_killed_then_resumed(tiny_run, one_process_job, tmp_path):
-    """kill -9 of the whole job (launcher and both processes) once results are being written; the same command
-    finishes it: no id lost or written twice, and the results equal the 1-process job's."""
+    """A 2-process data-parallel job, killed -9 whole (launcher and both processes) once results are being
+    written; the same command finishes it, merging the parts: no id lost or written twice, and the results
+    equal the 1-process job's line for line."""
     inp, ref = one_process_job
     out = tmp_path / "out.jsonl"
     cmd = [sys.executable, "launch.py", "-n", "2", "--cpu-devices", "4", "--", sys.executable,
@@ -202,7 +277,8 @@ def test_data_parallel_batch_job_killed_then_resumed(tiny_run, one_process_job, 
         os.killpg(job.pid, signal.SIGKILL)
         job.wait()
     assert not out.exists() or len(by_id(out)) < len(ref)  # killed before the merge finished
-    launch(serve_args(tiny_run, inp, out))
+    log = launch(serve_args(tiny_run, inp, out))
+    assert '"merged": ' in log and not list(tmp_path.glob("out.jsonl.part*"))  # the parts were merged away
     assert_same_results(by_id(out), ref)
 
 

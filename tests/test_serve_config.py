@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 import serve
-from jaxgen.config import ConfigError, HttpConfig, ServeCommandConfig, ServeConfig, load_serve_config
+from jaxgen.config import ConfigError, DistributedConfig, HttpConfig, ServeCommandConfig, ServeConfig, load_serve_config
 from tests.conftest import ROOT
 
 SERVE_YAML = ROOT / "configs" / "serve.yaml"
@@ -18,9 +18,10 @@ def _settings(argv: list[str]) -> ServeCommandConfig:
 
 def test_serve_yaml_lists_every_field_at_its_default():
     raw = yaml.safe_load(SERVE_YAML.read_text())
-    assert list(raw) == ["serve", "http"]
+    assert list(raw) == ["serve", "http", "distributed"]
     assert list(raw["serve"]) == [f.name for f in dataclasses.fields(ServeConfig)]
     assert list(raw["http"]) == [f.name for f in dataclasses.fields(HttpConfig)]
+    assert list(raw["distributed"]) == [f.name for f in dataclasses.fields(DistributedConfig)]
     assert load_serve_config(SERVE_YAML) == ServeCommandConfig()
     assert load_serve_config() == ServeCommandConfig()
 
@@ -100,10 +101,11 @@ def test_http_settings_reach_the_engine_and_the_server(monkeypatch, tmp_path):
     seen = {}
 
     class Engine:
-        def __init__(self, params, cfg, tokenizer, serve_config):
+        def __init__(self, params, cfg, tokenizer, serve_config, mesh):
             self.serve = seen["serve"] = serve_config
+            seen["mesh"] = mesh
 
-    monkeypatch.setattr(checkpoint, "load_model", lambda path: ("cfg", "tokenizer", "params"))
+    monkeypatch.setattr(checkpoint, "load_model", lambda path, mesh: ("cfg", "tokenizer", "params"))
     monkeypatch.setattr(jaxgen.inference.engine, "Engine", Engine)
     monkeypatch.setattr(jaxgen.runtime, "enable_compilation_cache", lambda: None)
     monkeypatch.setattr(jaxgen.serving.server, "create_app", lambda engine, name, key: seen.update(name=name, key=key))
@@ -115,3 +117,4 @@ def test_http_settings_reach_the_engine_and_the_server(monkeypatch, tmp_path):
     assert serve.main([*argv, "--api-key", "k"]) == 0
     assert (seen["serve"].chunk_steps, seen["serve"].prefill_chunk, seen["serve"].shutdown_grace_s) == (16, 128, 3)
     assert seen["at"] == ("127.0.0.1", 9001) and seen["name"] == "my-model" and seen["key"] == "k"
+    assert seen["mesh"] is None  # one device unless serve.data_parallel / tensor_parallel say otherwise
