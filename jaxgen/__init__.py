@@ -2,6 +2,7 @@
 
 The package is laid out by concern; imports only point down this list:
     config, sharding, tokenizer   configs, the axis glossary and mesh rules, tokenizers
+    distributed                   joining other processes (jax.distributed), what only process 0 does
     model/                        the network and its KV caches
     hf/                           Hugging Face folders: config mapping, import, export
     training/                     the train step, the run loop, checkpoints, metrics, data
