@@ -30,8 +30,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-n", "--num-processes", type=int, default=2, help="processes to start (default 2)")
     parser.add_argument(
-        "--cpu-devices", type=int, metavar="K", help="run on the CPU with K devices per process (JAX_NUM_CPU_DEVICES)"
-    )
+        "--cpu-devices", type=int, metavar="K",
+        help="run on the CPU with K devices per process (JAX_NUM_CPU_DEVICES); without it every process sees all "
+        "of this machine's accelerators, so on a GPU or TPU host use one process (or the cluster's launcher)",
+    )  # fmt: skip
     parser.add_argument("--port", type=int, default=0, help="the coordinator's port (default: a free one)")
     parser.add_argument(
         "--grace", type=float, default=90.0,
@@ -65,18 +67,24 @@ def _emit(data: bytes, index: int, out) -> None:
         out.flush()
 
 
-def _start(command: list[str], n: int, port: int, cpu_devices: int | None) -> list[subprocess.Popen]:
-    procs = []
+def _start(command: list[str], n: int, port: int, cpu_devices: int | None):
+    """(processes, the threads copying their output)."""
+    procs, pipes = [], []
     for i in range(n):
         env = dict(os.environ)
         if n > 1:
             env |= {ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(n), ENV_PROCESS_ID: str(i)}
         if cpu_devices:
             env |= {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(cpu_devices)}
-        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        threading.Thread(target=_pipe, args=(proc.stdout, i, sys.stdout), daemon=True).start()
+        try:
+            proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        except OSError:
+            _end(procs)  # none left behind
+            raise
+        pipes.append(threading.Thread(target=_pipe, args=(proc.stdout, i, sys.stdout), daemon=True))
+        pipes[-1].start()
         procs.append(proc)
-    return procs
+    return procs, pipes
 
 
 def _status(code: int) -> int:
@@ -86,7 +94,7 @@ def _status(code: int) -> int:
 def supervise(procs: list[subprocess.Popen], grace: float) -> int:
     """Waits for every process; after the first failure, the rest get `grace` seconds, then are ended."""
     failed_at, status = None, 0
-    while any(p.poll() is None for p in procs):
+    while any([p.poll() is None for p in procs]):  # a list: every process polled, each pass
         for i, p in enumerate(procs):
             if p.returncode not in (None, 0) and failed_at is None:
                 failed_at, status = time.monotonic(), _status(p.returncode)
@@ -119,7 +127,11 @@ def main(argv: list[str] | None = None) -> int:
         _parser().error(f"--num-processes={args.num_processes} is not allowed: an integer >= 1")
     if args.cpu_devices is not None and args.cpu_devices < 1:
         _parser().error(f"--cpu-devices={args.cpu_devices} is not allowed: an integer >= 1")
-    procs = _start(command, args.num_processes, args.port or free_port(), args.cpu_devices)
+    try:
+        procs, pipes = _start(command, args.num_processes, args.port or free_port(), args.cpu_devices)
+    except OSError as e:
+        print(f"launch: cannot start {command[0]!r}: {e}", file=sys.stderr)
+        return 127
 
     def forward(signum, frame):
         for p in procs:
@@ -128,7 +140,10 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    return supervise(procs, args.grace)
+    status = supervise(procs, args.grace)
+    for t in pipes:  # the last lines (often the error that matters) are still on their way
+        t.join(timeout=10)
+    return status
 
 
 if __name__ == "__main__":

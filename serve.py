@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
 
     enable_compilation_cache()
     try:
-        mesh = _engine_mesh(settings)
+        mesh = _engine_mesh(settings)  # a ConfigError is a ValueError
         cfg, tokenizer, params = load_model(args.checkpoint, mesh)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -191,10 +191,17 @@ def _engine_mesh(settings):
     """The engine's devices: `mesh` over this process's devices (split), or over every process's (shared)."""
     import jax
 
-    from jaxgen.sharding import make_mesh
+    from jaxgen.config import ConfigError
+    from jaxgen.sharding import check_spans_processes, make_mesh
 
     shared = settings.serve.processes == "shared"
-    return make_mesh(settings.serve.mesh, jax.devices() if shared else jax.local_devices())
+    mesh = make_mesh(settings.serve.mesh, jax.devices() if shared else jax.local_devices())
+    if shared and jax.process_count() > 1:
+        try:
+            check_spans_processes(mesh, f"serve.processes=shared: the engine's mesh {dict(mesh.shape)}")
+        except ValueError as e:
+            raise ConfigError(f"{e}; e.g. serve.tensor_parallel=-1") from None
+    return mesh
 
 
 def _one_prompt(engine, prompt: str, defaults) -> int:
@@ -203,7 +210,10 @@ def _one_prompt(engine, prompt: str, defaults) -> int:
     from jaxgen.inference.textstream import TextDeltas
 
     if not is_main():  # the other processes of a shared engine run the same steps and print nothing
-        engine.submit(prompt, defaults)
+        try:
+            engine.submit(prompt, defaults)
+        except SamplingError:
+            return 1  # process 0 says why
         engine.run_until_idle()
         return 0
 

@@ -124,7 +124,10 @@ def main() -> None:
     if args.worker:
         return worker(args.worker, args.mesh, args.batch, args.seq, args.steps, args.out)
     print(f"mesh {' '.join(args.mesh)}, global batch {args.batch} x {args.seq} tokens, best of {args.steps} steps\n")
-    print("| config | 1 x 8: step, tok/s | 2 x 4: step, tok/s | tok/s 2 x 4 vs 1 x 8 | all-reduce 1 x 8 | all-reduce 2 x 4 |")
+    print(
+        "| config | 1 x 8: step, tok/s | 2 x 4: step, tok/s | tok/s 2 x 4 vs 1 x 8 | all-reduce 1 x 8 "
+        "| all-reduce 2 x 4 |"
+    )
     print("|---|---|---|---|---|---|")
     for name in args.configs:
         one, two = run(1, name, args), run(2, name, args)

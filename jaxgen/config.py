@@ -356,7 +356,7 @@ class HttpConfig:
 class DistributedConfig:
     """Running as one of several processes (`jaxgen.distributed`); the defaults detect it from the environment."""
 
-    coordinator: str | None = None  # HOST:PORT of process 0; None = from the environment, or a single process
+    coordinator: str | None = None  # HOST:PORT of process 0; auto = JAX's detection; None = the environment
     num_processes: int = 1
     process_id: int = 0
     heartbeat_timeout_s: int = 60  # a process silent this long is taken as dead and every process stops
@@ -561,7 +561,9 @@ def save_config(cfg: Config, path: str | Path) -> None:
     """Writes the YAML next to `path` and renames it over: a crash or a full disk never leaves half a file."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(yaml.safe_dump(_plain(cfg.to_dict()), sort_keys=False))
+    data = _plain(cfg.to_dict())
+    data.pop("distributed", None)  # how this run was started, not what it is: a reused file must not rejoin it
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
     tmp.replace(path)
 
 

@@ -4,9 +4,12 @@ A TPU pod slice or a GPU cluster runs one jaxgen process per host; all of them e
 jitted programs over one global mesh of every process's devices (JAX's multi-controller runtime).
 `initialize` joins this process to the others when it is one of several, found in this order:
     1. the config's `distributed` section (train.py / serve.py: --coordinator, --num-processes, --process-id);
+       `--coordinator auto` leaves everything to JAX's own cluster detection (a Cloud TPU VM slice, whose
+       workers JAX finds through the metadata server);
     2. JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID (set by `launch.py`; on Kubernetes an
        Indexed Job's JOB_COMPLETION_INDEX stands in for JAX_PROCESS_ID);
-    3. a cluster JAX detects itself: Slurm (SLURM_NTASKS > 1), Open MPI, a multi-host Cloud TPU slice.
+    3. a cluster JAX detects itself: a Slurm job step of several tasks (srun), Open MPI (mpirun), a GKE TPU
+       slice of several hosts (TPU_WORKER_HOSTNAMES).
 A single process needs nothing and gets nothing new.
 
 When a process dies (kill -9, a lost host), the others stop within `heartbeat_timeout_s`: JAX's
@@ -36,15 +39,19 @@ def detect(cfg: DistributedConfig, environ: Mapping[str, str] = os.environ) -> t
 
     Checked before JAX starts, so a wrong value is an error that names it, not a hang.
     """
-    if cfg.coordinator is not None or cfg.num_processes > 1:
+    if cfg.coordinator == "auto":
+        return "JAX's cluster detection", _timeouts(cfg)
+    if cfg.coordinator is not None or cfg.num_processes > 1 or cfg.process_id != 0:
         return "config", _explicit((cfg.coordinator, cfg.num_processes, cfg.process_id), _CONFIG_NAMES, cfg)
     if environ.get(ENV_COORDINATOR):
         pid = environ.get(ENV_PROCESS_ID, environ.get("JOB_COMPLETION_INDEX"))  # Kubernetes Indexed Job
         given = (environ[ENV_COORDINATOR], environ.get(ENV_NUM_PROCESSES), pid)
         return "environment", _explicit(given, _ENV_NAMES, cfg)
-    if _int(environ.get("SLURM_NTASKS", "1"), "$SLURM_NTASKS") > 1:
+    if _int(environ.get("SLURM_STEP_NUM_TASKS", "1"), "$SLURM_STEP_NUM_TASKS") > 1:  # inside srun, not salloc
         return "slurm", _timeouts(cfg)
-    if _int(environ.get("OMPI_COMM_WORLD_SIZE", "1"), "$OMPI_COMM_WORLD_SIZE") > 1:
+    if _int(environ.get("OMPI_COMM_WORLD_SIZE", "1"), "$OMPI_COMM_WORLD_SIZE") > 1 and environ.get(
+        "OMPI_MCA_orte_hnp_uri"
+    ):  # what JAX's Open MPI detection reads
         return "open mpi", _timeouts(cfg)
     hosts = environ.get("TPU_WORKER_HOSTNAMES") or environ.get("TPU_PROCESS_ADDRESSES") or ""
     if len([h for h in hosts.split(",") if h]) > 1:
@@ -97,7 +104,12 @@ def distributed_overrides(args) -> list[str]:
 
 
 def _timeouts(cfg: DistributedConfig) -> dict:
-    return dict(initialization_timeout=cfg.init_timeout_s, heartbeat_timeout_seconds=cfg.heartbeat_timeout_s)
+    """A lost process ends the others after heartbeat_timeout_s; so does one that exits on an error while they
+    wait at JAX's shutdown barrier (its default, 300 s, would keep them that long)."""
+    return dict(
+        initialization_timeout=cfg.init_timeout_s, heartbeat_timeout_seconds=cfg.heartbeat_timeout_s,
+        shutdown_timeout_seconds=cfg.heartbeat_timeout_s,
+    )  # fmt: skip
 
 
 def initialize(cfg: DistributedConfig, environ: Mapping[str, str] = os.environ) -> str | None:
@@ -141,15 +153,27 @@ def any_process(flag: bool) -> bool:
     return bool(multihost_utils.process_allgather(np.int32(flag)).any())
 
 
+_barriers: dict[str, int] = {}
+
+
 def barrier(name: str, timeout_s: float = 3600.0) -> None:
-    """Waits until every process reached the barrier `name` (no-op for a single process)."""
+    """Waits until every process reached the barrier `name` (no-op for a single process). Every process must
+    pass the same barriers in the same order; each use of a name gets its own id."""
     import jax
 
     if jax.process_count() == 1:
         return
+    _barriers[name] = _barriers.get(name, 0) + 1
+    unique = f"{name}-{_barriers[name]}"
     from jax._src import distributed  # the coordination service's barrier: no device collective, a timeout
 
-    distributed.global_state.client.wait_at_barrier(name, int(timeout_s * 1000))
+    client = distributed.global_state.client
+    if client is None:  # processes joined without jax.distributed (a TPU slice that libtpu formed alone)
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(unique)
+        return
+    client.wait_at_barrier(unique, int(timeout_s * 1000))
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -86,6 +86,17 @@ def batch_sharding(mesh: Mesh, shape) -> NamedSharding:
     return named_sharding(mesh, ("batch",) + (None,) * (len(shape) - 1), shape)
 
 
+def check_spans_processes(mesh: Mesh, what: str) -> None:
+    """Raises ValueError unless every process has a device in `mesh` (a process without one could not take
+    part in its programs, and the others would wait for it)."""
+    covered = {d.process_index for d in mesh.devices.flat}
+    if len(covered) != jax.process_count():
+        raise ValueError(
+            f"{what} uses {mesh.size} of {jax.device_count()} devices, on processes {sorted(covered)} of "
+            f"{jax.process_count()}: every process needs devices in it (use -1 for one size, to take them all)"
+        )
+
+
 def process_rows(mesh: Mesh, batch_size: int) -> slice:
     """The rows of a global batch whose shards live on this process's devices: what this process loads.
 

@@ -35,9 +35,10 @@ MESH = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
     "env, source",
     [
         ({}, None),
-        ({"SLURM_NTASKS": "1"}, None),
-        ({"SLURM_NTASKS": "4", "SLURM_PROCID": "1"}, "slurm"),
-        ({"OMPI_COMM_WORLD_SIZE": "2"}, "open mpi"),
+        ({"SLURM_NTASKS": "4"}, None),  # an salloc / sbatch shell: nothing started by srun yet
+        ({"SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "1"}, "slurm"),
+        ({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_MCA_orte_hnp_uri": "1234.0;tcp://10.0.0.1:5000"}, "open mpi"),
+        ({"OMPI_COMM_WORLD_SIZE": "2"}, None),  # Open MPI 5 without the variable JAX's detection needs
         ({"TPU_WORKER_HOSTNAMES": "10.0.0.1,10.0.0.2"}, "cloud tpu"),
         ({"TPU_WORKER_HOSTNAMES": "localhost"}, None),  # a single-host TPU VM
         ({ENV_COORDINATOR: "10.0.0.1:1234", ENV_NUM_PROCESSES: "4", ENV_PROCESS_ID: "3"}, "environment"),
@@ -47,6 +48,7 @@ MESH = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
 def test_detects_how_it_was_started(env, source):
     found = detect(DistributedConfig(), env)
     assert (found and found[0]) == source
+    assert detect(DistributedConfig(coordinator="auto"), env)[0] == "JAX's cluster detection"
     if source == "environment":
         assert found[1]["num_processes"] == 4 and found[1]["coordinator_address"] == "10.0.0.1:1234"
         assert found[1]["heartbeat_timeout_seconds"] == 60
@@ -58,6 +60,7 @@ def test_detects_how_it_was_started(env, source):
         (DistributedConfig(num_processes=2), {}, "distributed.coordinator=None is not allowed: HOST:PORT"),
         (DistributedConfig(coordinator="host", num_processes=2), {}, "distributed.coordinator='host'"),
         (DistributedConfig(coordinator="h:1", num_processes=2, process_id=2), {}, "in [0, 1]"),
+        (DistributedConfig(process_id=1), {}, "distributed.coordinator=None is not allowed"),
         (DistributedConfig(), {ENV_COORDINATOR: "h:1", ENV_NUM_PROCESSES: "two", ENV_PROCESS_ID: "0"}, "'two'"),
         (DistributedConfig(), {ENV_COORDINATOR: "h:1", ENV_NUM_PROCESSES: "2"}, "$JAX_PROCESS_ID=None"),
         (DistributedConfig(), {ENV_COORDINATOR: "h:1", ENV_NUM_PROCESSES: "1", ENV_PROCESS_ID: "0"}, ">= 2"),
@@ -277,9 +280,16 @@ def test_data_parallel_batch_job_killed_then_resumed(tiny_run, one_process_job, 
         os.killpg(job.pid, signal.SIGKILL)
         job.wait()
     assert not out.exists() or len(by_id(out)) < len(ref)  # killed before the merge finished
+    alone = shutil.copytree(tmp_path, tmp_path.parent / f"{tmp_path.name}-alone")  # the same state, for later
     log = launch(serve_args(tiny_run, inp, out))
     assert '"merged": ' in log and not list(tmp_path.glob("out.jsonl.part*"))  # the parts were merged away
     assert_same_results(by_id(out), ref)
+
+    # the same killed job finished by one process: it merges the parts, then runs the rest itself
+    subprocess.run([sys.executable, *serve_args(tiny_run, inp, alone / "out.jsonl")], cwd=ROOT, check=True,
+                   capture_output=True, timeout=600)  # fmt: skip
+    assert_same_results(by_id(alone / "out.jsonl"), ref)
+    assert not list(alone.glob("out.jsonl.part*"))
 
 
 def test_generator_and_engine_on_a_mesh_over_two_processes_equal_one_device(tiny_run, one_process_job, tmp_path):

@@ -201,11 +201,15 @@ def run_split(engine: Engine, input_path: Path, output_path: Path, defaults: Sam
     `part_path(output, i, n)`; once all are done, process 0 appends the parts to the output and deletes them.
 
     Killed at any point, the same command (with any number of processes) resumes: ids in the output or in
-    any part are skipped, and the merge appends only ids the output does not hold yet.
+    any part are skipped, and the merge appends only ids the output does not hold yet. A single process
+    merges what parts there are, then writes straight to the output (`run_job`).
     """
     import jax
 
     index, count = jax.process_index(), jax.process_count()
+    if count == 1:  # one process writes straight to the output, after taking in what a split run left
+        merged = merge_parts(output_path)
+        return run_job(engine, input_path, output_path, defaults) | ({"merged": merged} if merged else {})
     done = read_done_ids(output_path)
     for part in _parts(output_path):
         done |= read_done_ids(part)
@@ -214,6 +218,7 @@ def run_split(engine: Engine, input_path: Path, output_path: Path, defaults: Sam
     barrier("jaxgen-batch-done", timeout_s=30 * 86400)  # the others may run for long: this only waits
     if is_main():
         summary["merged"] = merge_parts(output_path)
+    barrier("jaxgen-batch-merged", timeout_s=30 * 86400)  # the others stay until the merge is done
     return summary
 
 
@@ -221,6 +226,8 @@ def merge_parts(output_path: Path) -> int:
     """Appends the records of every part file whose id the output lacks, then deletes the parts; returns
     how many were appended. A merge that is killed is done again by the next one, without duplicates."""
     parts = _parts(output_path)
+    if not parts:
+        return 0
     done = read_done_ids(output_path)
     added = 0
     with output_path.open("ab") as out:

@@ -49,6 +49,8 @@ def restore_newest(ckpt: Checkpointer, restore: Callable[[int], T], steps: Itera
     steps = sorted(steps, reverse=True)
     if not steps:
         raise CheckpointError(f"{ckpt.directory} holds no checkpoint")
+    if jax.process_count() > 1:  # each process reads its own shards: one may fail where another succeeds,
+        steps = steps[:1]  # and falling back on one process alone would mix steps; the error says what to do
     quiet_background_errors(str(ckpt.directory))  # before: a failing read prints from other threads at once
     reason = ""
     for i, step in enumerate(steps):
@@ -61,6 +63,11 @@ def restore_newest(ckpt: Checkpointer, restore: Callable[[int], T], steps: Itera
                 f"warning: checkpoint {ckpt.directory / str(step)} does not restore ({reason}); {then}",
                 file=sys.stderr,
             )
+    if jax.process_count() > 1:
+        raise CheckpointError(
+            f"checkpoint {ckpt.directory / str(steps[0])} does not restore ({reason}); with several processes "
+            f"the run does not fall back on its own: move that folder aside and run the same command again"
+        )
     raise CheckpointError(
         f"no checkpoint in {ckpt.directory} restores (tried steps {', '.join(map(str, steps))}; "
         f"step {steps[-1]}: {reason}); "

@@ -72,16 +72,15 @@ def create_train_state(cfg: Config, mesh, params: dict | None = None) -> TrainSt
     """
     tx = make_optimizer(cfg.optimizer, cfg.training.steps)
 
-    def rng(i):  # 0: the init key, 1: the state's key
-        return jax.random.split(jax.random.key(cfg.training.seed))[i]
+    def rng(which: int):  # 0: the key the params are drawn with, 1: the state's key
+        return jax.random.split(jax.random.key(cfg.training.seed))[which]
 
     with jax.set_mesh(mesh):
         if params is None:
             shardings = param_shardings(cfg.model, mesh)
             params = jax.jit(lambda: model.init_params(cfg.model, rng(0)), out_shardings=shardings)()
         opt_state = tx.init(params)  # eager, inside the mesh: moments take the params' shardings
-        stray = lambda x: x if _on_mesh(x) else _replicated(mesh, lambda v=np.asarray(x): v)
-        opt_state = jax.tree.map(stray, opt_state)
+        opt_state = jax.tree.map(lambda x: _onto_mesh(mesh, x), opt_state)
         return TrainState(
             step=_replicated(mesh, _zero), params=params, opt_state=opt_state, rng=_replicated(mesh, lambda: rng(1)),
             nonfinite_in_row=_replicated(mesh, _zero), nonfinite_total=_replicated(mesh, _zero),
@@ -92,8 +91,12 @@ def _zero():
     return jnp.zeros((), jnp.int32)
 
 
-def _on_mesh(x) -> bool:
-    return isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)
+def _onto_mesh(mesh, x):
+    """x if it is on the mesh already (the moments); stray scalars (optax's counts) replicated onto it."""
+    if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding):
+        return x
+    value = np.asarray(x)
+    return _replicated(mesh, lambda: value)
 
 
 def _replicated(mesh, make):

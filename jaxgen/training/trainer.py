@@ -26,7 +26,7 @@ from tqdm import tqdm
 from jaxgen import model
 from jaxgen.config import Config, ConfigError, load_config, save_config
 from jaxgen.distributed import any_process, is_main
-from jaxgen.sharding import make_mesh, process_rows
+from jaxgen.sharding import check_spans_processes, make_mesh, process_rows
 from jaxgen.tokenizer import Tokenizer
 from jaxgen.training.checkpoint import Checkpointer, has_checkpoint, quiet_background_errors, restore_newest
 from jaxgen.training.data.pipeline import PackedSequences, eval_batches, train_iterator
@@ -119,7 +119,7 @@ class _SilentBar(tqdm):
 class _NoMetrics:
     """What processes other than 0 write: nothing."""
 
-    path = "metrics.jsonl"
+    path = "(process 0's metrics.jsonl)"
 
     def __enter__(self):
         return self
@@ -170,6 +170,7 @@ def train(cfg: Config, run_dir: str | Path, progress: bool = True) -> TrainResul
     with _disk_full_is_one_error(f"the run folder {run_dir}"):
         tokenizer = prepare_run_dir(cfg, run_dir)
         mesh = make_mesh(cfg.mesh)
+        check_spans_processes(mesh, f"the mesh {dict(mesh.shape)}")
         with _disk_full_is_one_error(f"the token cache in {cfg.data.cache_dir}"):
             splits = load_splits(cfg.data, tokenizer)
         train_src = PackedSequences(splits["train"]["tokens"], splits["train"]["flags"], cfg.data.seq_len)
@@ -268,7 +269,8 @@ def _loop(run: _Run, state: TrainState, start: int, progress: bool) -> TrainResu
     main = is_main()  # only process 0 writes metrics and shows the bar
     bar_kind, progress = (tqdm, progress) if main else (_SilentBar, False)
     bar = bar_kind(total=cfg.training.steps, initial=start, desc="train", unit="step", disable=not progress)
-    with bar, MetricsWriter(run.run_dir) if main else _NoMetrics() as metrics, _StopFlag() as stop:
+    metrics = MetricsWriter(run.run_dir) if main else _NoMetrics()
+    with bar, metrics, _StopFlag() as stop:
         for step in range(start + 1, end + 1):
             batch = next(run.data_iter)
             t0 = time.perf_counter()
