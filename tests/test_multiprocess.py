@@ -261,6 +261,14 @@ def one_process_job(tiny_run, tmp_path_factory):
     return inp, by_id(out)
 
 
+def test_data_parallel_batch_job_equals_one_process(tiny_run, one_process_job, tmp_path):
+    inp, ref = one_process_job
+    out = tmp_path / "out.jsonl"
+    log = launch(serve_args(tiny_run, inp, out))
+    assert '"merged": 50' in log and not list(tmp_path.glob("out.jsonl.part*"))  # the parts were merged away
+    assert_same_results(by_id(out), ref)
+
+
 def test_data_parallel_batch_job_killed_then_resumed(tiny_run, one_process_job, tmp_path):
     """A 2-process data-parallel job, killed -9 whole (launcher and both processes) once results are being
     written; the same command finishes it, merging the parts: no id lost or written twice, and the results
