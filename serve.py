@@ -198,7 +198,8 @@ def _engine_mesh(settings):
     mesh = make_mesh(settings.serve.mesh, jax.devices() if shared else jax.local_devices())
     if shared and jax.process_count() > 1:
         try:
-            check_spans_processes(mesh, f"serve.processes=shared: the engine's mesh {dict(mesh.shape)}")
+            what = f"serve.processes=shared with serve.tensor_parallel={settings.serve.tensor_parallel}: the engine"
+            check_spans_processes(mesh, what)
         except ValueError as e:
             raise ConfigError(f"{e}; e.g. serve.tensor_parallel=-1") from None
     return mesh

@@ -40,7 +40,12 @@ def detect(cfg: DistributedConfig, environ: Mapping[str, str] = os.environ) -> t
     Checked before JAX starts, so a wrong value is an error that names it, not a hang.
     """
     if cfg.coordinator == "auto":
-        return "JAX's cluster detection", _timeouts(cfg)
+        if cfg.num_processes != 1 or cfg.process_id != 0:
+            raise ConfigError(
+                "distributed.coordinator='auto' is not allowed with distributed.num_processes or process_id: "
+                "auto leaves all three to JAX's cluster detection; give all three, or only auto"
+            )
+        return "cluster detection", _timeouts(cfg)
     if cfg.coordinator is not None or cfg.num_processes > 1 or cfg.process_id != 0:
         return "config", _explicit((cfg.coordinator, cfg.num_processes, cfg.process_id), _CONFIG_NAMES, cfg)
     if environ.get(ENV_COORDINATOR):
@@ -49,9 +54,13 @@ def detect(cfg: DistributedConfig, environ: Mapping[str, str] = os.environ) -> t
         return "environment", _explicit(given, _ENV_NAMES, cfg)
     if _int(environ.get("SLURM_STEP_NUM_TASKS", "1"), "$SLURM_STEP_NUM_TASKS") > 1:  # inside srun, not salloc
         return "slurm", _timeouts(cfg)
-    if _int(environ.get("OMPI_COMM_WORLD_SIZE", "1"), "$OMPI_COMM_WORLD_SIZE") > 1 and environ.get(
-        "OMPI_MCA_orte_hnp_uri"
-    ):  # what JAX's Open MPI detection reads
+    if _int(environ.get("OMPI_COMM_WORLD_SIZE", "1"), "$OMPI_COMM_WORLD_SIZE") > 1:
+        if not environ.get("OMPI_MCA_orte_hnp_uri"):  # what JAX's Open MPI detection reads (Open MPI < 5)
+            raise ConfigError(
+                "started by Open MPI with $OMPI_COMM_WORLD_SIZE > 1, but without $OMPI_MCA_orte_hnp_uri, which "
+                "JAX needs to find process 0: pass --coordinator HOST:PORT --num-processes $OMPI_COMM_WORLD_SIZE "
+                "--process-id $OMPI_COMM_WORLD_RANK (or set the JAX_* variables)"
+            )
         return "open mpi", _timeouts(cfg)
     hosts = environ.get("TPU_WORKER_HOSTNAMES") or environ.get("TPU_PROCESS_ADDRESSES") or ""
     if len([h for h in hosts.split(",") if h]) > 1:
@@ -72,7 +81,7 @@ def _explicit(given: tuple, names: tuple[str, str, str], cfg: DistributedConfig)
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(
             f"{names[0]}={coordinator!r} is not allowed: HOST:PORT of process 0 (e.g. 10.0.0.1:8476), "
-            f"with {names[1]} >= 2 and {names[2]}"
+            f"with {names[1]} >= 2 and {names[2]}; or auto, to leave all three to JAX's cluster detection"
         )
     num_processes = _int(num_processes, names[1])
     if num_processes < 2:
@@ -90,9 +99,12 @@ def add_distributed_flags(parser) -> None:
     """--coordinator, --num-processes, --process-id: shortcuts for the config's `distributed` section."""
     group = parser.add_argument_group(
         "several processes", "one process per host, all running this same command (see README: several machines); "
-        "without these, the environment is read (JAX_COORDINATOR_ADDRESS, Slurm, a Cloud TPU slice)",
+        "without these, the environment is read (JAX_COORDINATOR_ADDRESS, an srun step, mpirun, a GKE TPU slice)",
     )  # fmt: skip
-    group.add_argument("--coordinator", metavar="HOST:PORT", help="sets distributed.coordinator: process 0's address")
+    group.add_argument(
+        "--coordinator", metavar="HOST:PORT",
+        help="sets distributed.coordinator: process 0's address; auto = JAX's own detection (Cloud TPU VM slices)",
+    )  # fmt: skip
     group.add_argument("--num-processes", type=int, metavar="N", help="sets distributed.num_processes")
     group.add_argument("--process-id", type=int, metavar="I", help="sets distributed.process_id (0 .. N-1)")
 
@@ -121,7 +133,15 @@ def initialize(cfg: DistributedConfig, environ: Mapping[str, str] = os.environ) 
     source, kwargs = found
     import jax
 
-    jax.distributed.initialize(**kwargs)
+    try:
+        jax.distributed.initialize(**kwargs)
+    except (ValueError, RuntimeError) as e:
+        if source != "cluster detection":
+            raise
+        raise ConfigError(
+            f"--coordinator auto: JAX found no cluster to join ({e}); it detects Cloud TPU VM slices, Slurm, "
+            "Open MPI and Kubernetes; elsewhere give --coordinator HOST:PORT --num-processes N --process-id I"
+        ) from None
     return source
 
 
@@ -130,7 +150,7 @@ def describe(source: str) -> str:
     import jax
 
     return (
-        f"process {jax.process_index()} of {jax.process_count()} (found from the {source}): "
+        f"process {jax.process_index()} of {jax.process_count()} (joined via {source}): "
         f"{jax.local_device_count()} of {jax.device_count()} devices here"
     )
 

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import jax
 import numpy as np
@@ -38,7 +39,6 @@ MESH = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
         ({"SLURM_NTASKS": "4"}, None),  # an salloc / sbatch shell: nothing started by srun yet
         ({"SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "1"}, "slurm"),
         ({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_MCA_orte_hnp_uri": "1234.0;tcp://10.0.0.1:5000"}, "open mpi"),
-        ({"OMPI_COMM_WORLD_SIZE": "2"}, None),  # Open MPI 5 without the variable JAX's detection needs
         ({"TPU_WORKER_HOSTNAMES": "10.0.0.1,10.0.0.2"}, "cloud tpu"),
         ({"TPU_WORKER_HOSTNAMES": "localhost"}, None),  # a single-host TPU VM
         ({ENV_COORDINATOR: "10.0.0.1:1234", ENV_NUM_PROCESSES: "4", ENV_PROCESS_ID: "3"}, "environment"),
@@ -48,7 +48,7 @@ MESH = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
 def test_detects_how_it_was_started(env, source):
     found = detect(DistributedConfig(), env)
     assert (found and found[0]) == source
-    assert detect(DistributedConfig(coordinator="auto"), env)[0] == "JAX's cluster detection"
+    assert detect(DistributedConfig(coordinator="auto"), env)[0] == "cluster detection"
     if source == "environment":
         assert found[1]["num_processes"] == 4 and found[1]["coordinator_address"] == "10.0.0.1:1234"
         assert found[1]["heartbeat_timeout_seconds"] == 60
@@ -61,6 +61,8 @@ def test_detects_how_it_was_started(env, source):
         (DistributedConfig(coordinator="host", num_processes=2), {}, "distributed.coordinator='host'"),
         (DistributedConfig(coordinator="h:1", num_processes=2, process_id=2), {}, "in [0, 1]"),
         (DistributedConfig(process_id=1), {}, "distributed.coordinator=None is not allowed"),
+        (DistributedConfig(coordinator="auto", num_processes=2), {}, "'auto' is not allowed with"),
+        (DistributedConfig(), {"OMPI_COMM_WORLD_SIZE": "2"}, "without $OMPI_MCA_orte_hnp_uri"),  # Open MPI 5
         (DistributedConfig(), {ENV_COORDINATOR: "h:1", ENV_NUM_PROCESSES: "two", ENV_PROCESS_ID: "0"}, "'two'"),
         (DistributedConfig(), {ENV_COORDINATOR: "h:1", ENV_NUM_PROCESSES: "2"}, "$JAX_PROCESS_ID=None"),
         (DistributedConfig(), {ENV_COORDINATOR: "h:1", ENV_NUM_PROCESSES: "1", ENV_PROCESS_ID: "0"}, ">= 2"),
@@ -85,6 +87,31 @@ def test_command_lines_refuse_wrong_process_settings_before_starting():
     assert serve.returncode == 2 and "serve.py http runs as one process" in serve.stderr
     launcher = subprocess.run([sys.executable, "launch.py", "-n", "2"], cwd=ROOT, capture_output=True, text=True)
     assert launcher.returncode == 2 and "no command given" in launcher.stderr
+
+
+def test_a_mesh_that_leaves_a_process_out_is_refused(monkeypatch):
+    from jaxgen import sharding
+
+    monkeypatch.setattr(sharding.jax, "process_count", lambda: 2)  # this process's 8 devices, as if of 2
+    with pytest.raises(ValueError, match=r"every process needs devices in it"):
+        sharding.check_spans_processes(make_mesh(MeshConfig(data=2)), "the mesh")
+
+
+def test_several_processes_do_not_fall_back_to_an_older_checkpoint(monkeypatch, tmp_path):
+    """Each process reads its own shards: one falling back alone would mix steps. The error names what to move."""
+    from jaxgen.training import checkpoint
+
+    monkeypatch.setattr(checkpoint.jax, "process_count", lambda: 2)
+    tried = []
+
+    def restore(step):
+        tried.append(step)
+        raise ValueError("truncated file")
+
+    folder = types.SimpleNamespace(directory=tmp_path / "checkpoints")  # all restore_newest reads of a Checkpointer
+    with pytest.raises(checkpoint.CheckpointError, match=r"checkpoints/30 does not restore .*move that folder"):
+        checkpoint.restore_newest(folder, restore, [10, 20, 30])
+    assert tried == [30]
 
 
 # --- training ---------------------------------------------------------------------------------------------------

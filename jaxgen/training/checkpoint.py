@@ -7,7 +7,8 @@ A run folder is self-describing:
     <run_dir>/checkpoints_damaged/<step>        checkpoints that did not restore, set aside on resuming
 
 A checkpoint whose files were truncated or deleted does not restore; `restore_newest` then falls back
-to the newest one that does, so training and serving go on from the last good step.
+to the newest one that does, so training and serving go on from the last good step (a single process:
+with several, the error names the checkpoint to move aside).
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ def restore_newest(ckpt: Checkpointer, restore: Callable[[int], T], steps: Itera
     steps = sorted(steps, reverse=True)
     if not steps:
         raise CheckpointError(f"{ckpt.directory} holds no checkpoint")
-    if jax.process_count() > 1:  # each process reads its own shards: one may fail where another succeeds,
-        steps = steps[:1]  # and falling back on one process alone would mix steps; the error says what to do
+    if jax.process_count() > 1:
+        return _restore_newest_of_several(ckpt, restore, steps[0])
     quiet_background_errors(str(ckpt.directory))  # before: a failing read prints from other threads at once
     reason = ""
     for i, step in enumerate(steps):
@@ -63,16 +64,26 @@ def restore_newest(ckpt: Checkpointer, restore: Callable[[int], T], steps: Itera
                 f"warning: checkpoint {ckpt.directory / str(step)} does not restore ({reason}); {then}",
                 file=sys.stderr,
             )
-    if jax.process_count() > 1:
-        raise CheckpointError(
-            f"checkpoint {ckpt.directory / str(steps[0])} does not restore ({reason}); with several processes "
-            f"the run does not fall back on its own: move that folder aside and run the same command again"
-        )
     raise CheckpointError(
         f"no checkpoint in {ckpt.directory} restores (tried steps {', '.join(map(str, steps))}; "
         f"step {steps[-1]}: {reason}); "
         f"move {ckpt.directory} aside to start the run over, or pass another run folder"
     )
+
+
+def _restore_newest_of_several(ckpt: Checkpointer, restore: Callable[[int], T], step: int) -> tuple[int, T]:
+    """With several processes only the newest checkpoint is tried: each process reads its own shards, so one
+    may fail where another succeeds, and a fallback taken by one process alone would mix steps."""
+    quiet_background_errors(str(ckpt.directory))
+    try:
+        return step, restore(step)
+    except Exception as e:
+        aside = ckpt.directory.parent / "checkpoints_damaged"
+        raise CheckpointError(
+            f"checkpoint {ckpt.directory / str(step)} does not restore on process {jax.process_index()} "
+            f"({error_summary(e)}); with several processes the run does not fall back to an older one by itself: "
+            f"move that folder into {aside} and run the same command again"
+        ) from None
 
 
 def error_summary(e: BaseException, limit: int = 300) -> str:

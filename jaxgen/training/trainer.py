@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from jaxgen import model
 from jaxgen.config import Config, ConfigError, load_config, save_config
-from jaxgen.distributed import any_process, is_main
+from jaxgen.distributed import any_process, barrier, is_main
 from jaxgen.sharding import check_spans_processes, make_mesh, process_rows
 from jaxgen.tokenizer import Tokenizer
 from jaxgen.training.checkpoint import Checkpointer, has_checkpoint, quiet_background_errors, restore_newest
@@ -337,6 +337,7 @@ def _finish_run(run: _Run, state: TrainState, result: TrainResult) -> TrainResul
         run.ckpt.wait()
     if is_main():
         print(f"loss curve: {plot_loss(run.run_dir)}")
+    barrier("jaxgen-train-end")  # the others wait for process 0's plot rather than at JAX's shutdown barrier
     return result
 
 
