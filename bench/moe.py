@@ -13,26 +13,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import time
 
 import jax
 import jax.numpy as jnp
+from timing import best_seconds  # bench/, this script's folder
 
 from jaxgen import model
 from jaxgen.config import ModelConfig
 from jaxgen.model import moe
 
 IMPLS = ("grouped", "dense", "ragged_dot")
-
-
-def _best(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())  # compile and warm
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def bench(cfg: ModelConfig, tokens: int, repeats: int) -> dict[str, tuple[float, float]]:
@@ -44,7 +34,7 @@ def bench(cfg: ModelConfig, tokens: int, repeats: int) -> dict[str, tuple[float,
         c = dataclasses.replace(cfg, moe_impl=impl)
         fwd = jax.jit(lambda p, x, c=c: moe.mlp(x, p, valid, c)[0])
         grad = jax.jit(jax.grad(lambda p, x, c=c: jnp.sum(moe.mlp(x, p, valid, c)[0] ** 2)))
-        out[impl] = (_best(lambda f=fwd: f(p, x), repeats), _best(lambda g=grad: g(p, x), repeats))
+        out[impl] = (best_seconds(lambda f=fwd: f(p, x), repeats), best_seconds(lambda g=grad: g(p, x), repeats))
     return out
 
 

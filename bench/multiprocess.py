@@ -18,8 +18,9 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from timing import best_seconds  # bench/, this script's folder
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,8 +32,6 @@ def worker(name: str, mesh_args: list[str], batch: int, seq: int, steps: int, ou
 
     initialize(DistributedConfig())
     import jax
-
-    sys.path.insert(0, str(ROOT / "bench"))
     from train_throughput import synthetic_batch
 
     from jaxgen.config import load_config
@@ -47,14 +46,20 @@ def worker(name: str, mesh_args: list[str], batch: int, seq: int, steps: int, ou
     rows = process_rows(mesh, batch)
     local = {k: v[rows] for k, v in synthetic_batch(batch, seq, cfg.model.vocab_size).items()}
     data = put_batch(local, mesh, batch)
-    step_s = _best(lambda s: step(s, data), state, steps)
+    shapes = jax.tree.map(lambda x: x.shape, state.params)  # before the step donates the state
+    carried = [state]
 
-    reduce_s = _allreduce_seconds(mesh, state.params, steps)
+    def one_step():
+        carried[0], metrics = step(carried[0], data)
+        return metrics
+
+    step_s = best_seconds(one_step, steps)
+    reduce_s = _allreduce_seconds(mesh, shapes, steps)
     if jax.process_index() == 0:
         Path(out).write_text(json.dumps({"step_s": step_s, "reduce_s": reduce_s, "tokens": batch * seq}))
 
 
-def _allreduce_seconds(mesh, params, steps: int) -> float:
+def _allreduce_seconds(mesh, shapes, steps: int) -> float:
     """A gradient-sized all-reduce over the batch axes (data x fsdp), timed alone: one (n, ...) array per
     parameter, row i on batch shard i, summed over the rows into a replicated result."""
     import jax
@@ -64,40 +69,14 @@ def _allreduce_seconds(mesh, params, steps: int) -> float:
     n = mesh.shape["data"] * mesh.shape["fsdp"]
     rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
 
-    def stacked(x):
-        shape = (n, *x.shape)
+    def stacked(param_shape):
+        shape = (n, *param_shape)
         return jax.make_array_from_callback(shape, rows, lambda idx: np.ones(shape, np.float32)[idx])
 
-    grads = jax.tree.map(stacked, params)
+    grads = jax.tree.map(stacked, shapes, is_leaf=lambda x: isinstance(x, tuple))
     replicated = NamedSharding(mesh, PartitionSpec())
     reduce = jax.jit(lambda g: jax.tree.map(lambda x: x.sum(0), g), out_shardings=replicated)
-    return _best_plain(lambda: reduce(grads), steps)
-
-
-def _best(fn, state, steps: int) -> float:
-    import jax
-
-    state, m = fn(state)  # compile and warm up
-    jax.block_until_ready(m)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        state, m = fn(state)
-        jax.block_until_ready(m)
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
-def _best_plain(fn, steps: int) -> float:
-    import jax
-
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    return best_seconds(lambda: reduce(grads), steps)
 
 
 def run(processes: int, name: str, args) -> dict:

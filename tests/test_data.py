@@ -86,11 +86,16 @@ def test_token_store_is_built_once_and_memory_mapped(tmp_path):
     assert len(first["eval"]["tokens"]) > 0
 
 
-def test_iterator_is_deterministic_and_resumable():
+def ten_documents() -> PackedSequences:
+    """1000 tokens in 10 documents, packed 16 to an example (62 examples)."""
     tokens = np.arange(1000, dtype=np.uint16) % 250
     flags = np.zeros(1000, np.uint8)
     flags[::100] = DOC_START
-    src = PackedSequences(tokens, flags, seq_len=16)
+    return PackedSequences(tokens, flags, seq_len=16)
+
+
+def test_iterator_is_deterministic_and_resumable():
+    src = ten_documents()
     it = train_iterator(src, batch_size=4, seed=3)
     seen = [next(it)["inputs"] for _ in range(5)]
     state = it.get_state()
@@ -106,10 +111,7 @@ def test_iterator_is_deterministic_and_resumable():
 
 def test_process_shares_of_each_batch_make_the_global_batch_at_any_position():
     """What several processes load: each its rows of every global batch, and the same iterator state."""
-    tokens = np.arange(1000, dtype=np.uint16) % 250
-    flags = np.zeros(1000, np.uint8)
-    flags[::100] = DOC_START
-    src = PackedSequences(tokens, flags, seq_len=16)
+    src = ten_documents()
     whole = train_iterator(src, batch_size=8, seed=3)
     shares = [train_iterator(src, batch_size=8, seed=3, rows=slice(i * 2, i * 2 + 2)) for i in range(4)]
     for _ in range(10):  # crosses an epoch boundary (62 examples)
