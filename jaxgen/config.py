@@ -79,6 +79,16 @@ class ModelConfig:
     #   every token (the reference); auto: megablox on TPU, ragged_dot on GPU, grouped on CPU
     family: str | None = None  # the Hugging Face family imported from, kept for export (None: from the fields)
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; params stay float32
+    attention_impl: Literal["auto", "dense", "blockwise", "cudnn", "splash"] = "auto"  # attention over whole
+    #   sequences (training, scoring): blockwise: flash-style over key blocks with a recomputing backward,
+    #   O(T x block) memory (jaxgen.model.blockwise); cudnn: cuDNN's fused kernel (GPU, bf16); splash: the
+    #   Pallas TPU kernel (interpret mode elsewhere); dense: the whole (T, T) matrix (the reference);
+    #   auto: splash on TPU, cudnn on GPU where it fits, else blockwise (see jaxgen.model.kernels)
+    attention_block: int = 512  # query and key block of blockwise and splash attention
+    remat: Literal["none", "full", "dots", "dots_no_batch", "offload_dots"] = "none"  # what the scanned
+    #   layer keeps for the backward pass (jax.checkpoint policies): none: everything; full: only its
+    #   input (recompute the rest); dots: matrix-product outputs; dots_no_batch: those without a batch
+    #   axis (weights-only products); offload_dots: dots moved to host memory (GPU/TPU)
     init_std: float = 0.02
 
     def __post_init__(self):
@@ -119,6 +129,7 @@ class ModelConfig:
             _check(self.sliding_window > 0, "model.sliding_window", self.sliding_window, "null or > 0")
         self._check_layer_pattern()
         self._check_attention_extras()
+        self._check_memory_options()
         self._check_experts()
 
     def _check_layer_pattern(self):
@@ -137,6 +148,14 @@ class ModelConfig:
         for name in ("query_scale", "attn_softcap", "final_softcap"):
             value = getattr(self, name)
             _check(value is None or value > 0, f"model.{name}", value, "null or a number > 0")
+
+    def _check_memory_options(self):
+        impls = ("auto", "dense", "blockwise", "cudnn", "splash")
+        _check(self.attention_impl in impls, "model.attention_impl", self.attention_impl, ", ".join(impls))
+        block = self.attention_block
+        _check(isinstance(block, int) and block >= 8, "model.attention_block", block, "an integer >= 8")
+        policies = ("none", "full", "dots", "dots_no_batch", "offload_dots")
+        _check(self.remat in policies, "model.remat", self.remat, ", ".join(policies))
 
     def _check_experts(self):
         _check(self.num_experts >= 0, "model.num_experts", self.num_experts, "0 (dense MLP) or a positive integer")

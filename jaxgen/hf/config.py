@@ -69,7 +69,9 @@ _DEFAULTS = {
 }  # fmt: skip
 _WINDOWED = ("mistral", "phi3", "mixtral", "gemma2", "gemma3_text")  # families with a sliding window
 # Fields a round trip through config.json need not keep: how jaxgen computes, not what the model is.
-_NOT_ARCHITECTURE = ("dtype", "init_std", "family", "moe_impl", "router_z_coef")
+_NOT_ARCHITECTURE = (
+    "dtype", "init_std", "family", "moe_impl", "router_z_coef", "attention_impl", "attention_block", "remat",
+)  # fmt: skip
 
 
 class HFError(ValueError):

@@ -5,9 +5,12 @@ The seam. A cache type (contiguous `KVCache`, paged `PagedCache`) says only how 
     cache.key_block(kv, layer, j) -> (k_bskh, v_bskh, pos_bs)        block j of a layer (pos -1 = empty)
     cache.blocks_to_visit(positions_bt) -> () int32                  blocks any of these queries can see
 `cached_attention` runs the one online-softmax loop over those blocks with the one mask rule, so the
-model never asks which cache it holds. An accelerator kernel (a Pallas paged or ragged attention, a
-cuDNN fused attention) is another implementation of `cached_attention` / `dense_attention` with the
-same arguments; it plugs in here, not in the model.
+model never asks which cache it holds.
+
+Whole sequences (training, scoring: `cache=None`) go through `sequence_attention`, one of
+`model.attention_impl`: blockwise (jaxgen.model.blockwise, the portable default), cuDNN or splash
+(jaxgen.model.kernels), or `dense_attention`, the reference. Each has the same arguments and the same
+mask rule; a new kernel plugs in here, not in the model.
 
 The mask rule (`attention_mask`) is by position: a query at position p sees the keys at positions
 0..p of its own row (and, with a sliding window w, only those after p - w), never a key at position -1
@@ -23,7 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxgen.model import layers
+from jaxgen.model import blockwise, kernels, layers
 from jaxgen.model.kvcache import from_storage
 
 NEG_INF = jnp.finfo(jnp.float32).min  # finite, so a fully masked row (padding) gives no NaN
@@ -47,7 +50,8 @@ def logit_scale(cfg) -> float:
 
 def dense_attention(q_btnh, k_bskh, v_bskh, mask_bts, cfg):
     """Grouped-query attention over the whole (T, S) score matrix: N query heads share K kv heads
-    (G = N / K per group). The reference path, and the training path today."""
+    (G = N / K per group). The reference (`model.attention_impl=dense`): simple, and its backward
+    keeps the (B, K, G, T, S) probabilities, which is what the other implementations avoid."""
     b, t, n, h = q_btnh.shape
     q = q_btnh.reshape(b, t, cfg.kv_heads, n // cfg.kv_heads, h)  # (B, T, K, G, H)
     logits = jnp.einsum("btkgh,bskh->bkgts", q, k_bskh, preferred_element_type=jnp.float32)
@@ -56,6 +60,21 @@ def dense_attention(q_btnh, k_bskh, v_bskh, mask_bts, cfg):
     probs = jax.nn.softmax(logits, axis=-1).astype(v_bskh.dtype)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh)
     return out.reshape(b, t, n, h)
+
+
+def sequence_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, window, cfg, impl: str):
+    """Attention of a whole sequence over itself (training, scoring) by `impl` (see
+    `kernels.choose`): blockwise, cudnn or splash; each equals `dense_attention` under
+    `attention_mask(positions, positions, segment_ids, segment_ids, window)`. (B, T, N, H)."""
+    if impl == "cudnn":
+        return kernels.cudnn_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, window, cfg)
+    if impl == "splash":
+        return kernels.splash_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, window, cfg)
+    return blockwise.blockwise_attention(
+        q_btnh, k_btkh, v_btkh, positions_bt, positions_bt, scale=logit_scale(cfg), softcap=cfg.attn_softcap,
+        q_seg_bt=segment_ids_bt, k_seg_bs=segment_ids_bt, window=window,
+        block_q=cfg.attention_block, block_k=cfg.attention_block,
+    )  # fmt: skip
 
 
 def cached_attention(q_btnh, cache, kv, layer, q_pos_bt, window, cfg):

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen.config import ModelConfig
-from jaxgen.model import attention, layers, moe
+from jaxgen.model import attention, kernels, layers, moe
 from jaxgen.model.kvcache import KVCache
 from jaxgen.sharding import constrain, named_sharding
 
@@ -225,8 +225,10 @@ def _run(params, tokens, positions, cache, cfg: ModelConfig, segment_ids):
     x = constrain(x, ("batch", "seq", "act_embed"))
 
     t = tokens.shape[1]
-    if cache is None:  # training: the whole (T, T) mask once, windowed per layer
-        mask = attention.attention_mask(positions, positions, segment_ids, segment_ids)
+    if cache is None:  # whole sequences: the implementation for this backend (see attention.sequence_attention)
+        impl = kernels.choose(cfg)
+        # dense: the whole (T, T) mask once, windowed per layer; the others mask block by block
+        mask = attention.attention_mask(positions, positions, segment_ids, segment_ids) if impl == "dense" else None
         kv = None
     else:  # decoding: masks are built block by block, over the cache blocks in use only
         cache = cache.with_positions(positions)
@@ -236,12 +238,16 @@ def _run(params, tokens, positions, cache, cfg: ModelConfig, segment_ids):
         x, kv = carry
         p, consts = xs
         if cache is None:
-            attend = functools.partial(_attend_plain, mask=mask, positions=positions, cfg=cfg)
+            attend = functools.partial(
+                _attend_plain, impl=impl, mask=mask, positions=positions, segment_ids=segment_ids, cfg=cfg
+            )
         else:
             attend = functools.partial(_attend_cache, cache=cache, kv=kv, positions=positions, cfg=cfg)
         x, kv, aux = _block(x, p, positions, consts, attend, cfg)
         return (x, kv), aux
 
+    if cache is None and cfg.remat != "none":  # recompute in the backward pass what the policy does not keep
+        layer_step = jax.checkpoint(layer_step, policy=remat_policy(cfg.remat), prevent_cse=False)
     consts = layer_constants(cfg)
     if isinstance(params["layers"], list):  # unstacked (see `unstack_layers`): a Python loop
         auxes = []
@@ -332,11 +338,24 @@ def _block(x, p, positions, consts, attend, cfg: ModelConfig):
 _NO_ROUTER = {"share": np.zeros((0,), np.float32), "mean_prob": np.zeros((0,), np.float32), "router_z": np.float32(0)}
 
 
-def _attend_plain(q, k, v, consts, *, mask, positions, cfg: ModelConfig):
+def _attend_plain(q, k, v, consts, *, impl, mask, positions, segment_ids, cfg: ModelConfig):
     window = consts.get("window")  # None without a sliding window
+    if impl != "dense":
+        return attention.sequence_attention(q, k, v, positions, segment_ids, window, cfg, impl=impl), None
     if window is not None:  # this layer's window on top of the shared causal mask
         mask = mask & (positions[:, :, None] - positions[:, None, :] < window)
     return attention.dense_attention(q, k, v, mask, cfg), None
+
+
+def remat_policy(name: str):
+    """The `jax.checkpoint` policy of `model.remat` (see ModelConfig): what the layer keeps."""
+    policies = jax.checkpoint_policies
+    return {
+        "full": None,  # nothing saved: the whole layer is recomputed from its input
+        "dots": policies.checkpoint_dots,
+        "dots_no_batch": policies.dots_with_no_batch_dims_saveable,
+        "offload_dots": policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+    }[name]
 
 
 def _attend_cache(q, k, v, consts, *, cache, kv, positions, cfg: ModelConfig):

@@ -1,0 +1,148 @@
+"""Fused attention kernels for whole sequences on accelerators, behind `attention.sequence_attention`.
+
+    splash  the Pallas splash-attention kernel shipped in jax (TPU; runs on CPU in interpret mode)
+    cudnn   cuDNN's fused flash attention through `jax.nn.dot_product_attention` (GPU, bf16/fp16)
+
+Both mask by index, not by position: a key is visible when it is not after the query in the row, is in
+the same packed segment and (local layers) within the window. That equals the position rule of
+`attention.attention_mask` when positions grow by one along each segment of a row (true of every batch
+jaxgen builds: packed training windows, left- or right-padded prompts). Padding (position -1) becomes a
+segment of its own, so no real token sees it.
+
+`choose(cfg)` says which implementation runs and, when the one asked for cannot, why (logged once).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgen.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+_WIDE = np.iinfo(np.int32).max  # a global layer's "window" (see transformer.layer_constants)
+
+
+def choose(cfg: ModelConfig, backend: str | None = None) -> str:
+    """The implementation that runs for `cfg.attention_impl` on `backend` (default: jax's):
+    dense, blockwise, cudnn or splash. A fused kernel whose constraints do not hold falls back to
+    blockwise, with the reason logged once."""
+    backend = backend or jax.default_backend()
+    impl = cfg.attention_impl
+    if impl in ("dense", "blockwise"):
+        return impl
+    if impl == "auto":
+        impl = {"tpu": "splash", "gpu": "cudnn"}.get(backend, "blockwise")
+        if impl == "blockwise":
+            return impl
+    reason = splash_unfit(cfg, backend) if impl == "splash" else cudnn_unfit(cfg, backend)
+    if reason:
+        _warn_once(f"model.attention_impl={cfg.attention_impl}: {impl} cannot run ({reason}); using blockwise")
+        return "blockwise"
+    return impl
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    log.warning(message)
+
+
+def cudnn_unfit(cfg: ModelConfig, backend: str) -> str | None:
+    """Why cuDNN's fused attention cannot run this config, or None."""
+    if backend not in ("gpu", "cuda"):
+        return f"it needs an NVIDIA GPU, the backend is {backend}"
+    if cfg.dtype not in ("bfloat16", "float16"):
+        return f"it needs model.dtype bfloat16, got {cfg.dtype}"
+    if cfg.head_size > 128 or cfg.head_size % 8:
+        return f"it needs a head size <= 128 and a multiple of 8, got {cfg.head_size}"
+    if cfg.attn_softcap is not None:
+        return "it has no attention-logit soft cap"
+    return None
+
+
+def splash_unfit(cfg: ModelConfig, backend: str) -> str | None:
+    """Why the splash kernel cannot run this config here, or None (elsewhere than a TPU it runs in
+    interpret mode: exact but slow, for tests)."""
+    if backend != "tpu" and cfg.attention_impl == "auto":
+        return f"it is a TPU kernel, the backend is {backend}"
+    return None
+
+
+def _by_window(fn, window, cfg: ModelConfig):
+    """fn(static window or None) for this layer: the kernels' masks are static, while the scanned
+    layer's window is a traced scalar; a mixed local/global pattern runs both under `lax.cond`."""
+    if cfg.sliding_window is None:
+        return fn(None)
+    if not any(cfg.is_global(i) for i in range(cfg.num_layers)):
+        return fn(cfg.sliding_window)
+    return jax.lax.cond(window < _WIDE, lambda: fn(cfg.sliding_window), lambda: fn(None))
+
+
+def _segments(positions_bt, segment_ids_bt):
+    """Segment ids with padding (position -1) in a segment of its own, -1."""
+    seg = jnp.zeros_like(positions_bt) if segment_ids_bt is None else segment_ids_bt
+    return jnp.where(positions_bt < 0, -1, seg)
+
+
+def cudnn_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, window, cfg: ModelConfig):
+    """cuDNN flash attention, causal by index, segments and padding as a (B, 1, T, T) mask (cuDNN
+    turns it into a bias), the window as cuDNN's sliding window."""
+    from jaxgen.model.attention import logit_scale
+
+    seg = _segments(positions_bt, segment_ids_bt)
+    mask = (seg[:, :, None] == seg[:, None, :])[:, None]  # (B, 1, T, T)
+
+    def run(w):
+        return jax.nn.dot_product_attention(
+            q_btnh, k_btkh, v_btkh, mask=mask, scale=logit_scale(cfg), is_causal=True,
+            local_window_size=None if w is None else (w - 1, 0), implementation="cudnn",
+        )  # fmt: skip
+
+    return _by_window(run, window, cfg)
+
+
+def splash_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, window, cfg: ModelConfig, *, interpret=None):
+    """The Pallas splash kernel (one per query-head group, multi-query form), vmapped over the batch
+    and the kv heads. T must be a multiple of the block size (min(512, T), and a multiple of 128 on
+    TPU). interpret: None = on any backend but TPU."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    from jaxgen.model.attention import logit_scale
+
+    b, t, n, h = q_btnh.shape
+    k = cfg.kv_heads
+    g = n // k
+    if interpret is None:
+        interpret = jax.default_backend() != "tpu"
+    block = min(cfg.attention_block, t)
+    if t % block:
+        raise ValueError(f"splash attention needs the sequence length {t} to be a multiple of {block}")
+    sizes = splash.BlockSizes(
+        block_q=block, block_kv=block, block_kv_compute=block,
+        block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block,
+    )  # fmt: skip
+    seg = _segments(positions_bt, segment_ids_bt)
+    q = (q_btnh.astype(jnp.float32) * logit_scale(cfg)).astype(q_btnh.dtype)
+    q = q.reshape(b, t, k, g, h).transpose(0, 2, 3, 1, 4)  # (B, K, G, T, H)
+    k_, v_ = k_btkh.transpose(0, 2, 1, 3), v_btkh.transpose(0, 2, 1, 3)  # (B, K, T, H)
+
+    def run(w):
+        one = splash.CausalMask((t, t)) if w is None else splash.LocalMask((t, t), (w - 1, 0), offset=0)
+        kernel = splash.make_splash_mqa(
+            splash.MultiHeadMask([one] * g), block_sizes=sizes, attn_logits_soft_cap=cfg.attn_softcap,
+            head_shards=1, q_seq_shards=1, interpret=interpret,
+        )  # fmt: skip
+
+        def one_row(q_kgth, k_kth, v_kth, seg_t):
+            ids = splash.SegmentIds(q=seg_t, kv=seg_t)
+            return jax.vmap(lambda qg, kk, vv: kernel(qg, kk, vv, segment_ids=ids))(q_kgth, k_kth, v_kth)
+
+        return jax.vmap(one_row)(q, k_, v_, seg)  # (B, K, G, T, H)
+
+    out = _by_window(run, window, cfg)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
