@@ -254,6 +254,8 @@ class TrainingConfig:
     max_nonfinite_in_row: int = 5  # stop after this many skipped (non-finite) updates in a row
     steps_per_run: int = 0  # stop this invocation after N steps (time-sliced jobs); 0 = run to the end
     peak_flops: float = 0.0  # for MFU; 0 = measure the matmul rate of this machine at start
+    loss_chunk: int = 1024  # tokens of each row per step of the LM head and loss (jaxgen.training.loss): the
+    #   (B, T, V) logits are never whole; 0 = all at once
     # Fine-tuning: a local Hugging Face model folder. Its config.json replaces the `model` section (all
     # but model.dtype), its tokenizer replaces data.tokenizer, and its weights are the starting point.
     init_from: str | None = None
@@ -269,6 +271,7 @@ class TrainingConfig:
             f"a divisor of training.batch_size={self.batch_size}",
         )
         _check(self.steps_per_run >= 0, "training.steps_per_run", self.steps_per_run, "an integer >= 0")
+        _check(self.loss_chunk >= 0, "training.loss_chunk", self.loss_chunk, "an integer >= 0 (0 = no chunks)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -96,13 +96,20 @@ def _attention(static, q, k, v, q_pos, k_pos, q_seg, k_seg, window):
 
 
 def _forward(static: _Static, q, k, v, q_pos, k_pos, q_seg, k_seg, window):
-    """Output (B, T, K, G, H) and log-sum-exp (B, K, G, T) float32 (0 for a query that sees nothing)."""
+    """Output (B, T, K, G, H) and log-sum-exp (B, K, G, T) float32 (0 for a query that sees nothing).
+
+    The loops are `while_loop`s on purpose: inside a differentiated layer scan, JAX partially evaluates
+    this forward and would move the parts that depend only on positions (the masks, broadcast to the
+    score shape) into a loop of their own, stacking them for every (query block, key block) pair: the
+    whole (T, S) matrix again. A while loop cannot be split that way."""
     kb, vb = _blocks(k, static.block_k), _blocks(v, static.block_k)
     kpb, ksb = _blocks(k_pos, static.block_k), _blocks(k_seg, static.block_k)
+    qb, qpb, qsb = _blocks(q, static.block_q), _blocks(q_pos, static.block_q), _blocks(q_seg, static.block_q)
+    num_q, b, bq, kh, g, h = qb.shape
 
-    def query_block(_, xs):
-        qi, qpi, qsi = xs  # (B, bq, K, G, H), (B, bq), (B, bq)
-        b, bq, kh, g, h = qi.shape
+    def query_block(i, outs):
+        out_all, lse_all = outs
+        qi, qpi, qsi = qb[i], qpb[i], qsb[i]  # (B, bq, K, G, H), (B, bq), (B, bq)
 
         def key_block(j, carry):
             mask = _mask(qpi, kpb[j], qsi, ksb[j], window)
@@ -123,16 +130,27 @@ def _forward(static: _Static, q, k, v, q_pos, k_pos, q_seg, k_seg, window):
             jnp.zeros((b, kh, g, bq), jnp.float32),
             jnp.zeros((b, kh, g, bq, h), jnp.float32),
         )
-        m, l, acc = jax.lax.fori_loop(0, kb.shape[0], key_block, init)
+        m, l, acc = _while_range(kb.shape[0], key_block, init)
         seen = l > 0
         out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0)
-        return None, (out.transpose(0, 3, 1, 2, 4).astype(q.dtype), lse)
+        out_all = out_all.at[i].set(out.transpose(0, 3, 1, 2, 4).astype(q.dtype))
+        return out_all, lse_all.at[i].set(lse)
 
-    xs = (_blocks(q, static.block_q), _blocks(q_pos, static.block_q), _blocks(q_seg, static.block_q))
-    _, (out, lse) = jax.lax.scan(query_block, None, xs)  # (I, B, bq, K, G, H), (I, B, K, G, bq)
-    lse = jnp.moveaxis(lse, 0, 3).reshape(*lse.shape[1:4], -1)  # (B, K, G, T)
+    outs = (jnp.zeros(qb.shape, q.dtype), jnp.zeros((num_q, b, kh, g, bq), jnp.float32))
+    out, lse = _while_range(num_q, query_block, outs)  # (I, B, bq, K, G, H), (I, B, K, G, bq)
+    lse = jnp.moveaxis(lse, 0, 3).reshape(b, kh, g, -1)  # (B, K, G, T)
     return _unblock(out), lse
+
+
+def _while_range(n: int, body, init):
+    """body(i, carry) for i in range(n) as a `while_loop` (see `_forward` for why not a scan)."""
+
+    def step(state):
+        i, carry = state
+        return i + 1, body(i, carry)
+
+    return jax.lax.while_loop(lambda state: state[0] < n, step, (jnp.int32(0), init))[1]
 
 
 def _attention_fwd(static, q, k, v, q_pos, k_pos, q_seg, k_seg, window):

@@ -89,7 +89,7 @@ def _expert(x_rd, p: dict, e, cfg: ModelConfig):
     """Expert e's gated MLP on rows (R, D)."""
     gate = x_rd @ p["w_gate_edf"][e]
     up = x_rd @ p["w_up_edf"][e]
-    return layers.gated(gate, up, cfg) @ p["w_down_efd"][e]
+    return layers.gated(gate, up, cfg.mlp) @ p["w_down_efd"][e]
 
 
 def _dense(x_md, weights_mk, experts_mk, p: dict, cfg: ModelConfig):
@@ -100,7 +100,7 @@ def _dense(x_md, weights_mk, experts_mk, p: dict, cfg: ModelConfig):
     gate = jnp.einsum("md,edf->emf", x_md, p["w_gate_edf"])
     up = jnp.einsum("md,edf->emf", x_md, p["w_up_edf"])
     gate = constrain(gate, ("expert", None, "mlp"))
-    out_emd = jnp.einsum("emf,efd->emd", layers.gated(gate, up, cfg), p["w_down_efd"])
+    out_emd = jnp.einsum("emf,efd->emd", layers.gated(gate, up, cfg.mlp), p["w_down_efd"])
     return jnp.einsum("emd,me->md", out_emd, combine_me)
 
 
@@ -117,7 +117,7 @@ def _sorted(x_md, weights_mk, experts_mk, p: dict, cfg: ModelConfig, impl: str):
         order = jnp.argsort(flat_e, stable=True)
         product = jax.lax.ragged_dot if impl == "ragged_dot" else _megablox
         xs = x_ad[order]
-        h = layers.gated(product(xs, p["w_gate_edf"], sizes), product(xs, p["w_up_edf"], sizes), cfg)
+        h = layers.gated(product(xs, p["w_gate_edf"], sizes), product(xs, p["w_up_edf"], sizes), cfg.mlp)
         y = jnp.zeros_like(xs).at[order].set(product(h, p["w_down_efd"], sizes), unique_indices=True)
     return (y.reshape(m, k, d) * weights_mk[..., None].astype(y.dtype)).sum(1)
 
@@ -161,7 +161,7 @@ def _tiles(x_ad, expert_a, sizes_e, p: dict, cfg: ModelConfig):
     x_pad = x_pad.reshape(num_tiles, tile, d)
     gate = grouped_matmul(x_pad, p["w_gate_edf"], tile_e, used)
     up = grouped_matmul(x_pad, p["w_up_edf"], tile_e, used)
-    y = grouped_matmul(layers.gated(gate, up, cfg), p["w_down_efd"], tile_e, used)
+    y = grouped_matmul(layers.gated(gate, up, cfg.mlp), p["w_down_efd"], tile_e, used)
     return y.reshape(-1, d).at[place].get(unique_indices=True)
 
 

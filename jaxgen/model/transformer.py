@@ -189,11 +189,12 @@ def forward(
     return (logits, cache, aux) if with_aux else (logits, cache)
 
 
-def hidden_states(params, tokens, positions, cache=None, *, cfg: ModelConfig, segment_ids=None):
-    """The final-normed hidden states (B, T, D) and the cache: `forward` without the LM head, for
-    callers that need logits at a few positions only (prefill needs the last one)."""
-    x, cache, _ = _run(params, tokens, positions, cache, cfg, segment_ids)
-    return x, cache
+def hidden_states(params, tokens, positions, cache=None, *, cfg: ModelConfig, segment_ids=None, with_aux=False):
+    """The final-normed hidden states (B, T, D) and the cache (and with `with_aux` the router losses, as
+    in `forward`): `forward` without the LM head, for callers that need logits at a few positions only
+    (prefill needs the last one) or compute the head in chunks (training's loss)."""
+    x, cache, aux = _run(params, tokens, positions, cache, cfg, segment_ids)
+    return (x, cache, aux) if with_aux else (x, cache)
 
 
 def layer_constants(cfg: ModelConfig) -> dict:

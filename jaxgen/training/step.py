@@ -21,6 +21,7 @@ from jaxgen import model
 from jaxgen.config import Config, OptimizerConfig
 from jaxgen.model import param_shardings
 from jaxgen.sharding import batch_sharding, with_mesh
+from jaxgen.training.loss import head_cross_entropy
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 
@@ -120,16 +121,22 @@ def cross_entropy(logits_btv, targets_bt, mask_bt):
     return jnp.sum(nll * mask), jnp.sum(mask)
 
 
-def loss_sum(params, batch, cfg: Config):
+def loss_sum(params, batch, cfg: Config, chunked: bool = True):
     """(The objective summed over tokens, (its language-model part, the token count, the router
     losses)). The objective adds, for a mixture of experts, router_aux_coef times the load-balancing
     loss and router_z_coef times the z-loss, each weighted by the token count so that the mean over
-    the batch carries them once."""
+    the batch carries them once. chunked: the head and loss in chunks of `training.loss_chunk` tokens
+    with the gradient formed on the way (training.loss; for a step that differentiates this), else
+    the whole logits at once (evaluation)."""
     m = cfg.model
-    logits, _, router = model.forward(
-        params, batch["inputs"], batch["positions"], cfg=m, segment_ids=batch["segment_ids"], with_aux=True
-    )
-    total, count = cross_entropy(logits, batch["targets"], batch["loss_mask"])
+    args = (params, batch["inputs"], batch["positions"])
+    if chunked and cfg.training.loss_chunk:
+        x, _, router = model.hidden_states(*args, cfg=m, segment_ids=batch["segment_ids"], with_aux=True)
+        chunk = cfg.training.loss_chunk
+        total, count = head_cross_entropy(params, x, batch["targets"], batch["loss_mask"], m, chunk)
+    else:
+        logits, _, router = model.forward(*args, cfg=m, segment_ids=batch["segment_ids"], with_aux=True)
+        total, count = cross_entropy(logits, batch["targets"], batch["loss_mask"])
     objective = total
     if m.num_experts:
         objective = total + count * (m.router_aux_coef * router["router_aux"] + m.router_z_coef * router["router_z"])
@@ -192,7 +199,7 @@ def train_step(state: TrainState, batch: dict, *, cfg: Config, tx: optax.Gradien
 
 
 def eval_step(params, batch, *, cfg: Config):
-    _, (total, count, _) = loss_sum(params, batch, cfg)
+    _, (total, count, _) = loss_sum(params, batch, cfg, chunked=False)  # no gradient: nothing to form on the way
     return total, count
 
 

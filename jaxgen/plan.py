@@ -1,0 +1,293 @@
+"""Will it fit? Per-device memory of a config on a mesh, from the real programs compiled for fake devices.
+
+    python -m jaxgen.plan --config configs/llama-3.1-8b.yaml --mesh fsdp=8 --device h100-80gb
+    python -m jaxgen.plan --config configs/llama-3.2-1b.yaml --mesh data=2,fsdp=4 --device v5p model.remat=full
+
+The train step, and the prefill and decode programs of the generator for `--slots` x `--cache-len`, are
+lowered and compiled on a mesh of fake CPU devices from `jax.ShapeDtypeStruct` inputs carrying their
+shardings: nothing is allocated, so a 70B model plans on a laptop. Parameters, optimizer state, the KV
+cache and gradients are counted exactly from shapes and shardings; activations and other temporaries
+are XLA:CPU's buffer assignment for the same program (an estimate of what a GPU or TPU compiler
+assigns: same algorithm, different fusion and scheduling). Fused attention kernels (cudnn, splash) are
+planned with `blockwise`, which keeps the same O(T) residuals; `dense` is planned as itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+import sys
+
+# device kind -> (bytes of memory per device, backend); vendors' decimal figures
+DEVICES = {
+    "h100-80gb": (80e9, "gpu"), "h200-141gb": (141e9, "gpu"), "a100-80gb": (80e9, "gpu"), "a100-40gb": (40e9, "gpu"),
+    "v4": (32e9, "tpu"), "v5e": (16e9, "tpu"), "v5p": (95e9, "tpu"), "v6e": (32e9, "tpu"),
+}  # fmt: skip
+HEADROOM = 0.9  # of a device's memory a plan may use: the runtime, fragmentation, compiled code
+
+
+@dataclasses.dataclass
+class Program:
+    """Per-device bytes of one compiled program: exact parts from shapes, temporaries from XLA."""
+
+    name: str
+    parts: dict[str, float]  # e.g. parameters, optimizer state, gradients, KV cache
+    temporaries: float  # XLA's temp buffers: activations, gradients, workspace
+    arguments: float  # what the program takes (parameters, state, cache, batch)
+
+    @property
+    def peak(self) -> float:
+        return self.arguments + self.temporaries
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """'data=2,fsdp=4' -> {'data': 2, 'fsdp': 4, 'tensor': 1}."""
+    sizes = {"data": 1, "fsdp": 1, "tensor": 1}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        if name not in sizes or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"--mesh item {item!r} is not allowed: data=N, fsdp=N or tensor=N with N >= 1")
+        sizes[name] = int(value)
+    return sizes
+
+
+def per_device_bytes(tree) -> float:
+    """Bytes each device holds of abstract arrays with shardings (the largest shard, as XLA pads)."""
+    total = 0
+    for x in _leaves(tree):
+        shard = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+        total += math.prod(shard) * x.dtype.itemsize
+    return float(total)
+
+
+def _leaves(tree):
+    import jax
+
+    return [x for x in jax.tree.leaves(tree) if hasattr(x, "shape")]
+
+
+def abstract_params(model_cfg, mesh, dtype="float32"):
+    """The parameters as ShapeDtypeStructs in their shardings (`dtype`: how they are held)."""
+    import jax
+
+    from jaxgen.model import param_shardings
+    from jaxgen.model.transformer import param_specs
+
+    shardings = param_shardings(model_cfg, mesh)
+    specs = param_specs(model_cfg)
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, jax.numpy.dtype(dtype), sharding=sh),
+        specs, shardings, is_leaf=lambda x: hasattr(x, "init"),
+    )  # fmt: skip
+
+
+def _compile_memory(fn, *args):
+    compiled = fn.lower(*args).compile()
+    return compiled.memory_analysis()
+
+
+def train_program(cfg, mesh) -> Program:
+    """The real train step (`training.step.train_step`), compiled for abstract state and batch."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxgen.sharding import batch_sharding
+    from jaxgen.training import step as train
+
+    tx = train.make_optimizer(cfg.optimizer, cfg.training.steps)
+    params = abstract_params(cfg.model, mesh)
+    scalar = jax.ShapeDtypeStruct((), jax.numpy.int32, sharding=NamedSharding(mesh, PartitionSpec()))
+    opt_state = _like_params(jax.eval_shape(tx.init, params), params, scalar.sharding)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    state = train.TrainState(
+        step=scalar, params=params, opt_state=opt_state, rng=key.update(sharding=scalar.sharding),
+        nonfinite_in_row=scalar, nonfinite_total=scalar,
+    )  # fmt: skip
+    shape = (cfg.training.batch_size, cfg.data.seq_len)
+    batch = {
+        k: jax.ShapeDtypeStruct(shape, jax.numpy.int32, sharding=batch_sharding(mesh, shape)) for k in train.BATCH_KEYS
+    }
+    state_sh = jax.tree.map(lambda x: x.sharding, state)
+    step = jax.jit(
+        functools.partial(train.train_step, cfg=_plannable(cfg), tx=tx),
+        in_shardings=(state_sh, jax.tree.map(lambda x: x.sharding, batch)), out_shardings=(state_sh, None),
+        donate_argnums=0,
+    )  # fmt: skip
+    with jax.set_mesh(mesh):
+        mem = _compile_memory(step, state, batch)
+    param_bytes = per_device_bytes(params)
+    parts = {
+        "parameters (float32)": param_bytes,
+        "optimizer state": per_device_bytes(opt_state),
+        "gradients (float32)": param_bytes,
+    }
+    return Program("train step", parts, float(mem.temp_size_in_bytes), float(mem.argument_size_in_bytes))
+
+
+def _like_params(opt_shapes, params, replicated):
+    """The optimizer state's abstract leaves in the shardings training gives them: a moment (its path
+    ends with a parameter's path) like that parameter, anything else (counts) replicated."""
+    import jax
+
+    by_path = {_keys(path): x.sharding for path, x in jax.tree_util.tree_leaves_with_path(params)}
+
+    def place(path, x):
+        keys = _keys(path)
+        for start in range(len(keys)):
+            if keys[start:] in by_path:
+                return x.update(sharding=by_path[keys[start:]])
+        return x.update(sharding=replicated)
+
+    return jax.tree_util.tree_map_with_path(place, opt_shapes)
+
+
+def _keys(path) -> tuple:
+    return tuple(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def _plannable(cfg):
+    """The config compiled on fake CPU devices: a fused kernel (cudnn, splash) is planned as blockwise."""
+    if cfg.model.attention_impl in ("dense", "blockwise"):
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl="blockwise"))
+
+
+def inference_programs(model_cfg, mesh, slots: int, cache_len: int, chunk: int, dtype: str) -> list[Program]:
+    """A prefill chunk of `chunk` tokens per slot at the end of a `cache_len` cache, and one decode
+    step, with weights and cache in `dtype` (what serving holds; see `--param-dtype`)."""
+    import jax
+
+    from jaxgen import model
+    from jaxgen.model.kvcache import KV_NAMES, POS_NAMES, KVCache
+    from jaxgen.sharding import batch_sharding, named_sharding
+
+    model_cfg = dataclasses.replace(_plannable_model(model_cfg), dtype=dtype)
+    params = abstract_params(model_cfg, mesh, dtype)
+    shapes = jax.eval_shape(lambda: KVCache.init(model_cfg, slots, cache_len, dtype))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    cache = shapes.replace(
+        k=shapes.k.update(sharding=named_sharding(mesh, KV_NAMES, shapes.k.shape)),
+        v=shapes.v.update(sharding=named_sharding(mesh, KV_NAMES, shapes.v.shape)),
+        pos=shapes.pos.update(sharding=named_sharding(mesh, POS_NAMES, shapes.pos.shape)),
+        end=shapes.end.update(sharding=replicated),
+    )
+    step = jax.jit(lambda p, t, pos, c: model.forward(p, t, pos, c, cfg=model_cfg), donate_argnums=3)
+    out, chunk = [], min(chunk, cache_len)
+    for name, t in ((f"prefill ({chunk} tokens x {slots} slots)", chunk), (f"decode step ({slots} slots)", 1)):
+        tokens = jax.ShapeDtypeStruct((slots, t), jax.numpy.int32, sharding=batch_sharding(mesh, (slots, t)))
+        with jax.set_mesh(mesh):
+            mem = _compile_memory(step, params, tokens, tokens, cache)
+        parts = {f"parameters ({dtype})": per_device_bytes(params), f"KV cache ({dtype})": per_device_bytes(cache)}
+        out.append(Program(name, parts, float(mem.temp_size_in_bytes), float(mem.argument_size_in_bytes)))
+    return out
+
+
+def _plannable_model(model_cfg):
+    if model_cfg.attention_impl in ("dense", "blockwise"):
+        return model_cfg
+    return dataclasses.replace(model_cfg, attention_impl="blockwise")
+
+
+def advice(cfg, program: Program, capacity: float, mesh_sizes: dict) -> list[str]:
+    """What to change when `program` does not fit in `capacity` bytes."""
+    if program.peak <= capacity:
+        return []
+    tips = []
+    if program.name == "train step":
+        if cfg.model.remat == "none":
+            tips.append("model.remat=full (or dots_no_batch): recompute activations in the backward pass")
+        if cfg.model.attention_impl == "dense":
+            tips.append("model.attention_impl=auto: no (T, T) score matrix kept for the backward pass")
+        tips.append(f"a larger fsdp axis (now {mesh_sizes['fsdp']}): parameters, gradients and moments split further")
+        tips.append(f"a smaller training.batch_size (now {cfg.training.batch_size}) with training.grad_accum")
+    else:
+        tips.append("fewer --slots or a shorter --cache-len, bfloat16 weights and cache, or a tensor axis")
+    return tips
+
+
+def run_plan(cfg, mesh_sizes: dict, device: str, slots: int, cache_len: int, chunk: int, param_dtype: str):
+    """(programs, capacity in bytes) for `cfg` on a mesh of fake devices of `mesh_sizes`."""
+    from jaxgen.config import MeshConfig
+    from jaxgen.sharding import make_mesh
+
+    mesh = make_mesh(MeshConfig(**mesh_sizes))
+    programs = [train_program(cfg, mesh)]
+    programs += inference_programs(cfg.model, mesh, slots, cache_len, chunk, param_dtype)
+    return programs, DEVICES[device][0] * HEADROOM
+
+
+def format_plan(cfg, programs, capacity, mesh_sizes, device) -> str:
+    gb = 1e9
+    n = math.prod(mesh_sizes.values())
+    from jaxgen.model import count_params
+
+    lines = [
+        f"{count_params(cfg.model) / 1e9:.2f}B parameters on {n} x {device} (mesh "
+        + ", ".join(f"{k}={v}" for k, v in mesh_sizes.items()) + f"); usable per device {capacity / gb:.1f} GB "
+        f"({HEADROOM:.0%} of {DEVICES[device][0] / gb:.0f})",
+    ]  # fmt: skip
+    for p in programs:
+        verdict = "fits" if p.peak <= capacity else "DOES NOT FIT"
+        lines.append(f"\n{p.name}: {p.peak / gb:.2f} GB per device, {verdict}")
+        for name, value in p.parts.items():
+            lines.append(f"  {name:<28} {value / gb:9.2f} GB")
+        lines.append(
+            f"  {'temporaries (XLA:CPU)':<28} {p.temporaries / gb:9.2f} GB   activations, gradients, workspace"
+        )
+        lines += [f"  -> {tip}" for tip in advice(cfg, p, capacity, mesh_sizes)]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxgen.plan",
+        description="Per-device memory of training and serving a config on a mesh, from programs compiled "
+        "for fake CPU devices (nothing is allocated). Overrides as in train.py: model.remat=full ...",
+    )
+    parser.add_argument("--config", required=True, help="a YAML config, e.g. configs/llama-3.1-8b.yaml")
+    parser.add_argument("--mesh", default="fsdp=8", help="data=D,fsdp=F,tensor=T (default: fsdp=8)")
+    parser.add_argument("--device", default="h100-80gb", choices=sorted(DEVICES), help="memory per device")
+    parser.add_argument("--slots", type=int, default=64, help="decode slots (rows) for serving (default 64)")
+    parser.add_argument("--cache-len", type=int, default=None, help="KV cache length (default: data.seq_len)")
+    parser.add_argument("--prefill-chunk", type=int, default=512, help="prefill tokens per slot per call (512)")
+    parser.add_argument("--param-dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                        help="weights and KV cache for serving (training keeps float32 master weights)")  # fmt: skip
+    parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. training.batch_size=16")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        mesh_sizes = parse_mesh(args.mesh)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for name in ("slots", "cache_len", "prefill_chunk"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            print(f"error: --{name.replace('_', '-')}={value} is not allowed: a positive integer", file=sys.stderr)
+            return 2
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")  # fake devices, whatever this machine has
+    jax.config.update("jax_num_cpu_devices", math.prod(mesh_sizes.values()))
+    from jaxgen.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ConfigError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cache_len = args.cache_len or cfg.data.seq_len
+    programs, capacity = run_plan(
+        cfg, mesh_sizes, args.device, args.slots, cache_len, args.prefill_chunk, args.param_dtype
+    )
+    print(format_plan(cfg, programs, capacity, mesh_sizes, args.device))
+    return 0 if all(p.peak <= capacity for p in programs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Every attention implementation equals the dense reference, forward and gradients; remat policies
+change memory, not gradients."""
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgen import model
+from jaxgen.config import ConfigError, ModelConfig
+from jaxgen.model import attention, kernels
+from jaxgen.model.blockwise import blockwise_attention
+
+HEADS = {"mha": 4, "gqa": 2, "mqa": 1}
+# mask kind -> (segments, padding, window, softcap)
+MASKS = {
+    "causal": (False, False, None, None),
+    "padding": (False, True, None, None),
+    "segments": (True, False, None, None),
+    "window": (False, False, 7, None),
+    "softcap": (False, False, None, 5.0),
+    "all": (True, True, 9, 20.0),
+}
+
+
+def _inputs(t, kv_heads, mask_kind, dtype, seed=0):
+    segs, pad, window, _ = MASKS[mask_kind]
+    r = np.random.default_rng(seed)
+    q = jnp.asarray(r.normal(size=(2, t, 4, 16)), dtype)
+    k = jnp.asarray(r.normal(size=(2, t, kv_heads, 16)), dtype)
+    v = jnp.asarray(r.normal(size=(2, t, kv_heads, 16)), dtype)
+    pos = np.tile(np.arange(t, dtype=np.int32), (2, 1))
+    seg = None
+    if segs:  # two packed documents per row, positions restarting at the second
+        cut = t // 3
+        seg = jnp.asarray(np.where(np.arange(t) < cut, 1, 2)[None].repeat(2, 0).astype(np.int32))
+        pos[:, cut:] -= cut
+    if pad:  # row 1 left-padded by 5
+        pos[1, :5], pos[1, 5:] = -1, np.arange(t - 5)
+    weights = jnp.asarray(r.normal(size=q.shape), jnp.float32)
+    return q, k, v, jnp.asarray(pos), seg, window, weights
+
+
+def _loss(fn, pos, weights):
+    """A scalar of the output at real (non-padding) queries: a padded query's output is unspecified."""
+    valid = (pos >= 0)[:, :, None, None]
+    return lambda q, k, v: jnp.sum(jnp.where(valid, fn(q, k, v).astype(jnp.float32), 0.0) * weights)
+
+
+def _dense(cfg, pos, seg, window):
+    mask = attention.attention_mask(pos, pos, seg, seg, window)
+    return lambda q, k, v: attention.dense_attention(q, k, v, mask, cfg)
+
+
+def _compare(fn, cfg, q, k, v, pos, seg, window, weights, tol):
+    ref, got = _loss(_dense(cfg, pos, seg, window), pos, weights), _loss(fn, pos, weights)
+    value_and_grads = (jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(q, k, v) for f in (ref, got))
+    (ref_val, ref_grads), (val, grads) = value_and_grads
+    np.testing.assert_allclose(val, ref_val, rtol=tol, atol=tol)
+    for name, a, b in zip("qkv", grads, ref_grads, strict=True):
+        scale = float(jnp.abs(b.astype(jnp.float32)).max())
+        err = float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max())
+        assert err <= tol * scale, f"d{name}: max error {err} vs {tol} x {scale}"
+
+
+# every mask kind with grouped queries, and every head layout with all masks at once
+CASES = [("gqa", m) for m in MASKS if m != "all"] + [(h, "all") for h in HEADS]
+
+
+@pytest.mark.parametrize(("heads", "mask_kind"), CASES)
+def test_blockwise_equals_dense_float32(heads, mask_kind):
+    q, k, v, pos, seg, window, w = _inputs(40, HEADS[heads], mask_kind, jnp.float32)
+    cfg = ModelConfig(num_heads=4, num_kv_heads=HEADS[heads], d_model=64, attn_softcap=MASKS[mask_kind][3])
+    # blocks of 16 x 8 over T = 40: a partial last query block, several key blocks skipped as unseen
+    fn = lambda q, k, v: blockwise_attention(
+        q, k, v, pos, pos, scale=attention.logit_scale(cfg), softcap=cfg.attn_softcap,
+        q_seg_bt=seg, k_seg_bs=seg, window=window, block_q=16, block_k=8,
+    )  # fmt: skip
+    _compare(fn, cfg, q, k, v, pos, seg, window, w, tol=2e-5)
+
+
+@pytest.mark.parametrize("mask_kind", ["causal", "all"])
+def test_blockwise_equals_dense_bfloat16(mask_kind):
+    # bfloat16 inputs: both paths accumulate in float32 but round probabilities (dense) or nothing
+    # (blockwise) to bfloat16 before the value product; 8 bits of mantissa give ~0.4% per element,
+    # so 3% of the largest gradient bounds the difference of sums over 40 keys.
+    q, k, v, pos, seg, window, w = _inputs(40, 2, mask_kind, jnp.bfloat16)
+    cfg = ModelConfig(num_heads=4, num_kv_heads=2, d_model=64, attn_softcap=MASKS[mask_kind][3], dtype="bfloat16")
+    fn = lambda q, k, v: blockwise_attention(
+        q, k, v, pos, pos, scale=attention.logit_scale(cfg), softcap=cfg.attn_softcap,
+        q_seg_bt=seg, k_seg_bs=seg, window=window, block_q=16, block_k=8,
+    )  # fmt: skip
+    _compare(fn, cfg, q, k, v, pos, seg, window, w, tol=3e-2)
+
+
+@pytest.mark.parametrize("heads", ["gqa", "mqa"])
+def test_splash_kernel_in_interpret_mode_equals_dense(heads):
+    # The Pallas TPU kernel run by the interpreter: a mixed local/global pattern picks one of two
+    # static masks per layer (both branches checked), with segments, padding and a soft cap.
+    t = 256
+    q, k, v, pos, seg, _, w = _inputs(t, HEADS[heads], "all", jnp.float32)
+    cfg = ModelConfig(
+        num_heads=4, num_kv_heads=HEADS[heads], d_model=64, max_seq_len=t, sliding_window=50, global_every=2,
+        attn_softcap=20.0, attention_impl="splash", attention_block=128,
+    )  # fmt: skip
+    for window in (jnp.int32(50), jnp.int32(np.iinfo(np.int32).max)):
+        fn = lambda q, k, v, window=window: kernels.splash_attention(q, k, v, pos, seg, window, cfg)
+        _compare(fn, cfg, q, k, v, pos, seg, window, w, tol=2e-5)
+
+
+def test_choose_picks_per_backend_and_says_why_it_falls_back(caplog):
+    cfg = ModelConfig()
+    assert kernels.choose(cfg, "cpu") == "blockwise"
+    assert kernels.choose(cfg, "tpu") == "splash"
+    assert kernels.choose(dataclasses.replace(cfg, dtype="bfloat16"), "gpu") == "cudnn"
+    assert kernels.choose(dataclasses.replace(cfg, attention_impl="dense"), "tpu") == "dense"
+    with caplog.at_level(logging.WARNING):
+        assert kernels.choose(cfg, "gpu") == "blockwise"  # float32: cuDNN's flash kernel needs bf16/fp16
+        assert kernels.choose(dataclasses.replace(cfg, attention_impl="cudnn"), "cpu") == "blockwise"
+    assert "needs model.dtype bfloat16, got float32" in caplog.text
+    assert "needs an NVIDIA GPU, the backend is cpu" in caplog.text
+    assert "head size" in kernels.cudnn_unfit(ModelConfig(d_model=1024, num_heads=4, dtype="bfloat16"), "gpu")
+    assert "soft cap" in kernels.cudnn_unfit(ModelConfig(dtype="bfloat16", attn_softcap=50.0), "gpu")
+    with pytest.raises(ConfigError, match=r"model\.attention_impl='flash' is not allowed"):
+        ModelConfig(attention_impl="flash")
+    with pytest.raises(ConfigError, match=r"model\.remat='some' is not allowed"):
+        ModelConfig(remat="some")
+
+
+def _model_grads(cfg, params, batch):
+    def loss(p):
+        logits, _ = model.forward(p, batch["tokens"], batch["positions"], cfg=cfg, segment_ids=batch["segments"])
+        return jnp.mean(jax.nn.log_softmax(logits)[..., 0] * (batch["positions"] >= 0))
+
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
+def test_model_gradients_equal_across_attention_impls_and_remat_policies():
+    cfg = ModelConfig(
+        vocab_size=61, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64, max_seq_len=48,
+        sliding_window=6, global_every=2, attention_block=8,
+    )  # fmt: skip
+    params = model.init_params(cfg, jax.random.key(0))
+    _, _, _, pos, seg, _, _ = _inputs(36, 2, "all", jnp.float32)
+    batch = {"tokens": jax.random.randint(jax.random.key(1), pos.shape, 0, 61), "positions": pos, "segments": seg}
+    ref_loss, ref_grads = _model_grads(dataclasses.replace(cfg, attention_impl="dense"), params, batch)
+    variants = [("blockwise", "none"), ("blockwise", "full"), ("dense", "dots"), ("blockwise", "dots_no_batch")]
+    for impl, remat in variants:
+        loss, grads = _model_grads(dataclasses.replace(cfg, attention_impl=impl, remat=remat), params, batch)
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=f"{impl}, remat={remat}")

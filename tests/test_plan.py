@@ -1,0 +1,74 @@
+"""The memory planner: exact parts equal the analytic count and XLA's own argument sizes; activations
+fall with remat and with blockwise attention; the command line answers with a verdict."""
+
+import dataclasses
+import math
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from jaxgen import model, plan
+from jaxgen.config import MeshConfig, load_config
+from jaxgen.model.kvcache import cache_memory_bytes
+from jaxgen.sharding import make_mesh
+from tests.conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def cfg(token_cache):
+    # tiny at 512 tokens: long enough for the (T, T) matrices to matter
+    overrides = ["data.seq_len=512", "model.max_seq_len=512", "training.batch_size=2", "model.attention_block=128"]
+    return load_config(ROOT / "configs" / "tiny.yaml", overrides)
+
+
+def _with_model(cfg, **changes):
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **changes))
+
+
+def test_parts_equal_the_analytic_count_and_xla_arguments(cfg):
+    one = make_mesh(MeshConfig(data=1))
+    train = plan.train_program(cfg, one)
+    params = 4 * model.count_params(cfg.model)
+    assert train.parts["parameters (float32)"] == params
+    # AdamW's two moments of every parameter, plus a few scalar counts
+    assert 2 * params <= train.parts["optimizer state"] <= 2 * params + 64
+    batch = 5 * 4 * cfg.training.batch_size * cfg.data.seq_len  # five (B, T) int32 arrays
+    exact = train.parts["parameters (float32)"] + train.parts["optimizer state"] + batch
+    assert 0 <= train.arguments - exact <= 64  # XLA's own count: + step, key and counters
+
+    four = make_mesh(MeshConfig(data=1, fsdp=4))  # fsdp splits the "embed" axis (D = 64) of every matrix
+    specs = jax.tree.leaves(model.param_specs(cfg.model), is_leaf=lambda x: isinstance(x, model.ParamSpec))
+    split = 4 * sum(math.prod(s.shape) for s in specs if "embed" in s.names)
+    assert plan.train_program(cfg, four).parts["parameters (float32)"] == params - split + split / 4
+
+
+def test_kv_cache_bytes_equal_the_cache_itself(cfg):
+    mesh = make_mesh(MeshConfig(data=2))
+    prefill, decode = plan.inference_programs(cfg.model, mesh, slots=4, cache_len=256, chunk=32, dtype="bfloat16")
+    whole = cache_memory_bytes(cfg.model, 4, 256, "bfloat16")  # keys, values, positions and the () end
+    assert prefill.parts["KV cache (bfloat16)"] == (whole - 4) / 2 + 4  # all but `end` split over data
+    assert decode.parts["parameters (bfloat16)"] == 2 * model.count_params(cfg.model)
+
+
+def test_activations_fall_with_remat_and_with_blockwise_attention(cfg):
+    mesh = make_mesh(MeshConfig(data=1))
+    temps = {
+        (impl, remat): plan.train_program(_with_model(cfg, attention_impl=impl, remat=remat), mesh).temporaries
+        for impl, remat in [("dense", "none"), ("blockwise", "none"), ("blockwise", "full")]
+    }
+    assert temps[("blockwise", "none")] < 0.7 * temps[("dense", "none")], temps
+    assert temps[("blockwise", "full")] < temps[("blockwise", "none")], temps
+
+
+def test_command_line_gives_a_verdict_and_refuses_bad_input(tmp_path):
+    assert plan.main(["--config", "configs/tiny.yaml", "--mesh", "fsdp=2,pipeline=2"]) == 2
+    assert plan.main(["--config", "configs/tiny.yaml", "--slots", "0"]) == 2
+    cmd = [sys.executable, "-m", "jaxgen.plan", "--config", "configs/tiny.yaml", "--mesh", "data=2,fsdp=2",
+           "--device", "v5e", "--slots", "8"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "on 4 x v5e (mesh data=2, fsdp=2, tensor=1)" in out.stdout
+    for program in ("train step:", "prefill (512 tokens x 8 slots):", "decode step (8 slots):"):
+        assert program in out.stdout and "fits" in out.stdout
