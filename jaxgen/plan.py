@@ -36,6 +36,7 @@ class Program:
     parts: dict[str, float]  # e.g. parameters, optimizer state, gradients, KV cache
     temporaries: float  # XLA's temp buffers: activations, gradients, workspace
     arguments: float  # what the program takes (parameters, state, cache, batch)
+    holds: str = "activations, gradients, workspace"  # what the temporaries are
 
     @property
     def peak(self) -> float:
@@ -180,7 +181,8 @@ def inference_programs(model_cfg, mesh, slots: int, cache_len: int, chunk: int, 
         with jax.set_mesh(mesh):
             mem = _compile_memory(step, params, tokens, tokens, cache)
         parts = {f"parameters ({dtype})": per_device_bytes(params), f"KV cache ({dtype})": per_device_bytes(cache)}
-        out.append(Program(name, parts, float(mem.temp_size_in_bytes), float(mem.argument_size_in_bytes)))
+        temps, args = float(mem.temp_size_in_bytes), float(mem.argument_size_in_bytes)
+        out.append(Program(name, parts, temps, args, holds="activations, logits, workspace"))
     return out
 
 
@@ -218,24 +220,29 @@ def run_plan(cfg, mesh_sizes: dict, device: str, slots: int, cache_len: int, chu
     return programs, DEVICES[device][0] * HEADROOM
 
 
+def _size(n: float) -> str:
+    """Bytes in GB, or MB below one GB (tiny configs)."""
+    return f"{n / 1e9:7.2f} GB" if n >= 1e9 else f"{n / 1e6:7.1f} MB"
+
+
 def format_plan(cfg, programs, capacity, mesh_sizes, device) -> str:
-    gb = 1e9
-    n = math.prod(mesh_sizes.values())
     from jaxgen.model import count_params
 
+    n = math.prod(mesh_sizes.values())
+    params = count_params(cfg.model)
+    count = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
+    mesh = ", ".join(f"{k}={v}" for k, v in mesh_sizes.items())
     lines = [
-        f"{count_params(cfg.model) / 1e9:.2f}B parameters on {n} x {device} (mesh "
-        + ", ".join(f"{k}={v}" for k, v in mesh_sizes.items()) + f"); usable per device {capacity / gb:.1f} GB "
-        f"({HEADROOM:.0%} of {DEVICES[device][0] / gb:.0f})",
-    ]  # fmt: skip
+        f"{count} parameters on {n} x {device} (mesh {mesh}); usable per device {_size(capacity).strip()} "
+        f"({HEADROOM:.0%} of {DEVICES[device][0] / 1e9:.0f} GB)"
+    ]
     for p in programs:
         verdict = "fits" if p.peak <= capacity else "DOES NOT FIT"
-        lines.append(f"\n{p.name}: {p.peak / gb:.2f} GB per device, {verdict}")
+        lines.append(f"\n{p.name}: {_size(p.peak).strip()} per device, {verdict}")
         for name, value in p.parts.items():
-            lines.append(f"  {name:<28} {value / gb:9.2f} GB")
-        lines.append(
-            f"  {'temporaries (XLA:CPU)':<28} {p.temporaries / gb:9.2f} GB   activations, gradients, workspace"
-        )
+            lines.append(f"  {name:<28} {_size(value)}")
+        temps = "temporaries (XLA:CPU)"
+        lines.append(f"  {temps:<28} {_size(p.temporaries)}   {p.holds}")
         lines += [f"  -> {tip}" for tip in advice(cfg, p, capacity, mesh_sizes)]
     return "\n".join(lines)
 

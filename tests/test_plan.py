@@ -70,5 +70,5 @@ def test_command_line_gives_a_verdict_and_refuses_bad_input(tmp_path):
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "on 4 x v5e (mesh data=2, fsdp=2, tensor=1)" in out.stdout
-    for program in ("train step:", "prefill (512 tokens x 8 slots):", "decode step (8 slots):"):
+    for program in ("train step:", "prefill (64 tokens x 8 slots):", "decode step (8 slots):"):
         assert program in out.stdout and "fits" in out.stdout
