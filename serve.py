@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     enable_compilation_cache()
     try:
         mesh = _engine_mesh(settings)  # a ConfigError is a ValueError
-        cfg, tokenizer, params = load_model(args.checkpoint, mesh)
+        cfg, tokenizer, params = load_model(args.checkpoint, mesh, param_dtype=settings.serve.param_dtype)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

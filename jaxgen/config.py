@@ -315,6 +315,9 @@ class ServeConfig:
     max_logprobs: int = 5  # the most top alternatives a request may ask for
     prefix_caching: bool = True  # share the pages of prompt prefixes already in the cache
     cache_dtype: Literal["float32", "bfloat16"] = "float32"
+    # how the weights are held: auto = the checkpoint's dtype on GPU/TPU (bfloat16 for most Hugging Face
+    # folders), float32 on CPU (XLA:CPU's bfloat16 products are slow); bfloat16 weights compute in bfloat16
+    param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # several processes (`serve.py generate --input`): split = each serves its share of the lines on its own
     # devices (data parallel); shared = one engine on a mesh over every process's devices (model parallel)
     processes: Literal["split", "shared"] = "split"
@@ -341,6 +344,7 @@ class ServeConfig:
             )
         dtypes = ("float32", "bfloat16")
         _check(self.cache_dtype in dtypes, "serve.cache_dtype", self.cache_dtype, ", ".join(dtypes))
+        _check(self.param_dtype in ("auto", *dtypes), "serve.param_dtype", self.param_dtype, "auto, float32, bfloat16")
         _check(self.processes in ("split", "shared"), "serve.processes", self.processes, "split, shared")
         for name in ("data_parallel", "tensor_parallel"):
             value = getattr(self, name)

@@ -9,6 +9,7 @@ import json
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -326,7 +327,7 @@ def test_fine_tune_convert_and_serve_from_the_command_lines(family_model, token_
 
 
 @pytest.mark.parametrize("family_model", ["gemma"], indirect=True)  # one family: the code path is shared
-def test_bfloat16_checkpoint_loads_as_float32(family_model, tmp_path):
+def test_bfloat16_checkpoint_loads_as_float32_or_as_itself(family_model, tmp_path):
     _family, ref, _, gen = family_model
     import copy
 
@@ -339,6 +340,34 @@ def test_bfloat16_checkpoint_loads_as_float32(family_model, tmp_path):
 
     same = jax.tree.map(np.array_equal, model.unstack_layers(params), want)
     assert all(jax.tree.leaves(same))
+
+    # held in their own dtype: auto keeps bfloat16 on an accelerator, float32 on CPU (slow bf16 products)
+    from jaxgen.hf.load import checkpoint_dtype, inference_dtype
+
+    assert checkpoint_dtype(tmp_path) == "bfloat16"
+    assert inference_dtype("auto", "bfloat16", backend="gpu") == "bfloat16"
+    assert inference_dtype("auto", "bfloat16", backend="tpu") == "bfloat16"
+    assert inference_dtype("auto", "bfloat16", backend="cpu") == "float32"
+    cfg16, _, params16 = hf.load_pretrained(tmp_path, mesh=_one_device(), param_dtype="bfloat16")
+    assert cfg16.dtype == "bfloat16" and {p.dtype for p in jax.tree.leaves(params16)} == {np.dtype(jnp.bfloat16)}
+    same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a, np.float32), b), params16, params)
+    assert all(jax.tree.leaves(same))  # the same bits, half the bytes
+    tokens = np.array([[5, 9, 11, 3, 7]], np.int32)
+    pos = np.arange(5, dtype=np.int32)[None]
+    full, _ = model.forward(params, tokens, pos, cfg=cfg)
+    half, _ = model.forward(params16, tokens, pos, cfg=cfg16)
+    assert np.abs(np.asarray(half) - np.asarray(full)).max() < 0.1 * np.abs(np.asarray(full)).max()
+
+
+def test_run_folder_restores_in_bfloat16_when_asked(tiny_run):
+    from jaxgen.training.checkpoint import load_model
+
+    cfg, _, params = load_model(tiny_run, _one_device(), param_dtype="bfloat16")
+    assert cfg.dtype == "bfloat16" and {p.dtype for p in jax.tree.leaves(params)} == {np.dtype(jnp.bfloat16)}
+    cfg32, _, params32 = load_model(tiny_run, _one_device())  # auto on CPU: float32
+    assert cfg32.dtype == "float32" and {p.dtype for p in jax.tree.leaves(params32)} == {np.dtype(np.float32)}
+    close = jax.tree.map(lambda a, b: np.allclose(np.asarray(a, np.float32), b, rtol=1e-2, atol=1e-6), params, params32)
+    assert all(jax.tree.leaves(close))
 
 
 def test_hugging_face_tokenizer_adds_its_special_tokens_like_transformers(tmp_path):

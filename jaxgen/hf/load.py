@@ -4,6 +4,7 @@ its sharding as it is read."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import jax
@@ -24,8 +25,8 @@ def is_hf_folder(path: str | Path) -> bool:
     return (path / "config.json").exists() and any(path.glob("*.safetensors"))
 
 
-def load_params(folder: str | Path, cfg: ModelConfig, family: str, mesh=None) -> dict:
-    """Float32 params from a folder's safetensors, each placed into its sharding on `mesh` as read."""
+def load_params(folder: str | Path, cfg: ModelConfig, family: str, mesh=None, dtype="float32") -> dict:
+    """Params held in `dtype` from a folder's safetensors, each placed into its sharding on `mesh` as read."""
     folder = Path(folder)
     mesh = make_mesh(MeshConfig()) if mesh is None else mesh
     ckpt = _Checkpoint(folder, family)
@@ -36,7 +37,7 @@ def load_params(folder: str | Path, cfg: ModelConfig, family: str, mesh=None) ->
         spec = specs[path]
         shape = _per_tensor_shape(t, path, spec.shape)
         expected = _hf_shape(t, shape)
-        host = np.empty(spec.shape, np.float32)
+        host = np.empty(spec.shape, jax.numpy.dtype(dtype))
         for name, index in t.names(cfg, path):
             host[index] = _to_jaxgen(t, ckpt.get(name, expected, path), shape)
         # Wait for the transfer: device_put is asynchronous and keeps `host` alive until it is done,
@@ -57,10 +58,34 @@ def _unflatten(flat: dict[str, jax.Array]) -> dict:
     return out
 
 
-def load_pretrained(folder: str | Path, mesh=None, dtype: str = "float32"):
-    """(ModelConfig, Tokenizer, params) of a Hugging Face folder; `dtype` is the compute dtype."""
+def load_pretrained(folder: str | Path, mesh=None, dtype: str = "float32", param_dtype: str = "float32"):
+    """(ModelConfig, Tokenizer, params) of a Hugging Face folder; `dtype` is the compute dtype,
+    `param_dtype` how the weights are held ("auto": see `checkpoint_dtype` and `inference_dtype`)."""
     folder = Path(folder)
     family, cfg = read_config(folder)
+    param_dtype = inference_dtype(param_dtype, checkpoint_dtype(folder))
+    if param_dtype == "bfloat16":  # bfloat16 weights compute in bfloat16, as the checkpoint's authors ran them
+        dtype = "bfloat16"
     cfg = dataclasses.replace(cfg, dtype=dtype)
     tokenizer = Tokenizer.from_folder(folder) if (folder / "tokenizer.json").exists() else None
-    return cfg, tokenizer, load_params(folder, cfg, family, mesh)
+    return cfg, tokenizer, load_params(folder, cfg, family, mesh, param_dtype)
+
+
+def checkpoint_dtype(folder: str | Path) -> str:
+    """The dtype a Hugging Face folder's weights were saved in (config.json's dtype / torch_dtype), as
+    one jaxgen holds: bfloat16 (also for float16) or float32."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "float32"
+    saved = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return "bfloat16" if saved in ("bfloat16", "float16") else "float32"
+
+
+def inference_dtype(requested: str, saved: str, backend: str | None = None) -> str:
+    """How serving holds weights: `requested` (float32, bfloat16), or for "auto" the checkpoint's own
+    dtype on a GPU or TPU and float32 on CPU, where XLA converts a bfloat16 matrix whole at every
+    product instead of fusing the conversion (13-15x slower decode at batch 1, NOTES-jax-cpu.md)."""
+    if requested != "auto":
+        return requested
+    return "float32" if (backend or jax.default_backend()) == "cpu" else saved

@@ -63,7 +63,7 @@ class LLM:
         if isinstance(source, str | Path):
             from jaxgen.training.checkpoint import load_model  # the checkpoint stack only when a folder is given
 
-            cfg, tokenizer, source = load_model(source)
+            cfg, tokenizer, source = load_model(source, param_dtype=self.serve.param_dtype)
         if cfg is None or tokenizer is None:
             raise ValueError("LLM(params, ...) needs cfg= and tokenizer= (or pass a run or Hugging Face folder)")
         # unstacked once here; Engine and Generator take them as they are (unstacking is idempotent)

@@ -13,6 +13,7 @@ with several, the error names the checkpoint to move aside).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import threading
@@ -170,11 +171,12 @@ class Checkpointer:
         out = self.manager.restore(step, args=ocp.args.Composite(**args))
         return out["state"], out.get("data") if "data" in args else None
 
-    def restore_params(self, step: int, model_cfg, mesh):
-        """Only the params of a checkpoint, with the model's shardings on `mesh` (no optimizer state, no data)."""
+    def restore_params(self, step: int, model_cfg, mesh, dtype="float32"):
+        """Only the params of a checkpoint, with the model's shardings on `mesh` (no optimizer state, no
+        data), held in `dtype` (orbax converts as it reads: no float32 copy of the whole model)."""
         shardings = model.param_shardings(model_cfg, mesh)
         abstract = jax.eval_shape(lambda: model.init_params(model_cfg, jax.random.key(0)))
-        abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+        abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, dtype, sharding=s), abstract, shardings)
         item = {"params": abstract}
         restore_args = ocp.checkpoint_utils.construct_restore_args(item)
         args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
@@ -208,8 +210,8 @@ def _abstract(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if hasattr(x, "sharding") else x
 
 
-def load_run(run_dir: str | Path, mesh=None, step: int | None = None):
-    """Config, tokenizer and float32 params of a run folder's latest good (or given) checkpoint.
+def load_run(run_dir: str | Path, mesh=None, step: int | None = None, param_dtype: str = "float32"):
+    """Config, tokenizer and params (held in `param_dtype`) of a run folder's latest good (or given) checkpoint.
 
     A latest checkpoint that does not restore is skipped with a warning for the one before it.
     The params are placed with the model's shardings on `mesh` (default: all local devices on data).
@@ -228,23 +230,30 @@ def load_run(run_dir: str | Path, mesh=None, step: int | None = None):
             raise CheckpointError(f"{ckpt.directory} has no checkpoint of step {step}; it has steps {steps}")
         mesh = make_mesh(MeshConfig()) if mesh is None else mesh
         _, params = restore_newest(
-            ckpt, lambda s: ckpt.restore_params(s, cfg.model, mesh), steps if step is None else [step]
+            ckpt, lambda s: ckpt.restore_params(s, cfg.model, mesh, param_dtype), steps if step is None else [step]
         )
     finally:
         ckpt.close()
     return cfg, tokenizer, params
 
 
-def load_model(path: str | Path, mesh=None, step: int | None = None):
-    """(ModelConfig, Tokenizer, params) of a jaxgen run folder or a local Hugging Face model folder."""
+def load_model(path: str | Path, mesh=None, step: int | None = None, param_dtype: str = "auto"):
+    """(ModelConfig, Tokenizer, params) of a jaxgen run folder or a local Hugging Face model folder.
+
+    param_dtype: how the weights are held for inference: float32, bfloat16, or auto: the checkpoint's
+    dtype (float32 master weights for a run folder; usually bfloat16 for a Hugging Face folder) on GPU
+    and TPU, float32 on CPU (see `hf.load.inference_dtype`). bfloat16 weights compute in bfloat16."""
     from jaxgen import hf
+    from jaxgen.hf.load import inference_dtype
 
     path = Path(path)
     if (path / "config.yaml").exists():
-        cfg, tokenizer, params = load_run(path, mesh, step)
-        return cfg.model, tokenizer, params
+        dtype = inference_dtype(param_dtype, "float32")
+        cfg, tokenizer, params = load_run(path, mesh, step, dtype)
+        model_cfg = dataclasses.replace(cfg.model, dtype="bfloat16") if dtype == "bfloat16" else cfg.model
+        return model_cfg, tokenizer, params
     if hf.is_hf_folder(path):
-        cfg, tokenizer, params = hf.load_pretrained(path, mesh)
+        cfg, tokenizer, params = hf.load_pretrained(path, mesh, param_dtype=param_dtype)
         if tokenizer is None:
             raise FileNotFoundError(f"{path} has no tokenizer.json; jaxgen needs one to read and write text")
         return cfg, tokenizer, params
