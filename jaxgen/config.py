@@ -85,6 +85,9 @@ class ModelConfig:
     #   Pallas TPU kernel (interpret mode elsewhere); dense: the whole (T, T) matrix (the reference);
     #   auto: splash on TPU, cudnn on GPU where it fits, else blockwise (see jaxgen.model.kernels)
     attention_block: int = 512  # query and key block of blockwise and splash attention
+    decode_impl: Literal["auto", "xla", "pallas"] = "auto"  # attention of a decode step over the engine's
+    #   paged cache: xla: the blockwise loop over pages (jaxgen.model.attention); pallas: the GPU Pallas
+    #   paged-attention kernel (interpret mode elsewhere; not for sliding windows); auto: pallas on GPU
     remat: Literal["none", "full", "dots", "dots_no_batch", "offload_dots"] = "none"  # what the scanned
     #   layer keeps for the backward pass (jax.checkpoint policies): none: everything; full: only its
     #   input (recompute the rest); dots: matrix-product outputs; dots_no_batch: those without a batch
@@ -154,6 +157,9 @@ class ModelConfig:
         _check(self.attention_impl in impls, "model.attention_impl", self.attention_impl, ", ".join(impls))
         block = self.attention_block
         _check(isinstance(block, int) and block >= 8, "model.attention_block", block, "an integer >= 8")
+        _check(
+            self.decode_impl in ("auto", "xla", "pallas"), "model.decode_impl", self.decode_impl, "auto, xla, pallas"
+        )
         policies = ("none", "full", "dots", "dots_no_batch", "offload_dots")
         _check(self.remat in policies, "model.remat", self.remat, ", ".join(policies))
 

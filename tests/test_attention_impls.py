@@ -153,3 +153,55 @@ def test_model_gradients_equal_across_attention_impls_and_remat_policies():
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=f"{impl}, remat={remat}")
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_pallas_paged_decode_kernel_in_interpret_mode_equals_the_xla_loop(softcap):
+    # A decode step over the engine's page pool: slots of different lengths, one sharing another's
+    # first page (a cached prefix), one idle (position -1); grouped queries.
+    from jaxgen.model.paged import PagedCache
+
+    cfg = ModelConfig(num_heads=4, num_kv_heads=2, d_model=64, num_layers=2, attn_softcap=softcap)
+    cache = PagedCache.init(cfg, num_pages=12, page_size=8, slots=4, max_pages=4)
+    r = np.random.default_rng(1)
+    kv = tuple(jnp.asarray(r.normal(size=cache.k.shape), jnp.float32) for _ in range(2))
+    table = jnp.asarray([[1, 2, 3, 0], [1, 4, 0, 0], [5, 6, 7, 8], [0, 0, 0, 0]], jnp.int32)
+    cache = cache.replace(page_table=table, capacity=jnp.asarray([24, 16, 32, 0], jnp.int32))
+    q = jnp.asarray(r.normal(size=(4, 1, 4, 16)), jnp.float32)
+    pos = jnp.asarray([[20], [9], [31], [-1]], jnp.int32)
+    for layer in (0, 1):
+        want, _ = attention.cached_attention(
+            q, cache, kv, layer, pos, None, dataclasses.replace(cfg, decode_impl="xla")
+        )
+        got, _ = attention.cached_attention(
+            q, cache, kv, layer, pos, None, dataclasses.replace(cfg, decode_impl="pallas")
+        )
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    assert kernels.decode_kernel(dataclasses.replace(cfg, decode_impl="pallas"), cache, 1)
+    assert not kernels.decode_kernel(cfg, cache, 1, backend="cpu")  # auto: the kernel on GPU only
+    assert kernels.decode_kernel(cfg, cache, 1, backend="gpu")
+    assert not kernels.decode_kernel(cfg, cache, 2, backend="gpu")  # prefill chunks take the XLA loop
+    windowed = dataclasses.replace(cfg, sliding_window=16, decode_impl="pallas")
+    assert not kernels.decode_kernel(windowed, cache, 1)
+
+
+def test_engine_decodes_the_same_tokens_with_the_pallas_paged_kernel():
+    from jaxgen.config import ServeConfig
+    from jaxgen.inference.engine import Engine
+    from jaxgen.inference.sampling import SamplingConfig
+    from jaxgen.tokenizer import Tokenizer
+
+    cfg = ModelConfig(vocab_size=257, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, max_seq_len=128)
+    params = jax.tree.map(lambda w: w * 5 if w.ndim > 1 else w, model.init_params(cfg, jax.random.key(0)))
+    serve = ServeConfig(slots=4, page_size=16, num_pages=32, chunk_steps=4, prefill_chunk=32)
+    prompts = [[5, 6, 7], list(range(40, 90)), [9] * 20]
+    sampling = [SamplingConfig(max_new_tokens=n, temperature=0.0) for n in (12, 7, 10)]
+    outs = {
+        impl: Engine(params, dataclasses.replace(cfg, decode_impl=impl), Tokenizer.byte_level(), serve).generate(
+            prompts, sampling
+        )
+        for impl in ("xla", "pallas")
+    }
+    for a, b in zip(outs["xla"], outs["pallas"], strict=True):
+        assert a.tokens == b.tokens
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)

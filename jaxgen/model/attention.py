@@ -84,6 +84,8 @@ def cached_attention(q_btnh, cache, kv, layer, q_pos_bt, window, cfg):
     sliding window (an int, a traced scalar, or None). Returns (B, T, N, H) and `kv` (this call's keys
     already written by `cache.write`)."""
     b, t, n, h = q_btnh.shape
+    if kernels.decode_kernel(cfg, cache, t):  # a decode step over pages: the GPU Pallas kernel
+        return kernels.paged_decode_attention(q_btnh, cache, kv, layer, q_pos_bt, cfg), kv
     k = cfg.kv_heads
     q = q_btnh.reshape(b, t, k, n // k, h).astype(jnp.float32) * logit_scale(cfg)
 

@@ -3,6 +3,14 @@
     splash  the Pallas splash-attention kernel shipped in jax (TPU; runs on CPU in interpret mode)
     cudnn   cuDNN's fused flash attention through `jax.nn.dot_product_attention` (GPU, bf16/fp16)
 
+and for a decode step over the serving engine's paged cache (`model.decode_impl`):
+
+    pallas  the GPU Pallas paged-attention kernel (`jax.experimental.pallas.ops.gpu.paged_attention`),
+            reading the page pool in place (runs on CPU in interpret mode)
+
+The TPU ragged paged-attention kernel is not wired: it reads keys and values interleaved in one
+(pages, Z, 2K, H) pool, where the engine keeps two, and has no interpret mode to test it here.
+
 Both mask by index, not by position: a key is visible when it is not after the query in the row, is in
 the same packed segment and (local layers) within the window. That equals the position rule of
 `attention.attention_mask` when positions grow by one along each segment of a row (true of every batch
@@ -146,3 +154,56 @@ def splash_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, windo
 
     out = _by_window(run, window, cfg)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+
+
+def decode_kernel(cfg: ModelConfig, cache, num_queries: int, backend: str | None = None) -> bool:
+    """Whether this cached attention call runs the GPU Pallas paged kernel: a decode step (one query per
+    slot) over a `PagedCache`, with `model.decode_impl` pallas, or auto on a GPU; no sliding window."""
+    from jaxgen.model.paged import PagedCache
+
+    if not isinstance(cache, PagedCache) or num_queries != 1 or cfg.decode_impl == "xla":
+        return False
+    reason = paged_unfit(cfg, backend or jax.default_backend())
+    if reason and cfg.decode_impl == "pallas":
+        _warn_once(f"model.decode_impl=pallas: the paged kernel cannot run ({reason}); using the XLA loop")
+    return reason is None
+
+
+def paged_unfit(cfg: ModelConfig, backend: str) -> str | None:
+    """Why the GPU paged kernel cannot run decode for `cfg`, or None (off a GPU, decode_impl=pallas runs
+    it in interpret mode: exact but slow, for tests)."""
+    if cfg.decode_impl == "auto" and backend not in ("gpu", "cuda"):
+        return f"it is a GPU kernel, the backend is {backend}"
+    if cfg.sliding_window is not None:
+        return "it has no sliding window"
+    return None
+
+
+def paged_decode_attention(q_btnh, cache, kv, layer, q_pos_bt, cfg: ModelConfig, *, interpret=None):
+    """Attention of one query per slot (B, 1, N, H) over its pages, by the GPU Pallas kernel. The pool
+    (K, L, Q, Z, H) is read as (K, L * Q, Z, H), layer l's page p being row l * Q + p: a free reshape,
+    no copy. A slot sees its keys up to its own position; an idle slot (position -1) gets zeros."""
+    from jax.experimental.pallas.ops.gpu import paged_attention as gpu_paged
+
+    from jaxgen.model.attention import logit_scale
+    from jaxgen.model.kvcache import from_storage
+
+    if interpret is None:
+        interpret = jax.default_backend() not in ("gpu", "cuda")
+    k_all, v_all = kv
+    kh, num_layers, num_pages, z, h = k_all.shape
+    k_pool = from_storage(k_all).reshape(kh, num_layers * num_pages, z, h)
+    v_pool = from_storage(v_all).reshape(kh, num_layers * num_pages, z, h)
+    tables = cache.page_table + layer * num_pages  # (B, M)
+    m = tables.shape[1]
+    splits = next(s for s in (16, 8, 4, 2, 1) if m % s == 0)  # the kernel's k_splits must divide M
+    per_block = next(c for c in (8, 4, 2, 1) if (m // splits) % c == 0)
+    pos = q_pos_bt[:, 0]
+    q = (q_btnh[:, 0].astype(jnp.float32) * logit_scale(cfg)).astype(k_pool.dtype)  # the kernel does not scale
+    out = gpu_paged.paged_attention(
+        q, k_pool, v_pool, tables, jnp.maximum(pos + 1, 0).astype(jnp.int32), block_h=16,
+        pages_per_compute_block=per_block, k_splits=splits, interpret=interpret,
+        attn_logits_soft_cap=cfg.attn_softcap,
+    )  # fmt: skip
+    out = jnp.where((pos >= 0)[:, None, None], out, 0.0)  # an idle slot saw no key
+    return out[:, None].astype(q_btnh.dtype)

@@ -1,7 +1,7 @@
 """The paged KV cache of the serving engine: a pool of fixed-size pages and a page table per slot.
 
 Layout (glossary in `jaxgen.sharding`; Q pages of size Z in the pool, M pages at most per slot):
-    k, v:       (L, Q, Z, K, H)  keys and values of every layer, page, offset and kv head
+    k, v:       (K, L, Q, Z, H)  keys and values of every kv head, layer, page and offset
     page_table: (B, M) int32     the pages of each decode slot (row b), in position order; 0 = none
     capacity:   (B,) int32       tokens the slot's pages can hold (pages allocated x Z)
 
@@ -12,7 +12,10 @@ slots by reference (a common prompt prefix): only whole pages of a prompt are sh
 writes into a shared page, because its own tokens go after the shared prefix, in pages of its own.
 
 The pool and tables are device arrays updated by jitted functions; which pages are free, shared or
-cached is host bookkeeping (`jaxgen.inference.pages.PagePool`).
+cached is host bookkeeping (`jaxgen.inference.pages.PagePool`). Kv heads lead so that the pool seen as
+(K, L * Q, Z, H), a free reshape, is what the GPU Pallas paged-attention kernel reads in place, layer l's
+page p being page l * Q + p (`jaxgen.model.kernels.paged_decode_attention`); a tensor-parallel shard
+of the kv heads is then one contiguous run of memory.
 """
 
 from __future__ import annotations
@@ -26,19 +29,19 @@ from jaxgen.model.kvcache import storage_dtype, to_storage
 from jaxgen.sharding import constrain
 
 NULL_PAGE = 0
-PAGE_NAMES = ("layers", None, None, "kv_heads", "head_dim")  # a page pool is shared by all slots: not over batch
+PAGE_NAMES = ("kv_heads", "layers", None, None, "head_dim")  # a page pool is shared by all slots: not over batch
 
 
 @flax.struct.dataclass
 class PagedCache:
-    k: jax.Array  # (L, Q, Z, K, H)
-    v: jax.Array  # (L, Q, Z, K, H)
+    k: jax.Array  # (K, L, Q, Z, H)
+    v: jax.Array  # (K, L, Q, Z, H)
     page_table: jax.Array  # (B, M) int32
     capacity: jax.Array  # (B,) int32
 
     @classmethod
     def init(cls, cfg: ModelConfig, num_pages: int, page_size: int, slots: int, max_pages: int, dtype="float32"):
-        shape = (cfg.num_layers, num_pages, page_size, cfg.kv_heads, cfg.head_size)
+        shape = (cfg.kv_heads, cfg.num_layers, num_pages, page_size, cfg.head_size)
         dtype = storage_dtype(dtype)
         return cls(
             k=jnp.zeros(shape, dtype),
@@ -49,7 +52,7 @@ class PagedCache:
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     def constrain(self) -> PagedCache:
         """Sharding constraints under the current mesh: kv heads over tensor, each device a slice of every page."""
@@ -72,18 +75,18 @@ class PagedCache:
         rows = jnp.arange(positions_bt.shape[0])[:, None]
         page = jnp.where(valid, self.page_table[rows, jnp.maximum(positions_bt, 0) // z], NULL_PAGE)
         offset = jnp.where(valid, positions_bt % z, 0)
-        k_all = k_all.at[layer, page, offset].set(to_storage(k_btkh, k_all.dtype))
-        v_all = v_all.at[layer, page, offset].set(to_storage(v_btkh, v_all.dtype))
+        k_all = k_all.at[:, layer, page, offset].set(to_storage(k_btkh, k_all.dtype).transpose(2, 0, 1, 3))
+        v_all = v_all.at[:, layer, page, offset].set(to_storage(v_btkh, v_all.dtype).transpose(2, 0, 1, 3))
         return k_all, v_all
 
     def key_block(self, kv, layer, j):
         """Each slot's page j of `layer`: keys, values (B, Z, K, H) and positions (B, Z). A position
         past what the slot wrote is never seen (a query sees positions up to its own)."""
         k_all, v_all = kv
-        _, q, z, k, h = k_all.shape
-        rows = layer * q + self.page_table[:, j]  # one index into (L * Q, Z, K, H)
-        kb = jnp.take(k_all.reshape(-1, z, k, h), rows, axis=0)
-        vb = jnp.take(v_all.reshape(-1, z, k, h), rows, axis=0)
+        z = self.page_size
+        pages = self.page_table[:, j]
+        kb = k_all[:, layer, pages].transpose(1, 2, 0, 3)  # one gather (K, B, Z, H), then (B, Z, K, H)
+        vb = v_all[:, layer, pages].transpose(1, 2, 0, 3)
         pos = jnp.broadcast_to(j * z + jnp.arange(z), (self.page_table.shape[0], z))
         return kb, vb, pos
 
