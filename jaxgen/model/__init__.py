@@ -3,6 +3,8 @@
     layers.py       norms, rotary positions, MLP, soft-capping, 2-D weight products
     moe.py          mixture of experts: router, dropless dispatch (grouped tiles / ragged_dot / dense)
     attention.py    one attention over every cache (blockwise online softmax) and the training path
+    blockwise.py    flash-style attention over whole sequences, with a recomputing custom VJP
+    kernels.py      fused kernels behind the attention seam (cuDNN, Pallas splash, Pallas paged decode)
     transformer.py  the parameter table, init, forward (cache=None for training), LM head
     kvcache.py      the contiguous KV cache pytree (Generator, beam search)
     paged.py        the paged KV cache pytree (the serving engine)
