@@ -3,6 +3,7 @@
     python bench/memory.py                 # all three parts
     python bench/memory.py --part peak     # gpt2-124m train step peak bytes, dense vs blockwise
     python bench/memory.py --part time     # gpt2-124m train step time, dense vs blockwise
+    python bench/memory.py --part remat    # Llama 3.2 1B train step per remat policy (the planner)
     python bench/memory.py --part planner  # Llama 3.2 1B / 3.1 8B / 3.1 70B on 8 x H100, 8 x H200, v5p-64
 
 Peak bytes are XLA:CPU's buffer assignment for the compiled step (arguments + temporaries): nothing is
@@ -101,9 +102,21 @@ def planner_tables() -> None:
         print(out.stdout + (out.stderr if out.returncode not in (0, 1) else ""), flush=True)
 
 
+def remat_table(policies=("none", "dots", "dots_no_batch", "full")) -> None:
+    """The train step of Llama 3.2 1B on 8 x H100 (fsdp=8) under each remat policy, from the planner."""
+    print("| model.remat | train step peak per device | temporaries |\n|---|---|---|")
+    for policy in policies:
+        cmd = [sys.executable, "-m", "jaxgen.plan", "--config", "configs/llama-3.2-1b.yaml", "--mesh", "fsdp=8",
+               "--device", "h100-80gb", "--slots", "1", "--cache-len", "128", f"model.remat={policy}"]  # fmt: skip
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True).stdout
+        train = out.split("train step: ")[1].split("\n")
+        temps = next(line for line in train if "temporaries" in line).split()[2:4]
+        print(f"| {policy} | {train[0].split(' per device')[0]} | {' '.join(temps)} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["peak", "time", "planner", "all"], default="all")
+    parser.add_argument("--part", choices=["peak", "time", "remat", "planner", "all"], default="all")
     args = parser.parse_args()
     if args.part in ("peak", "all"):
         print("## gpt2-124m train step at batch 1: peak bytes per device (XLA:CPU buffer assignment)")
@@ -111,6 +124,9 @@ def main() -> None:
     if args.part in ("time", "all"):
         print("\n## gpt2-124m train step at batch 1: time (best of 3)")
         time_table()
+    if args.part in ("remat", "all"):
+        print("\n## Llama 3.2 1B train step (8 x 8192 tokens) on 8 x H100, fsdp=8, per remat policy (planner)")
+        remat_table()
     if args.part in ("planner", "all"):
         print("\n## python -m jaxgen.plan: Llama shapes, 64 slots x 8192 for serving, bfloat16 weights and cache")
         planner_tables()
