@@ -105,7 +105,7 @@ def test_http_settings_reach_the_engine_and_the_server(monkeypatch, tmp_path):
             self.serve = seen["serve"] = serve_config
             seen["mesh"] = mesh
 
-    monkeypatch.setattr(checkpoint, "load_model", lambda path, mesh: ("cfg", "tokenizer", "params"))
+    monkeypatch.setattr(checkpoint, "load_model", lambda path, mesh, **kwargs: ("cfg", "tokenizer", "params"))
     monkeypatch.setattr(jaxgen.inference.engine, "Engine", Engine)
     monkeypatch.setattr(jaxgen.runtime, "enable_compilation_cache", lambda: None)
     monkeypatch.setattr(jaxgen.serving.server, "create_app", lambda engine, name, key: seen.update(name=name, key=key))
