@@ -38,9 +38,11 @@ class Program:
     arguments: float  # what the program takes (parameters, state, cache, batch)
     holds: str = "activations, gradients, workspace"  # what the temporaries are
 
+    outputs: float = 0.0  # what it returns beyond what it writes over its (donated) arguments
+
     @property
     def peak(self) -> float:
-        return self.arguments + self.temporaries
+        return self.arguments + self.temporaries + self.outputs
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -124,7 +126,13 @@ def train_program(cfg, mesh) -> Program:
         "optimizer state": per_device_bytes(opt_state),
         "gradients (float32)": param_bytes,
     }
-    return Program("train step", parts, float(mem.temp_size_in_bytes), float(mem.argument_size_in_bytes))
+    return Program(
+        "train step", parts, float(mem.temp_size_in_bytes), float(mem.argument_size_in_bytes), outputs=_new_outputs(mem)
+    )
+
+
+def _new_outputs(mem) -> float:
+    return float(max(mem.output_size_in_bytes - mem.alias_size_in_bytes, 0))
 
 
 def _like_params(opt_shapes, params, replicated):
@@ -174,7 +182,12 @@ def inference_programs(model_cfg, mesh, slots: int, cache_len: int, chunk: int, 
         pos=shapes.pos.update(sharding=named_sharding(mesh, POS_NAMES, shapes.pos.shape)),
         end=shapes.end.update(sharding=replicated),
     )
-    step = jax.jit(lambda p, t, pos, c: model.forward(p, t, pos, c, cfg=model_cfg), donate_argnums=3)
+
+    def step(params, tokens, positions, cache):  # what the generator and engine run: the head at the last token only
+        x, cache = model.hidden_states(params, tokens, positions, cache, cfg=model_cfg)
+        return model.lm_head(params, x[:, -1:], model_cfg), cache
+
+    step = jax.jit(step, donate_argnums=3)
     out, chunk = [], min(chunk, cache_len)
     for name, t in ((f"prefill ({chunk} tokens x {slots} slots)", chunk), (f"decode step ({slots} slots)", 1)):
         tokens = jax.ShapeDtypeStruct((slots, t), jax.numpy.int32, sharding=batch_sharding(mesh, (slots, t)))
@@ -182,7 +195,7 @@ def inference_programs(model_cfg, mesh, slots: int, cache_len: int, chunk: int, 
             mem = _compile_memory(step, params, tokens, tokens, cache)
         parts = {f"parameters ({dtype})": per_device_bytes(params), f"KV cache ({dtype})": per_device_bytes(cache)}
         temps, args = float(mem.temp_size_in_bytes), float(mem.argument_size_in_bytes)
-        out.append(Program(name, parts, temps, args, holds="activations, logits, workspace"))
+        out.append(Program(name, parts, temps, args, holds="activations, workspace", outputs=_new_outputs(mem)))
     return out
 
 
@@ -243,6 +256,8 @@ def format_plan(cfg, programs, capacity, mesh_sizes, device) -> str:
             lines.append(f"  {name:<28} {_size(value)}")
         temps = "temporaries (XLA:CPU)"
         lines.append(f"  {temps:<28} {_size(p.temporaries)}   {p.holds}")
+        if p.outputs:
+            lines.append(f"  {'outputs (XLA:CPU)':<28} {_size(p.outputs)}   returned beside the donated state")
         lines += [f"  -> {tip}" for tip in advice(cfg, p, capacity, mesh_sizes)]
     return "\n".join(lines)
 

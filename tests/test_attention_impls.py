@@ -124,6 +124,9 @@ def test_choose_picks_per_backend_and_says_why_it_falls_back(caplog):
     assert "needs an NVIDIA GPU, the backend is cpu" in caplog.text
     assert "head size" in kernels.cudnn_unfit(ModelConfig(d_model=1024, num_heads=4, dtype="bfloat16"), "gpu")
     assert "soft cap" in kernels.cudnn_unfit(ModelConfig(dtype="bfloat16", attn_softcap=50.0), "gpu")
+    assert kernels.fit_length("splash", 256, dataclasses.replace(cfg, attention_block=128)) == "splash"
+    assert kernels.fit_length("splash", 48, cfg) == "blockwise"  # a 48-token block is not a multiple of 128
+    assert kernels.fit_length("cudnn", 47, cfg) == "blockwise"
     with pytest.raises(ConfigError, match=r"model\.attention_impl='flash' is not allowed"):
         ModelConfig(attention_impl="flash")
     with pytest.raises(ConfigError, match=r"model\.remat='some' is not allowed"):
@@ -162,13 +165,13 @@ def test_pallas_paged_decode_kernel_in_interpret_mode_equals_the_xla_loop(softca
     from jaxgen.model.paged import PagedCache
 
     cfg = ModelConfig(num_heads=4, num_kv_heads=2, d_model=64, num_layers=2, attn_softcap=softcap)
-    cache = PagedCache.init(cfg, num_pages=12, page_size=8, slots=4, max_pages=4)
+    cache = PagedCache.init(cfg, num_pages=12, page_size=16, slots=4, max_pages=4)
     r = np.random.default_rng(1)
     kv = tuple(jnp.asarray(r.normal(size=cache.k.shape), jnp.float32) for _ in range(2))
     table = jnp.asarray([[1, 2, 3, 0], [1, 4, 0, 0], [5, 6, 7, 8], [0, 0, 0, 0]], jnp.int32)
-    cache = cache.replace(page_table=table, capacity=jnp.asarray([24, 16, 32, 0], jnp.int32))
+    cache = cache.replace(page_table=table, capacity=jnp.asarray([48, 32, 64, 0], jnp.int32))
     q = jnp.asarray(r.normal(size=(4, 1, 4, 16)), jnp.float32)
-    pos = jnp.asarray([[20], [9], [31], [-1]], jnp.int32)
+    pos = jnp.asarray([[40], [17], [63], [-1]], jnp.int32)
     for layer in (0, 1):
         want, _ = attention.cached_attention(
             q, cache, kv, layer, pos, None, dataclasses.replace(cfg, decode_impl="xla")
@@ -183,6 +186,8 @@ def test_pallas_paged_decode_kernel_in_interpret_mode_equals_the_xla_loop(softca
     assert not kernels.decode_kernel(cfg, cache, 2, backend="gpu")  # prefill chunks take the XLA loop
     windowed = dataclasses.replace(cfg, sliding_window=16, decode_impl="pallas")
     assert not kernels.decode_kernel(windowed, cache, 1)
+    assert "power-of-two head size" in kernels.paged_unfit(ModelConfig(d_model=96, num_heads=1), "gpu", 16)
+    assert "page size >= 16" in kernels.paged_unfit(cfg, "gpu", 8)
 
 
 def test_engine_decodes_the_same_tokens_with_the_pallas_paged_kernel():

@@ -414,5 +414,5 @@ def test_engine_on_a_data_and_tensor_mesh_equals_one_device(params, engine):
     prompts, configs = _workload(24, seed=3)
     for a, b in zip(sharded.generate(prompts, configs), engine.generate(prompts, configs), strict=True):
         _same(a, b)
-    k = sharded.state.cache.k  # (L, Q, Z, K, H): each device holds its kv head of every page
-    assert k.sharding.shard_shape(k.shape)[3] == CFG.num_kv_heads // 2 and len(k.devices()) == 4
+    k = sharded.state.cache.k  # (K, L, Q, Z, H): each device holds its kv head of every page
+    assert k.sharding.shard_shape(k.shape)[0] == CFG.num_kv_heads // 2 and len(k.devices()) == 4

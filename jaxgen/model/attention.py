@@ -67,7 +67,8 @@ def sequence_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, win
     `kernels.choose`): blockwise, cudnn or splash; each equals `dense_attention` under
     `attention_mask(positions, positions, segment_ids, segment_ids, window)`. (B, T, N, H)."""
     if impl == "cudnn":
-        return kernels.cudnn_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, window, cfg)
+        mask = kernels.cudnn_mask(positions_bt, segment_ids_bt)
+        return kernels.cudnn_attention(q_btnh, k_btkh, v_btkh, mask, window, cfg)
     if impl == "splash":
         return kernels.splash_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, window, cfg)
     return blockwise.blockwise_attention(

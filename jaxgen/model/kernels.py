@@ -97,13 +97,33 @@ def _segments(positions_bt, segment_ids_bt):
     return jnp.where(positions_bt < 0, -1, seg)
 
 
-def cudnn_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, window, cfg: ModelConfig):
-    """cuDNN flash attention, causal by index, segments and padding as a (B, 1, T, T) mask (cuDNN
-    turns it into a bias), the window as cuDNN's sliding window."""
-    from jaxgen.model.attention import logit_scale
+def fit_length(impl: str, t: int, cfg: ModelConfig) -> str:
+    """`impl` for a sequence of `t` tokens, or blockwise (said once) where the kernel cannot take that
+    length: splash tiles T by blocks that are multiples of 128; cuDNN needs an even T."""
+    reason = None
+    block = min(cfg.attention_block, t)
+    if impl == "splash" and (t % block or block % 128):
+        reason = f"splash needs T a multiple of a block that is a multiple of 128; T={t}, block={block}"
+    if impl == "cudnn" and t % 2:
+        reason = f"cuDNN needs an even T, got {t}"
+    if reason:
+        _warn_once(f"{reason}; using blockwise for this length")
+        return "blockwise"
+    return impl
 
+
+def cudnn_mask(positions_bt, segment_ids_bt):
+    """(B, 1, T, T) bool: same packed segment, padding apart. cuDNN takes it as a bias; it is built once
+    per forward pass and shared by every layer (2 bytes x T^2 per sequence as a bias: 134 MB at 8192),
+    still no per-head (T, T) scores."""
     seg = _segments(positions_bt, segment_ids_bt)
-    mask = (seg[:, :, None] == seg[:, None, :])[:, None]  # (B, 1, T, T)
+    return (seg[:, :, None] == seg[:, None, :])[:, None]
+
+
+def cudnn_attention(q_btnh, k_btkh, v_btkh, mask, window, cfg: ModelConfig):
+    """cuDNN flash attention, causal by index, segments and padding as `cudnn_mask`, the window as
+    cuDNN's sliding window."""
+    from jaxgen.model.attention import logit_scale
 
     def run(w):
         return jax.nn.dot_product_attention(
@@ -128,8 +148,8 @@ def splash_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, windo
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
     block = min(cfg.attention_block, t)
-    if t % block:
-        raise ValueError(f"splash attention needs the sequence length {t} to be a multiple of {block}")
+    if t % block or block % 128:
+        raise ValueError(f"splash attention needs T={t} to be a multiple of a block ({block}), itself of 128")
     sizes = splash.BlockSizes(
         block_q=block, block_kv=block, block_kv_compute=block,
         block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block,
@@ -163,19 +183,25 @@ def decode_kernel(cfg: ModelConfig, cache, num_queries: int, backend: str | None
 
     if not isinstance(cache, PagedCache) or num_queries != 1 or cfg.decode_impl == "xla":
         return False
-    reason = paged_unfit(cfg, backend or jax.default_backend())
+    reason = paged_unfit(cfg, backend or jax.default_backend(), cache.page_size)
     if reason and cfg.decode_impl == "pallas":
         _warn_once(f"model.decode_impl=pallas: the paged kernel cannot run ({reason}); using the XLA loop")
     return reason is None
 
 
-def paged_unfit(cfg: ModelConfig, backend: str) -> str | None:
+def paged_unfit(cfg: ModelConfig, backend: str, page_size: int) -> str | None:
     """Why the GPU paged kernel cannot run decode for `cfg`, or None (off a GPU, decode_impl=pallas runs
-    it in interpret mode: exact but slow, for tests)."""
+    it in interpret mode: exact but slow, for tests). Triton loads power-of-two tiles only, and its dot
+    products need at least 16 rows."""
     if cfg.decode_impl == "auto" and backend not in ("gpu", "cuda"):
         return f"it is a GPU kernel, the backend is {backend}"
     if cfg.sliding_window is not None:
         return "it has no sliding window"
+    if cfg.head_size & (cfg.head_size - 1) or page_size & (page_size - 1) or page_size < 16:
+        return f"it needs a power-of-two head size and page size >= 16, got {cfg.head_size} and {page_size}"
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.size > 1:  # no partitioning rule: GSPMD would gather the whole pool
+        return "it does not run on a mesh of several devices"
     return None
 
 
@@ -197,7 +223,7 @@ def paged_decode_attention(q_btnh, cache, kv, layer, q_pos_bt, cfg: ModelConfig,
     tables = cache.page_table + layer * num_pages  # (B, M)
     m = tables.shape[1]
     splits = next(s for s in (16, 8, 4, 2, 1) if m % s == 0)  # the kernel's k_splits must divide M
-    per_block = next(c for c in (8, 4, 2, 1) if (m // splits) % c == 0)
+    per_block = next(c for c in (8, 4, 2, 1) if (m // splits) % c == 0)  # pages per tile, a power of two
     pos = q_pos_bt[:, 0]
     q = (q_btnh[:, 0].astype(jnp.float32) * logit_scale(cfg)).astype(k_pool.dtype)  # the kernel does not scale
     out = gpu_paged.paged_attention(

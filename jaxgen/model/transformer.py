@@ -227,9 +227,14 @@ def _run(params, tokens, positions, cache, cfg: ModelConfig, segment_ids):
 
     t = tokens.shape[1]
     if cache is None:  # whole sequences: the implementation for this backend (see attention.sequence_attention)
-        impl = kernels.choose(cfg)
-        # dense: the whole (T, T) mask once, windowed per layer; the others mask block by block
-        mask = attention.attention_mask(positions, positions, segment_ids, segment_ids) if impl == "dense" else None
+        impl = kernels.fit_length(kernels.choose(cfg), t, cfg)
+        # dense: the whole (T, T) mask once, windowed per layer; cudnn: its segment mask once, shared by
+        # every layer; blockwise and splash mask block by block
+        mask = None
+        if impl == "dense":
+            mask = attention.attention_mask(positions, positions, segment_ids, segment_ids)
+        elif impl == "cudnn":
+            mask = kernels.cudnn_mask(positions, segment_ids)
         kv = None
     else:  # decoding: masks are built block by block, over the cache blocks in use only
         cache = cache.with_positions(positions)
@@ -341,6 +346,8 @@ _NO_ROUTER = {"share": np.zeros((0,), np.float32), "mean_prob": np.zeros((0,), n
 
 def _attend_plain(q, k, v, consts, *, impl, mask, positions, segment_ids, cfg: ModelConfig):
     window = consts.get("window")  # None without a sliding window
+    if impl == "cudnn":
+        return kernels.cudnn_attention(q, k, v, mask, window, cfg), None
     if impl != "dense":
         return attention.sequence_attention(q, k, v, positions, segment_ids, window, cfg, impl=impl), None
     if window is not None:  # this layer's window on top of the shared causal mask

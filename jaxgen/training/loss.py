@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgen.config import ModelConfig
+from jaxgen.sharding import constrain
 
 
 class _Static(NamedTuple):
@@ -36,7 +37,8 @@ def head_cross_entropy(params, x_btd, targets_bt, mask_bt, cfg: ModelConfig, chu
     dtype = jnp.dtype(cfg.dtype)
     w = (params["embed_vd"] if cfg.tie_embeddings else params["head_dv"]).astype(dtype)
     t = x_btd.shape[1]
-    chunk = min(chunk, t)
+    pieces = -(-t // min(chunk, t))
+    chunk = -(-t // pieces)  # pieces of equal size: T = 1500 by 1024 runs 2 x 750, not 2 x 1024
     extra = -t % chunk
     if extra:
         x_btd = jnp.pad(x_btd, ((0, 0), (0, extra), (0, 0)))
@@ -80,9 +82,11 @@ def _forward(static: _Static, x_btd, w, targets_bt, mask_bt):
             dx_c = jnp.einsum("bcv,dv->bcd", g, w, preferred_element_type=jnp.float32)
             dw = dw + jnp.einsum("bcd,bcv->dv", x_c, g, preferred_element_type=jnp.float32)
         dx = jax.lax.dynamic_update_index_in_dim(dx, dx_c.astype(dx.dtype), i, 1)
-        return total + jnp.sum(nll * m_c), dx, dw
+        return total + jnp.sum(nll * m_c), dx, constrain(dw, w_names)
 
-    init = (jnp.zeros((), jnp.float32), jnp.zeros_like(xs), jnp.zeros(w.shape, jnp.float32))
+    # the weight's gradient sharded like the weight (FSDP / tensor axes), not replicated in the loop
+    w_names = ("vocab", "embed") if static.tied else ("embed", "vocab")
+    init = (jnp.zeros((), jnp.float32), jnp.zeros_like(xs), constrain(jnp.zeros(w.shape, jnp.float32), w_names))
     # a while loop, not a scan: JAX must not partially evaluate it (see model.blockwise._forward)
     total, dx, dw = jax.lax.while_loop(
         lambda s: s[0] < n, lambda s: (s[0] + 1, body(s[0], s[1])), (jnp.int32(0), init)
