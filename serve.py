@@ -29,6 +29,8 @@ FLAG_FIELDS = {
     "kv_memory_gb": "serve.kv_memory_gb",
     "page_size": "serve.page_size",
     "prefix_caching": "serve.prefix_caching",
+    "quantize": "serve.quantize",
+    "cache_dtype": "serve.cache_dtype",
     "max_body_bytes": "serve.max_body_bytes",
     "max_queue": "serve.max_queue",
     "request_timeout": "serve.request_timeout_s",
@@ -51,6 +53,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slots", type=int, help="sets serve.slots: sequences decoded together (default 16)")
     p.add_argument("--kv-memory-gb", type=float, help="sets serve.kv_memory_gb: KV page pool in GB (default 1)")
     p.add_argument("--page-size", type=int, help="sets serve.page_size: tokens per KV-cache page (default 16)")
+    p.add_argument(
+        "--quantize", choices=("none", "int8"),
+        help="sets serve.quantize: int8 holds the attention and MLP weights as int8 (default none)",
+    )  # fmt: skip
+    p.add_argument(
+        "--cache-dtype", choices=("float32", "bfloat16", "int8"),
+        help="sets serve.cache_dtype: the KV cache's dtype; int8 holds ~2x the tokens of bfloat16 (default float32)",
+    )  # fmt: skip
     p.add_argument(
         "--no-prefix-caching", dest="prefix_caching", action="store_false", default=None,
         help="sets serve.prefix_caching=false: do not share pages of common prompt prefixes",
@@ -155,7 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     enable_compilation_cache()
     try:
         mesh = _engine_mesh(settings)  # a ConfigError is a ValueError
-        cfg, tokenizer, params = load_model(args.checkpoint, mesh, param_dtype=settings.serve.param_dtype)
+        s = settings.serve
+        cfg, tokenizer, params = load_model(
+            args.checkpoint, mesh, param_dtype=s.param_dtype, quantize=s.quantize,
+            quantize_embedding=s.quantize_embedding,
+        )  # fmt: skip
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

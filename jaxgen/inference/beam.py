@@ -85,7 +85,7 @@ def _beam_step(params, s: BeamState, eos_ids, cfg: ModelConfig, penalty: float, 
     rows = (jnp.arange(p)[:, None] * w + jnp.take_along_axis(beam, live, axis=1)).reshape(-1)
     tokens = jnp.take_along_axis(cand_tokens, live[..., None], axis=1)
     next_tok = jnp.take_along_axis(tok, live, axis=1).reshape(-1)
-    cache = dataclasses.replace(s.cache, k=s.cache.k[:, :, rows], v=s.cache.v[:, :, rows], pos=s.cache.pos[rows])
+    cache = s.cache.take_rows(rows)
     logits, cache = model.forward(params, next_tok[:, None], s.positions[:, None], cache, cfg=cfg)
     full = jnp.sum(fin_scores > NEG / 2, axis=1) == w
     if early_stopping:

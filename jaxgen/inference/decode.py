@@ -117,9 +117,7 @@ def prefill(params, tokens, positions, rows, lengths, cfg: ModelConfig, cache_le
     x, cache = model.hidden_states(params, tokens, positions, cache, cfg=cfg)
     x_last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # (P, 1, D)
     last = model.lm_head(params, x_last, cfg)[:, 0]  # (P, V): no logits for the rest of the prompt
-    take = functools.partial(jnp.take, indices=rows)
-    cache = dataclasses.replace(cache, k=take(cache.k, axis=2), v=take(cache.v, axis=2), pos=take(cache.pos, axis=0))
-    return constrain_cache(cache), last[rows]
+    return constrain_cache(cache.take_rows(rows)), last[rows]
 
 
 def decode_loop(params, state: DecodeState, cfg: ModelConfig) -> DecodeState:

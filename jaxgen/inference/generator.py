@@ -56,12 +56,15 @@ class GeneratorConfig:
 
     max_batch: int = 32  # rows decoded together; larger jobs run batch after batch
     chunk_steps: int = 32  # decode steps per jitted chunk, between host checks (stop strings, streaming)
-    cache_dtype: str = "float32"  # float32 or bfloat16 (kept as uint16 bits on CPU: updated in place)
+    # float32, bfloat16 (kept as uint16 bits on CPU: updated in place) or int8 (a scale per token and kv head)
+    cache_dtype: str = "float32"
     min_cache_len: int = 0  # preallocate at least this many cache slots (a power of two)
 
     def __post_init__(self):
-        if self.cache_dtype not in ("float32", "bfloat16"):
-            raise SamplingError(f"cache_dtype={self.cache_dtype!r} is not allowed: float32, bfloat16", "cache_dtype")
+        if self.cache_dtype not in ("float32", "bfloat16", "int8"):
+            raise SamplingError(
+                f"cache_dtype={self.cache_dtype!r} is not allowed: float32, bfloat16, int8", "cache_dtype"
+            )
         for name in ("max_batch", "chunk_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

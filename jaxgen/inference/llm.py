@@ -26,6 +26,7 @@ from jaxgen.config import ConfigError, ModelConfig, ServeConfig
 from jaxgen.inference.engine import Engine
 from jaxgen.inference.sampling import SamplingConfig, SamplingError
 from jaxgen.inference.textstream import TextDeltas
+from jaxgen.model import quant
 from jaxgen.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -66,6 +67,8 @@ class LLM:
             cfg, tokenizer, source = load_model(source, param_dtype=self.serve.param_dtype)
         if cfg is None or tokenizer is None:
             raise ValueError("LLM(params, ...) needs cfg= and tokenizer= (or pass a run or Hugging Face folder)")
+        if self.serve.quantize == "int8":  # serve.quantize: int8 weights (a no-op on weights already int8)
+            source = quant.quantize_params(source, embedding=self.serve.quantize_embedding)
         # unstacked once here; Engine and Generator take them as they are (unstacking is idempotent)
         self.params = model.unstack_layers(source)
         self.cfg, self.tokenizer = cfg, tokenizer

@@ -123,7 +123,7 @@ def _prefill_hidden(params, state: DecodeState, slot, tokens, positions, cfg: Mo
     cache = state.cache
     sub = cache.replace(page_table=cache.page_table[slot][None], capacity=cache.capacity[slot][None])
     x, sub = model.hidden_states(params, tokens, positions, sub, cfg=cfg)
-    return state.replace(cache=cache.replace(k=sub.k, v=sub.v).constrain()), x
+    return state.replace(cache=sub.replace(page_table=cache.page_table, capacity=cache.capacity).constrain()), x
 
 
 def activate(state: DecodeState, slot, row: SlotRow) -> DecodeState:

@@ -184,6 +184,8 @@ def decode_kernel(cfg: ModelConfig, cache, num_queries: int, backend: str | None
     if not isinstance(cache, PagedCache) or num_queries != 1 or cfg.decode_impl == "xla":
         return False
     reason = paged_unfit(cfg, backend or jax.default_backend(), cache.page_size)
+    if reason is None and cache.k_scale is not None:
+        reason = "it reads no int8 pages (serve.cache_dtype=int8)"
     if reason and cfg.decode_impl == "pallas":
         _warn_once(f"model.decode_impl=pallas: the paged kernel cannot run ({reason}); using the XLA loop")
     return reason is None

@@ -2,6 +2,7 @@
 
 Layout (glossary in `jaxgen.sharding`):
     k, v: (L, S, B, K, H)  keys and values for every layer, slot, sequence and kv head
+    k_scale, v_scale: (L, S, B, K) float32, int8 caches only: one scale per token and kv head
     pos:  (B, S) int32     the token position held in each slot; -1 marks an empty slot
     end:  () int32         the next slot to write; all sequences of a batch write the same slot
 
@@ -33,17 +34,23 @@ class KVCache:
     v: jax.Array  # (L, S, B, K, H)
     pos: jax.Array  # (B, S) int32, -1 = empty
     end: jax.Array  # () int32
+    k_scale: jax.Array | None = None  # (L, S, B, K) float32 for an int8 cache (see `quantize_kv`), else None
+    v_scale: jax.Array | None = None
 
     @classmethod
     def init(cls, cfg: ModelConfig, batch_size: int, max_len: int, dtype=jnp.float32) -> KVCache:
-        """An empty cache; `dtype` float32 or bfloat16 (held as uint16 bits on CPU, see `storage_dtype`)."""
+        """An empty cache; `dtype` float32, bfloat16 (held as uint16 bits on CPU, see `storage_dtype`) or
+        int8 (one float32 scale per token and kv head: `quantize_kv`)."""
         shape = (cfg.num_layers, max_len, batch_size, cfg.kv_heads, cfg.head_size)
         dtype = storage_dtype(dtype)
+        scale = jnp.zeros(shape[:-1], jnp.float32) if dtype == jnp.int8 else None
         return cls(
             k=jnp.zeros(shape, dtype),
             v=jnp.zeros(shape, dtype),
             pos=jnp.full((batch_size, max_len), -1, jnp.int32),
             end=jnp.zeros((), jnp.int32),
+            k_scale=scale,
+            v_scale=scale,
         )
 
     @property
@@ -64,14 +71,23 @@ class KVCache:
         """The cache as a call of T tokens sees it: their positions recorded at slots [end, end + T)."""
         return self.replace(pos=jax.lax.dynamic_update_slice(self.pos, positions_bt.astype(jnp.int32), (0, self.end)))
 
+    def arrays(self) -> tuple:
+        """What the layers thread and write: keys, values and (int8) their scales, None otherwise."""
+        return self.k, self.v, self.k_scale, self.v_scale
+
     def write(self, kv, layer, k_btkh, v_btkh, positions_bt):
         """This call's keys and values of `layer` at slots [end, end + T): a dynamic_update_slice at
         scalar offsets, in place when the cache is donated."""
-        k_all, v_all = kv
+        k_all, v_all, k_scale, v_scale = kv
         start = (layer, self.end, 0, 0, 0)
-        k_all = jax.lax.dynamic_update_slice(k_all, to_storage(k_btkh.swapaxes(0, 1)[None], k_all.dtype), start)
-        v_all = jax.lax.dynamic_update_slice(v_all, to_storage(v_btkh.swapaxes(0, 1)[None], v_all.dtype), start)
-        return k_all, v_all
+        k_new, v_new = k_btkh.swapaxes(0, 1)[None], v_btkh.swapaxes(0, 1)[None]  # (1, T, B, K, H)
+        if k_scale is not None:
+            (k_new, k_s), (v_new, v_s) = quantize_kv(k_new), quantize_kv(v_new)
+            k_scale = jax.lax.dynamic_update_slice(k_scale, k_s, start[:-1])
+            v_scale = jax.lax.dynamic_update_slice(v_scale, v_s, start[:-1])
+        k_all = jax.lax.dynamic_update_slice(k_all, to_storage(k_new, k_all.dtype), start)
+        v_all = jax.lax.dynamic_update_slice(v_all, to_storage(v_new, v_all.dtype), start)
+        return k_all, v_all, k_scale, v_scale
 
     @property
     def block_size(self) -> int:
@@ -79,13 +95,18 @@ class KVCache:
 
     def key_block(self, kv, layer, j):
         """Slots [j * block, (j + 1) * block) of `layer`: keys, values (B, block, K, H), positions (B, block)."""
-        k_all, v_all = kv
-        _, s, b, k, h = k_all.shape
+        k_all, v_all, k_scale, v_scale = kv
+        _, s, b = k_all.shape[:3]
         size = self.block_size
         row = (layer * s + j * size, 0, 0, 0)  # one index into (L * S, B, K, H): nothing hoisted out of the loop
-        kb = jax.lax.dynamic_slice(k_all.reshape(-1, b, k, h), row, (size, b, k, h)).swapaxes(0, 1)
-        vb = jax.lax.dynamic_slice(v_all.reshape(-1, b, k, h), row, (size, b, k, h)).swapaxes(0, 1)
-        return kb, vb, jax.lax.dynamic_slice(self.pos, (0, j * size), (b, size))
+
+        def take(x):
+            return jax.lax.dynamic_slice(x.reshape(-1, *x.shape[2:]), row[: x.ndim - 1], (size, *x.shape[2:]))
+
+        kb, vb = take(k_all), take(v_all)
+        if k_scale is not None:
+            kb, vb = dequantize_kv(kb, take(k_scale)), dequantize_kv(vb, take(v_scale))
+        return kb.swapaxes(0, 1), vb.swapaxes(0, 1), jax.lax.dynamic_slice(self.pos, (0, j * size), (b, size))
 
     def blocks_to_visit(self, positions_bt):
         """The blocks holding slots written so far, this call's included."""
@@ -94,14 +115,39 @@ class KVCache:
 
     def advance(self, kv, num_tokens: int) -> KVCache:
         """After every layer wrote: the new keys and values, and `end` moved past this call's tokens."""
-        return self.replace(k=kv[0], v=kv[1], end=self.end + num_tokens)
+        return self.replace(k=kv[0], v=kv[1], k_scale=kv[2], v_scale=kv[3], end=self.end + num_tokens)
+
+    def take_rows(self, rows) -> KVCache:
+        """The cache of sequences `rows` (B',) of this one, in that order (samples of a prompt, beams)."""
+        take = lambda x: None if x is None else jnp.take(x, rows, axis=2)
+        return self.replace(
+            k=take(self.k), v=take(self.v), k_scale=take(self.k_scale), v_scale=take(self.v_scale),
+            pos=jnp.take(self.pos, rows, axis=0),
+        )  # fmt: skip
 
 
 def constrain_cache(cache: KVCache) -> KVCache:
     """Sharding constraints on the cache under the current mesh: batch over data, kv heads over tensor."""
+    scales = {}
+    if cache.k_scale is not None:
+        names = KV_NAMES[:-1]
+        scales = {"k_scale": constrain(cache.k_scale, names), "v_scale": constrain(cache.v_scale, names)}
     return cache.replace(
-        k=constrain(cache.k, KV_NAMES), v=constrain(cache.v, KV_NAMES), pos=constrain(cache.pos, POS_NAMES)
+        k=constrain(cache.k, KV_NAMES), v=constrain(cache.v, KV_NAMES), pos=constrain(cache.pos, POS_NAMES), **scales
     )
+
+
+def quantize_kv(x):
+    """Symmetric int8 of keys or values (..., H) with one float32 scale per token and head (...,): the
+    absmax over H / 127. Per token, because a token's keys are written once and never rescaled."""
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    return jnp.clip(jnp.round(x / scale[..., None]), -127, 127).astype(jnp.int8), scale
+
+
+def dequantize_kv(q, scale):
+    return q.astype(jnp.float32) * scale[..., None]
 
 
 def storage_dtype(dtype) -> jnp.dtype:

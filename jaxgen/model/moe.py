@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgen.config import ModelConfig
-from jaxgen.model import layers
+from jaxgen.model import layers, quant
 from jaxgen.sharding import constrain
 
 
@@ -36,6 +36,8 @@ def mlp(x_btd, p: dict, valid_bt, cfg: ModelConfig):
     """The MoE layer on (B, T, D); `valid_bt` (bool) marks real tokens for the auxiliary losses."""
     b, t, d = x_btd.shape
     x_md = x_btd.reshape(b * t, d)
+    # int8 experts (inference) are expanded here: their grouped and per-expert products have no int8 path
+    p = {name: w.dequantize(x_btd.dtype) if quant.is_q(w) else w for name, w in p.items()}
     logits_me, weights_mk, experts_mk = route(x_md, p["w_router_de"], cfg)
     impl = _impl(cfg)
     if impl == "dense":

@@ -2,6 +2,7 @@
 
 Layout (glossary in `jaxgen.sharding`; Q pages of size Z in the pool, M pages at most per slot):
     k, v:       (K, L, Q, Z, H)  keys and values of every kv head, layer, page and offset
+    k_scale, v_scale: (K, L, Q, Z) float32, int8 pools only: one scale per token and kv head
     page_table: (B, M) int32     the pages of each decode slot (row b), in position order; 0 = none
     capacity:   (B,) int32       tokens the slot's pages can hold (pages allocated x Z)
 
@@ -25,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgen.config import ModelConfig
-from jaxgen.model.kvcache import storage_dtype, to_storage
+from jaxgen.model.kvcache import dequantize_kv, quantize_kv, storage_dtype, to_storage
 from jaxgen.sharding import constrain
 
 NULL_PAGE = 0
@@ -38,16 +39,21 @@ class PagedCache:
     v: jax.Array  # (K, L, Q, Z, H)
     page_table: jax.Array  # (B, M) int32
     capacity: jax.Array  # (B,) int32
+    k_scale: jax.Array | None = None  # (K, L, Q, Z) float32 for an int8 pool (`kvcache.quantize_kv`), else None
+    v_scale: jax.Array | None = None
 
     @classmethod
     def init(cls, cfg: ModelConfig, num_pages: int, page_size: int, slots: int, max_pages: int, dtype="float32"):
         shape = (cfg.kv_heads, cfg.num_layers, num_pages, page_size, cfg.head_size)
         dtype = storage_dtype(dtype)
+        scale = jnp.zeros(shape[:-1], jnp.float32) if dtype == jnp.int8 else None
         return cls(
             k=jnp.zeros(shape, dtype),
             v=jnp.zeros(shape, dtype),
             page_table=jnp.zeros((slots, max_pages), jnp.int32),
             capacity=jnp.zeros((slots,), jnp.int32),
+            k_scale=scale,
+            v_scale=scale,
         )
 
     @property
@@ -56,7 +62,11 @@ class PagedCache:
 
     def constrain(self) -> PagedCache:
         """Sharding constraints under the current mesh: kv heads over tensor, each device a slice of every page."""
-        return self.replace(k=constrain(self.k, PAGE_NAMES), v=constrain(self.v, PAGE_NAMES))
+        scales = {}
+        if self.k_scale is not None:
+            names = PAGE_NAMES[:-1]
+            scales = {"k_scale": constrain(self.k_scale, names), "v_scale": constrain(self.v_scale, names)}
+        return self.replace(k=constrain(self.k, PAGE_NAMES), v=constrain(self.v, PAGE_NAMES), **scales)
 
     def is_full(self, positions_b):
         """Per slot: is there no room for the token at `positions_b`?"""
@@ -69,24 +79,34 @@ class PagedCache:
 
     def write(self, kv, layer, k_btkh, v_btkh, positions_bt):
         """Scatters this call's keys and values of `layer` into the slots' pages; padding goes to page 0."""
-        k_all, v_all = kv
+        k_all, v_all, k_scale, v_scale = kv
         z = self.page_size
         valid = positions_bt >= 0
         rows = jnp.arange(positions_bt.shape[0])[:, None]
         page = jnp.where(valid, self.page_table[rows, jnp.maximum(positions_bt, 0) // z], NULL_PAGE)
         offset = jnp.where(valid, positions_bt % z, 0)
+        if k_scale is not None:
+            (k_btkh, k_s), (v_btkh, v_s) = quantize_kv(k_btkh), quantize_kv(v_btkh)
+            k_scale = k_scale.at[:, layer, page, offset].set(k_s.transpose(2, 0, 1))
+            v_scale = v_scale.at[:, layer, page, offset].set(v_s.transpose(2, 0, 1))
         k_all = k_all.at[:, layer, page, offset].set(to_storage(k_btkh, k_all.dtype).transpose(2, 0, 1, 3))
         v_all = v_all.at[:, layer, page, offset].set(to_storage(v_btkh, v_all.dtype).transpose(2, 0, 1, 3))
-        return k_all, v_all
+        return k_all, v_all, k_scale, v_scale
+
+    def arrays(self) -> tuple:
+        """What the layers thread and write: keys, values and (int8) their scales, None otherwise."""
+        return self.k, self.v, self.k_scale, self.v_scale
 
     def key_block(self, kv, layer, j):
         """Each slot's page j of `layer`: keys, values (B, Z, K, H) and positions (B, Z). A position
         past what the slot wrote is never seen (a query sees positions up to its own)."""
-        k_all, v_all = kv
+        k_all, v_all, k_scale, v_scale = kv
         z = self.page_size
         pages = self.page_table[:, j]
-        kb = k_all[:, layer, pages].transpose(1, 2, 0, 3)  # one gather (K, B, Z, H), then (B, Z, K, H)
-        vb = v_all[:, layer, pages].transpose(1, 2, 0, 3)
+        kb, vb = k_all[:, layer, pages], v_all[:, layer, pages]  # one gather each: (K, B, Z, H)
+        if k_scale is not None:
+            kb, vb = dequantize_kv(kb, k_scale[:, layer, pages]), dequantize_kv(vb, v_scale[:, layer, pages])
+        kb, vb = kb.transpose(1, 2, 0, 3), vb.transpose(1, 2, 0, 3)  # (B, Z, K, H)
         pos = jnp.broadcast_to(j * z + jnp.arange(z), (self.page_table.shape[0], z))
         return kb, vb, pos
 
@@ -95,9 +115,11 @@ class PagedCache:
         return jnp.max(positions_bt) // self.page_size + 1
 
     def advance(self, kv, num_tokens: int) -> PagedCache:
-        return self.replace(k=kv[0], v=kv[1])
+        return self.replace(k=kv[0], v=kv[1], k_scale=kv[2], v_scale=kv[3])
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype="float32") -> int:
-    """Bytes of one page across all layers, keys and values."""
-    return 2 * cfg.num_layers * page_size * cfg.kv_heads * cfg.head_size * jnp.dtype(storage_dtype(dtype)).itemsize
+    """Bytes of one page across all layers, keys and values (and their scales for int8)."""
+    stored = jnp.dtype(storage_dtype(dtype))
+    per_head = cfg.head_size * stored.itemsize + (4 if stored == jnp.int8 else 0)  # + a float32 scale
+    return 2 * cfg.num_layers * page_size * cfg.kv_heads * per_head

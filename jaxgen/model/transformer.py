@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen.config import ModelConfig
-from jaxgen.model import attention, kernels, layers, moe
+from jaxgen.model import attention, kernels, layers, moe, quant
 from jaxgen.model.kvcache import KVCache
 from jaxgen.sharding import constrain, named_sharding
 
@@ -218,7 +218,8 @@ def layer_constants(cfg: ModelConfig) -> dict:
 def _run(params, tokens, positions, cache, cfg: ModelConfig, segment_ids):
     """The embedding, every layer and the final norm: (B, T, D), the cache, the mean auxiliary losses."""
     params = _cast(params, cfg)
-    x = params["embed_vd"][tokens]  # (B, T, D)
+    embedding = params["embed_vd"]
+    x = quant.embed(embedding, tokens, cfg.dtype) if quant.is_q(embedding) else embedding[tokens]  # (B, T, D)
     if cfg.embed_scale:
         x = x * jnp.asarray(cfg.d_model**0.5, x.dtype)
     if cfg.position == "learned":
@@ -238,7 +239,7 @@ def _run(params, tokens, positions, cache, cfg: ModelConfig, segment_ids):
         kv = None
     else:  # decoding: masks are built block by block, over the cache blocks in use only
         cache = cache.with_positions(positions)
-        kv = (cache.k, cache.v)
+        kv = cache.arrays()  # keys, values (and int8 scales), written layer by layer
 
     def layer_step(carry, xs):
         x, kv = carry
@@ -286,7 +287,10 @@ def lm_head(params, x_btd, cfg: ModelConfig):
     """Logits (B, T, V) float32 from hidden states; the head is the embedding when tied."""
     params = _cast(params, cfg)
     x = x_btd.reshape(-1, x_btd.shape[-1])  # 2-D products: see layers.dense
-    if cfg.tie_embeddings:  # contract with the embedding's rows as stored: `.T` made XLA copy it each step
+    w = params["embed_vd"] if cfg.tie_embeddings else params["head_dv"]
+    if quant.is_q(w):  # int8 (inference, `quant.quantize_params(embedding=True)`)
+        logits = quant.head(x, w, cfg.tie_embeddings)
+    elif cfg.tie_embeddings:  # contract with the embedding's rows as stored: `.T` made XLA copy it each step
         contract_d = (((1,), (1,)), ((), ()))
         logits = jax.lax.dot_general(x, params["embed_vd"], contract_d, preferred_element_type=jnp.float32)
     else:
@@ -296,8 +300,9 @@ def lm_head(params, x_btd, cfg: ModelConfig):
 
 
 def _cast(params, cfg: ModelConfig):
+    """The params in the compute dtype; int8 weights (`jaxgen.model.quant`) stay int8."""
     dtype = jnp.dtype(cfg.dtype)
-    return jax.tree.map(lambda p: p.astype(dtype), params)
+    return jax.tree.map(lambda p: p if quant.is_q(p) else p.astype(dtype), params, is_leaf=quant.is_q)
 
 
 def _qkv(x, p, positions, consts, cfg: ModelConfig):

@@ -237,27 +237,37 @@ def load_run(run_dir: str | Path, mesh=None, step: int | None = None, param_dtyp
     return cfg, tokenizer, params
 
 
-def load_model(path: str | Path, mesh=None, step: int | None = None, param_dtype: str = "auto"):
+def load_model(
+    path: str | Path, mesh=None, step: int | None = None, param_dtype: str = "auto", quantize: str = "none",
+    quantize_embedding: bool = False,
+):  # fmt: skip
     """(ModelConfig, Tokenizer, params) of a jaxgen run folder or a local Hugging Face model folder.
 
     param_dtype: how the weights are held for inference: float32, bfloat16, or auto: the checkpoint's
     dtype (float32 master weights for a run folder; usually bfloat16 for a Hugging Face folder) on GPU
-    and TPU, float32 on CPU (see `hf.load.inference_dtype`). bfloat16 weights compute in bfloat16."""
+    and TPU, float32 on CPU (see `hf.load.inference_dtype`). bfloat16 weights compute in bfloat16.
+    quantize: "int8" holds the matrix weights as int8 (`jaxgen.model.quant`; with `quantize_embedding`
+    the embedding and head too), for inference only."""
     from jaxgen import hf
     from jaxgen.hf.load import inference_dtype
+    from jaxgen.model import quant
 
+    if quantize not in ("none", "int8"):
+        raise ValueError(f"quantize={quantize!r} is not allowed: none, int8")
     path = Path(path)
     if (path / "config.yaml").exists():
         dtype = inference_dtype(param_dtype, "float32")
         cfg, tokenizer, params = load_run(path, mesh, step, dtype)
-        model_cfg = dataclasses.replace(cfg.model, dtype="bfloat16") if dtype == "bfloat16" else cfg.model
-        return model_cfg, tokenizer, params
-    if hf.is_hf_folder(path):
+        cfg = dataclasses.replace(cfg.model, dtype="bfloat16") if dtype == "bfloat16" else cfg.model
+    elif hf.is_hf_folder(path):
         cfg, tokenizer, params = hf.load_pretrained(path, mesh, param_dtype=param_dtype)
         if tokenizer is None:
             raise FileNotFoundError(f"{path} has no tokenizer.json; jaxgen needs one to read and write text")
-        return cfg, tokenizer, params
-    raise FileNotFoundError(
-        f"{path} is neither a jaxgen run folder (config.yaml, written by train.py) nor a Hugging Face model "
-        "folder (config.json and *.safetensors)"
-    )
+    else:
+        raise FileNotFoundError(
+            f"{path} is neither a jaxgen run folder (config.yaml, written by train.py) nor a Hugging Face model "
+            "folder (config.json and *.safetensors)"
+        )
+    if quantize == "int8":
+        params = quant.quantize_params(params, embedding=quantize_embedding)
+    return cfg, tokenizer, params
