@@ -1,0 +1,120 @@
+"""int8 inference: weights (per output channel) and the KV cache (per token and kv head), against float32."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgen import LLM, SamplingConfig, model
+from jaxgen.config import ConfigError, ModelConfig, ServeConfig
+from jaxgen.inference.generator import Generator, GeneratorConfig
+from jaxgen.model import quant
+from jaxgen.model.kvcache import dequantize_kv, quantize_kv
+from jaxgen.model.paged import page_bytes
+from jaxgen.tokenizer import Tokenizer
+from jaxgen.training import checkpoint
+
+CFG = ModelConfig(
+    vocab_size=257, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, max_seq_len=128,
+    mlp="swiglu", norm="rmsnorm", position="rope", tie_embeddings=False,
+)  # fmt: skip
+HELD_OUT = (
+    "Decode is bound by memory traffic: each step reads every weight to produce one token per row. "
+    "The two standard ways to get more tokens out of the same bytes are to verify several guessed tokens "
+    "per target step and to read fewer bytes."
+)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return model.init_params(CFG, jax.random.key(0))
+
+
+def test_weights_quantize_per_output_channel(params):
+    qp = quant.quantize_params(params)
+    layer = qp["layers"]
+    assert quant.is_q(layer["w_q_dnh"]) and layer["w_q_dnh"].scale.shape == (2, 1, 4, 16)  # (L, 1, N, H)
+    assert layer["w_o_nhd"].scale.shape == (2, 1, 1, 64)  # contracted N and H
+    assert layer["mlp"]["w_down_fd"].scale.shape == (2, 1, 64)
+    assert not quant.is_q(qp["embed_vd"]) and not quant.is_q(qp["head_dv"])  # excluded by default
+    assert not quant.is_q(layer["attn_norm"]["scale_d"])
+    with_embedding = quant.quantize_params(params, embedding=True)
+    assert with_embedding["embed_vd"].scale.shape == (257, 1) and with_embedding["head_dv"].scale.shape == (1, 257)
+    w, q = np.asarray(params["layers"]["w_q_dnh"]), layer["w_q_dnh"]
+    # symmetric rounding: every weight within half a step of its channel's scale, the largest exact
+    assert np.all(np.abs(np.asarray(q.dequantize()) - w) <= np.asarray(q.scale) / 2 + 1e-7)
+    assert int(jnp.max(jnp.abs(q.q))) == 127
+    assert quant.weight_bytes(with_embedding) < 0.3 * quant.weight_bytes(params)
+    assert quant.quantize_params(qp) is not qp and quant.is_q(quant.quantize_params(qp)["layers"]["w_q_dnh"])
+
+
+@pytest.mark.parametrize("embedding", [False, True])
+def test_int8_weights_forward_close_to_float32(params, embedding):
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 257, (2, 24)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(24), (2, 24))
+    want, _ = model.forward(params, tokens, positions, None, cfg=CFG)
+    got, _ = model.forward(quant.quantize_params(params, embedding), tokens, positions, None, cfg=CFG)
+    err = float(jnp.max(jnp.abs(got - want)))
+    assert 0 < err < 0.03 * float(jnp.max(jnp.abs(want)))  # int8 rounding shows, but only just
+
+
+def test_kv_quantization_per_token_and_head():
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(3, 5, 2, 16)), jnp.float32)
+    q, scale = quantize_kv(x)
+    assert q.dtype == jnp.int8 and scale.shape == (3, 5, 2)
+    np.testing.assert_allclose(scale, np.abs(np.asarray(x)).max(-1) / 127, rtol=1e-6)
+    assert np.all(np.abs(np.asarray(dequantize_kv(q, scale) - x)) <= np.asarray(scale)[..., None] / 2 + 1e-7)
+    # an int8 page holds 64 values and a float32 scale per token and head: ~2x the tokens of bfloat16
+    big = ModelConfig(d_model=512, num_heads=8)
+    assert 1.8 < page_bytes(big, 16, "bfloat16") / page_bytes(big, 16, "int8") < 2.0
+
+
+def test_int8_kv_cache_decode_close_to_float_and_engine_equals_generator(params):
+    """Greedy decode with an int8 cache: logprobs near the float cache's; the engine (paged int8) and the
+    Generator (contiguous int8) quantize the same keys the same way, so they pick the same tokens."""
+    tok = Tokenizer.byte_level()
+    prompts = ["int8 keys", "and values, ragged"]
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=10)
+    ref = Generator(params, CFG, tok, GeneratorConfig()).generate(prompts, greedy)
+    gen = Generator(params, CFG, tok, GeneratorConfig(cache_dtype="int8")).generate(prompts, greedy)
+    for a, b in zip(gen, ref, strict=True):
+        n = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens, strict=True)) if x != y), len(a.tokens))
+        assert n >= 1  # the first token comes from the prefill's last position, over int8 keys already
+        np.testing.assert_allclose(a.logprobs[:n], b.logprobs[:n], atol=0.05)
+    llm = LLM(params, cfg=CFG, tokenizer=tok, slots=2, num_pages=16, cache_dtype="int8")
+    for out, g in zip(llm.generate(prompts, greedy), gen, strict=True):
+        assert out.outputs[0].tokens == g.tokens
+        np.testing.assert_allclose(out.outputs[0].logprobs, g.logprobs, atol=1e-4)
+    assert llm.engine.state.cache.k.dtype == jnp.int8 and llm.engine.state.cache.k_scale.dtype == jnp.float32
+
+
+def test_int8_held_out_perplexity_within_one_percent(tiny_run):
+    """The trained tiny run: held-out perplexity with int8 weights, and with an int8 KV cache, within 1%."""
+    cfg, tok, params = checkpoint.load_model(tiny_run)
+    prompt, rest = HELD_OUT[:30], HELD_OUT[30:110]  # within the tiny model's 128-token context
+
+    def perplexity(p, cache_dtype="float32"):  # the continuation reads the prompt's cache, then its own keys
+        (r,) = Generator(p, cfg, tok, GeneratorConfig(cache_dtype=cache_dtype)).score_shared([prompt], [rest])
+        return r["perplexity"]
+
+    base = perplexity(params)
+    _, _, q8 = checkpoint.load_model(tiny_run, quantize="int8")
+    weights, kv = perplexity(q8), perplexity(params, "int8")
+    assert weights != base and kv != base  # both paths really ran quantized
+    assert abs(weights / base - 1) < 0.01 and abs(kv / base - 1) < 0.01, (base, weights, kv)
+
+
+def test_int8_settings_are_checked_and_export_refuses_int8(params, tmp_path):
+    with pytest.raises(ConfigError, match=r"serve\.quantize='int4' is not allowed"):
+        ServeConfig(quantize="int4")
+    with pytest.raises(ConfigError, match=r"serve\.cache_dtype='int4'"):
+        ServeConfig(cache_dtype="int4")
+    with pytest.raises(ValueError, match="quantize='fp8' is not allowed"):
+        checkpoint.load_model(tmp_path, quantize="fp8")
+    from jaxgen.hf.export import save_pretrained
+
+    with pytest.raises(ValueError, match="int8 weights"):
+        save_pretrained(tmp_path / "hf", quant.quantize_params(params), CFG)
+    assert dataclasses.replace(ServeConfig(), quantize="int8").quantize == "int8"
