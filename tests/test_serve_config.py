@@ -37,12 +37,12 @@ def test_file_then_overrides_then_explicit_flags(tmp_path):
 
     flags = ["--slots", "2", "--port", "9001", "--no-prefix-caching", "--kv-memory-gb", "2", "--host", "0.0.0.0"]
     flags += ["--model-name", "n", "--max-body-bytes", "10", "--max-queue", "3", "--request-timeout", "5"]
-    flags += ["--shutdown-grace", "1", "--page-size", "32"]
-    s = _settings([*base, "serve.slots=6", "http.port=9002", *flags])
+    flags += ["--shutdown-grace", "1", "--page-size", "32", "--quantize", "int8", "--cache-dtype", "int8"]
+    s = _settings([*base, "serve.slots=6", "http.port=9002", "serve.cache_dtype=bfloat16", *flags])
     assert s == ServeCommandConfig(
         serve=ServeConfig(
             slots=2, page_size=32, kv_memory_gb=2.0, chunk_steps=4, prefix_caching=False, max_body_bytes=10,
-            max_queue=3, request_timeout_s=5.0, shutdown_grace_s=1.0,
+            max_queue=3, request_timeout_s=5.0, shutdown_grace_s=1.0, quantize="int8", cache_dtype="int8",
         ),
         http=HttpConfig(host="0.0.0.0", port=9001, model_name="n"),
     )  # fmt: skip
@@ -58,7 +58,7 @@ def test_file_then_overrides_then_explicit_flags(tmp_path):
         (["serving.slots=2"], "unknown config key serving; allowed keys under the top level: serve, http"),
         (["http.api_key=s3cret"], "http.api_key is not read from config files"),
         (["serve.slots=0"], "serve.slots=0 is not allowed: a positive integer"),
-        (["serve.cache_dtype=int8"], "serve.cache_dtype='int8' is not allowed: float32, bfloat16"),
+        (["serve.cache_dtype=int4"], "serve.cache_dtype='int4' is not allowed: float32, bfloat16, int8"),
         (["serve.prefix_caching=maybe"], "serve.prefix_caching='maybe' is not allowed: true or false"),
         (["http.port=70000"], "http.port=70000 is not allowed: an integer in [0, 65535]"),
         (["serve=4"], "serve=4 is not allowed: a mapping of slots"),
