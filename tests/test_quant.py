@@ -118,3 +118,25 @@ def test_int8_settings_are_checked_and_export_refuses_int8(params, tmp_path):
     with pytest.raises(ValueError, match="int8 weights"):
         save_pretrained(tmp_path / "hf", quant.quantize_params(params), CFG)
     assert dataclasses.replace(ServeConfig(), quantize="int8").quantize == "int8"
+
+
+def test_int8_engine_on_a_data_and_tensor_mesh_equals_one_device(params):
+    """int8 weights placed by the model's shardings (tensor-parallel int8 products) and int8 pages split
+    by kv head: the same tokens as one device."""
+    from jaxgen.config import MeshConfig
+    from jaxgen.inference.engine import Engine
+    from jaxgen.sharding import make_mesh
+
+    mesh = make_mesh(MeshConfig(data=2, tensor=2), devices=jax.devices()[:4])
+    placed = quant.quantize_params(jax.device_put(params, model.param_shardings(CFG, mesh)))
+    assert placed["layers"]["w_q_dnh"].q.sharding.spec[2] == "tensor"  # heads split, as the float weight
+    serve = ServeConfig(slots=4, num_pages=32, cache_dtype="int8")
+    prompts = ["one device", "or four", "the same"]
+    greedy, sampled = (
+        SamplingConfig(temperature=0.0, max_new_tokens=8),
+        SamplingConfig(temperature=0.8, seed=3, max_new_tokens=8),
+    )
+    configs = [greedy, sampled, greedy]
+    a = Engine(placed, CFG, Tokenizer.byte_level(), serve, mesh=mesh).generate(prompts, configs)
+    b = Engine(quant.quantize_params(params), CFG, Tokenizer.byte_level(), serve).generate(prompts, configs)
+    assert [x.tokens for x in a] == [x.tokens for x in b]
