@@ -117,6 +117,12 @@ class Engine:
         for name, value in (("logprobs", c.logprobs), ("prompt_logprobs", c.prompt_logprobs or 0)):
             if value > most:
                 raise SamplingError(f"{name}={value} is not allowed: at most {most} (serve.max_logprobs)", name)
+        if c.num_speculative_tokens:
+            raise SamplingError(
+                f"num_speculative_tokens={c.num_speculative_tokens} is not allowed here: the engine does not "
+                "speculate yet (Generator and jaxgen.generate do); use 0",
+                "num_speculative_tokens",
+            )
         stops = self._stops(c)
         if any(len(q) > STOP_LEN for q in stops):
             raise SamplingError(f"a stop token sequence is longer than {STOP_LEN} tokens", "stop_token_sequences")

@@ -24,7 +24,7 @@ import numpy as np
 
 from jaxgen import model
 from jaxgen.config import ModelConfig
-from jaxgen.inference import scoring
+from jaxgen.inference import scoring, speculative
 from jaxgen.inference.decode import (
     FINISH_LENGTH,
     FINISH_NAMES,
@@ -98,6 +98,12 @@ class Generator:
         jitted_prefill = jax.jit(counted(self, prefill), static_argnames=("cfg", "cache_len", "cache_dtype"))
         self._prefill = with_mesh(jitted_prefill, mesh)
         self._loop = with_mesh(jax.jit(counted(self, decode_loop), static_argnames="cfg", donate_argnums=1), mesh)
+        self._spec_loop = with_mesh(
+            jax.jit(counted(self, speculative.speculative_loop), static_argnames=("cfg", "w"), donate_argnums=(1, 2)),
+            mesh,
+        )
+        # speculative decoding so far: target steps and drafts proposed and kept, summed over rows
+        self.speculation = {"target_steps": 0, "tokens": 0, "proposed": 0, "accepted": 0}
         self._score = with_mesh(jax.jit(counted(self, scoring.score_tokens), static_argnames=("cfg", "top")), mesh)
         statics = ("cfg", "cache_len", "cache_dtype")
         self._score_after = with_mesh(
@@ -154,6 +160,9 @@ class Generator:
         # Slots for the padded prompts plus every new token: the padding (up to the bucket t) takes slots
         # too, so capping at the context length would leave no room when t reaches it.
         cache_len = max(bucket(t + min(longest_new, cfg.max_seq_len)), self.min_cache_len)
+        w = speculative.window([configs[p].num_speculative_tokens for p, _ in group])
+        if w:  # every step writes W + 1 slots (rejected drafts' slots are not reused)
+            cache_len = max(bucket(speculative.cache_len_needed(t, longest_new, w)), self.min_cache_len)
         tokens, positions, lengths = _padded([ids[p] for p in prompt_idx], p_count, t)
         where = {p: i for i, p in enumerate(prompt_idx)}
         padded = group + [group[0]] * (b - len(group))  # filler rows, finished from the start
@@ -162,16 +171,43 @@ class Generator:
         state = self._init_state(ids, configs, padded, len(group), cache, logits, longest_new)
         prompt_scores = self._prompt_scores(ids, configs, prompt_idx)
         stop_at: list[int | None] = [None] * len(group)
+        spec = None
+        if w:
+            prompts = [ids[p] for p, _ in padded]
+            num_spec = [configs[p].num_speculative_tokens for p, _ in padded]
+            spec = speculative.SpecState.init(prompts, num_spec, bucket(t + longest_new + w + 1))
         while True:
             limit = min(int(state.step) + self.chunk_steps, longest_new)
-            state = self._loop(self.params, state.replace(limit=jnp.int32(limit)), cfg=cfg)
+            state = state.replace(limit=jnp.int32(limit))
+            if spec is None:
+                state = self._loop(self.params, state, cfg=cfg)
+            else:
+                state, spec = self._spec_loop(self.params, state, spec, cfg=cfg, w=w)
             host = HostRows.of(state)
             done = self._check_stop_strings(host, configs, group, stop_at)
             if done.any():
                 state = state.replace(done=state.done | jnp.asarray(np.pad(done, (0, b - len(group)))))
             yield self._completions(host, configs, group, stop_at, prompt_scores)
             if bool(jnp.all(state.done)):
+                if spec is not None:
+                    self._count_speculation(spec, host, len(group))
                 return
+
+    def _count_speculation(self, spec, host: HostRows, live: int) -> None:
+        steps, proposed, accepted = jax.device_get((spec.target_steps, spec.proposed, spec.accepted))
+        self.speculation["target_steps"] += int(steps[:live].sum())
+        self.speculation["tokens"] += int(host.generated[:live].sum())
+        self.speculation["proposed"] += int(proposed[:live].sum())
+        self.speculation["accepted"] += int(accepted[:live].sum())
+
+    def speculation_stats(self) -> dict:
+        """Speculative decoding so far: drafts kept / proposed, and tokens per target step (per row)."""
+        c = self.speculation
+        return {
+            **c,
+            "acceptance_rate": c["accepted"] / c["proposed"] if c["proposed"] else 0.0,
+            "tokens_per_step": c["tokens"] / c["target_steps"] if c["target_steps"] else 0.0,
+        }
 
     def _init_state(self, ids, configs, padded, live, cache, logits, longest_new) -> DecodeState:
         b, v = len(padded), self.cfg.vocab_size

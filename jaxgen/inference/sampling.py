@@ -21,6 +21,7 @@ import numpy as np
 INT32_MAX = 2**31 - 1  # every count and token id ends up in an int32 device array
 MAX_N = 128  # samples per prompt
 MAX_LOGPROBS = 20  # top alternatives per token (as OpenAI's API)
+MAX_SPECULATIVE = 8  # draft tokens per target step (the Generator verifies a fixed window of this many)
 MAX_TEMPERATURE = 1e4
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -105,6 +106,8 @@ class SamplingConfig:
     ignore_eos: bool = False
     logprobs: int = 0  # top-N alternatives per token to return (0 = only the chosen token's)
     prompt_logprobs: int | None = None  # per prompt token: its logprob and top-N alternatives (None = off)
+    # draft tokens checked per target step by n-gram lookup (Generator; 0 = off): the output is unchanged
+    num_speculative_tokens: int = 0
 
     def __post_init__(self):
         """Bounds that hold for every model; `check_for_model` adds those that need the vocabulary."""
@@ -120,6 +123,7 @@ class SamplingConfig:
             ("n", self.n, 1, MAX_N),
             ("logprobs", self.logprobs, 0, MAX_LOGPROBS),
             ("seed", self.seed, -(2**63), 2**64 - 1),
+            ("num_speculative_tokens", self.num_speculative_tokens, 0, MAX_SPECULATIVE),
         ]
         if self.prompt_logprobs is not None:
             ints.append(("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS))

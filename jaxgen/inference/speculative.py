@@ -1,0 +1,163 @@
+"""Speculative decoding with n-gram drafts (prompt lookup), inside the Generator's on-device loop.
+
+Each target step feeds W + 1 tokens: the token just drawn and W drafts, copied from what followed the
+latest earlier occurrence of the row's last n tokens (n = 3, else 2, else 1) in its prompt and output.
+One forward pass gives the target's distribution after each of them, and the drafts are checked in
+order: draft i is kept while the token the target *draws* there, with the same (seed, token index) key,
+penalties and settings as plain decoding, equals it. Since a draft is a single guessed token (a point
+mass), this is the standard accept/resample rule: the kept tokens and the first drawn token that differs
+(drawn at the next step, from the same logits) are exactly what plain decoding would produce, so the
+output equals plain decoding for greedy and sampled rows alike, and per-request seeds stay
+batch-invariant.
+
+The contiguous cache writes all rows at one shared slot, so a rejected draft's slot is not reused:
+its position is set to -1 (attention never reads it) and the cache is sized for W + 1 slots a step
+(`cache_len`). Per row, `num_speculative_tokens` (0..W) is an array: changing it does not recompile;
+W is the power of two (2, 4 or 8) covering the batch's largest request.
+
+Shapes: B rows, S history length (prompt + output), W the draft window, V the vocabulary.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxgen import model
+from jaxgen.config import ModelConfig
+from jaxgen.inference.decode import FINISH_LENGTH, FINISH_STOP, RUNNING, DecodeState
+from jaxgen.inference.sampling import sample
+
+NGRAMS = (3, 2, 1)  # the longest match wins
+
+
+@flax.struct.dataclass
+class SpecState:
+    history: jax.Array  # (B, S) int32: each row's prompt and output so far, by position
+    length: jax.Array  # (B,) int32: tokens in history
+    num_spec: jax.Array  # (B,) int32: drafts per step (0 = plain decoding for that row)
+    proposed: jax.Array  # (B,) int32: drafts fed so far
+    accepted: jax.Array  # (B,) int32: drafts kept so far
+    target_steps: jax.Array  # (B,) int32: target forward passes the row took part in
+
+    @classmethod
+    def init(cls, prompts: list[list[int]], num_spec: list[int], size: int) -> SpecState:
+        import numpy as np
+
+        history = np.full((len(prompts), size), -1, np.int32)
+        for r, p in enumerate(prompts):
+            history[r, : len(p)] = p
+        def zeros():  # one buffer each: the loop donates them
+            return jnp.zeros((len(prompts),), jnp.int32)
+
+        return cls(
+            history=jnp.asarray(history), length=jnp.asarray([len(p) for p in prompts], jnp.int32),
+            num_spec=jnp.asarray(num_spec, jnp.int32), proposed=zeros(), accepted=zeros(), target_steps=zeros(),
+        )  # fmt: skip
+
+
+def window(num_spec: list[int]) -> int:
+    """The static draft window W for a batch: 2, 4 or 8 (0 when no row speculates)."""
+    top = max(num_spec, default=0)
+    return 0 if top == 0 else next(w for w in (2, 4, 8) if w >= top)
+
+
+def cache_len_needed(prompt_len: int, new_tokens: int, w: int) -> int:
+    """Slots a speculative run may write: every step takes W + 1 and makes at least one token."""
+    return prompt_len + new_tokens * (w + 1)
+
+
+def ngram_drafts(history_bs, length_b, w: int):
+    """Drafts (B, W) int32 and how many are real (B,): the tokens after the latest earlier match of the
+    last n tokens (the longest n of NGRAMS that matches), up to the end of what is known."""
+    b, s = history_bs.shape
+    j = jnp.arange(s)
+    found, start = jnp.zeros((b,), bool), jnp.zeros((b,), jnp.int32)
+    for n in sorted(NGRAMS):  # shorter first: a longer match found later overrides
+        match = (j[None] >= n - 1) & (j[None] <= length_b[:, None] - 2)
+        for m in range(n):
+            last = jnp.take_along_axis(history_bs, jnp.maximum(length_b - 1 - m, 0)[:, None], axis=1)
+            earlier = jnp.roll(history_bs, m, axis=1)  # earlier[:, j] = history[:, j - m]
+            match &= earlier == last
+        hit = match.any(1) & (length_b >= n + 1)
+        where = jnp.max(jnp.where(match, j[None], -1), axis=1)
+        start = jnp.where(hit, where + 1, start)
+        found |= hit
+    idx = start[:, None] + jnp.arange(w)[None]
+    real = jnp.where(found, jnp.clip(length_b - start, 0, w), 0)
+    drafts = jnp.take_along_axis(history_bs, jnp.minimum(idx, s - 1), axis=1)
+    return jnp.where(jnp.arange(w)[None] < real[:, None], drafts, 0), real
+
+
+def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConfig, w: int):
+    """`decode.decode_loop` with W drafts per step; returns (state, spec). Pure; the cache is updated in place."""
+    rows = jnp.arange(state.tokens.shape[0])
+
+    def cond(carry):
+        s, _ = carry
+        return (s.step < s.limit) & ~jnp.all(s.done)
+
+    def body(carry):
+        s, sp = carry
+        live = ~s.done
+        x0 = jnp.where(live, sample(s.logits, s.sampling, s.generated, s.seen, s.counts), 0)
+        history = sp.history.at[rows, jnp.where(live, sp.length, sp.history.shape[1])].set(x0, mode="drop")
+        length = sp.length + live
+        drafts, real = ngram_drafts(history, length, w)
+        real = jnp.minimum(real, sp.num_spec) * live
+        offsets = jnp.arange(w + 1)[None]
+        positions = s.positions[:, None] + offsets  # (B, W + 1)
+        fed = live[:, None] & (offsets <= real[:, None]) & (positions < cfg.max_seq_len)
+        tokens = jnp.concatenate([x0[:, None], drafts], axis=1)
+        end = s.cache.end
+        logits, cache = model.forward(params, tokens, jnp.where(fed, positions, -1), s.cache, cfg=cfg)
+
+        s = _record(s, x0, s.logits, live, s.positions, cfg)
+        ok, kept = live, jnp.zeros_like(real)
+        for i in range(1, w + 1):  # draft i is kept while the target draws it there
+            drawn = sample(logits[:, i - 1], s.sampling, s.generated, s.seen, s.counts)
+            ok = ok & ~s.done & (i <= real) & (drawn == drafts[:, i - 1])
+            s = _record(s, drafts[:, i - 1], logits[:, i - 1], ok, s.positions + i, cfg)
+            kept = kept + ok
+        history = history.at[rows[:, None], length[:, None] + jnp.arange(w)[None]].set(drafts, mode="drop")
+        keep = live[:, None] & (offsets <= kept[:, None])  # rejected drafts' slots: never read again
+        cache = cache.replace(pos=jax.lax.dynamic_update_slice(cache.pos, jnp.where(keep, positions, -1), (0, end)))
+        s = s.replace(
+            step=s.step + 1, positions=s.positions + (1 + kept) * live, cache=cache,
+            logits=jnp.take_along_axis(logits, kept[:, None, None], axis=1)[:, 0],
+        )  # fmt: skip
+        sp = sp.replace(
+            history=history, length=length + kept, proposed=sp.proposed + real, accepted=sp.accepted + kept,
+            target_steps=sp.target_steps + live,
+        )  # fmt: skip
+        return s, sp
+
+    return jax.lax.while_loop(cond, body, (state, spec))
+
+
+def _record(s: DecodeState, tok, logits, active, position, cfg: ModelConfig) -> DecodeState:
+    """`tok` (B,) appended to the rows where `active`, at each row's own column (`generated`): its
+    log-probability and alternatives, the penalties' counts, and the finish code (a stop sequence,
+    max_new or the context; the cache is sized so that it cannot fill)."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(logp, s.top_ids.shape[-1])
+    rows = jnp.arange(tok.shape[0])
+    column = jnp.where(active, s.generated, s.tokens.shape[1])  # past the end: dropped
+
+    def write(buf, x):
+        return buf.at[rows, column].set(x, mode="drop")
+
+    recent = jnp.where(active[:, None], jnp.concatenate([s.recent[:, 1:], tok[:, None]], axis=1), s.recent)
+    matches = (s.stop_seqs == recent[:, None, :]) | (s.stop_seqs < 0)
+    hit_stop = jnp.any(jnp.all(matches, axis=-1) & jnp.any(s.stop_seqs >= 0, axis=-1), axis=-1)
+    generated = s.generated + active
+    too_long = (generated >= s.max_new) | (position + 1 >= cfg.max_seq_len)
+    finish = jnp.where(active & hit_stop, FINISH_STOP, jnp.where(active & too_long, FINISH_LENGTH, s.finish))
+    return s.replace(
+        generated=generated, tokens=write(s.tokens, tok), logprobs=write(s.logprobs, chosen),
+        top_ids=write(s.top_ids, top_ids), top_logprobs=write(s.top_logprobs, top_lp), finish=finish,
+        done=s.done | (finish != RUNNING), recent=recent,
+        counts=s.counts.at[rows, tok].add(active.astype(jnp.int32)), seen=s.seen.at[rows, tok].max(active),
+    )  # fmt: skip

@@ -1,0 +1,122 @@
+"""Speculative decoding (n-gram drafts): the output equals plain decoding, greedy and sampled."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgen import LLM, SamplingConfig, model
+from jaxgen.config import ModelConfig
+from jaxgen.inference import speculative
+from jaxgen.inference.generator import Generator, GeneratorConfig
+from jaxgen.inference.sampling import SamplingError
+from jaxgen.tokenizer import Tokenizer
+
+CONFIGS = {
+    "llama": ModelConfig(
+        vocab_size=257, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, max_seq_len=128,
+        mlp="swiglu", norm="rmsnorm", position="rope",
+    ),
+    "gpt2": ModelConfig(vocab_size=257, num_layers=2, d_model=64, num_heads=4, d_ff=128, max_seq_len=128),
+}  # fmt: skip
+# copy-heavy prompts (drafts find matches), ragged, one near the end of the context
+PROMPTS = ["abcabcabcabcabc", "the cat sat on the mat; the cat sat on", "x" * 110]
+
+
+def _same(a, b):
+    assert (a.tokens, a.finish_reason, a.text) == (b.tokens, b.finish_reason, b.text)
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-5)
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def gen(request):
+    cfg = CONFIGS[request.param]
+    params = model.init_params(cfg, jax.random.key(1))
+    return Generator(params, cfg, Tokenizer.byte_level(), GeneratorConfig(max_batch=8, chunk_steps=8))
+
+
+def test_greedy_and_sampled_output_equals_plain_decoding(gen):
+    """Ragged rows with different windows (0 = off), greedy and sampled with penalties, a stop sequence
+    and the context's end: token for token what plain decoding gives with the same seeds."""
+    plain = [
+        SamplingConfig(temperature=0.0, max_new_tokens=24, ignore_eos=True),
+        SamplingConfig(temperature=0.9, top_k=50, seed=11, max_new_tokens=24, repetition_penalty=1.2, n=2),
+        SamplingConfig(temperature=0.7, seed=3, max_new_tokens=40, frequency_penalty=0.3, stop_token_sequences=[[120]]),
+    ]  # fmt: skip
+    spec = [dataclasses.replace(c, num_speculative_tokens=k) for c, k in zip(plain, (4, 3, 2), strict=True)]
+    before = dict(gen.speculation)
+    want = gen.generate(PROMPTS, plain)
+    got = gen.generate(PROMPTS, spec)
+    assert len(got) == len(want) == 4
+    for a, b in zip(got, want, strict=True):
+        _same(a, b)
+    assert want[3].finish_reason == "length" and len(want[3].tokens) < 40  # the context ended it
+    assert gen.speculation["proposed"] > before["proposed"]  # drafts were fed (random weights keep few)
+    off = gen.generate(PROMPTS[:2], [spec[0], plain[1]])  # a batch mixing speculating and plain rows
+    for a, b in zip(off, gen.generate(PROMPTS[:2], plain[:2]), strict=True):
+        _same(a, b)
+
+
+def test_a_trained_model_keeps_drafts_and_takes_fewer_target_steps(tiny_run):
+    """The tiny trained run continuing repetitive code: drafts are kept, so the rows take fewer target
+    steps than tokens, and the output is still plain decoding's."""
+    from jaxgen.training.checkpoint import load_model
+
+    cfg, tok, params = load_model(tiny_run)
+    gen = Generator(params, cfg, tok, GeneratorConfig(max_batch=2, chunk_steps=32))
+    prompts = ["    x = 1\n    x = 1\n    x = 1\n", "import os\nimport os\nimport"]
+    plain = SamplingConfig(temperature=0.0, max_new_tokens=32, ignore_eos=True)
+    want = gen.generate(prompts, plain)
+    got = gen.generate(prompts, dataclasses.replace(plain, num_speculative_tokens=4))
+    for a, b in zip(got, want, strict=True):
+        _same(a, b)
+    stats = gen.speculation_stats()
+    assert stats["accepted"] > 0 and stats["tokens_per_step"] > 1.0, stats
+
+
+def test_many_seeds_sample_what_plain_decoding_samples():
+    """The target distribution is kept: over 16 seeds every sampled token equals plain decoding's."""
+    cfg = CONFIGS["llama"]
+    params = model.init_params(cfg, jax.random.key(2))
+    gen = Generator(params, cfg, Tokenizer.byte_level(), GeneratorConfig(max_batch=16, chunk_steps=16))
+    base = SamplingConfig(temperature=1.0, max_new_tokens=16, ignore_eos=True, seed=0, n=16)
+    want = gen.generate(["abababababababab"], base)
+    got = gen.generate(["abababababababab"], dataclasses.replace(base, num_speculative_tokens=8))
+    assert [c.tokens for c in got] == [c.tokens for c in want]
+    assert len({tuple(c.tokens) for c in want}) > 8  # the samples really differ
+
+
+def test_window_values_do_not_recompile(gen):
+    c = SamplingConfig(temperature=0.0, max_new_tokens=8, num_speculative_tokens=3)
+    gen.generate(PROMPTS[:2], c)
+    before = gen.compilations
+    gen.generate(PROMPTS[:2], [dataclasses.replace(c, num_speculative_tokens=k) for k in (4, 1)])
+    assert gen.compilations == before  # 1..4 share the window W = 4: per-row values are an array
+    assert speculative.window([0, 0]) == 0 and speculative.window([1, 3]) == 4 and speculative.window([5]) == 8
+    stats = gen.speculation_stats()
+    assert 0 <= stats["acceptance_rate"] <= 1 and stats["tokens_per_step"] >= 1
+
+
+def test_ngram_drafts_copy_what_followed_the_latest_match():
+    history = jnp.asarray(
+        [[5, 6, 7, 8, 5, 6, 7, 1, 5, 6, -1, -1], [1, 2, 3, 4, 9, -1, -1, -1, -1, -1, -1, -1]], jnp.int32
+    )
+    drafts, real = speculative.ngram_drafts(history, jnp.asarray([10, 5], jnp.int32), 3)
+    # row 0 ends "5 6": the latest earlier "5 6" is at 4-5, followed by 7 1 5
+    assert drafts[0].tolist() == [7, 1, 5] and int(real[0]) == 3
+    assert int(real[1]) == 0  # "9" never occurred before: no drafts
+    drafts, real = speculative.ngram_drafts(history, jnp.asarray([9, 5], jnp.int32), 4)
+    # row 0 ends "7 1 5"... "1 5" never before, "5" last at 4: 6 7 1 5 (up to what is known)
+    assert drafts[0].tolist() == [6, 7, 1, 5] and int(real[0]) == 4
+
+
+def test_bad_window_and_the_engine_say_what_is_allowed():
+    with pytest.raises(SamplingError, match=r"num_speculative_tokens=9 is not allowed: an integer in \[0, 8\]"):
+        SamplingConfig(num_speculative_tokens=9)
+    cfg = CONFIGS["gpt2"]
+    llm = LLM(model.init_params(cfg, jax.random.key(0)), cfg=cfg, tokenizer=Tokenizer.byte_level(), slots=2,
+              num_pages=8)  # fmt: skip
+    with pytest.raises(SamplingError, match="the engine does not speculate yet"):
+        llm.generate("abc", SamplingConfig(num_speculative_tokens=2))
