@@ -48,6 +48,7 @@ class SpecState:
         history = np.full((len(prompts), size), -1, np.int32)
         for r, p in enumerate(prompts):
             history[r, : len(p)] = p
+
         def zeros():  # one buffer each: the loop donates them
             return jnp.zeros((len(prompts),), jnp.int32)
 

@@ -1,0 +1,82 @@
+"""Speculative decoding with n-gram drafts: tokens/s with and without, acceptance rate, tokens per
+target step, at batch 1 and 8.
+
+    python bench/speculative.py [--run runs/default] [--window 4] [--new-tokens 96]
+
+The workload is copy-heavy: each prompt is a passage of a Python standard-library file followed by the
+start of the same passage again, so a model that learned to copy (the one `python train.py` trains, on
+those files) continues by reproducing it, and n-gram lookup over the prompt finds the drafts. Greedy and
+sampled (temperature 0.7) rows; the output is the same with and without speculation (tested in
+tests/test_speculative.py), so only the time differs. Compare rows as ratios within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sysconfig
+import time
+from pathlib import Path
+
+from jaxgen.inference.generator import Generator, GeneratorConfig
+from jaxgen.inference.sampling import SamplingConfig
+from jaxgen.training.checkpoint import load_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def copy_prompts(tok, count: int, passage: int, again: int) -> list[list[int]]:
+    """`count` prompts: `passage` tokens of a stdlib file, a newline, then its first `again` tokens."""
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    out = []
+    for f in files:
+        ids = tok.encode(f.read_text(errors="replace"), special=False)
+        if len(ids) >= passage:
+            out.append(ids[:passage] + tok.encode("\n", special=False) + ids[:again])
+        if len(out) == count:
+            return out
+    raise SystemExit("not enough stdlib files")
+
+
+def run(gen: Generator, prompts, sampling: SamplingConfig, repeats: int = 2) -> tuple[float, dict]:
+    gen.generate(prompts, sampling)  # compiles
+    before = dict(gen.speculation)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        outs = gen.generate(prompts, sampling)
+        best = min(best, time.perf_counter() - t0)
+    tokens = sum(len(o.tokens) for o in outs)
+    delta = {k: (gen.speculation[k] - before[k]) / repeats for k in before}
+    return tokens / best, delta
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", type=Path, default=ROOT / "runs" / "default", help="a trained run folder")
+    parser.add_argument("--window", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    args = parser.parse_args()
+    cfg, tok, params = load_model(args.run)
+    passage = (cfg.max_seq_len - args.new_tokens) * 2 // 3
+    print(f"{args.run}: prompts of {passage} tokens + the first {passage // 4} again; {args.new_tokens} new tokens")
+    print("| batch | sampling | plain tok/s | speculative tok/s | speedup | acceptance | tokens / target step |")
+    print("|---|---|---|---|---|---|---|")
+    for b in args.batches:
+        prompts = copy_prompts(tok, b, passage, passage // 4)
+        gen = Generator(params, cfg, tok, GeneratorConfig(max_batch=b, chunk_steps=args.new_tokens))
+        for name, temp in (("greedy", 0.0), ("t=0.7", 0.7)):
+            plain = SamplingConfig(temperature=temp, max_new_tokens=args.new_tokens, ignore_eos=True, seed=1)
+            base, _ = run(gen, prompts, plain)
+            fast, c = run(gen, prompts, dataclasses.replace(plain, num_speculative_tokens=args.window))
+            rate = c["accepted"] / max(c["proposed"], 1)
+            per_step = c["tokens"] / max(c["target_steps"], 1)
+            print(
+                f"| {b} | {name} | {base:.1f} | {fast:.1f} | {fast / base:.2f}x | {rate:.2f} | {per_step:.2f} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
