@@ -3,6 +3,7 @@
 sampling.py    per-request settings (the one validation every door shares) and the sampling function
 generator.py   the decode core (DecodeState, the while_loop, finishing a row) and Generator
 beam.py        beam search
+speculative.py speculative decoding with n-gram drafts (the Generator's speculating loop)
 scoring.py     log-probabilities of known tokens (score, prompt logprobs), the head run in blocks
 engine.py      the serving engine's scheduler: queues, thread, admission, preemption, chunked prefill
 steps.py       the engine's device steps: pure jitted functions of the decode state, donated

@@ -8,6 +8,7 @@
     transformer.py  the parameter table, init, forward (cache=None for training), LM head
     kvcache.py      the contiguous KV cache pytree (Generator, beam search)
     paged.py        the paged KV cache pytree (the serving engine)
+    quant.py        int8 weights for inference (QArray, per-channel scales, int8 x int8 products)
 
 `from jaxgen import model; model.forward(params, tokens, positions, cache=None, cfg=cfg)`.
 """
