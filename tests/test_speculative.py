@@ -1,6 +1,7 @@
 """Speculative decoding (n-gram drafts): the output equals plain decoding, greedy and sampled."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -30,16 +31,19 @@ def _same(a, b):
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-5)
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def gen(request):
-    cfg = CONFIGS[request.param]
+@functools.cache
+def _generator(name: str) -> Generator:
+    """One Generator per config for the module: its compiled programs are shared by the tests."""
+    cfg = CONFIGS[name]
     params = model.init_params(cfg, jax.random.key(1))
     return Generator(params, cfg, Tokenizer.byte_level(), GeneratorConfig(max_batch=8, chunk_steps=8))
 
 
-def test_greedy_and_sampled_output_equals_plain_decoding(gen):
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_greedy_and_sampled_output_equals_plain_decoding(name):
     """Ragged rows with different windows (0 = off), greedy and sampled with penalties, a stop sequence
     and the context's end: token for token what plain decoding gives with the same seeds."""
+    gen = _generator(name)
     plain = [
         SamplingConfig(temperature=0.0, max_new_tokens=24, ignore_eos=True),
         SamplingConfig(temperature=0.9, top_k=50, seed=11, max_new_tokens=24, repetition_penalty=1.2, n=2),
@@ -88,7 +92,8 @@ def test_many_seeds_sample_what_plain_decoding_samples():
     assert len({tuple(c.tokens) for c in want}) > 8  # the samples really differ
 
 
-def test_window_values_do_not_recompile(gen):
+def test_window_values_do_not_recompile():
+    gen = _generator("llama")
     c = SamplingConfig(temperature=0.0, max_new_tokens=8, num_speculative_tokens=3)
     gen.generate(PROMPTS[:2], c)
     before = gen.compilations

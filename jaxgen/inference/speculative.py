@@ -115,12 +115,7 @@ def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConf
         logits, cache = model.forward(params, tokens, jnp.where(fed, positions, -1), s.cache, cfg=cfg)
 
         s = _record(s, x0, s.logits, live, s.positions, cfg)
-        ok, kept = live, jnp.zeros_like(real)
-        for i in range(1, w + 1):  # draft i is kept while the target draws it there
-            drawn = sample(logits[:, i - 1], s.sampling, s.generated, s.seen, s.counts)
-            ok = ok & ~s.done & (i <= real) & (drawn == drafts[:, i - 1])
-            s = _record(s, drafts[:, i - 1], logits[:, i - 1], ok, s.positions + i, cfg)
-            kept = kept + ok
+        s, kept = _verify(s, drafts, real, logits[:, :w], cfg)
         history = history.at[rows[:, None], length[:, None] + jnp.arange(w)[None]].set(drafts, mode="drop")
         keep = live[:, None] & (offsets <= kept[:, None])  # rejected drafts' slots: never read again
         cache = cache.replace(pos=jax.lax.dynamic_update_slice(cache.pos, jnp.where(keep, positions, -1), (0, end)))
@@ -135,6 +130,65 @@ def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConf
         return s, sp
 
     return jax.lax.while_loop(cond, body, (state, spec))
+
+
+def _verify(s: DecodeState, drafts_bw, real_b, logits_bwv, cfg: ModelConfig):
+    """All W drafts checked and recorded in one batched pass (a loop over W would be W rounds of small
+    operations). Draft i is drawn with token index generated + i and the penalties' counts as if drafts
+    0..i-1 were kept: if one of them was not, draft i is not kept either, so the guess costs nothing.
+    Kept: the prefix of drafts drawn as guessed, up to and including one that ends the row (a stop
+    sequence, max_new, the context). Returns the state and the number kept (B,)."""
+    b, w = drafts_bw.shape
+    v = logits_bwv.shape[-1]
+    live = ~s.done
+    onehot = jax.nn.one_hot(drafts_bw, v, dtype=jnp.int32)  # (B, W, V)
+    before = jnp.cumsum(onehot, axis=1) - onehot  # drafts before i
+    counts, seen = s.counts[:, None] + before, s.seen[:, None] | (before > 0)
+    index = s.generated[:, None] + jnp.arange(w)[None]
+    repeat = jax.tree.map(lambda a: jnp.repeat(a, w, axis=0), s.sampling)
+    flat = (b * w, v)
+    drawn = sample(
+        logits_bwv.reshape(flat), repeat, index.reshape(-1), seen.reshape(flat), counts.reshape(flat)
+    ).reshape(b, w)
+    guessed = jnp.cumprod((drawn == drafts_bw) & (jnp.arange(w)[None] < real_b[:, None]), axis=1).astype(bool)
+
+    # where the row would end: the recent window after each draft, max_new, the context
+    ls = s.recent.shape[1]
+    seq = jnp.concatenate([s.recent, drafts_bw], axis=1)  # (B, Ls + W)
+    windows = jnp.take_along_axis(seq[:, None, :], (jnp.arange(w)[:, None] + 1 + jnp.arange(ls)[None])[None], axis=2)
+    matches = (s.stop_seqs[:, None] == windows[:, :, None, :]) | (s.stop_seqs[:, None] < 0)  # (B, W, S, Ls)
+    hit = jnp.any(jnp.all(matches, -1) & jnp.any(s.stop_seqs >= 0, -1)[:, None], -1)  # (B, W)
+    offsets = jnp.arange(w)[None] + 1
+    too_long = (s.generated[:, None] + offsets >= s.max_new[:, None]) | (
+        s.positions[:, None] + offsets + 1 >= cfg.max_seq_len
+    )
+    ends = hit | too_long
+    ended_before = (jnp.cumsum(ends, axis=1) - ends) > 0
+    kept_bw = guessed & live[:, None] & ~ended_before
+    kept = kept_bw.sum(1).astype(jnp.int32)
+
+    last = jnp.maximum(kept - 1, 0)[:, None]
+    ends_here = jnp.take_along_axis(ends, last, 1)[:, 0] & (kept > 0)
+    code = jnp.where(jnp.take_along_axis(hit, last, 1)[:, 0], FINISH_STOP, FINISH_LENGTH)
+    finish = jnp.where(ends_here, code, s.finish)
+    logp = jax.nn.log_softmax(logits_bwv, axis=-1)
+    chosen = jnp.take_along_axis(logp, drafts_bw[..., None], axis=-1)[..., 0]
+    top_lp, top_ids = jax.lax.top_k(logp, s.top_ids.shape[-1])
+    rows = jnp.arange(b)[:, None]
+    column = jnp.where(kept_bw, index, s.tokens.shape[1])  # past the end: dropped
+
+    def write(buf, x):
+        return buf.at[rows, column].set(x, mode="drop")
+
+    recent = jnp.take_along_axis(seq, kept[:, None] + jnp.arange(ls)[None], axis=1)
+    added = jnp.where(kept_bw, drafts_bw, v)  # out of range: dropped
+    s = s.replace(
+        generated=s.generated + kept, tokens=write(s.tokens, drafts_bw), logprobs=write(s.logprobs, chosen),
+        top_ids=write(s.top_ids, top_ids), top_logprobs=write(s.top_logprobs, top_lp), finish=finish,
+        done=s.done | (finish != RUNNING), recent=recent,
+        counts=s.counts.at[rows, added].add(1, mode="drop"), seen=s.seen.at[rows, added].set(True, mode="drop"),
+    )  # fmt: skip
+    return s, kept
 
 
 def _record(s: DecodeState, tok, logits, active, position, cfg: ModelConfig) -> DecodeState:
