@@ -167,7 +167,7 @@ def test_pallas_paged_decode_kernel_in_interpret_mode_equals_the_xla_loop(softca
     cfg = ModelConfig(num_heads=4, num_kv_heads=2, d_model=64, num_layers=2, attn_softcap=softcap)
     cache = PagedCache.init(cfg, num_pages=12, page_size=16, slots=4, max_pages=4)
     r = np.random.default_rng(1)
-    kv = tuple(jnp.asarray(r.normal(size=cache.k.shape), jnp.float32) for _ in range(2))
+    kv = (*(jnp.asarray(r.normal(size=cache.k.shape), jnp.float32) for _ in range(2)), None, None)  # no scales
     table = jnp.asarray([[1, 2, 3, 0], [1, 4, 0, 0], [5, 6, 7, 8], [0, 0, 0, 0]], jnp.int32)
     cache = cache.replace(page_table=table, capacity=jnp.asarray([48, 32, 64, 0], jnp.int32))
     q = jnp.asarray(r.normal(size=(4, 1, 4, 16)), jnp.float32)

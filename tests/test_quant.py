@@ -69,6 +69,12 @@ def test_kv_quantization_per_token_and_head():
     # an int8 page holds 64 values and a float32 scale per token and head: ~2x the tokens of bfloat16
     big = ModelConfig(d_model=512, num_heads=8)
     assert 1.8 < page_bytes(big, 16, "bfloat16") / page_bytes(big, 16, "int8") < 2.0
+    from jaxgen.model.kvcache import KVCache
+    from jaxgen.model.paged import PagedCache
+
+    for cache in (KVCache.init(CFG, 2, 16, "int8"), PagedCache.init(CFG, 4, 16, 2, 2, "int8")):
+        assert cache.k.dtype == jnp.int8 and cache.k_scale.shape == cache.k.shape[:-1]
+        assert cache.k_scale is not cache.v_scale  # two buffers: a donated step must not get one twice
 
 
 def test_int8_kv_cache_decode_close_to_float_and_engine_equals_generator(params):

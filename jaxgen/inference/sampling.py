@@ -21,7 +21,7 @@ import numpy as np
 INT32_MAX = 2**31 - 1  # every count and token id ends up in an int32 device array
 MAX_N = 128  # samples per prompt
 MAX_LOGPROBS = 20  # top alternatives per token (as OpenAI's API)
-MAX_SPECULATIVE = 8  # draft tokens per target step (the Generator verifies a fixed window of this many)
+MAX_SPECULATIVE = 8  # draft tokens per target step (the Generator's window W: 2, 4 or 8)
 MAX_TEMPERATURE = 1e4
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256

@@ -218,7 +218,7 @@ def paged_decode_attention(q_btnh, cache, kv, layer, q_pos_bt, cfg: ModelConfig,
 
     if interpret is None:
         interpret = jax.default_backend() not in ("gpu", "cuda")
-    k_all, v_all = kv
+    k_all, v_all, *_ = kv  # float pages only (int8 pools take the XLA loop)
     kh, num_layers, num_pages, z, h = k_all.shape
     k_pool = from_storage(k_all).reshape(kh, num_layers * num_pages, z, h)
     v_pool = from_storage(v_all).reshape(kh, num_layers * num_pages, z, h)

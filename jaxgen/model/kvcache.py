@@ -43,14 +43,13 @@ class KVCache:
         int8 (one float32 scale per token and kv head: `quantize_kv`)."""
         shape = (cfg.num_layers, max_len, batch_size, cfg.kv_heads, cfg.head_size)
         dtype = storage_dtype(dtype)
-        scale = jnp.zeros(shape[:-1], jnp.float32) if dtype == jnp.int8 else None
         return cls(
             k=jnp.zeros(shape, dtype),
             v=jnp.zeros(shape, dtype),
             pos=jnp.full((batch_size, max_len), -1, jnp.int32),
             end=jnp.zeros((), jnp.int32),
-            k_scale=scale,
-            v_scale=scale,
+            k_scale=scale_buffer(shape, dtype),
+            v_scale=scale_buffer(shape, dtype),  # its own buffer: the two are donated
         )
 
     @property
@@ -135,6 +134,11 @@ def constrain_cache(cache: KVCache) -> KVCache:
     return cache.replace(
         k=constrain(cache.k, KV_NAMES), v=constrain(cache.v, KV_NAMES), pos=constrain(cache.pos, POS_NAMES), **scales
     )
+
+
+def scale_buffer(shape, dtype):
+    """An int8 cache's float32 scales, one per token and kv head (no trailing H); None otherwise."""
+    return jnp.zeros(shape[:-1], jnp.float32) if dtype == jnp.int8 else None
 
 
 def quantize_kv(x):

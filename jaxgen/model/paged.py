@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgen.config import ModelConfig
-from jaxgen.model.kvcache import dequantize_kv, quantize_kv, storage_dtype, to_storage
+from jaxgen.model.kvcache import dequantize_kv, quantize_kv, scale_buffer, storage_dtype, to_storage
 from jaxgen.sharding import constrain
 
 NULL_PAGE = 0
@@ -46,14 +46,13 @@ class PagedCache:
     def init(cls, cfg: ModelConfig, num_pages: int, page_size: int, slots: int, max_pages: int, dtype="float32"):
         shape = (cfg.kv_heads, cfg.num_layers, num_pages, page_size, cfg.head_size)
         dtype = storage_dtype(dtype)
-        scale = jnp.zeros(shape[:-1], jnp.float32) if dtype == jnp.int8 else None
         return cls(
             k=jnp.zeros(shape, dtype),
             v=jnp.zeros(shape, dtype),
             page_table=jnp.zeros((slots, max_pages), jnp.int32),
             capacity=jnp.zeros((slots,), jnp.int32),
-            k_scale=scale,
-            v_scale=scale,
+            k_scale=scale_buffer(shape, dtype),
+            v_scale=scale_buffer(shape, dtype),  # its own buffer: the two are donated
         )
 
     @property
