@@ -148,8 +148,7 @@ def decode_loop(params, state: DecodeState, cfg: ModelConfig) -> DecodeState:
 
         live = ~s.done
         recent = jnp.concatenate([s.recent[:, 1:], tok[:, None]], axis=1)
-        matches = (s.stop_seqs == recent[:, None, :]) | (s.stop_seqs < 0)
-        hit_stop = jnp.any(jnp.all(matches, axis=-1) & jnp.any(s.stop_seqs >= 0, axis=-1), axis=-1)
+        hit_stop = stop_hit(s.stop_seqs, recent)
         generated = s.generated + live
         cache_full = s.cache.is_full(s.positions)  # no room left for this token's keys
         too_long = (generated >= s.max_new) | cache_full | (s.positions + 1 >= cfg.max_seq_len)
@@ -163,6 +162,14 @@ def decode_loop(params, state: DecodeState, cfg: ModelConfig) -> DecodeState:
         )  # fmt: skip
 
     return jax.lax.while_loop(cond, body, state)
+
+
+def stop_hit(stop_seqs, recent):
+    """Whether `recent` (..., Ls), the last Ls tokens of a row, ends with one of its stop sequences
+    `stop_seqs` (B, S, Ls) (right-aligned, -1 padded); leading axes of `recent` past B broadcast
+    (the speculating loop checks every draft's window at once)."""
+    matches = (stop_seqs == recent[..., None, :]) | (stop_seqs < 0)
+    return jnp.any(jnp.all(matches, axis=-1) & jnp.any(stop_seqs >= 0, axis=-1), axis=-1)
 
 
 def counted(owner, fn):

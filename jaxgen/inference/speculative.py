@@ -23,10 +23,11 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxgen import model
 from jaxgen.config import ModelConfig
-from jaxgen.inference.decode import FINISH_LENGTH, FINISH_STOP, RUNNING, DecodeState
+from jaxgen.inference.decode import FINISH_LENGTH, FINISH_STOP, RUNNING, DecodeState, stop_hit
 from jaxgen.inference.sampling import sample
 
 NGRAMS = (3, 2, 1)  # the longest match wins
@@ -43,8 +44,6 @@ class SpecState:
 
     @classmethod
     def init(cls, prompts: list[list[int]], num_spec: list[int], size: int) -> SpecState:
-        import numpy as np
-
         history = np.full((len(prompts), size), -1, np.int32)
         for r, p in enumerate(prompts):
             history[r, : len(p)] = p
@@ -156,8 +155,7 @@ def _verify(s: DecodeState, drafts_bw, real_b, logits_bwv, cfg: ModelConfig):
     ls = s.recent.shape[1]
     seq = jnp.concatenate([s.recent, drafts_bw], axis=1)  # (B, Ls + W)
     windows = jnp.take_along_axis(seq[:, None, :], (jnp.arange(w)[:, None] + 1 + jnp.arange(ls)[None])[None], axis=2)
-    matches = (s.stop_seqs[:, None] == windows[:, :, None, :]) | (s.stop_seqs[:, None] < 0)  # (B, W, S, Ls)
-    hit = jnp.any(jnp.all(matches, -1) & jnp.any(s.stop_seqs >= 0, -1)[:, None], -1)  # (B, W)
+    hit = stop_hit(s.stop_seqs[:, None], windows)  # (B, W)
     offsets = jnp.arange(w)[None] + 1
     too_long = (s.generated[:, None] + offsets >= s.max_new[:, None]) | (
         s.positions[:, None] + offsets + 1 >= cfg.max_seq_len
@@ -205,8 +203,7 @@ def _record(s: DecodeState, tok, logits, active, position, cfg: ModelConfig) -> 
         return buf.at[rows, column].set(x, mode="drop")
 
     recent = jnp.where(active[:, None], jnp.concatenate([s.recent[:, 1:], tok[:, None]], axis=1), s.recent)
-    matches = (s.stop_seqs == recent[:, None, :]) | (s.stop_seqs < 0)
-    hit_stop = jnp.any(jnp.all(matches, axis=-1) & jnp.any(s.stop_seqs >= 0, axis=-1), axis=-1)
+    hit_stop = stop_hit(s.stop_seqs, recent)
     generated = s.generated + active
     too_long = (generated >= s.max_new) | (position + 1 >= cfg.max_seq_len)
     finish = jnp.where(active & hit_stop, FINISH_STOP, jnp.where(active & too_long, FINISH_LENGTH, s.finish))

@@ -102,26 +102,16 @@ def dense(x2, w: QArray, out_dtype):
     x (B, 2048) by (2048, 8192)) that product took 2.33 ms at B=8 against 4.66 ms in float32, while
     converting the int8 matrix to float first took 26 ms at every B (the convert is not fused: the whole
     matrix is written every step). A single row falls off the int8 fast path, so rows are padded to 8."""
-    n_in = x2.shape[-1]
-    wq = w.q.reshape(n_in, -1)
-    scale = w.scale.reshape(-1)  # (O,): the contracted axes are 1s
-    xq, xs = _rows_int8(x2)
-    rows = xq.shape[0]
-    if rows < 8 and jax.default_backend() == "cpu":
-        xq = jnp.pad(xq, ((0, 8 - rows), (0, 0)))
-    y = jax.lax.dot(xq, wq, preferred_element_type=jnp.int32)[:rows]
-    return (y.astype(jnp.float32) * xs * scale).astype(out_dtype)
+    wq = w.q.reshape(x2.shape[-1], -1)
+    y = _int8_product(x2, lambda xq: jax.lax.dot(xq, wq, preferred_element_type=jnp.int32))
+    return (y * w.scale.reshape(-1)).astype(out_dtype)  # (O,) scales: the contracted axes are 1s
 
 
 def head(x2, w: QArray, tied: bool):
     """Logits (R, V) float32 of x2 (R, D): the tied embedding (V, D) or an untied head (D, V), int8."""
-    xq, xs = _rows_int8(x2)
-    rows = xq.shape[0]
-    if rows < 8 and jax.default_backend() == "cpu":
-        xq = jnp.pad(xq, ((0, 8 - rows), (0, 0)))
     contract = (((1,), (1,)), ((), ())) if tied else (((1,), (0,)), ((), ()))
-    y = jax.lax.dot_general(xq, w.q, contract, preferred_element_type=jnp.int32)[:rows]
-    return y.astype(jnp.float32) * xs * w.scale.reshape(-1)
+    y = _int8_product(x2, lambda xq: jax.lax.dot_general(xq, w.q, contract, preferred_element_type=jnp.int32))
+    return y * w.scale.reshape(-1)
 
 
 def embed(w: QArray, tokens, dtype):
@@ -129,8 +119,14 @@ def embed(w: QArray, tokens, dtype):
     return (w.q[tokens].astype(jnp.float32) * w.scale[tokens, 0][..., None]).astype(dtype)
 
 
-def _rows_int8(x2):
+def _int8_product(x2, product):
+    """`product` (int8 (R', I) -> int32 (R', O)) of x2 (R, I) quantized per row, rescaled by the rows'
+    scales: float32 (R, O). Fewer than 8 rows are padded to 8 on CPU (see `dense`)."""
     x = x2.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
     xs = jnp.where(amax > 0, amax / 127.0, 1.0)
-    return jnp.clip(jnp.round(x / xs), -127, 127).astype(jnp.int8), xs
+    xq = jnp.clip(jnp.round(x / xs), -127, 127).astype(jnp.int8)
+    rows = xq.shape[0]
+    if rows < 8 and jax.default_backend() == "cpu":
+        xq = jnp.pad(xq, ((0, 8 - rows), (0, 0)))
+    return product(xq)[:rows].astype(jnp.float32) * xs
