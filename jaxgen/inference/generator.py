@@ -89,6 +89,7 @@ class Generator:
         config = dataclasses.replace(config, **overrides)
         # per-layer weights unstacked: see model.unstack_layers (decode reads each matrix once)
         self.params = model.unstack_layers(params)
+        self._stacked = None  # see _stacked_params
         self.cfg, self.tokenizer, self.config = cfg, tokenizer, config
         self.max_batch, self.chunk_steps, self.cache_dtype = config.max_batch, config.chunk_steps, config.cache_dtype
         self.min_cache_len = config.min_cache_len
@@ -182,7 +183,7 @@ class Generator:
             if spec is None:
                 state = self._loop(self.params, state, cfg=cfg)
             else:
-                state, spec = self._spec_loop(self.params, state, spec, cfg=cfg, w=w)
+                state, spec = self._spec_loop(self._stacked_params(), state, spec, cfg=cfg, w=w)
             host = HostRows.of(state)
             done = self._check_stop_strings(host, configs, group, stop_at)
             if done.any():
@@ -192,6 +193,13 @@ class Generator:
                 if spec is not None:
                     self._count_speculation(spec, host, len(group))
                 return
+
+    def _stacked_params(self):
+        """The weights with stacked layers, for the speculative loop's (W + 1)-token steps (see
+        `model.stack_layers`): a second copy of the layer weights, made at the first speculative call."""
+        if self._stacked is None:
+            self._stacked = jax.jit(model.stack_layers)(self.params)
+        return self._stacked
 
     def _count_speculation(self, spec, host: HostRows, live: int) -> None:
         steps, proposed, accepted = jax.device_get((spec.target_steps, spec.proposed, spec.accepted))

@@ -23,6 +23,7 @@ from jaxgen.model.transformer import (
     lm_head,
     param_shardings,
     param_specs,
+    stack_layers,
     unstack_layers,
 )
 
@@ -36,5 +37,6 @@ __all__ = [
     "lm_head",
     "param_shardings",
     "param_specs",
+    "stack_layers",
     "unstack_layers",
 ]

@@ -283,6 +283,18 @@ def unstack_layers(params: dict) -> dict:
     return params | {"layers": [jax.tree.map(lambda w, i=i: w[i], stacked) for i in range(num_layers)]}
 
 
+def stack_layers(params: dict) -> dict:
+    """The inverse of `unstack_layers`: `layers` as stacked (L, ...) arrays (a copy of the weights).
+
+    For a forward pass of a few tokens per row (speculative decoding's W + 1): measured on XLA:CPU, such
+    products against a list of per-layer matrices took 2-3x as long as against slices of the stack.
+    """
+    layers_ = params["layers"]
+    if not isinstance(layers_, list):
+        return params
+    return params | {"layers": jax.tree.map(lambda *w: jnp.stack(w), *layers_)}
+
+
 def lm_head(params, x_btd, cfg: ModelConfig):
     """Logits (B, T, V) float32 from hidden states; the head is the embedding when tied."""
     params = _cast(params, cfg)
