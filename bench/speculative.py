@@ -1,7 +1,10 @@
-"""Speculative decoding with n-gram drafts: tokens/s with and without, acceptance rate, tokens per
-target step, at batch 1 and 8.
+"""Speculative decoding: tokens/s with and without, acceptance rate, tokens per target step, at batch
+1 and 8, with n-gram drafts and (with --draft) a draft model.
 
-    python bench/speculative.py [--run runs/default] [--window 4] [--new-tokens 96]
+    python bench/speculative.py [--run runs/default] [--window 4] [--new-tokens 96] [--draft RUN]
+
+--draft RUN: a run folder whose model (same tokenizer) drafts for --run's; --draft runs/default with
+the default --run drafts with the target itself, the upper bound of acceptance at the draft's full cost.
 
 The workload is copy-heavy: each prompt is a passage of a Python standard-library file followed by the
 start of the same passage again, so a model that learned to copy (the one `python train.py` trains, on
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import sysconfig
 import time
 from pathlib import Path
@@ -57,15 +61,23 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--draft", type=Path, default=None, help="a run folder with a draft model")
     args = parser.parse_args()
     cfg, tok, params = load_model(args.run)
+    draft = None
+    if args.draft is not None:
+        draft_cfg, _, draft_params = load_model(args.draft)
+        draft = (draft_params, draft_cfg)
     passage = (cfg.max_seq_len - args.new_tokens) * 2 // 3
     print(f"{args.run}: prompts of {passage} tokens + the first {passage // 4} again; {args.new_tokens} new tokens")
-    print("| batch | sampling | plain tok/s | speculative tok/s | speedup | acceptance | tokens / target step |")
-    print("|---|---|---|---|---|---|---|")
-    for b in args.batches:
+    print(
+        "| drafter | batch | sampling | plain tok/s | speculative tok/s | speedup | acceptance | tokens / target step |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    drafters = [("n-gram", None)] + ([(f"model {args.draft.name}", draft)] if draft else [])
+    for (drafter, d), b in itertools.product(drafters, args.batches):
         prompts = copy_prompts(tok, b, passage, passage // 4)
-        gen = Generator(params, cfg, tok, GeneratorConfig(max_batch=b, chunk_steps=args.new_tokens))
+        gen = Generator(params, cfg, tok, GeneratorConfig(max_batch=b, chunk_steps=args.new_tokens), draft=d)
         for name, temp in (("greedy", 0.0), ("t=0.7", 0.7)):
             plain = SamplingConfig(temperature=temp, max_new_tokens=args.new_tokens, ignore_eos=True, seed=1)
             base, _ = run(gen, prompts, plain)
@@ -73,7 +85,8 @@ def main() -> None:
             rate = c["accepted"] / max(c["proposed"], 1)
             per_step = c["tokens"] / max(c["target_steps"], 1)
             print(
-                f"| {b} | {name} | {base:.1f} | {fast:.1f} | {fast / base:.2f}x | {rate:.2f} | {per_step:.2f} |",
+                f"| {drafter} | {b} | {name} | {base:.1f} | {fast:.1f} | {fast / base:.2f}x | {rate:.2f} "
+                f"| {per_step:.2f} |",
                 flush=True,
             )
 

@@ -1,4 +1,4 @@
-"""Speculative decoding (n-gram drafts): the output equals plain decoding, greedy and sampled."""
+"""Speculative decoding (n-gram drafts, a draft model): the output equals plain decoding, greedy and sampled."""
 
 import dataclasses
 import functools
@@ -90,6 +90,56 @@ def test_many_seeds_sample_what_plain_decoding_samples():
     got = gen.generate(["abababababababab"], dataclasses.replace(base, num_speculative_tokens=8))
     assert [c.tokens for c in got] == [c.tokens for c in want]
     assert len({tuple(c.tokens) for c in want}) > 8  # the samples really differ
+
+
+DRAFT = ModelConfig(vocab_size=257, num_layers=1, d_model=32, num_heads=2, d_ff=64, max_seq_len=128)
+
+
+def test_a_draft_model_gives_plain_decodings_output():
+    """A smaller random draft model (a different architecture): ragged rows, greedy and sampled with
+    penalties, a stop sequence, the context's end; its guesses are checked, so the output is plain
+    decoding's whatever it proposes."""
+    cfg = CONFIGS["llama"]
+    params = model.init_params(cfg, jax.random.key(1))
+    draft = (model.init_params(DRAFT, jax.random.key(2)), DRAFT)
+    gen = Generator(params, cfg, Tokenizer.byte_level(), GeneratorConfig(max_batch=8, chunk_steps=8), draft=draft)
+    plain = [
+        SamplingConfig(temperature=0.0, max_new_tokens=24, ignore_eos=True),
+        SamplingConfig(temperature=0.9, top_k=50, seed=11, max_new_tokens=24, repetition_penalty=1.2, n=2),
+        SamplingConfig(temperature=0.7, seed=3, max_new_tokens=40, frequency_penalty=0.3, stop_token_sequences=[[120]]),
+    ]  # fmt: skip
+    spec = [dataclasses.replace(c, num_speculative_tokens=4) for c in plain]
+    want, got = gen.generate(PROMPTS, plain), gen.generate(PROMPTS, spec)
+    for a, b in zip(got, want, strict=True):
+        _same(a, b)
+    assert gen.speculation["proposed"] > 0
+
+
+def test_the_target_as_its_own_draft_keeps_every_greedy_draft():
+    """The draft model's cache stays in step with the target's: drafting with the target itself, every
+    greedy draft is kept except where a row ends (at most one short step per row)."""
+    gen = _generator("gpt2")
+    gen = Generator(gen.params, gen.cfg, gen.tokenizer, gen.config, draft=(gen.params, gen.cfg))
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    want = gen.generate(PROMPTS, greedy)
+    for k in (2, 8):
+        before = dict(gen.speculation)
+        got = gen.generate(PROMPTS, dataclasses.replace(greedy, num_speculative_tokens=k))
+        assert [c.tokens for c in got] == [c.tokens for c in want]
+        d = {name: gen.speculation[name] - before[name] for name in before}
+        assert d["accepted"] >= d["proposed"] - len(PROMPTS) * k, d
+        assert d["tokens"] / d["target_steps"] > k / 2, d
+
+
+def test_a_draft_model_must_share_the_tokens_and_the_context():
+    cfg = CONFIGS["gpt2"]
+    params = model.init_params(cfg, jax.random.key(0))
+    small = dataclasses.replace(DRAFT, vocab_size=300)
+    with pytest.raises(ValueError, match="the draft model's vocab_size=300 differs from the target's 257"):
+        Generator(params, cfg, Tokenizer.byte_level(), draft=(None, small))
+    short = dataclasses.replace(DRAFT, max_seq_len=64)
+    with pytest.raises(ValueError, match="max_seq_len=64 is shorter than the target's 128"):
+        Generator(params, cfg, Tokenizer.byte_level(), draft=(None, short))
 
 
 def test_window_values_do_not_recompile():

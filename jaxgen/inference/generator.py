@@ -80,13 +80,19 @@ class Generator:
 
     `Generator(params, cfg, tokenizer, GeneratorConfig(max_batch=64))`; keyword overrides of the
     config's fields (`Generator(params, cfg, tokenizer, chunk_steps=16)`) are the same thing.
+    `draft=(draft_params, draft_cfg)`: a smaller model with the same tokenizer that proposes the drafts
+    of requests with `num_speculative_tokens` > 0 (without it, n-gram lookup does).
     """
 
     def __init__(
         self, params, cfg: ModelConfig, tokenizer: Tokenizer, config: GeneratorConfig = GeneratorConfig(), mesh=None,
-        **overrides,
+        draft: tuple | None = None, **overrides,
     ):  # fmt: skip
         config = dataclasses.replace(config, **overrides)
+        self.draft_params, self.draft_cfg = None, None
+        if draft is not None:
+            self.draft_cfg = _check_draft(draft[1], cfg)
+            self.draft_params = model.unstack_layers(draft[0])
         # per-layer weights unstacked: see model.unstack_layers (decode reads each matrix once)
         self.params = model.unstack_layers(params)
         self._stacked = None  # see _stacked_params
@@ -100,7 +106,11 @@ class Generator:
         self._prefill = with_mesh(jitted_prefill, mesh)
         self._loop = with_mesh(jax.jit(counted(self, decode_loop), static_argnames="cfg", donate_argnums=1), mesh)
         self._spec_loop = with_mesh(
-            jax.jit(counted(self, speculative.speculative_loop), static_argnames=("cfg", "w"), donate_argnums=(1, 2)),
+            jax.jit(
+                counted(self, speculative.speculative_loop),
+                static_argnames=("cfg", "w", "draft_cfg"),
+                donate_argnums=(1, 2),
+            ),
             mesh,
         )
         # speculative decoding so far: target steps and drafts proposed and kept, summed over rows
@@ -176,14 +186,23 @@ class Generator:
         if w:
             prompts = [ids[p] for p, _ in padded]
             num_spec = [configs[p].num_speculative_tokens for p, _ in padded]
-            spec = speculative.SpecState.init(prompts, num_spec, bucket(t + longest_new + w + 1))
+            draft_cache = None
+            if self.draft_cfg is not None:  # the draft model's own prefill, into as many slots
+                draft_cache, _ = self._prefill(
+                    self.draft_params, tokens, positions, rows, lengths, cfg=self.draft_cfg, cache_len=cache_len,
+                    cache_dtype=self.cache_dtype,
+                )  # fmt: skip
+            spec = speculative.SpecState.init(prompts, num_spec, bucket(t + longest_new + w + 1), draft_cache)
         while True:
             limit = min(int(state.step) + self.chunk_steps, longest_new)
             state = state.replace(limit=jnp.int32(limit))
             if spec is None:
                 state = self._loop(self.params, state, cfg=cfg)
             else:
-                state, spec = self._spec_loop(self._stacked_params(), state, spec, cfg=cfg, w=w)
+                state, spec = self._spec_loop(
+                    self._stacked_params(), state, spec, cfg=cfg, w=w, draft_params=self.draft_params,
+                    draft_cfg=self.draft_cfg,
+                )  # fmt: skip
             host = HostRows.of(state)
             done = self._check_stop_strings(host, configs, group, stop_at)
             if done.any():
@@ -404,3 +423,20 @@ def generate(
     if cfg is None or tokenizer is None:
         raise SamplingError("generate(params, ...) needs cfg= and tokenizer= (or pass a run folder)")
     return Generator(source, cfg, tokenizer, **kwargs).generate(prompts, sampling)
+
+
+def _check_draft(draft_cfg, cfg: ModelConfig) -> ModelConfig:
+    """A draft model must share the target's tokens and reach as far: ValueError naming what differs."""
+    if not isinstance(draft_cfg, ModelConfig):
+        raise ValueError(f"draft=(params, cfg) needs a ModelConfig as cfg, got {type(draft_cfg).__name__}")
+    if draft_cfg.vocab_size != cfg.vocab_size:
+        raise ValueError(
+            f"the draft model's vocab_size={draft_cfg.vocab_size} differs from the target's {cfg.vocab_size}: "
+            "a draft model must use the same tokenizer"
+        )
+    if draft_cfg.max_seq_len < cfg.max_seq_len:
+        raise ValueError(
+            f"the draft model's max_seq_len={draft_cfg.max_seq_len} is shorter than the target's "
+            f"{cfg.max_seq_len}: it must reach every position the target decodes"
+        )
+    return draft_cfg

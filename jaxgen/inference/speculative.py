@@ -1,7 +1,10 @@
-"""Speculative decoding with n-gram drafts (prompt lookup), inside the Generator's on-device loop.
+"""Speculative decoding inside the Generator's on-device loop: n-gram drafts (prompt lookup) or a
+smaller draft model with the same tokenizer.
 
-Each target step feeds W + 1 tokens: the token just drawn and W drafts, copied from what followed the
-latest earlier occurrence of the row's last n tokens (n = 3, else 2, else 1) in its prompt and output.
+Each target step feeds W + 1 tokens: the token just drawn and W drafts. N-gram drafts are copied from
+what followed the latest earlier occurrence of the row's last n tokens (n = 3, else 2, else 1) in its
+prompt and output; a draft model proposes its greedy continuation (`model_drafts`), keeping its own
+contiguous cache in step with the target's.
 One forward pass gives the target's distribution after each of them, and the drafts are checked in
 order: draft i is kept while the token the target *draws* there, with the same (seed, token index) key,
 penalties and settings as plain decoding, equals it. Since a draft is a single guessed token (a point
@@ -29,6 +32,7 @@ from jaxgen import model
 from jaxgen.config import ModelConfig
 from jaxgen.inference.decode import FINISH_LENGTH, FINISH_STOP, RUNNING, DecodeState, stop_hit
 from jaxgen.inference.sampling import sample
+from jaxgen.model.kvcache import KVCache
 
 NGRAMS = (3, 2, 1)  # the longest match wins
 
@@ -41,9 +45,13 @@ class SpecState:
     proposed: jax.Array  # (B,) int32: drafts fed so far
     accepted: jax.Array  # (B,) int32: drafts kept so far
     target_steps: jax.Array  # (B,) int32: target forward passes the row took part in
+    # with a draft model: its cache (the same slots as the target's) and, per row, whether the last kept
+    # token is not in it yet (all W drafts were kept: the draft model never ran on the last one)
+    draft_cache: KVCache | None = None
+    missing: jax.Array | None = None  # (B,) bool
 
     @classmethod
-    def init(cls, prompts: list[list[int]], num_spec: list[int], size: int) -> SpecState:
+    def init(cls, prompts: list[list[int]], num_spec: list[int], size: int, draft_cache=None) -> SpecState:
         history = np.full((len(prompts), size), -1, np.int32)
         for r, p in enumerate(prompts):
             history[r, : len(p)] = p
@@ -54,6 +62,7 @@ class SpecState:
         return cls(
             history=jnp.asarray(history), length=jnp.asarray([len(p) for p in prompts], jnp.int32),
             num_spec=jnp.asarray(num_spec, jnp.int32), proposed=zeros(), accepted=zeros(), target_steps=zeros(),
+            draft_cache=draft_cache, missing=None if draft_cache is None else jnp.zeros((len(prompts),), bool),
         )  # fmt: skip
 
 
@@ -90,8 +99,40 @@ def ngram_drafts(history_bs, length_b, w: int):
     return jnp.where(jnp.arange(w)[None] < real[:, None], drafts, 0), real
 
 
-def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConfig, w: int):
-    """`decode.decode_loop` with W drafts per step; returns (state, spec). Pure; the cache is updated in place."""
+def model_drafts(draft_params, draft_cfg: ModelConfig, sp: SpecState, prev, x0, position, live, w: int):
+    """The draft model's greedy W tokens after each row's `x0` (B,) at `position` (B,): returns drafts
+    (B, W) and its cache. It first runs on (prev, x0), `prev` being the row's last kept token, fed only
+    when `sp.missing` (otherwise it is in the cache already), then W - 1 single-token steps. A greedy
+    draft is one guessed token, so the target's check keeps the output exact whatever the draft model."""
+    first = jnp.stack([jnp.where(sp.missing & live, position - 1, -1), jnp.where(live, position, -1)], axis=1)
+    logits, cache = model.forward(draft_params, jnp.stack([prev, x0], axis=1), first, sp.draft_cache, cfg=draft_cfg)
+    drafts = jnp.zeros((x0.shape[0], w), jnp.int32).at[:, 0].set(jnp.argmax(logits[:, -1], axis=-1))
+
+    def step(i, carry):
+        drafts, cache = carry
+        fed = jnp.where(live & (position + i < draft_cfg.max_seq_len), position + i, -1)
+        last = jax.lax.dynamic_slice_in_dim(drafts, i - 1, 1, axis=1)
+        logits, cache = model.forward(draft_params, last, fed[:, None], cache, cfg=draft_cfg)
+        return drafts.at[:, i].set(jnp.argmax(logits[:, 0], axis=-1)), cache
+
+    drafts, cache = jax.lax.fori_loop(1, w, step, (drafts, cache))
+    return drafts.astype(jnp.int32), cache
+
+
+def _draft_kept(cache: KVCache, end, missing, live, kept, w: int) -> KVCache:
+    """The draft cache after the check: of the W + 1 slots from `end` (prev, x0, drafts 1..W-1), those
+    holding a token that was not kept get position -1, as in the target's cache."""
+    i = jnp.arange(w + 1)[None]
+    keep = jnp.where(i == 0, missing[:, None], i - 1 <= kept[:, None]) & live[:, None]
+    old = jax.lax.dynamic_slice(cache.pos, (0, end), (cache.pos.shape[0], w + 1))
+    return cache.replace(pos=jax.lax.dynamic_update_slice(cache.pos, jnp.where(keep, old, -1), (0, end)))
+
+
+def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConfig, w: int, draft_params=None,
+                     draft_cfg: ModelConfig | None = None):  # fmt: skip
+    """`decode.decode_loop` with W drafts per step; returns (state, spec). Pure; the caches are updated in
+    place. Drafts come from n-gram lookup, or from the draft model when `draft_params` is given (then
+    `spec.draft_cache` holds the prompts, prefilled by the draft model)."""
     rows = jnp.arange(state.tokens.shape[0])
 
     def cond(carry):
@@ -102,9 +143,15 @@ def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConf
         s, sp = carry
         live = ~s.done
         x0 = jnp.where(live, sample(s.logits, s.sampling, s.generated, s.seen, s.counts), 0)
+        prev = jnp.take_along_axis(sp.history, jnp.maximum(sp.length - 1, 0)[:, None], axis=1)[:, 0]
         history = sp.history.at[rows, jnp.where(live, sp.length, sp.history.shape[1])].set(x0, mode="drop")
         length = sp.length + live
-        drafts, real = ngram_drafts(history, length, w)
+        if draft_params is None:
+            drafts, real = ngram_drafts(history, length, w)
+        else:
+            draft_end = sp.draft_cache.end
+            drafts, draft_cache = model_drafts(draft_params, draft_cfg, sp, prev, x0, s.positions, live, w)
+            real = jnp.full_like(sp.num_spec, w)
         real = jnp.minimum(real, sp.num_spec) * live
         offsets = jnp.arange(w + 1)[None]
         positions = s.positions[:, None] + offsets  # (B, W + 1)
@@ -126,6 +173,9 @@ def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConf
             history=history, length=length + kept, proposed=sp.proposed + real, accepted=sp.accepted + kept,
             target_steps=sp.target_steps + live,
         )  # fmt: skip
+        if draft_params is not None:
+            draft_cache = _draft_kept(draft_cache, draft_end, sp.missing, live, kept, w)
+            sp = sp.replace(draft_cache=draft_cache, missing=jnp.where(live, kept == w, sp.missing))
         return s, sp
 
     return jax.lax.while_loop(cond, body, (state, spec))
