@@ -75,6 +75,9 @@ class GeneratorConfig:
             )
 
 
+SMALL_D_MODEL = 256  # see Generator._stacked_params
+
+
 class Generator:
     """Holds params, config, tokenizer and the jitted programs; every call is a pure function of arrays.
 
@@ -214,8 +217,12 @@ class Generator:
                 return
 
     def _stacked_params(self):
-        """The weights with stacked layers, for the speculative loop's (W + 1)-token steps (see
-        `model.stack_layers`): a second copy of the layer weights, made at the first speculative call."""
+        """The target's weights for the speculative loop's (W + 1)-token steps. Measured on XLA:CPU at
+        batch 1, W = 4: with d_model 192 a step took 2.2 ms on stacked layers (`model.stack_layers`)
+        against 4.2 ms on per-layer matrices; with gpt2-124m (d_model 768) 125 ms against 85 ms. So a
+        small model gets a stacked copy of its layers, made at the first speculative call; others not."""
+        if self.cfg.d_model > SMALL_D_MODEL:
+            return self.params
         if self._stacked is None:
             self._stacked = jax.jit(model.stack_layers)(self.params)
         return self._stacked

@@ -286,8 +286,9 @@ def unstack_layers(params: dict) -> dict:
 def stack_layers(params: dict) -> dict:
     """The inverse of `unstack_layers`: `layers` as stacked (L, ...) arrays (a copy of the weights).
 
-    For a forward pass of a few tokens per row (speculative decoding's W + 1): measured on XLA:CPU, such
-    products against a list of per-layer matrices took 2-3x as long as against slices of the stack.
+    For a small model's forward pass of a few tokens per row (speculative decoding's W + 1): on XLA:CPU
+    with d_model 192 such products against per-layer matrices took about twice as long as against slices
+    of the stack (with d_model 768 the other way round: see `Generator._stacked_params`).
     """
     layers_ = params["layers"]
     if not isinstance(layers_, list):
