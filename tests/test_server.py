@@ -174,6 +174,23 @@ def test_prefix_cache_hit_is_visible_in_metrics(stack):
     assert _metric(url, "jaxgen_requests_finished_total") >= 2 and _metric(url, "jaxgen_requests_preempted_total") == 0
 
 
+def test_speculative_requests_answer_as_plain_ones_and_show_in_metrics(stack):
+    """The extension field num_speculative_tokens: the same text as without it, the drafts counted in
+    /metrics; a bad value is a 400 naming the field and what is allowed."""
+    client, url, _, gen = stack
+    before = _metric(url, "jaxgen_spec_draft_tokens_total")
+    prompt = "abcabcabcabcabcabcabc"
+    out = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=12, temperature=0, extra_body={"num_speculative_tokens": 4}
+    )
+    assert out.choices[0].text == _want(gen, prompt, max_new_tokens=12, temperature=0.0)[0].text
+    assert _metric(url, "jaxgen_spec_draft_tokens_total") > before
+    assert 0 <= _metric(url, "jaxgen_spec_acceptance_rate") <= 1
+    bad = httpx.post(f"{url}/v1/completions", json={"prompt": "a", "num_speculative_tokens": 99})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "num_speculative_tokens"
+    assert "an integer in [0, 8]" in bad.json()["error"]["message"]
+
+
 def _metric(url, name):
     for line in httpx.get(f"{url}/metrics").text.splitlines():
         if line.startswith(name + " "):

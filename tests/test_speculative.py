@@ -31,6 +31,16 @@ def _same(a, b):
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-5)
 
 
+def _mixed(a: int, b: int, c: int) -> list[SamplingConfig]:
+    """Greedy; sampled with top-k, a repetition penalty and n=2; sampled with a frequency penalty and a
+    stop sequence: `a`, `b` and `c` new tokens."""
+    return [
+        SamplingConfig(temperature=0.0, max_new_tokens=a, ignore_eos=True),
+        SamplingConfig(temperature=0.9, top_k=50, seed=11, max_new_tokens=b, repetition_penalty=1.2, n=2),
+        SamplingConfig(temperature=0.7, seed=3, max_new_tokens=c, frequency_penalty=0.3, stop_token_sequences=[[120]]),
+    ]  # fmt: skip
+
+
 @functools.cache
 def _generator(name: str) -> Generator:
     """One Generator per config for the module: its compiled programs are shared by the tests."""
@@ -44,11 +54,7 @@ def test_greedy_and_sampled_output_equals_plain_decoding(name):
     """Ragged rows with different windows (0 = off), greedy and sampled with penalties, a stop sequence
     and the context's end: token for token what plain decoding gives with the same seeds."""
     gen = _generator(name)
-    plain = [
-        SamplingConfig(temperature=0.0, max_new_tokens=24, ignore_eos=True),
-        SamplingConfig(temperature=0.9, top_k=50, seed=11, max_new_tokens=24, repetition_penalty=1.2, n=2),
-        SamplingConfig(temperature=0.7, seed=3, max_new_tokens=40, frequency_penalty=0.3, stop_token_sequences=[[120]]),
-    ]  # fmt: skip
+    plain = _mixed(24, 24, 40)
     spec = [dataclasses.replace(c, num_speculative_tokens=k) for c, k in zip(plain, (4, 3, 2), strict=True)]
     before = dict(gen.speculation)
     want = gen.generate(PROMPTS, plain)
@@ -103,11 +109,7 @@ def test_a_draft_model_gives_plain_decodings_output():
     params = model.init_params(cfg, jax.random.key(1))
     draft = (model.init_params(DRAFT, jax.random.key(2)), DRAFT)
     gen = Generator(params, cfg, Tokenizer.byte_level(), GeneratorConfig(max_batch=8, chunk_steps=8), draft=draft)
-    plain = [
-        SamplingConfig(temperature=0.0, max_new_tokens=24, ignore_eos=True),
-        SamplingConfig(temperature=0.9, top_k=50, seed=11, max_new_tokens=24, repetition_penalty=1.2, n=2),
-        SamplingConfig(temperature=0.7, seed=3, max_new_tokens=40, frequency_penalty=0.3, stop_token_sequences=[[120]]),
-    ]  # fmt: skip
+    plain = _mixed(24, 24, 40)
     spec = [dataclasses.replace(c, num_speculative_tokens=4) for c in plain]
     want, got = gen.generate(PROMPTS, plain), gen.generate(PROMPTS, spec)
     for a, b in zip(got, want, strict=True):
@@ -167,11 +169,43 @@ def test_ngram_drafts_copy_what_followed_the_latest_match():
     assert drafts[0].tolist() == [6, 7, 1, 5] and int(real[0]) == 4
 
 
-def test_bad_window_and_the_engine_say_what_is_allowed():
+def test_bad_window_says_what_is_allowed():
     with pytest.raises(SamplingError, match=r"num_speculative_tokens=9 is not allowed: an integer in \[0, 8\]"):
         SamplingConfig(num_speculative_tokens=9)
-    cfg = CONFIGS["gpt2"]
-    llm = LLM(model.init_params(cfg, jax.random.key(0)), cfg=cfg, tokenizer=Tokenizer.byte_level(), slots=2,
-              num_pages=8)  # fmt: skip
-    with pytest.raises(SamplingError, match="the engine does not speculate yet"):
-        llm.generate("abc", SamplingConfig(num_speculative_tokens=2))
+
+
+def test_the_engine_speculates_with_plain_decodings_output_under_preemption():
+    """The serving engine with n-gram drafts over its paged cache (a rejected draft's key needs no undo:
+    keys sit at their position), continuous batching and a pool too small for every row, so sequences
+    are preempted and recomputed: each output equals the Generator's plain decoding."""
+    gen = _generator("llama")
+    plain = _mixed(40, 32, 40)
+    spec = [dataclasses.replace(c, num_speculative_tokens=k) for c, k in zip(plain, (8, 3, 0), strict=True)]
+    llm = LLM(gen.params, cfg=gen.cfg, tokenizer=gen.tokenizer, slots=4, num_pages=10, chunk_steps=8)
+    got = [c for out in llm.generate(PROMPTS * 2, spec * 2) for c in out.outputs]
+    want = gen.generate(PROMPTS * 2, plain * 2)
+    assert len(got) == len(want) == 8
+    for a, b in zip(got, want, strict=True):
+        _same(a, b)
+    m = llm.engine.metrics()
+    assert m["requests_preempted"] > 0 and m["spec_draft_tokens"] > 0, m
+    assert llm.engine.pool.in_use() == 0
+
+
+def test_the_engine_reports_acceptance_in_its_metrics(tiny_run):
+    """The trained tiny run on repetitive code through the engine: drafts are kept, and /metrics (the
+    engine's Prometheus registry) exports the acceptance rate and tokens per target step."""
+    from prometheus_client import generate_latest
+
+    llm = LLM(tiny_run, slots=2, num_pages=32, chunk_steps=16)
+    prompts = ["    x = 1\n    x = 1\n    x = 1\n", "import os\nimport os\nimport"]
+    plain = SamplingConfig(temperature=0.0, max_new_tokens=32, ignore_eos=True)
+    want = llm.generate(prompts, plain)
+    got = llm.generate(prompts, dataclasses.replace(plain, num_speculative_tokens=4))
+    for a, b in zip(got, want, strict=True):
+        _same(a.outputs[0], b.outputs[0])
+    m = llm.engine.metrics()
+    assert m["spec_accepted_tokens"] > 0 and m["spec_tokens_per_step"] > 1.0, m
+    text = generate_latest(llm.engine.stats.registry).decode()
+    assert f"jaxgen_spec_acceptance_rate {m['spec_acceptance_rate']}" in text
+    assert "jaxgen_spec_tokens_per_step" in text and "jaxgen_spec_accepted_tokens_total" in text

@@ -36,10 +36,11 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxgen import model
 from jaxgen.config import ModelConfig, ServeConfig
-from jaxgen.inference import steps
+from jaxgen.inference import speculative, steps
 from jaxgen.inference.decode import (
     FINISH_NAMES,
     Completion,
@@ -76,6 +77,8 @@ class Engine:
         self._jit_steps(mesh)
         init = jax.jit(steps.init_state, static_argnums=(0, 1, 2, 3))  # jitted: the pool is made in its shardings
         self.state = with_mesh(init, mesh)(cfg, serve, num_pages, self.paging.max_pages)
+        self.spec = steps.init_spec(cfg, serve.slots)  # n-gram speculative decoding's per-slot state
+        self._no_history = np.full(steps.history_size(cfg), -1, np.int32)
         self.slots: list[Request | None] = [None] * serve.slots
         self.waiting: deque[Request] = deque()
         self.prefilling: deque[Request] = deque()
@@ -106,6 +109,10 @@ class Engine:
         scored = jax.jit(counted(self, steps.prefill_chunk_scored), static_argnames=("cfg", "top"), donate_argnums=1)
         self._prefill_scored = with_mesh(scored, mesh)
         self._chunk = with_mesh(with_cfg(counted(self, steps.decode_chunk)), mesh)
+        spec_chunk = jax.jit(counted(self, steps.decode_chunk_speculative), static_argnames=("cfg", "w"),
+                             donate_argnums=(1, 2))  # fmt: skip
+        self._spec_chunk = with_mesh(spec_chunk, mesh)
+        self._activate_spec = with_mesh(donate(counted(self, steps.activate_spec)), mesh)
 
     # --- requests ----------------------------------------------------------------------------------
 
@@ -117,12 +124,6 @@ class Engine:
         for name, value in (("logprobs", c.logprobs), ("prompt_logprobs", c.prompt_logprobs or 0)):
             if value > most:
                 raise SamplingError(f"{name}={value} is not allowed: at most {most} (serve.max_logprobs)", name)
-        if c.num_speculative_tokens:
-            raise SamplingError(
-                f"num_speculative_tokens={c.num_speculative_tokens} is not allowed here: the engine does not "
-                "speculate yet (Generator and jaxgen.generate do); use 0",
-                "num_speculative_tokens",
-            )
         stops = self._stops(c)
         if any(len(q) > STOP_LEN for q in stops):
             raise SamplingError(f"a stop token sequence is longer than {STOP_LEN} tokens", "stop_token_sequences")
@@ -346,6 +347,13 @@ class Engine:
             return
         row = steps.slot_row(logits, r.prompt, r.tokens, r.sampling, self._stops(r.sampling), self.cfg)
         self.state = self._activate(self.state, r.slot, row)
+        if r.sampling.num_speculative_tokens:  # n-gram drafts look up the prompt and the output so far
+            history = np.full(steps.history_size(self.cfg), -1, np.int32)
+            history[: len(r.sequence)] = r.sequence
+            spec = (self.spec, r.slot, history, np.int32(len(r.sequence)), np.int32(r.sampling.num_speculative_tokens))
+            self.spec = self._activate_spec(*spec)
+        else:
+            self.spec = self._activate_spec(self.spec, r.slot, self._no_history, np.int32(1), np.int32(0))
         with self.lock:  # a cancel that came during the prefill stands
             if r.status == Status.PREFILL:
                 r.status = Status.RUNNING
@@ -378,7 +386,15 @@ class Engine:
 
     def _decode_chunk(self) -> None:
         self._sync_tables()
-        self.state = self._chunk(self.params, self.state, jnp.int32(self.serve.chunk_steps), cfg=self.cfg)
+        limit = jnp.int32(self.serve.chunk_steps)
+        w = speculative.window([r.sampling.num_speculative_tokens for r in self._running()])
+        if w:
+            self.state, self.spec = self._spec_chunk(self.params, self.state, self.spec, limit, cfg=self.cfg, w=w)
+            self.stats.speculated(*(int(x.sum()) for x in jax.device_get(
+                (self.spec.target_steps, self.spec.proposed, self.spec.accepted)
+            )))  # fmt: skip
+        else:
+            self.state = self._chunk(self.params, self.state, limit, cfg=self.cfg)
         host = HostRows.of(self.state)
         now = time.perf_counter()
         for slot, r in enumerate(self.slots):
@@ -464,6 +480,7 @@ class Engine:
             self.slots = [None] * self.serve.slots
         self.paging.reset()
         self.state = steps.init_state(self.cfg, self.serve, self.pool.num_pages, self.paging.max_pages)
+        self.spec = steps.init_spec(self.cfg, self.serve.slots)
         for r in in_flight:
             self.stats.ended(Status.FAILED)
             self._end(r)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxgen.inference.requests import Request, Status
-from jaxgen.inference.sampling import SamplingError
+from jaxgen.inference.sampling import MAX_SPECULATIVE, SamplingError
 
 
 class PageError(SamplingError):
@@ -199,7 +199,7 @@ class PagePolicy:
     def short(self, r: Request) -> int:
         """Pages a sequence lacks for its next decode chunk (its prefill's, before it ran)."""
         position = len(r.prompt) + len(r.tokens)  # of its next token
-        need = min(position + self.chunk_steps, r.limit(self.context))
+        need = min(position + self.chunk_steps + spec_margin(r), r.limit(self.context))
         return max(0, self.pages_for(need) - len(r.pages))
 
     def take_for_prefill(self, r: Request, running: list[Request]) -> tuple[int, int] | None:
@@ -207,7 +207,7 @@ class PagePolicy:
         (tokens looked up in the prefix cache, tokens found), or None when too few pages are free."""
         # a prompt being scored runs whole: cached pages would skip the positions it asks about
         seq = r.sequence if self.prefix and not r.wants_prompt_scores else []
-        need = min(len(r.sequence) + self.chunk_steps, r.limit(self.context))
+        need = min(len(r.sequence) + self.chunk_steps + spec_margin(r), r.limit(self.context))
         try:
             r.pages, r.cached_tokens = self.pool.allocate(seq, need, reserve=sum(self.short(q) for q in running))
         except PagesExhausted:
@@ -234,3 +234,10 @@ class PagePolicy:
         if r.pages:
             self.pool.release(r.pages)
             r.pages = []
+
+
+def spec_margin(r: Request) -> int:
+    """Positions a speculating sequence may write past `chunk_steps` in one decode chunk: a chunk's last
+    step may start up to MAX_SPECULATIVE + 1 tokens later (`steps.chunk_columns`) and writes its
+    drafts' keys up to MAX_SPECULATIVE further."""
+    return 2 * MAX_SPECULATIVE + 1 if r.sampling.num_speculative_tokens else 0

@@ -129,15 +129,21 @@ def _draft_kept(cache: KVCache, end, missing, live, kept, w: int) -> KVCache:
 
 
 def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConfig, w: int, draft_params=None,
-                     draft_cfg: ModelConfig | None = None):  # fmt: skip
+                     draft_cfg: ModelConfig | None = None, base=None):  # fmt: skip
     """`decode.decode_loop` with W drafts per step; returns (state, spec). Pure; the caches are updated in
     place. Drafts come from n-gram lookup, or from the draft model when `draft_params` is given (then
-    `spec.draft_cache` holds the prompts, prefilled by the draft model)."""
+    `spec.draft_cache` holds the prompts, prefilled by the draft model).
+
+    base: (B,) int32 or None: the row's `generated` at the start of this call when the buffers hold one
+    chunk (the engine: token i of the chunk at column i), else None (the Generator: column = token index).
+    The loop also stops before a row could run out of buffer columns (a step writes up to W + 1)."""
     rows = jnp.arange(state.tokens.shape[0])
+    base = jnp.zeros_like(state.generated) if base is None else base
 
     def cond(carry):
         s, _ = carry
-        return (s.step < s.limit) & ~jnp.all(s.done)
+        room = s.tokens.shape[1] - (s.generated - base) >= jnp.minimum(w + 1, s.max_new - s.generated)
+        return (s.step < s.limit) & ~jnp.all(s.done) & jnp.all(room | s.done)
 
     def body(carry):
         s, sp = carry
@@ -152,19 +158,19 @@ def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConf
             draft_end = sp.draft_cache.end
             drafts, draft_cache = model_drafts(draft_params, draft_cfg, sp, prev, x0, s.positions, live, w)
             real = jnp.full_like(sp.num_spec, w)
-        real = jnp.minimum(real, sp.num_spec) * live
+        real = jnp.clip(jnp.minimum(real, sp.num_spec), 0, room(s.cache, s.positions) - 1) * live
         offsets = jnp.arange(w + 1)[None]
         positions = s.positions[:, None] + offsets  # (B, W + 1)
         fed = live[:, None] & (offsets <= real[:, None]) & (positions < cfg.max_seq_len)
         tokens = jnp.concatenate([x0[:, None], drafts], axis=1)
-        end = s.cache.end
+        before = s.cache
         logits, cache = model.forward(params, tokens, jnp.where(fed, positions, -1), s.cache, cfg=cfg)
 
-        s = _record(s, x0, s.logits, live, s.positions, cfg)
-        s, kept = _verify(s, drafts, real, logits[:, :w], cfg)
+        s = _record(s, x0, s.logits, live, s.positions, cfg, base)
+        s, kept = _verify(s, drafts, real, logits[:, :w], cfg, base)
         history = history.at[rows[:, None], length[:, None] + jnp.arange(w)[None]].set(drafts, mode="drop")
-        keep = live[:, None] & (offsets <= kept[:, None])  # rejected drafts' slots: never read again
-        cache = cache.replace(pos=jax.lax.dynamic_update_slice(cache.pos, jnp.where(keep, positions, -1), (0, end)))
+        keep = live[:, None] & (offsets <= kept[:, None])  # rejected drafts' keys: never read again
+        cache = forget_rejected(cache, before, jnp.where(keep, positions, -1))
         s = s.replace(
             step=s.step + 1, positions=s.positions + (1 + kept) * live, cache=cache,
             logits=jnp.take_along_axis(logits, kept[:, None, None], axis=1)[:, 0],
@@ -181,7 +187,26 @@ def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConf
     return jax.lax.while_loop(cond, body, (state, spec))
 
 
-def _verify(s: DecodeState, drafts_bw, real_b, logits_bwv, cfg: ModelConfig):
+def room(cache, positions_b):
+    """(B,) tokens each row's cache can take from `positions_b` on: the paged cache's pages allocated
+    (the engine reserves the draft window's), or the contiguous cache's free slots (sized for the run)."""
+    if isinstance(cache, KVCache):
+        return jnp.broadcast_to(cache.max_len - cache.end, positions_b.shape)
+    return cache.capacity - positions_b
+
+
+def forget_rejected(cache, before, kept_positions_bt):
+    """The cache after a (W + 1)-token call, its rejected drafts' keys unreachable. A contiguous
+    `KVCache` wrote the call at slots [before.end, before.end + W + 1), shared by all rows, so those
+    slots keep their position only where kept (-1: empty, never reused). A `PagedCache` addresses keys by
+    position: a rejected draft's key sits past the row's last kept token, where no query of the row
+    looks until the next step writes that position again, so there is nothing to undo."""
+    if not isinstance(cache, KVCache):
+        return cache
+    return cache.replace(pos=jax.lax.dynamic_update_slice(cache.pos, kept_positions_bt, (0, before.end)))
+
+
+def _verify(s: DecodeState, drafts_bw, real_b, logits_bwv, cfg: ModelConfig, base):
     """All W drafts checked and recorded in one batched pass (a loop over W would be W rounds of small
     operations). Draft i is drawn with token index generated + i and the penalties' counts as if drafts
     0..i-1 were kept: if one of them was not, draft i is not kept either, so the guess costs nothing.
@@ -223,7 +248,7 @@ def _verify(s: DecodeState, drafts_bw, real_b, logits_bwv, cfg: ModelConfig):
     chosen = jnp.take_along_axis(logp, drafts_bw[..., None], axis=-1)[..., 0]
     top_lp, top_ids = jax.lax.top_k(logp, s.top_ids.shape[-1])
     rows = jnp.arange(b)[:, None]
-    column = jnp.where(kept_bw, index, s.tokens.shape[1])  # past the end: dropped
+    column = jnp.where(kept_bw, index - base[:, None], s.tokens.shape[1])  # past the end: dropped
 
     def write(buf, x):
         return buf.at[rows, column].set(x, mode="drop")
@@ -239,7 +264,7 @@ def _verify(s: DecodeState, drafts_bw, real_b, logits_bwv, cfg: ModelConfig):
     return s, kept
 
 
-def _record(s: DecodeState, tok, logits, active, position, cfg: ModelConfig) -> DecodeState:
+def _record(s: DecodeState, tok, logits, active, position, cfg: ModelConfig, base) -> DecodeState:
     """`tok` (B,) appended to the rows where `active`, at each row's own column (`generated`): its
     log-probability and alternatives, the penalties' counts, and the finish code (a stop sequence,
     max_new or the context; the cache is sized so that it cannot fill)."""
@@ -247,7 +272,7 @@ def _record(s: DecodeState, tok, logits, active, position, cfg: ModelConfig) -> 
     chosen = jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
     top_lp, top_ids = jax.lax.top_k(logp, s.top_ids.shape[-1])
     rows = jnp.arange(tok.shape[0])
-    column = jnp.where(active, s.generated, s.tokens.shape[1])  # past the end: dropped
+    column = jnp.where(active, s.generated - base, s.tokens.shape[1])  # past the end: dropped
 
     def write(buf, x):
         return buf.at[rows, column].set(x, mode="drop")

@@ -30,6 +30,9 @@ COUNTERS = {
     "prefix_cache_hit_tokens": ("jaxgen_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache"),
     "prefix_cache_lookup_tokens": ("jaxgen_prefix_cache_lookup_tokens", "prompt tokens looked up in the cache"),
     "busy_seconds": ("jaxgen_engine_busy_seconds", "seconds the scheduler spent in steps"),
+    "spec_target_steps": ("jaxgen_spec_target_steps", "speculative decoding: target steps, summed over slots"),
+    "spec_draft_tokens": ("jaxgen_spec_draft_tokens", "speculative decoding: draft tokens checked"),
+    "spec_accepted_tokens": ("jaxgen_spec_accepted_tokens", "speculative decoding: draft tokens kept"),
 }
 LIVE = {  # gauges read from the engine when collected: snapshot key: (metric name, help)
     "queue_length": ("jaxgen_queue_length", "requests waiting for a slot or their prefill"),
@@ -65,6 +68,11 @@ class EngineStats:
         rate.set_function(self.prefix_hit_rate)
         speed = Gauge("jaxgen_tokens_per_second", "generated tokens per second of engine work", registry=r)
         speed.set_function(self.tokens_per_second)
+        accept = Gauge("jaxgen_spec_acceptance_rate", "speculative decoding: share of draft tokens kept", registry=r)
+        accept.set_function(self.acceptance_rate)
+        per_step = Gauge("jaxgen_spec_tokens_per_step", "speculative decoding: tokens per slot's target step",
+                         registry=r)  # fmt: skip
+        per_step.set_function(self.tokens_per_step)
         self.ttft = Histogram("jaxgen_time_to_first_token_seconds", "time from submission to the first token",
                               registry=r, buckets=TTFT_BUCKETS)  # fmt: skip
         self.tpot = Histogram("jaxgen_time_per_output_token_seconds", "time per output token after the first",
@@ -107,6 +115,12 @@ class EngineStats:
 
     # --- reading ---------------------------------------------------------------------------------
 
+    def speculated(self, target_steps: int, drafts: int, accepted: int) -> None:
+        """A speculative decode chunk: slots' target steps, draft tokens checked and kept."""
+        self.count("spec_target_steps", target_steps)
+        self.count("spec_draft_tokens", drafts)
+        self.count("spec_accepted_tokens", accepted)
+
     def value(self, key: str) -> float:
         """A counter's total, by its snapshot key."""
         return self.registry.get_sample_value(COUNTERS[key][0] + "_total") or 0.0
@@ -125,6 +139,15 @@ class EngineStats:
         busy = self.value("busy_seconds")
         return self.value("generated_tokens_total") / busy if busy else 0.0
 
+    def acceptance_rate(self) -> float:
+        drafts = self.value("spec_draft_tokens")
+        return self.value("spec_accepted_tokens") / drafts if drafts else 0.0
+
+    def tokens_per_step(self) -> float:
+        """Each slot's target step gives its drawn token and the drafts it kept."""
+        steps = self.value("spec_target_steps")
+        return (steps + self.value("spec_accepted_tokens")) / steps if steps else 0.0
+
     def snapshot(self) -> dict[str, float]:
         """Every figure as a dict (`Engine.metrics()`): counters as ints, histograms as their means."""
         out: dict[str, float] = {key: fn() for key, fn in self.live.items()}
@@ -132,6 +155,8 @@ class EngineStats:
         out |= {key: int(self.value(key)) for key in COUNTERS if key != "busy_seconds"}
         out["prefix_cache_hit_rate"] = self.prefix_hit_rate()
         out["tokens_per_second"] = self.tokens_per_second()
+        out["spec_acceptance_rate"] = self.acceptance_rate()
+        out["spec_tokens_per_step"] = self.tokens_per_step()
         out["time_to_first_token_seconds"] = self.mean("jaxgen_time_to_first_token_seconds")
         out["time_per_output_token_seconds"] = self.mean("jaxgen_time_per_output_token_seconds")
         out["request_latency_seconds"] = self.mean("jaxgen_request_latency_seconds")

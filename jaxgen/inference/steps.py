@@ -7,6 +7,9 @@
     activate(state, slot, row: SlotRow) -> state               a slot starts (or resumes) decoding
     retire(state, slot) -> state                               a slot stops
     decode_chunk(params, state, limit, cfg) -> state           up to `limit` decode steps, every active slot
+    init_spec(cfg, slots) -> spec                              speculative decoding's per-slot state
+    activate_spec(spec, slot, history, length, num_spec) -> spec   a slot's prompt and output so far
+    decode_chunk_speculative(params, state, spec, limit, cfg, w) -> (state, spec)   with n-gram drafts
 
 The state is the `DecodeState` of `jaxgen.generate`, its cache a `PagedCache`. The scheduler
 (`jaxgen.inference.engine`) decides what to run; these functions only run it, and per-request values
@@ -22,9 +25,9 @@ import numpy as np
 
 from jaxgen import model
 from jaxgen.config import ModelConfig, ServeConfig
-from jaxgen.inference import scoring
+from jaxgen.inference import scoring, speculative
 from jaxgen.inference.decode import FINISH_LENGTH, MAX_STOPS, RUNNING, DecodeState, bucket, decode_loop
-from jaxgen.inference.sampling import SamplingArrays, SamplingConfig
+from jaxgen.inference.sampling import MAX_SPECULATIVE, SamplingArrays, SamplingConfig
 from jaxgen.model.paged import PagedCache
 
 STOP_LEN = 8  # the longest stop token sequence a request may give
@@ -67,8 +70,13 @@ def slot_row(logits, prompt: list[int], tokens: list[int], c: SamplingConfig, st
     )  # fmt: skip
 
 
+def chunk_columns(serve: ServeConfig) -> int:
+    """Columns of a chunk's token buffers: `chunk_steps`, and room for one speculative step beyond."""
+    return serve.chunk_steps + MAX_SPECULATIVE + 1
+
+
 def init_state(cfg: ModelConfig, serve: ServeConfig, num_pages: int, max_pages: int) -> DecodeState:
-    b, v, m, a = serve.slots, cfg.vocab_size, serve.chunk_steps, serve.max_logprobs
+    b, v, m, a = serve.slots, cfg.vocab_size, chunk_columns(serve), serve.max_logprobs
     cache = PagedCache.init(cfg, num_pages, serve.page_size, b, max_pages, serve.cache_dtype).constrain()
     idle = SamplingConfig(temperature=0.0)
     return DecodeState(
@@ -147,3 +155,33 @@ def decode_chunk(params, state: DecodeState, limit, cfg: ModelConfig) -> DecodeS
     """Up to `limit` decode steps for every active slot, into buffers that start at column 0."""
     state = decode_loop(params, state.replace(step=jnp.int32(0), limit=limit), cfg)
     return state.replace(cache=state.cache.constrain())
+
+
+def history_size(cfg: ModelConfig) -> int:
+    return cfg.max_seq_len + MAX_SPECULATIVE + 1
+
+
+def init_spec(cfg: ModelConfig, slots: int) -> speculative.SpecState:
+    return speculative.SpecState.init([[0]] * slots, [0] * slots, history_size(cfg))
+
+
+def activate_spec(spec: speculative.SpecState, slot, history, length, num_spec) -> speculative.SpecState:
+    """Slot `slot` speculates with `num_spec` drafts a step (0: not at all) over `history` (S,) int32,
+    its prompt and output so far (`length` tokens)."""
+    return spec.replace(
+        history=spec.history.at[slot].set(history), length=spec.length.at[slot].set(length),
+        num_spec=spec.num_spec.at[slot].set(num_spec),
+    )  # fmt: skip
+
+
+def decode_chunk_speculative(params, state: DecodeState, spec, limit, cfg: ModelConfig, w: int):
+    """`decode_chunk` with up to W n-gram drafts a step for the slots that ask (`jaxgen.inference.
+    speculative`): a slot's tokens fill columns 0.. of the buffers; the chunk ends early when a slot
+    might not have room for another step. The spec's counters count this chunk only."""
+    spec = spec.replace(
+        proposed=jnp.zeros_like(spec.proposed), accepted=jnp.zeros_like(spec.accepted),
+        target_steps=jnp.zeros_like(spec.target_steps),
+    )  # fmt: skip
+    state = state.replace(step=jnp.int32(0), limit=limit)
+    state, spec = speculative.speculative_loop(params, state, spec, cfg, w, base=state.generated)
+    return state.replace(cache=state.cache.constrain()), spec

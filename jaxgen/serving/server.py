@@ -8,10 +8,10 @@ logprobs the prompt's tokens are scored too, as lm-evaluation-harness asks), POS
 it has none), GET /v1/models, GET /health, GET /metrics (the engine's statistics in the Prometheus
 format, `jaxgen.inference.stats`), and the tokenizer: POST /tokenize, POST /detokenize, GET /tokenizer_info.
 Request fields: max_tokens, temperature, top_p, top_k, min_p, seed, n, stop, logprobs, echo, stream
-(server-sent events), presence_penalty, frequency_penalty, repetition_penalty, logit_bias, and
-ignore_eos (an extension, as in vLLM). Every field is checked by `jaxgen.inference.sampling` (the same bounds
-and messages as the Python API and the batch job); every error has OpenAI's shape
-`{"error": {"message", "type", "param", "code"}}`.
+(server-sent events), presence_penalty, frequency_penalty, repetition_penalty, logit_bias, and the
+extensions ignore_eos (as in vLLM) and num_speculative_tokens (n-gram speculative decoding, 0..8).
+Every field is checked by `jaxgen.inference.sampling` (the same bounds and messages as the Python API
+and the batch job); every error has OpenAI's shape `{"error": {"message", "type", "param", "code"}}`.
 
 What a public endpoint needs (ServeConfig): a body limit (413 before parsing), a queue limit (429
 with Retry-After), an optional per-request timeout, tokenization off the event loop, and on SIGTERM
@@ -63,6 +63,7 @@ class _Common(BaseModel):
     repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None  # {token id (as a string, JSON's keys): bias in [-100, 100]}
     ignore_eos: bool = False  # an extension (as in vLLM): generate max_tokens whatever the model says
+    num_speculative_tokens: int = 0  # an extension: n-gram drafts checked per step (0..8; the output is the same)
     user: str | None = None
 
 
@@ -248,6 +249,7 @@ def _sampling(body: _Common, max_tokens: int, logprobs: int, max_field: str = "m
         min_p=body.min_p, seed=seed, n=body.n, stop=stop, logprobs=logprobs, logit_bias=body.logit_bias or {},
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, ignore_eos=body.ignore_eos,
+        num_speculative_tokens=body.num_speculative_tokens,
     )  # fmt: skip
     try:
         return SamplingConfig.from_dict(data)
