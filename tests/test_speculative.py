@@ -144,6 +144,37 @@ def test_a_draft_model_must_share_the_tokens_and_the_context():
         Generator(params, cfg, Tokenizer.byte_level(), draft=(None, short))
 
 
+def test_speculative_samples_follow_the_target_distribution(tiny_run):
+    """A chi-square test, as for the samplers: 3000 seeded two-token samples with n-gram drafts (the
+    second token is the first one a draft is checked for); its frequencies against the exact marginal
+    sum_a p(a) p(b | a), computed with the model's forward pass over every first token."""
+    from jaxgen.training.checkpoint import load_model
+
+    cfg, tok, params = load_model(tiny_run)
+    prompt = tok.encode("import os\nimport os\nimport", special=False)
+    n = 3000
+    gen = Generator(params, cfg, tok, GeneratorConfig(max_batch=512, chunk_steps=2))
+    configs = [SamplingConfig(temperature=1.0, max_new_tokens=2, ignore_eos=True, seed=i, num_speculative_tokens=2)
+               for i in range(n)]  # fmt: skip
+    before = dict(gen.speculation)
+    second = np.array([c.tokens[1] for c in gen.generate([prompt] * n, configs)])
+    assert gen.speculation["accepted"] > before["accepted"]  # drafts were checked and some kept
+
+    v = cfg.vocab_size
+    first = jax.nn.softmax(model.forward(params, jnp.asarray([prompt]), jnp.arange(len(prompt))[None], cfg=cfg)[0])
+    tokens = jnp.asarray([[*prompt, a] for a in range(v)])
+    logits, _ = model.forward(params, tokens, jnp.broadcast_to(jnp.arange(len(prompt) + 1), tokens.shape), cfg=cfg)
+    expected = np.asarray(first[0, -1] @ jax.nn.softmax(logits[:, -1]), np.float64) * n  # (V,)
+    observed = np.bincount(second, minlength=v).astype(np.float64)
+    big = expected >= 5  # the rest in one bin
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    chi2 = ((obs - exp) ** 2 / exp).sum()
+    df = len(obs) - 1
+    critical = df * (1 - 2 / (9 * df) + 3.09 * np.sqrt(2 / (9 * df))) ** 3  # p = 0.001 (Wilson-Hilferty)
+    assert df > 5 and chi2 <= critical, (chi2, critical, df)
+
+
 def test_window_values_do_not_recompile():
     gen = _generator("llama")
     c = SamplingConfig(temperature=0.0, max_new_tokens=8, num_speculative_tokens=3)
