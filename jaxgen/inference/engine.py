@@ -78,7 +78,6 @@ class Engine:
         init = jax.jit(steps.init_state, static_argnums=(0, 1, 2, 3))  # jitted: the pool is made in its shardings
         self.state = with_mesh(init, mesh)(cfg, serve, num_pages, self.paging.max_pages)
         self.spec = steps.init_spec(cfg, serve.slots)  # n-gram speculative decoding's per-slot state
-        self._no_history = np.full(steps.history_size(cfg), -1, np.int32)
         self.slots: list[Request | None] = [None] * serve.slots
         self.waiting: deque[Request] = deque()
         self.prefilling: deque[Request] = deque()
@@ -347,13 +346,11 @@ class Engine:
             return
         row = steps.slot_row(logits, r.prompt, r.tokens, r.sampling, self._stops(r.sampling), self.cfg)
         self.state = self._activate(self.state, r.slot, row)
-        if r.sampling.num_speculative_tokens:  # n-gram drafts look up the prompt and the output so far
-            history = np.full(steps.history_size(self.cfg), -1, np.int32)
-            history[: len(r.sequence)] = r.sequence
-            spec = (self.spec, r.slot, history, np.int32(len(r.sequence)), np.int32(r.sampling.num_speculative_tokens))
-            self.spec = self._activate_spec(*spec)
-        else:
-            self.spec = self._activate_spec(self.spec, r.slot, self._no_history, np.int32(1), np.int32(0))
+        # n-gram drafts look up the prompt and the output so far (a slot with 0 drafts never reads them)
+        history = np.full(steps.history_size(self.cfg), -1, np.int32)
+        history[: len(r.sequence)] = r.sequence
+        n = np.int32(r.sampling.num_speculative_tokens)
+        self.spec = self._activate_spec(self.spec, r.slot, history, np.int32(len(r.sequence)), n)
         with self.lock:  # a cancel that came during the prefill stands
             if r.status == Status.PREFILL:
                 r.status = Status.RUNNING
