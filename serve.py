@@ -31,6 +31,7 @@ FLAG_FIELDS = {
     "prefix_caching": "serve.prefix_caching",
     "quantize": "serve.quantize",
     "cache_dtype": "serve.cache_dtype",
+    "draft": "serve.draft",
     "max_body_bytes": "serve.max_body_bytes",
     "max_queue": "serve.max_queue",
     "request_timeout": "serve.request_timeout_s",
@@ -60,6 +61,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cache-dtype", choices=("float32", "bfloat16", "int8"),
         help="sets serve.cache_dtype: the KV cache's dtype; int8 holds ~2x the tokens of bfloat16 (default float32)",
+    )  # fmt: skip
+    p.add_argument(
+        "--draft", metavar="DIR",
+        help="sets serve.draft: a run or Hugging Face folder whose smaller model (same tokenizer) drafts for "
+        "requests with num_speculative_tokens > 0 (default: n-gram lookup)",
     )  # fmt: skip
     p.add_argument(
         "--no-prefix-caching", dest="prefix_caching", action="store_false", default=None,
@@ -160,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(e))
     from jaxgen.inference.engine import Engine
     from jaxgen.runtime import enable_compilation_cache
-    from jaxgen.training.checkpoint import load_model
+    from jaxgen.training.checkpoint import load_draft, load_model
 
     enable_compilation_cache()
     try:
@@ -170,10 +176,14 @@ def main(argv: list[str] | None = None) -> int:
             args.checkpoint, mesh, param_dtype=s.param_dtype, quantize=s.quantize,
             quantize_embedding=s.quantize_embedding,
         )  # fmt: skip
+        draft = None
+        if s.draft is not None:
+            draft = load_draft(s.draft, tokenizer, mesh, param_dtype=s.param_dtype, quantize=s.quantize,
+                               quantize_embedding=s.quantize_embedding)  # fmt: skip
+        engine = Engine(params, cfg, tokenizer, settings.serve, mesh=mesh if mesh.size > 1 else None, draft=draft)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    engine = Engine(params, cfg, tokenizer, settings.serve, mesh=mesh if mesh.size > 1 else None)
     if args.command == "http":
         return _http(engine, args, settings.http)
     if args.prompt is not None:

@@ -330,6 +330,9 @@ class ServeConfig:
     # (`jaxgen.model.quant`); quantize_embedding: the embedding and the head too
     quantize: Literal["none", "int8"] = "none"
     quantize_embedding: bool = False
+    # a run or Hugging Face folder whose model (a smaller one, with the same tokenizer) drafts for requests with
+    # num_speculative_tokens > 0; None = n-gram lookup over each request's prompt and output
+    draft: str | None = None
     # several processes (`serve.py generate --input`): split = each serves its share of the lines on its own
     # devices (data parallel); shared = one engine on a mesh over every process's devices (model parallel)
     processes: Literal["split", "shared"] = "split"
@@ -358,6 +361,8 @@ class ServeConfig:
         _check(self.cache_dtype in (*dtypes, "int8"), "serve.cache_dtype", self.cache_dtype, "float32, bfloat16, int8")
         _check(self.quantize in ("none", "int8"), "serve.quantize", self.quantize, "none, int8")
         _check(isinstance(self.quantize_embedding, bool), "serve.quantize_embedding", self.quantize_embedding, "a bool")
+        _check(self.draft is None or (isinstance(self.draft, str) and bool(self.draft)), "serve.draft", self.draft,
+               "null or the path of a run or Hugging Face folder")  # fmt: skip
         _check(self.param_dtype in ("auto", *dtypes), "serve.param_dtype", self.param_dtype, "auto, float32, bfloat16")
         _check(self.processes in ("split", "shared"), "serve.processes", self.processes, "split, shared")
         for name in ("data_parallel", "tensor_parallel"):

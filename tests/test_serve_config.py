@@ -38,11 +38,13 @@ def test_file_then_overrides_then_explicit_flags(tmp_path):
     flags = ["--slots", "2", "--port", "9001", "--no-prefix-caching", "--kv-memory-gb", "2", "--host", "0.0.0.0"]
     flags += ["--model-name", "n", "--max-body-bytes", "10", "--max-queue", "3", "--request-timeout", "5"]
     flags += ["--shutdown-grace", "1", "--page-size", "32", "--quantize", "int8", "--cache-dtype", "int8"]
+    flags += ["--draft", "runs/small"]
     s = _settings([*base, "serve.slots=6", "http.port=9002", "serve.cache_dtype=bfloat16", *flags])
     assert s == ServeCommandConfig(
         serve=ServeConfig(
             slots=2, page_size=32, kv_memory_gb=2.0, chunk_steps=4, prefix_caching=False, max_body_bytes=10,
             max_queue=3, request_timeout_s=5.0, shutdown_grace_s=1.0, quantize="int8", cache_dtype="int8",
+            draft="runs/small",
         ),
         http=HttpConfig(host="0.0.0.0", port=9001, model_name="n"),
     )  # fmt: skip
@@ -101,11 +103,12 @@ def test_http_settings_reach_the_engine_and_the_server(monkeypatch, tmp_path):
     seen = {}
 
     class Engine:
-        def __init__(self, params, cfg, tokenizer, serve_config, mesh):
+        def __init__(self, params, cfg, tokenizer, serve_config, mesh, draft=None):
             self.serve = seen["serve"] = serve_config
-            seen["mesh"] = mesh
+            seen["mesh"], seen["draft"] = mesh, draft
 
     monkeypatch.setattr(checkpoint, "load_model", lambda path, mesh, **kwargs: ("cfg", "tokenizer", "params"))
+    monkeypatch.setattr(checkpoint, "load_draft", lambda path, tokenizer, mesh, **kwargs: (f"params of {path}", "dcfg"))
     monkeypatch.setattr(jaxgen.inference.engine, "Engine", Engine)
     monkeypatch.setattr(jaxgen.runtime, "enable_compilation_cache", lambda: None)
     monkeypatch.setattr(jaxgen.serving.server, "create_app", lambda engine, name, key: seen.update(name=name, key=key))
@@ -118,3 +121,6 @@ def test_http_settings_reach_the_engine_and_the_server(monkeypatch, tmp_path):
     assert (seen["serve"].chunk_steps, seen["serve"].prefill_chunk, seen["serve"].shutdown_grace_s) == (16, 128, 3)
     assert seen["at"] == ("127.0.0.1", 9001) and seen["name"] == "my-model" and seen["key"] == "k"
     assert seen["mesh"] is None  # one device unless serve.data_parallel / tensor_parallel say otherwise
+    assert seen["draft"] is None  # n-gram drafts unless serve.draft names a model
+    assert serve.main([*argv, "--draft", "runs/small"]) == 0
+    assert seen["serve"].draft == "runs/small" and seen["draft"] == ("params of runs/small", "dcfg")

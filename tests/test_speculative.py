@@ -240,3 +240,60 @@ def test_the_engine_reports_acceptance_in_its_metrics(tiny_run):
     text = generate_latest(llm.engine.stats.registry).decode()
     assert f"jaxgen_spec_acceptance_rate {m['spec_acceptance_rate']}" in text
     assert "jaxgen_spec_tokens_per_step" in text and "jaxgen_spec_accepted_tokens_total" in text
+
+
+def test_the_engine_with_a_draft_model_gives_plain_decodings_output_under_preemption():
+    """The serving engine with a random draft model (its own page pool on the target's page tables):
+    continuous batching, prefix-cache hits and a pool too small for every row, so sequences are
+    preempted and recomputed, draft pages included; each output equals the Generator's plain decoding."""
+    gen = _generator("llama")
+    draft = (model.init_params(DRAFT, jax.random.key(2)), DRAFT)
+    plain = _mixed(40, 32, 40)
+    spec = [dataclasses.replace(c, num_speculative_tokens=k) for c, k in zip(plain, (8, 3, 0), strict=True)]
+    llm = LLM(gen.params, cfg=gen.cfg, tokenizer=gen.tokenizer, draft=draft, slots=4, num_pages=10, chunk_steps=8)
+    got = [c for out in llm.generate(PROMPTS * 2, spec * 2) for c in out.outputs]
+    want = gen.generate(PROMPTS * 2, plain * 2)
+    for a, b in zip(got, want, strict=True):
+        _same(a, b)
+    m = llm.engine.metrics()
+    assert m["requests_preempted"] > 0 and m["prefix_cache_hit_tokens"] > 0 and m["spec_draft_tokens"] > 0, m
+    assert llm.engine.pool.in_use() == 0
+
+
+def test_the_engine_with_the_target_as_its_draft_keeps_every_greedy_draft():
+    """The draft pool stays in step with the target's pages: drafting with the target itself, greedy
+    drafts are kept (but where a row ends) after a preemption and on prefix pages that an earlier,
+    non-speculating request filled (the draft model prefills every sequence)."""
+    gen = _generator("gpt2")
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    llm = LLM(gen.params, cfg=gen.cfg, tokenizer=gen.tokenizer, draft=(gen.params, gen.cfg), slots=3, num_pages=14,
+              chunk_steps=8)  # fmt: skip
+    want = [o.outputs[0].tokens for o in llm.generate(PROMPTS, greedy)]  # plain: fills the prefix cache
+    assert want == [c.tokens for c in gen.generate(PROMPTS, greedy)]
+    k = 4
+    got = llm.generate(PROMPTS, dataclasses.replace(greedy, num_speculative_tokens=k))
+    assert [o.outputs[0].tokens for o in got] == want
+    m = llm.engine.metrics()
+    assert m["prefix_cache_hit_tokens"] > 0 and m["requests_preempted"] > 0, m
+    assert m["spec_accepted_tokens"] >= m["spec_draft_tokens"] - (1 + m["requests_preempted"]) * len(PROMPTS) * k, m
+    assert m["spec_tokens_per_step"] > k / 2, m
+
+
+def test_a_draft_model_from_a_folder_must_share_the_tokenizer(tiny_run):
+    """LLM(run, draft=run) loads the draft from a folder (serve.draft); another tokenizer is refused
+    with the count of tokens that differ, and a shorter context by the engine's check."""
+    from jaxgen.tokenizer import train_bpe
+    from jaxgen.training.checkpoint import load_draft
+
+    llm = LLM(tiny_run, draft=tiny_run, slots=2, num_pages=32)
+    assert llm.serve.draft == str(tiny_run) and llm.engine.draft_cfg == llm.cfg
+    c = SamplingConfig(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+    want = llm.generate("import os\nimport", c)[0].outputs[0].tokens
+    got = llm.generate("import os\nimport", dataclasses.replace(c, num_speculative_tokens=4))[0].outputs[0]
+    assert got.tokens == want and llm.engine.metrics()["spec_accepted_tokens"] > 0
+    other = train_bpe(["def f(x):\n    return x\n"] * 20, 300)
+    with pytest.raises(ValueError, match=r"has another tokenizer than the target's \(\d+ tokens differ"):
+        load_draft(tiny_run, other)
+    short = dataclasses.replace(llm.cfg, max_seq_len=llm.cfg.max_seq_len // 2)
+    with pytest.raises(ValueError, match="the draft model's max_seq_len=.* is shorter than the target's"):
+        LLM(llm.params, cfg=llm.cfg, tokenizer=llm.tokenizer, draft=(llm.params, short), num_pages=8)

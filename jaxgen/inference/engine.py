@@ -16,6 +16,11 @@ or one chunk of a long one: running sequences wait at most one chunk), (3) grows
 pages, (4) runs a jitted `while_loop` of up to `chunk_steps` decode steps for every active slot, and
 (5) retires finished sequences, returning their pages.
 
+Speculative decoding (`jaxgen.inference.speculative`): requests with `num_speculative_tokens` > 0 are
+checked W drafts a step, from n-gram lookup or, with `Engine(..., draft=(params, cfg))`, from a smaller
+model with the same tokenizer, whose KV pages lie in a pool of their own on the target's page tables
+(prefilled with every chunk, so prefix-cache hits and preempted sequences find them filled).
+
 A request's tokens do not depend on what else runs: each slot has its own sampling settings, and
 seeded draws are keyed by (seed, token index), exactly as in `Generator`.
 
@@ -67,17 +72,30 @@ log = logging.getLogger(__name__)
 class Engine:
     """Continuous batching over a paged KV cache; see the module docstring."""
 
-    def __init__(self, params, cfg: ModelConfig, tokenizer: Tokenizer, serve: ServeConfig = ServeConfig(), mesh=None):
+    def __init__(
+        self, params, cfg: ModelConfig, tokenizer: Tokenizer, serve: ServeConfig = ServeConfig(), mesh=None,
+        draft: tuple | None = None,
+    ):  # fmt: skip
         self.params = model.unstack_layers(params)
         self.cfg, self.tokenizer, self.serve = cfg, tokenizer, serve
+        # draft=(params, cfg): a smaller model with the same tokenizer drafts for speculating requests (else
+        # n-gram lookup does); its KV pages sit in a pool of its own on the target's page tables
+        self.draft_params, self.draft_cfg = None, None
+        if draft is not None:
+            self.draft_cfg = speculative.check_draft(draft[1], cfg)
+            self.draft_params = model.unstack_layers(draft[0])
         z = serve.page_size
-        num_pages = serve.num_pages or int(serve.kv_memory_gb * 2**30 // page_bytes(cfg, z, serve.cache_dtype))
+        per_page = page_bytes(cfg, z, serve.cache_dtype)
+        if self.draft_cfg is not None:  # the budget holds both pools
+            per_page += page_bytes(self.draft_cfg, z, serve.cache_dtype)
+        num_pages = serve.num_pages or int(serve.kv_memory_gb * 2**30 // per_page)
         self.paging = PagePolicy(num_pages, z, serve.slots, cfg.max_seq_len, serve.chunk_steps, serve.prefix_caching)
         self.compilations = 0
         self._jit_steps(mesh)
         init = jax.jit(steps.init_state, static_argnums=(0, 1, 2, 3))  # jitted: the pool is made in its shardings
         self.state = with_mesh(init, mesh)(cfg, serve, num_pages, self.paging.max_pages)
-        self.spec = steps.init_spec(cfg, serve.slots)  # n-gram speculative decoding's per-slot state
+        self._init_spec = with_mesh(jax.jit(steps.init_spec, static_argnums=(0, 1, 2, 3, 4)), mesh)
+        self.spec = self._new_spec()  # speculative decoding's per-slot state (and the draft model's pool)
         self.slots: list[Request | None] = [None] * serve.slots
         self.waiting: deque[Request] = deque()
         self.prefilling: deque[Request] = deque()
@@ -108,10 +126,15 @@ class Engine:
         scored = jax.jit(counted(self, steps.prefill_chunk_scored), static_argnames=("cfg", "top"), donate_argnums=1)
         self._prefill_scored = with_mesh(scored, mesh)
         self._chunk = with_mesh(with_cfg(counted(self, steps.decode_chunk)), mesh)
-        spec_chunk = jax.jit(counted(self, steps.decode_chunk_speculative), static_argnames=("cfg", "w"),
+        spec_chunk = jax.jit(counted(self, steps.decode_chunk_speculative), static_argnames=("cfg", "w", "draft_cfg"),
                              donate_argnums=(1, 2))  # fmt: skip
         self._spec_chunk = with_mesh(spec_chunk, mesh)
         self._activate_spec = with_mesh(donate(counted(self, steps.activate_spec)), mesh)
+        draft_prefill = jax.jit(counted(self, steps.prefill_draft_chunk), static_argnames="draft_cfg", donate_argnums=1)
+        self._prefill_draft = with_mesh(draft_prefill, mesh)
+
+    def _new_spec(self):
+        return self._init_spec(self.cfg, self.serve, self.draft_cfg, self.pool.num_pages, self.paging.max_pages)
 
     # --- requests ----------------------------------------------------------------------------------
 
@@ -290,7 +313,7 @@ class Engine:
 
     def _state_lost(self) -> bool:
         """True when a failed donated call consumed the device state."""
-        return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(self.state))
+        return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves((self.state, self.spec)))
 
     def _admit(self) -> None:
         with self.lock:
@@ -327,6 +350,10 @@ class Engine:
             r.take_prompt_scores(jax.device_get(scores), n)
         else:
             self.state, logits = self._prefill(*args, cfg=self.cfg)
+        if self.draft_cfg is not None:  # every sequence: a prefix page may later serve one that speculates
+            self.spec = self._prefill_draft(
+                self.draft_params, self.spec, self.state.cache, r.slot, tokens, positions, draft_cfg=self.draft_cfg
+            )
         r.prefilled += n
         self.stats.prefilled(n, recomputed=r.preemptions > 0)
         if r.prefilled < len(seq):
@@ -386,7 +413,10 @@ class Engine:
         limit = jnp.int32(self.serve.chunk_steps)
         w = speculative.window([r.sampling.num_speculative_tokens for r in self._running()])
         if w:
-            self.state, self.spec = self._spec_chunk(self.params, self.state, self.spec, limit, cfg=self.cfg, w=w)
+            self.state, self.spec = self._spec_chunk(
+                self.params, self.state, self.spec, limit, cfg=self.cfg, w=w, draft_params=self.draft_params,
+                draft_cfg=self.draft_cfg,
+            )  # fmt: skip
             self.stats.speculated(*(int(x.sum()) for x in jax.device_get(
                 (self.spec.target_steps, self.spec.proposed, self.spec.accepted)
             )))  # fmt: skip
@@ -477,7 +507,7 @@ class Engine:
             self.slots = [None] * self.serve.slots
         self.paging.reset()
         self.state = steps.init_state(self.cfg, self.serve, self.pool.num_pages, self.paging.max_pages)
-        self.spec = steps.init_spec(self.cfg, self.serve.slots)
+        self.spec = self._new_spec()
         for r in in_flight:
             self.stats.ended(Status.FAILED)
             self._end(r)

@@ -94,7 +94,7 @@ class Generator:
         config = dataclasses.replace(config, **overrides)
         self.draft_params, self.draft_cfg = None, None
         if draft is not None:
-            self.draft_cfg = _check_draft(draft[1], cfg)
+            self.draft_cfg = speculative.check_draft(draft[1], cfg)
             self.draft_params = model.unstack_layers(draft[0])
         # per-layer weights unstacked: see model.unstack_layers (decode reads each matrix once)
         self.params = model.unstack_layers(params)
@@ -430,20 +430,3 @@ def generate(
     if cfg is None or tokenizer is None:
         raise SamplingError("generate(params, ...) needs cfg= and tokenizer= (or pass a run folder)")
     return Generator(source, cfg, tokenizer, **kwargs).generate(prompts, sampling)
-
-
-def _check_draft(draft_cfg, cfg: ModelConfig) -> ModelConfig:
-    """A draft model must share the target's tokens and reach as far: ValueError naming what differs."""
-    if not isinstance(draft_cfg, ModelConfig):
-        raise ValueError(f"draft=(params, cfg) needs a ModelConfig as cfg, got {type(draft_cfg).__name__}")
-    if draft_cfg.vocab_size != cfg.vocab_size:
-        raise ValueError(
-            f"the draft model's vocab_size={draft_cfg.vocab_size} differs from the target's {cfg.vocab_size}: "
-            "a draft model must use the same tokenizer"
-        )
-    if draft_cfg.max_seq_len < cfg.max_seq_len:
-        raise ValueError(
-            f"the draft model's max_seq_len={draft_cfg.max_seq_len} is shorter than the target's "
-            f"{cfg.max_seq_len}: it must reach every position the target decodes"
-        )
-    return draft_cfg

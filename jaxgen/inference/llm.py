@@ -54,12 +54,17 @@ class LLM:
     source: a run folder written by train.py (its latest checkpoint), a local Hugging Face model folder,
     or params given with their `cfg` and `tokenizer`. serve: the engine's slots and KV-cache pages;
     keyword arguments override its fields (`LLM(path, slots=8, kv_memory_gb=2)`).
+    draft: a smaller model with the same tokenizer that drafts for speculating requests, as a folder
+    (`serve.draft` / `LLM(path, draft="runs/tiny")`) or as (params, cfg) in memory.
     """
 
     def __init__(
         self, source, serve: ServeConfig = ServeConfig(), *, cfg: ModelConfig | None = None,
-        tokenizer: Tokenizer | None = None, **serve_overrides,
+        tokenizer: Tokenizer | None = None, draft: str | Path | tuple | None = None, **serve_overrides,
     ):  # fmt: skip
+        if isinstance(draft, str | Path):
+            serve_overrides["draft"] = str(draft)
+            draft = None
         self.serve = _serve_config(serve, serve_overrides)  # checked before anything loads
         if isinstance(source, str | Path):
             from jaxgen.training.checkpoint import load_model  # the checkpoint stack only when a folder is given
@@ -72,7 +77,13 @@ class LLM:
         # unstacked once here; Engine and Generator take them as they are (unstacking is idempotent)
         self.params = model.unstack_layers(source)
         self.cfg, self.tokenizer = cfg, tokenizer
-        self.engine = Engine(self.params, cfg, tokenizer, self.serve)
+        if self.serve.draft is not None and draft is None:
+            from jaxgen.training.checkpoint import load_draft
+
+            s = self.serve
+            draft = load_draft(s.draft, tokenizer, param_dtype=s.param_dtype, quantize=s.quantize,
+                               quantize_embedding=s.quantize_embedding)  # fmt: skip
+        self.engine = Engine(self.params, cfg, tokenizer, self.serve, draft=draft)
         self._generator: Generator | None = None
 
     def generate(

@@ -33,6 +33,7 @@ from jaxgen.config import ModelConfig
 from jaxgen.inference.decode import FINISH_LENGTH, FINISH_STOP, RUNNING, DecodeState, stop_hit
 from jaxgen.inference.sampling import sample
 from jaxgen.model.kvcache import KVCache
+from jaxgen.model.paged import PagedCache
 
 NGRAMS = (3, 2, 1)  # the longest match wins
 
@@ -45,9 +46,10 @@ class SpecState:
     proposed: jax.Array  # (B,) int32: drafts fed so far
     accepted: jax.Array  # (B,) int32: drafts kept so far
     target_steps: jax.Array  # (B,) int32: target forward passes the row took part in
-    # with a draft model: its cache (the same slots as the target's) and, per row, whether the last kept
-    # token is not in it yet (all W drafts were kept: the draft model never ran on the last one)
-    draft_cache: KVCache | None = None
+    # with a draft model: its cache (the Generator's: a KVCache with the same slots as the target's; the
+    # engine's: a PagedCache on the target's page tables) and, per row, whether the last kept token is not
+    # in it yet (all W drafts were kept: the draft model never ran on the last one)
+    draft_cache: KVCache | PagedCache | None = None
     missing: jax.Array | None = None  # (B,) bool
 
     @classmethod
@@ -119,9 +121,29 @@ def model_drafts(draft_params, draft_cfg: ModelConfig, sp: SpecState, prev, x0, 
     return drafts.astype(jnp.int32), cache
 
 
-def _draft_kept(cache: KVCache, end, missing, live, kept, w: int) -> KVCache:
+def check_draft(draft_cfg, cfg: ModelConfig) -> ModelConfig:
+    """A draft model must share the target's tokens and reach as far: ValueError naming what differs."""
+    if not isinstance(draft_cfg, ModelConfig):
+        raise ValueError(f"draft=(params, cfg) needs a ModelConfig as cfg, got {type(draft_cfg).__name__}")
+    if draft_cfg.vocab_size != cfg.vocab_size:
+        raise ValueError(
+            f"the draft model's vocab_size={draft_cfg.vocab_size} differs from the target's {cfg.vocab_size}: "
+            "a draft model must use the same tokenizer"
+        )
+    if draft_cfg.max_seq_len < cfg.max_seq_len:
+        raise ValueError(
+            f"the draft model's max_seq_len={draft_cfg.max_seq_len} is shorter than the target's "
+            f"{cfg.max_seq_len}: it must reach every position the target decodes"
+        )
+    return draft_cfg
+
+
+def _draft_kept(cache, end, missing, live, kept, w: int):
     """The draft cache after the check: of the W + 1 slots from `end` (prev, x0, drafts 1..W-1), those
-    holding a token that was not kept get position -1, as in the target's cache."""
+    holding a token that was not kept get position -1, as in the target's cache. A paged draft cache
+    (the engine's) needs nothing: as the target's, its keys sit at their positions (`forget_rejected`)."""
+    if not isinstance(cache, KVCache):
+        return cache
     i = jnp.arange(w + 1)[None]
     keep = jnp.where(i == 0, missing[:, None], i - 1 <= kept[:, None]) & live[:, None]
     old = jax.lax.dynamic_slice(cache.pos, (0, end), (cache.pos.shape[0], w + 1))
@@ -155,7 +177,7 @@ def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConf
         if draft_params is None:
             drafts, real = ngram_drafts(history, length, w)
         else:
-            draft_end = sp.draft_cache.end
+            draft_end = getattr(sp.draft_cache, "end", None)  # a contiguous cache's first slot of this step
             drafts, draft_cache = model_drafts(draft_params, draft_cfg, sp, prev, x0, s.positions, live, w)
             real = jnp.full_like(sp.num_spec, w)
         real = jnp.clip(jnp.minimum(real, sp.num_spec), 0, room(s.cache, s.positions) - 1) * live

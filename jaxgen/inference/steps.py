@@ -7,9 +7,12 @@
     activate(state, slot, row: SlotRow) -> state               a slot starts (or resumes) decoding
     retire(state, slot) -> state                               a slot stops
     decode_chunk(params, state, limit, cfg) -> state           up to `limit` decode steps, every active slot
-    init_spec(cfg, slots) -> spec                              speculative decoding's per-slot state
+    init_spec(cfg, serve, slots, draft_cfg=None, num_pages, max_pages) -> spec   speculative decoding's state
     activate_spec(spec, slot, history, length, num_spec) -> spec   a slot's prompt and output so far
-    decode_chunk_speculative(params, state, spec, limit, cfg, w) -> (state, spec)   with n-gram drafts
+    prefill_draft_chunk(draft_params, spec, cache, slot, tokens, positions, draft_cfg) -> spec
+                                                               the draft model's prefill of the same chunk
+    decode_chunk_speculative(params, state, spec, limit, cfg, w, draft_params, draft_cfg) -> (state, spec)
+                                                               with n-gram or draft-model drafts
 
 The state is the `DecodeState` of `jaxgen.generate`, its cache a `PagedCache`. The scheduler
 (`jaxgen.inference.engine`) decides what to run; these functions only run it, and per-request values
@@ -161,27 +164,57 @@ def history_size(cfg: ModelConfig) -> int:
     return cfg.max_seq_len + MAX_SPECULATIVE + 1
 
 
-def init_spec(cfg: ModelConfig, slots: int) -> speculative.SpecState:
-    return speculative.SpecState.init([[0]] * slots, [0] * slots, history_size(cfg))
+def init_spec(cfg: ModelConfig, serve: ServeConfig, draft_cfg: ModelConfig | None = None, num_pages: int = 0,
+              max_pages: int = 0) -> speculative.SpecState:  # fmt: skip
+    """Every slot's speculative state; with `draft_cfg`, the draft model's page pool: as many pages as the
+    target's and addressed by the same page tables (a slot's page p holds the same positions in both)."""
+    draft_cache = None
+    if draft_cfg is not None:
+        draft_cache = PagedCache.init(draft_cfg, num_pages, serve.page_size, serve.slots, max_pages, serve.cache_dtype)
+        draft_cache = draft_cache.constrain()
+    return speculative.SpecState.init([[0]] * serve.slots, [0] * serve.slots, history_size(cfg), draft_cache)
 
 
 def activate_spec(spec: speculative.SpecState, slot, history, length, num_spec) -> speculative.SpecState:
     """Slot `slot` speculates with `num_spec` drafts a step (0: not at all) over `history` (S,) int32,
-    its prompt and output so far (`length` tokens)."""
+    its prompt and output so far (`length` tokens); its draft cache (if any) holds all of them."""
+    missing = None if spec.missing is None else spec.missing.at[slot].set(False)
     return spec.replace(
         history=spec.history.at[slot].set(history), length=spec.length.at[slot].set(length),
-        num_spec=spec.num_spec.at[slot].set(num_spec),
+        num_spec=spec.num_spec.at[slot].set(num_spec), missing=missing,
     )  # fmt: skip
 
 
-def decode_chunk_speculative(params, state: DecodeState, spec, limit, cfg: ModelConfig, w: int):
-    """`decode_chunk` with up to W n-gram drafts a step for the slots that ask (`jaxgen.inference.
-    speculative`): a slot's tokens fill columns 0.. of the buffers; the chunk ends early when a slot
-    might not have room for another step. The spec's counters count this chunk only."""
+def _on_tables(draft_cache: PagedCache, cache: PagedCache) -> PagedCache:
+    """The draft pool addressed by the target's page tables (the host pushes only the target's)."""
+    return draft_cache.replace(page_table=cache.page_table, capacity=cache.capacity)
+
+
+def prefill_draft_chunk(draft_params, spec, cache: PagedCache, slot, tokens, positions, draft_cfg: ModelConfig):
+    """The draft model's prefill of the chunk `prefill_chunk` ran (tokens, positions (1, C)) for `slot`,
+    into its own pool on `cache`'s page tables: the draft then proposes from the whole sequence."""
+    draft_cache = _on_tables(spec.draft_cache, cache)
+    sub = draft_cache.replace(page_table=cache.page_table[slot][None], capacity=cache.capacity[slot][None])
+    _, sub = model.hidden_states(draft_params, tokens, positions, sub, cfg=draft_cfg)
+    return spec.replace(draft_cache=sub.replace(page_table=cache.page_table, capacity=cache.capacity).constrain())
+
+
+def decode_chunk_speculative(params, state: DecodeState, spec, limit, cfg: ModelConfig, w: int, draft_params=None,
+                             draft_cfg: ModelConfig | None = None):  # fmt: skip
+    """`decode_chunk` with up to W drafts a step for the slots that ask (`jaxgen.inference.speculative`):
+    n-gram drafts, or the draft model's (`draft_params`, its pool in `spec.draft_cache`). A slot's tokens
+    fill columns 0.. of the buffers; the chunk ends early when a slot might not have room for another
+    step. The spec's counters count this chunk only."""
     spec = spec.replace(
         proposed=jnp.zeros_like(spec.proposed), accepted=jnp.zeros_like(spec.accepted),
         target_steps=jnp.zeros_like(spec.target_steps),
     )  # fmt: skip
+    if draft_params is not None:
+        spec = spec.replace(draft_cache=_on_tables(spec.draft_cache, state.cache))
     state = state.replace(step=jnp.int32(0), limit=limit)
-    state, spec = speculative.speculative_loop(params, state, spec, cfg, w, base=state.generated)
+    state, spec = speculative.speculative_loop(
+        params, state, spec, cfg, w, draft_params=draft_params, draft_cfg=draft_cfg, base=state.generated
+    )
+    if spec.draft_cache is not None:
+        spec = spec.replace(draft_cache=spec.draft_cache.constrain())
     return state.replace(cache=state.cache.constrain()), spec

@@ -271,3 +271,22 @@ def load_model(
     if quantize == "int8":
         params = quant.quantize_params(params, embedding=quantize_embedding)
     return cfg, tokenizer, params
+
+
+def load_draft(path: str | Path, tokenizer, mesh=None, param_dtype: str = "auto", quantize: str = "none",
+               quantize_embedding: bool = False) -> tuple:  # fmt: skip
+    """(params, ModelConfig) of a draft model for speculative decoding (`load_model`'s folders and options),
+    ValueError when its tokenizer maps tokens to other ids than the target's `tokenizer` (a draft's tokens
+    are fed to the target as they are). The model's own checks (vocabulary, context) are
+    `jaxgen.inference.speculative.check_draft`'s, where the draft meets its target."""
+    cfg, draft_tokenizer, params = load_model(path, mesh, param_dtype=param_dtype, quantize=quantize,
+                                              quantize_embedding=quantize_embedding)  # fmt: skip
+    mine = tokenizer.tok.get_vocab(with_added_tokens=True)
+    theirs = draft_tokenizer.tok.get_vocab(with_added_tokens=True)
+    if mine != theirs:
+        differ = sum(1 for t, i in theirs.items() if mine.get(t) != i) + len(set(mine) - set(theirs))
+        raise ValueError(
+            f"the draft model at {path} has another tokenizer than the target's ({differ} tokens differ; "
+            f"{len(theirs)} vs {len(mine)} tokens): a draft model must use the same tokenizer"
+        )
+    return params, cfg
