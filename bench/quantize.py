@@ -35,17 +35,18 @@ VARIANTS = {
     "float32": ("float32", "float32"),
     "bfloat16 weights": ("bfloat16", "float32"),
     "int8 weights": ("int8", "float32"),
+    "int8 weights + head": ("int8e", "float32"),  # the embedding and the head too (serve.quantize_embedding)
     "int8 KV": ("float32", "int8"),
     "int8 weights + KV": ("int8", "int8"),
 }
 
 
-def variant(params, cfg, weights: str, embedding: bool = False):
-    """(params, cfg) holding the weights as `weights`."""
+def variant(params, cfg, weights: str):
+    """(params, cfg) holding the weights as `weights` (int8e: int8 with the embedding and head too)."""
     if weights == "bfloat16":
         return jax.tree.map(lambda x: x.astype("bfloat16"), params), dataclasses.replace(cfg, dtype="bfloat16")
-    if weights == "int8":
-        return quant.quantize_params(params, embedding=embedding), cfg
+    if weights in ("int8", "int8e"):
+        return quant.quantize_params(params, embedding=weights == "int8e"), cfg
     return params, cfg
 
 
@@ -101,9 +102,8 @@ def perplexity_table(run: Path) -> None:
     print(f"{'variant':<32}{'perplexity':>11}{'vs float32':>11}{'greedy agreement':>18}")
     base, base_tokens = None, None
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=64, ignore_eos=True)
-    rows = {**VARIANTS, "int8 weights incl. embedding": ("int8e", "float32")}
-    for label, (weights, kv) in rows.items():
-        p, c = variant(params, cfg, weights.rstrip("e"), embedding=weights == "int8e")
+    for label, (weights, kv) in VARIANTS.items():
+        p, c = variant(params, cfg, weights)
         gen = Generator(p, c, tok, GeneratorConfig(max_batch=32, cache_dtype=kv))
         scores = gen.score_shared(prompts, rests)
         ppl = float(np.exp(np.mean([s["nll"] for s in scores])))

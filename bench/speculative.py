@@ -22,6 +22,7 @@ import sysconfig
 import time
 from pathlib import Path
 
+from jaxgen.config import load_config
 from jaxgen.inference.generator import Generator, GeneratorConfig
 from jaxgen.inference.sampling import SamplingConfig
 from jaxgen.training.checkpoint import load_model
@@ -42,6 +43,20 @@ def copy_prompts(tok, count: int, passage: int, again: int) -> list[list[int]]:
     raise SystemExit("not enough stdlib files")
 
 
+def _copied(params, cfg, tok, passage: int, new: int, count: int = 8) -> None:
+    """How far the model's greedy continuation reproduces the passage (what n-gram drafts can win)."""
+    prompts = copy_prompts(tok, count, passage, passage // 4)
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=new, ignore_eos=True)
+    outs = Generator(params, cfg, tok, GeneratorConfig(max_batch=count)).generate(prompts, greedy)
+    again = passage // 4
+    same = [  # tokens until the continuation leaves the passage (whose next tokens follow its first `again`)
+        next((i for i, (a, b) in enumerate(zip(o.tokens, p[again:passage], strict=False)) if a != b), len(o.tokens))
+        for o, p in zip(outs, prompts, strict=True)
+    ]
+    print(f"greedy continuations follow the passage for {sum(same) / count:.1f} of {new} tokens on average")
+    print(f"e.g. {tok.decode(prompts[0][-24:])!r} -> {outs[0].text[:48]!r}\n")
+
+
 def run(gen: Generator, prompts, sampling: SamplingConfig, repeats: int = 2) -> tuple[float, dict]:
     gen.generate(prompts, sampling)  # compiles
     before = dict(gen.speculation)
@@ -59,17 +74,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", type=Path, default=ROOT / "runs" / "default", help="a trained run folder")
     parser.add_argument("--window", type=int, default=4, help="num_speculative_tokens")
-    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--new-tokens", type=int, default=48, help="at most half the run's data.seq_len")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--draft", type=Path, default=None, help="a run folder with a draft model")
     args = parser.parse_args()
     cfg, tok, params = load_model(args.run)
+    # the model learned positions up to its training length only: prompt and output stay within it
+    trained = load_config(args.run / "config.yaml").data.seq_len
+    new = min(args.new_tokens, trained // 2)
     draft = None
     if args.draft is not None:
         draft_cfg, _, draft_params = load_model(args.draft)
         draft = (draft_params, draft_cfg)
-    passage = (cfg.max_seq_len - args.new_tokens) * 2 // 3
-    print(f"{args.run}: prompts of {passage} tokens + the first {passage // 4} again; {args.new_tokens} new tokens")
+    passage = (min(cfg.max_seq_len, trained) - new - 4) * 4 // 5
+    print(f"{args.run}: prompts of {passage} tokens + the first {passage // 4} again; {new} new tokens")
+    _copied(params, cfg, tok, passage, new)
     print(
         "| drafter | batch | sampling | plain tok/s | speculative tok/s | speedup | acceptance | tokens / target step |"
     )
@@ -77,9 +96,9 @@ def main() -> None:
     drafters = [("n-gram", None)] + ([(f"model {args.draft.name}", draft)] if draft else [])
     for (drafter, d), b in itertools.product(drafters, args.batches):
         prompts = copy_prompts(tok, b, passage, passage // 4)
-        gen = Generator(params, cfg, tok, GeneratorConfig(max_batch=b, chunk_steps=args.new_tokens), draft=d)
+        gen = Generator(params, cfg, tok, GeneratorConfig(max_batch=b, chunk_steps=new), draft=d)
         for name, temp in (("greedy", 0.0), ("t=0.7", 0.7)):
-            plain = SamplingConfig(temperature=temp, max_new_tokens=args.new_tokens, ignore_eos=True, seed=1)
+            plain = SamplingConfig(temperature=temp, max_new_tokens=new, ignore_eos=True, seed=1)
             base, _ = run(gen, prompts, plain)
             fast, c = run(gen, prompts, dataclasses.replace(plain, num_speculative_tokens=args.window))
             rate = c["accepted"] / max(c["proposed"], 1)
