@@ -295,5 +295,5 @@ def test_a_draft_model_from_a_folder_must_share_the_tokenizer(tiny_run):
     with pytest.raises(ValueError, match=r"has another tokenizer than the target's \(\d+ tokens differ"):
         load_draft(tiny_run, other)
     short = dataclasses.replace(llm.cfg, max_seq_len=llm.cfg.max_seq_len // 2)
-    with pytest.raises(ValueError, match="the draft model's max_seq_len=.* is shorter than the target's"):
+    with pytest.raises(ValueError, match=r"the draft model's max_seq_len=.* is shorter than the target's"):
         LLM(llm.params, cfg=llm.cfg, tokenizer=llm.tokenizer, draft=(llm.params, short), num_pages=8)
