@@ -75,9 +75,6 @@ class GeneratorConfig:
             )
 
 
-SMALL_D_MODEL = 256  # see Generator._stacked_params
-
-
 class Generator:
     """Holds params, config, tokenizer and the jitted programs; every call is a pure function of arrays.
 
@@ -98,7 +95,6 @@ class Generator:
             self.draft_params = model.unstack_layers(draft[0])
         # per-layer weights unstacked: see model.unstack_layers (decode reads each matrix once)
         self.params = model.unstack_layers(params)
-        self._stacked = None  # see _stacked_params
         self.cfg, self.tokenizer, self.config = cfg, tokenizer, config
         self.max_batch, self.chunk_steps, self.cache_dtype = config.max_batch, config.chunk_steps, config.cache_dtype
         self.min_cache_len = config.min_cache_len
@@ -203,7 +199,7 @@ class Generator:
                 state = self._loop(self.params, state, cfg=cfg)
             else:
                 state, spec = self._spec_loop(
-                    self._stacked_params(), state, spec, cfg=cfg, w=w, draft_params=self.draft_params,
+                    self.params, state, spec, cfg=cfg, w=w, draft_params=self.draft_params,
                     draft_cfg=self.draft_cfg,
                 )  # fmt: skip
             host = HostRows.of(state)
@@ -215,17 +211,6 @@ class Generator:
                 if spec is not None:
                     self._count_speculation(spec, host, len(group))
                 return
-
-    def _stacked_params(self):
-        """The target's weights for the speculative loop's (W + 1)-token steps. Measured on XLA:CPU at
-        batch 1, W = 4: with d_model 192 a step took 2.2 ms on stacked layers (`model.stack_layers`)
-        against 4.2 ms on per-layer matrices; with gpt2-124m (d_model 768) 125 ms against 85 ms. So a
-        small model gets a stacked copy of its layers, made at the first speculative call; others not."""
-        if self.cfg.d_model > SMALL_D_MODEL:
-            return self.params
-        if self._stacked is None:
-            self._stacked = jax.jit(model.stack_layers)(self.params)
-        return self._stacked
 
     def _count_speculation(self, spec, host: HostRows, live: int) -> None:
         steps, proposed, accepted = jax.device_get((spec.target_steps, spec.proposed, spec.accepted))

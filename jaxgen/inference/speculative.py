@@ -13,9 +13,10 @@ mass), this is the standard accept/resample rule: the kept tokens and the first 
 output equals plain decoding for greedy and sampled rows alike, and per-request seeds stay
 batch-invariant.
 
-The contiguous cache writes all rows at one shared slot, so a rejected draft's slot is not reused:
-its position is set to -1 (attention never reads it) and the cache is sized for W + 1 slots a step
-(`cache_len`). Per row, `num_speculative_tokens` (0..W) is an array: changing it does not recompile;
+The contiguous cache writes all rows at one shared slot: a rejected draft's slot gets position -1
+(attention never reads it), and the next step writes from just past the longest row's kept tokens, so
+at batch 1 no slot is wasted; the cache is sized for W + 1 slots a step (`cache_len_needed`), the most
+a step may keep. Per row, `num_speculative_tokens` (0..W) is an array: changing it does not recompile;
 W is the power of two (2, 4 or 8) covering the batch's largest request.
 
 Shapes: B rows, S history length (prompt + output), W the draft window, V the vocabulary.
@@ -147,7 +148,9 @@ def _draft_kept(cache, end, missing, live, kept, w: int):
     i = jnp.arange(w + 1)[None]
     keep = jnp.where(i == 0, missing[:, None], i - 1 <= kept[:, None]) & live[:, None]
     old = jax.lax.dynamic_slice(cache.pos, (0, end), (cache.pos.shape[0], w + 1))
-    return cache.replace(pos=jax.lax.dynamic_update_slice(cache.pos, jnp.where(keep, old, -1), (0, end)))
+    used = jnp.max(jnp.where(keep, i + 1, 0))  # as the target's: the next call writes past the last kept slot
+    pos = jax.lax.dynamic_update_slice(cache.pos, jnp.where(keep, old, -1), (0, end))
+    return cache.replace(pos=pos, end=end + used)
 
 
 def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConfig, w: int, draft_params=None,
@@ -244,7 +247,11 @@ def forget_rejected(cache, before, kept_positions_bt):
     looks until the next step writes that position again, so there is nothing to undo."""
     if not isinstance(cache, KVCache):
         return cache
-    return cache.replace(pos=jax.lax.dynamic_update_slice(cache.pos, kept_positions_bt, (0, before.end)))
+    # the next step writes from just past the longest row's kept tokens: the slots after them held
+    # rejected drafts only (now empty) and are written over, so attention reads no more slots than needed
+    used = jnp.max(jnp.sum(kept_positions_bt >= 0, axis=1))
+    pos = jax.lax.dynamic_update_slice(cache.pos, kept_positions_bt, (0, before.end))
+    return cache.replace(pos=pos, end=before.end + used)
 
 
 def _verify(s: DecodeState, drafts_bw, real_b, logits_bwv, cfg: ModelConfig, base):
