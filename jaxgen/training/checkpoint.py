@@ -279,8 +279,11 @@ def load_draft(path: str | Path, tokenizer, mesh=None, param_dtype: str = "auto"
     ValueError when its tokenizer maps tokens to other ids than the target's `tokenizer` (a draft's tokens
     are fed to the target as they are). The model's own checks (vocabulary, context) are
     `jaxgen.inference.speculative.check_draft`'s, where the draft meets its target."""
-    cfg, draft_tokenizer, params = load_model(path, mesh, param_dtype=param_dtype, quantize=quantize,
-                                              quantize_embedding=quantize_embedding)  # fmt: skip
+    try:
+        cfg, draft_tokenizer, params = load_model(path, mesh, param_dtype=param_dtype, quantize=quantize,
+                                                  quantize_embedding=quantize_embedding)  # fmt: skip
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"the draft model (serve.draft): {e}") from e
     mine = tokenizer.tok.get_vocab(with_added_tokens=True)
     theirs = draft_tokenizer.tok.get_vocab(with_added_tokens=True)
     if mine != theirs:
