@@ -2,7 +2,7 @@
 
 The seam. A cache type (contiguous `KVCache`, paged `PagedCache`) says only how its keys live:
     cache.write(kv, layer, k_btkh, v_btkh, positions_bt) -> kv       this call's keys and values stored
-    cache.key_block(kv, layer, j) -> (k_bskh, v_bskh, pos_bs)        block j of a layer (pos -1 = empty)
+    cache.key_block(kv, layer, j) -> (k_bksh, v_bksh, pos_bs)        block j of a layer (pos -1 = empty)
     cache.blocks_to_visit(positions_bt) -> () int32                  blocks any of these queries can see
 `cached_attention` runs the one online-softmax loop over those blocks with the one mask rule, so the
 model never asks which cache it holds.
@@ -92,9 +92,9 @@ def cached_attention(q_btnh, cache, kv, layer, q_pos_bt, window, cfg):
 
     def block(j, carry):
         stats, kv = carry
-        k_bskh, v_bskh, k_pos_bs = cache.key_block(kv, layer, j)
+        k_bksh, v_bksh, k_pos_bs = cache.key_block(kv, layer, j)
         mask = attention_mask(q_pos_bt, k_pos_bs, window=window)
-        return _online_softmax_step(stats, q, k_bskh, v_bskh, mask, cfg.attn_softcap), kv
+        return _online_softmax_step(stats, q, k_bksh, v_bksh, mask, cfg.attn_softcap), kv
 
     init = (
         jnp.full((b, k, n // k, t), NEG_INF, jnp.float32),  # running max
@@ -106,15 +106,17 @@ def cached_attention(q_btnh, cache, kv, layer, q_pos_bt, window, cfg):
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q_btnh.dtype), kv
 
 
-def _online_softmax_step(carry, q_btkgh, k_bskh, v_bskh, mask_bts, softcap):
-    """One block of keys folded into the running max m, normaliser l and weighted sum acc."""
+def _online_softmax_step(carry, q_btkgh, k_bksh, v_bksh, mask_bts, softcap):
+    """One block of keys folded into the running max m, normaliser l and weighted sum acc. The block is
+    (B, K, S, H): batch and kv heads lead, as the batch dimensions of both products, so XLA:CPU feeds
+    it to the product as it is (a (B, S, K, H) block was transposed for each product)."""
     m, l, acc = carry  # (B, K, G, T), (B, K, G, T), (B, K, G, T, H)
     mask = mask_bts[:, None, None]
-    s = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, from_storage(k_bskh).astype(jnp.float32))
+    s = jnp.einsum("btkgh,bksh->bkgts", q_btkgh, from_storage(k_bksh).astype(jnp.float32))
     s = layers.softcap(s, softcap)
     s = jnp.where(mask, s, NEG_INF)
     m_new = jnp.maximum(m, s.max(-1))
     p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
     corr = jnp.exp(m - m_new)
-    acc = acc * corr[..., None] + jnp.einsum("bkgts,bskh->bkgth", p, from_storage(v_bskh).astype(jnp.float32))
+    acc = acc * corr[..., None] + jnp.einsum("bkgts,bksh->bkgth", p, from_storage(v_bksh).astype(jnp.float32))
     return m_new, l * corr + p.sum(-1), acc
