@@ -139,12 +139,13 @@ def check_draft(draft_cfg, cfg: ModelConfig) -> ModelConfig:
     return draft_cfg
 
 
-def _draft_kept(cache, end, missing, live, kept, w: int):
-    """The draft cache after the check: of the W + 1 slots from `end` (prev, x0, drafts 1..W-1), those
+def _draft_kept(cache, before, missing, live, kept, w: int):
+    """The draft cache after the check: of the W + 1 slots from `before.end` (prev, x0, drafts 1..W-1), those
     holding a token that was not kept get position -1, as in the target's cache. A paged draft cache
     (the engine's) needs nothing: as the target's, its keys sit at their positions (`forget_rejected`)."""
     if not isinstance(cache, KVCache):
         return cache
+    end = before.end
     i = jnp.arange(w + 1)[None]
     keep = jnp.where(i == 0, missing[:, None], i - 1 <= kept[:, None]) & live[:, None]
     old = jax.lax.dynamic_slice(cache.pos, (0, end), (cache.pos.shape[0], w + 1))
@@ -180,7 +181,6 @@ def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConf
         if draft_params is None:
             drafts, real = ngram_drafts(history, length, w)
         else:
-            draft_end = getattr(sp.draft_cache, "end", None)  # a contiguous cache's first slot of this step
             drafts, draft_cache = model_drafts(draft_params, draft_cfg, sp, prev, x0, s.positions, live, w)
             real = jnp.full_like(sp.num_spec, w)
         real = jnp.clip(jnp.minimum(real, sp.num_spec), 0, room(s.cache, s.positions) - 1) * live
@@ -206,7 +206,7 @@ def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConf
             target_steps=sp.target_steps + live,
         )  # fmt: skip
         if draft_params is not None:
-            draft_cache = _draft_kept(draft_cache, draft_end, sp.missing, live, kept, w)
+            draft_cache = _draft_kept(draft_cache, sp.draft_cache, sp.missing, live, kept, w)  # sp's: the step's start
             sp = sp.replace(draft_cache=draft_cache, missing=jnp.where(live, kept == w, sp.missing))
         return s, sp
 

@@ -7,7 +7,7 @@
     activate(state, slot, row: SlotRow) -> state               a slot starts (or resumes) decoding
     retire(state, slot) -> state                               a slot stops
     decode_chunk(params, state, limit, cfg) -> state           up to `limit` decode steps, every active slot
-    init_spec(cfg, serve, slots, draft_cfg=None, num_pages, max_pages) -> spec   speculative decoding's state
+    init_spec(cfg, serve, draft_cfg=None, num_pages=0, max_pages=0) -> spec   speculative decoding's state
     activate_spec(spec, slot, history, length, num_spec) -> spec   a slot's prompt and output so far
     prefill_draft_chunk(draft_params, spec, cache, slot, tokens, positions, draft_cfg) -> spec
                                                                the draft model's prefill of the same chunk
@@ -131,10 +131,16 @@ def prefill_chunk_scored(params, state: DecodeState, slot, tokens, positions, la
 
 
 def _prefill_hidden(params, state: DecodeState, slot, tokens, positions, cfg: ModelConfig):
-    cache = state.cache
-    sub = cache.replace(page_table=cache.page_table[slot][None], capacity=cache.capacity[slot][None])
+    cache, x = _prefill_pool(params, state.cache, state.cache, slot, tokens, positions, cfg)
+    return state.replace(cache=cache), x
+
+
+def _prefill_pool(params, pool: PagedCache, tables: PagedCache, slot, tokens, positions, cfg: ModelConfig):
+    """One slot's chunk through `params` into `pool`, addressed by `tables`' page tables (the target's:
+    the draft model's pool has none of its own). Returns the pool on those tables and hidden states."""
+    sub = pool.replace(page_table=tables.page_table[slot][None], capacity=tables.capacity[slot][None])
     x, sub = model.hidden_states(params, tokens, positions, sub, cfg=cfg)
-    return state.replace(cache=sub.replace(page_table=cache.page_table, capacity=cache.capacity).constrain()), x
+    return _on_tables(sub, tables).constrain(), x
 
 
 def activate(state: DecodeState, slot, row: SlotRow) -> DecodeState:
@@ -185,18 +191,16 @@ def activate_spec(spec: speculative.SpecState, slot, history, length, num_spec) 
     )  # fmt: skip
 
 
-def _on_tables(draft_cache: PagedCache, cache: PagedCache) -> PagedCache:
-    """The draft pool addressed by the target's page tables (the host pushes only the target's)."""
-    return draft_cache.replace(page_table=cache.page_table, capacity=cache.capacity)
+def _on_tables(pool: PagedCache, tables: PagedCache) -> PagedCache:
+    """`pool` addressed by `tables`' page tables (the host pushes only the target's)."""
+    return pool.replace(page_table=tables.page_table, capacity=tables.capacity)
 
 
 def prefill_draft_chunk(draft_params, spec, cache: PagedCache, slot, tokens, positions, draft_cfg: ModelConfig):
     """The draft model's prefill of the chunk `prefill_chunk` ran (tokens, positions (1, C)) for `slot`,
     into its own pool on `cache`'s page tables: the draft then proposes from the whole sequence."""
-    draft_cache = _on_tables(spec.draft_cache, cache)
-    sub = draft_cache.replace(page_table=cache.page_table[slot][None], capacity=cache.capacity[slot][None])
-    _, sub = model.hidden_states(draft_params, tokens, positions, sub, cfg=draft_cfg)
-    return spec.replace(draft_cache=sub.replace(page_table=cache.page_table, capacity=cache.capacity).constrain())
+    draft_cache, _ = _prefill_pool(draft_params, spec.draft_cache, cache, slot, tokens, positions, draft_cfg)
+    return spec.replace(draft_cache=draft_cache)
 
 
 def decode_chunk_speculative(params, state: DecodeState, spec, limit, cfg: ModelConfig, w: int, draft_params=None,
