@@ -50,10 +50,11 @@ def save_pretrained(
 ) -> Path:
     """Writes config.json, generation_config.json, float32 safetensors (sharded with an index.json when
     over `max_shard_bytes`) and the tokenizer: a folder transformers' `from_pretrained` loads as is."""
-    from jaxgen.model import quant
+    from jaxgen.model import layout, quant
 
     if quant.is_quantized(params):
         raise ValueError("these params hold int8 weights (quantize=int8): export the float checkpoint they came from")
+    params = layout.train_layout(params)  # decoding's output-major weights (e.g. an LLM's) as trained
     family = family_of(cfg)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

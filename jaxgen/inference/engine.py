@@ -76,14 +76,14 @@ class Engine:
         self, params, cfg: ModelConfig, tokenizer: Tokenizer, serve: ServeConfig = ServeConfig(), mesh=None,
         draft: tuple | None = None,
     ):  # fmt: skip
-        self.params = model.unstack_layers(params)
+        self.params = model.decode_params(params, serve.slots)  # see model.decode_params
         self.cfg, self.tokenizer, self.serve = cfg, tokenizer, serve
         # draft=(params, cfg): a smaller model with the same tokenizer drafts for speculating requests (else
         # n-gram lookup does); its KV pages sit in a pool of its own on the target's page tables
         self.draft_params, self.draft_cfg = None, None
         if draft is not None:
             self.draft_cfg = speculative.check_draft(draft[1], cfg)
-            self.draft_params = model.unstack_layers(draft[0])
+            self.draft_params = model.decode_params(draft[0], serve.slots)
         z = serve.page_size
         per_page = page_bytes(cfg, z, serve.cache_dtype)
         if self.draft_cfg is not None:  # the budget holds both pools

@@ -74,8 +74,8 @@ class LLM:
             raise ValueError("LLM(params, ...) needs cfg= and tokenizer= (or pass a run or Hugging Face folder)")
         if self.serve.quantize == "int8":  # serve.quantize: int8 weights (a no-op on weights already int8)
             source = quant.quantize_params(source, embedding=self.serve.quantize_embedding)
-        # unstacked once here; Engine and Generator take them as they are (unstacking is idempotent)
-        self.params = model.unstack_layers(source)
+        # laid out for decoding once here; Engine and Generator take them as they are (idempotent)
+        self.params = model.decode_params(source, self.serve.slots)
         self.cfg, self.tokenizer = cfg, tokenizer
         if self.serve.draft is not None and draft is None:
             from jaxgen.training.checkpoint import load_draft

@@ -9,6 +9,7 @@
     kvcache.py      the contiguous KV cache pytree (Generator, beam search)
     paged.py        the paged KV cache pytree (the serving engine)
     quant.py        int8 weights for inference (QArray, per-channel scales, int8 x int8 products)
+    layout.py       decoding's weight layout: matrix products' weights output-major (OutMajor)
 
 `from jaxgen import model; model.forward(params, tokens, positions, cache=None, cfg=cfg)`.
 """
@@ -16,6 +17,7 @@
 from jaxgen.model.transformer import (
     ParamSpec,
     count_params,
+    decode_params,
     flops_per_token,
     forward,
     hidden_states,
@@ -30,6 +32,7 @@ from jaxgen.model.transformer import (
 __all__ = [
     "ParamSpec",
     "count_params",
+    "decode_params",
     "flops_per_token",
     "forward",
     "hidden_states",

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen.config import ModelConfig
-from jaxgen.model import quant
+from jaxgen.model import layout, quant
 
 
 def dense(x, w, in_axes: int = 1):
@@ -26,6 +26,8 @@ def dense(x, w, in_axes: int = 1):
     """
     n_in = math.prod(w.shape[:in_axes])
     lead = x.shape[: x.ndim - in_axes]
+    if layout.is_out_major(w):  # decoding's (O, I) layout: see jaxgen.model.layout
+        return layout.product(x.reshape(-1, n_in), w).reshape(*lead, *w.shape[in_axes:])
     if quant.is_q(w):  # int8 weights (inference): an int8 x int8 product
         return quant.dense(x.reshape(-1, n_in), w, x.dtype).reshape(*lead, *w.shape[in_axes:])
     y = x.reshape(-1, n_in) @ w.reshape(n_in, -1)

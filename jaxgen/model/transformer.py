@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen.config import ModelConfig
-from jaxgen.model import attention, kernels, layers, moe, quant
+from jaxgen.model import attention, kernels, layers, layout, moe, quant
 from jaxgen.model.kvcache import KVCache
 from jaxgen.sharding import constrain, named_sharding
 
@@ -283,6 +283,13 @@ def unstack_layers(params: dict) -> dict:
     return params | {"layers": [jax.tree.map(lambda w, i=i: w[i], stacked) for i in range(num_layers)]}
 
 
+def decode_params(params: dict, rows: int) -> dict:
+    """The params as decoding reads them: per-layer (`unstack_layers`) and, for products of at least
+    `layout.OUT_MAJOR_ROWS` rows (`rows`: the batch decoded together), output-major weights
+    (`layout.decode_layout`). Idempotent; `layout.train_layout` undoes the second step."""
+    return layout.decode_layout(unstack_layers(params), rows)
+
+
 def stack_layers(params: dict) -> dict:
     """The inverse of `unstack_layers`: `layers` as stacked (L, ...) arrays (a copy of the weights).
 
@@ -306,6 +313,8 @@ def lm_head(params, x_btd, cfg: ModelConfig):
     elif cfg.tie_embeddings:  # contract with the embedding's rows as stored: `.T` made XLA copy it each step
         contract_d = (((1,), (1,)), ((), ()))
         logits = jax.lax.dot_general(x, params["embed_vd"], contract_d, preferred_element_type=jnp.float32)
+    elif layout.is_out_major(w):  # decoding's (V, D) head: see jaxgen.model.layout
+        logits = layout.product(x, w, jnp.float32)
     else:
         logits = jnp.matmul(x, params["head_dv"], preferred_element_type=jnp.float32)
     logits = layers.softcap(logits.reshape(*x_btd.shape[:-1], -1), cfg.final_softcap)
