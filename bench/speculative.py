@@ -77,17 +77,22 @@ def _copied(params, cfg, tok, prompts, refs, new: int) -> None:
     print(f"e.g. {tok.decode(prompts[0][-24:])!r} -> {outs[0].text[:48]!r}\n")
 
 
-def run(gen: Generator, prompts, sampling: SamplingConfig, repeats: int = 2) -> tuple[float, dict]:
-    gen.generate(prompts, sampling)  # compiles
-    before = dict(gen.speculation)
-    best = float("inf")
+def ab(gen: Generator, prompts, plain: SamplingConfig, fast: SamplingConfig, repeats: int) -> tuple:
+    """tokens/s without and with speculation, each the best of `repeats` runs taken in turn (this
+    machine's speed drifts between runs, so the two sides alternate), and the speculating runs' counts."""
+    gen.generate(prompts, plain), gen.generate(prompts, fast)  # compiles
+    best = {"plain": float("inf"), "fast": float("inf")}
+    counts = {k: 0 for k in gen.speculation}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        outs = gen.generate(prompts, sampling)
-        best = min(best, time.perf_counter() - t0)
+        for side, sampling in (("plain", plain), ("fast", fast)):
+            before = dict(gen.speculation)
+            t0 = time.perf_counter()
+            outs = gen.generate(prompts, sampling)
+            best[side] = min(best[side], time.perf_counter() - t0)
+            if side == "fast":
+                counts = {k: counts[k] + gen.speculation[k] - before[k] for k in counts}
     tokens = sum(len(o.tokens) for o in outs)
-    delta = {k: (gen.speculation[k] - before[k]) / repeats for k in before}
-    return tokens / best, delta
+    return tokens / best["plain"], tokens / best["fast"], counts
 
 
 def main() -> None:
@@ -97,6 +102,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=48, help="at most half the run's data.seq_len")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--draft", type=Path, default=None, help="a run folder with a draft model")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs of each side, taken in turn")
     args = parser.parse_args()
     cfg, tok, params = load_model(args.run)
     # the model learned positions up to its training length only: prompt and output stay within it
@@ -120,8 +126,8 @@ def main() -> None:
         gen = Generator(params, cfg, tok, GeneratorConfig(max_batch=b, chunk_steps=new), draft=d)
         for name, temp in (("greedy", 0.0), ("t=0.7", 0.7)):
             plain = SamplingConfig(temperature=temp, max_new_tokens=new, ignore_eos=True, seed=1)
-            base, _ = run(gen, prompts[:b], plain)
-            fast, c = run(gen, prompts[:b], dataclasses.replace(plain, num_speculative_tokens=args.window))
+            spec = dataclasses.replace(plain, num_speculative_tokens=args.window)
+            base, fast, c = ab(gen, prompts[:b], plain, spec, args.repeats)
             rate = c["accepted"] / max(c["proposed"], 1)
             per_step = c["tokens"] / max(c["target_steps"], 1)
             print(
