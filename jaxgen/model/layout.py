@@ -24,8 +24,7 @@ import jax
 from jaxgen.model import quant
 
 OUT_MAJOR_ROWS = 8  # rows per product from which (O, I) measured faster (table above)
-_KINDS = ("dnh", "dkh", "nhd", "df", "fd", "dv")  # attention, MLP and an untied head's products
-_IN_AXES = {"nhd": 2}  # axes of the weight that are contracted (leading); 1 for the others
+_KINDS = (*quant.OUT_MAJOR_KINDS, "dv")  # attention, MLP and an untied head's products (not the embedding)
 
 
 @flax.struct.dataclass
@@ -71,15 +70,12 @@ def decode_layout(params: dict, rows: int) -> dict:
         return params
 
     def visit(path, w):
-        name = str(getattr(path[-1], "key", ""))
-        kind = name.rsplit("_", 1)[-1]
-        if quant.is_q(w) or is_out_major(w) or kind not in _KINDS or not name.startswith(("w_", "head_")):
-            return w
-        if w.ndim != len(kind):  # a stacked (L, ...) weight: decoding unstacks first
-            return w
-        n_in = _IN_AXES.get(kind, 1)
+        kind = quant.product_kind(str(getattr(path[-1], "key", "")))
+        if quant.is_q(w) or is_out_major(w) or kind not in _KINDS or w.ndim != len(kind):
+            return w  # (a stacked (L, ...) weight too: decoding unstacks first)
+        n_in = len(quant.CONTRACTED[kind])  # the contracted axes lead
         in_dims, out_dims = tuple(w.shape[:n_in]), tuple(w.shape[n_in:])
-        return OutMajor(w.reshape(math.prod(in_dims), -1).T.copy(), in_dims, out_dims)
+        return OutMajor(w.reshape(math.prod(in_dims), -1).T, in_dims, out_dims)
 
     return jax.tree_util.tree_map_with_path(visit, params, is_leaf=lambda x: quant.is_q(x) or is_out_major(x))
 

@@ -28,14 +28,21 @@ import jax.numpy as jnp
 
 # contracted axes of each weight kind, by the name's axis letters (the glossary in jaxgen.sharding),
 # counted on one layer's weight (a stacked layer weight has a leading L axis on top)
-_CONTRACTED = {
+CONTRACTED = {
     "dnh": (0,), "dkh": (0,), "nhd": (0, 1), "df": (0,), "fd": (0,),  # attention and MLP products
     "edf": (1,), "efd": (1,),  # MoE experts (E leads)
     "dv": (0,),  # an untied head: one scale per vocabulary column
     "vd": (1,),  # the embedding: one scale per vocabulary row (the tied head's output channels)
 }  # fmt: skip
 _EMBEDDING = ("embed_vd", "head_dv")
-_OUT_MAJOR = ("dnh", "dkh", "nhd", "df", "fd")  # the products of `dense`: stored (O, I), see `dense`
+OUT_MAJOR_KINDS = ("dnh", "dkh", "nhd", "df", "fd")  # the products of `dense`: stored (O, I), see `dense`
+
+
+def product_kind(name: str) -> str | None:
+    """The axis letters of the matrix product weight named `name` ("w_up_df" -> "df", "head_dv" ->
+    "dv"), or None for anything else (norms, biases, the router)."""
+    kind = name.rsplit("_", 1)[-1]
+    return kind if kind in CONTRACTED and name.startswith(("w_", *_EMBEDDING)) else None
 
 
 @flax.struct.dataclass
@@ -114,13 +121,13 @@ def quantize_params(params: dict, embedding: bool = False) -> dict:
 
     def visit(path, w):
         name = str(getattr(path[-1], "key", ""))
-        kind = name.rsplit("_", 1)[-1]
-        if is_q(w) or kind not in _CONTRACTED or not name.startswith(("w_", *_EMBEDDING)):
+        kind = product_kind(name)
+        if is_q(w) or kind is None:
             return w
         if name in _EMBEDDING and not embedding:
             return w
         lead = w.ndim - len(kind)  # a stacked layer weight's L axis
-        return quantize(w, tuple(lead + a for a in _CONTRACTED[kind]), out_major=kind in _OUT_MAJOR)
+        return quantize(w, tuple(lead + a for a in CONTRACTED[kind]), out_major=kind in OUT_MAJOR_KINDS)
 
     return jax.tree_util.tree_map_with_path(visit, params, is_leaf=is_q)
 
