@@ -1,22 +1,28 @@
 """Speculative decoding: tokens/s with and without, acceptance rate, tokens per target step, at batch
 1 and 8, with n-gram drafts and (with --draft) a draft model.
 
-    python bench/speculative.py [--run runs/default] [--window 4] [--new-tokens 96] [--draft RUN]
+    python bench/speculative.py [--run runs/default] [--windows 4 8] [--new-tokens 48] [--draft RUN]
 
 --draft RUN: a run folder whose model (same tokenizer) drafts for --run's; --draft runs/default with
 the default --run drafts with the target itself, the upper bound of acceptance at the draft's full cost.
 
-The workload is copy-heavy, in one of two ways, by what the run trained on:
-- the standard library (the default run): each prompt is a passage of a stdlib file, a newline, then
-  the passage's first quarter again, so a model that copies continues by reproducing the passage and
-  n-gram lookup over the prompt finds the drafts;
-- its own files (data.source=files): each prompt is the start of one of them, continued by a model that
-  memorised them (the issue's "code file continued from its start"), e.g. eleven small stdlib files:
-      python train.py --run-dir runs/copy data.source=files "data.paths=[$LIB/bisect.py,...]" \
-          data.eval_fraction=0.1 training.steps=720
-The script prints how far greedy continuations follow the reference text. Greedy and sampled
-(temperature 0.7) rows; the output is the same with and without speculation (tested in
-tests/test_speculative.py), so only the time differs. Compare rows as ratios within one run.
+The workload is copy-heavy: each prompt holds a passage of a stdlib file, a newline, and the passage's
+first 8 tokens again, so a continuation that reproduces the passage is what n-gram lookup over the
+prompt drafts. Whether the model continues that way is its own business; the script prints how far
+greedy continuations follow the passage. The default run's model does not copy (it never learned
+to). A model that does, trained by train.py on these very documents (it memorises them):
+
+    python bench/speculative.py --write-corpus runs/copy64.jsonl         # 64 documents, for seq_len 128
+    python train.py --run-dir runs/copy64 data.source=jsonl "data.paths=[runs/copy64.jsonl]" \
+        data.eval_fraction=0.05 data.seed=3 training.steps=1000          # 6 min on 2 cores
+    python bench/speculative.py --run runs/copy64
+
+(data.seed=3 holds out documents 20 and 28, none of the 8 prompts used here.) A run trained on its own
+files (data.source=files) is prompted with their first 16 tokens instead, the files' next tokens as
+the reference: the issue's "code file continued from its start".
+
+Greedy and sampled (temperature 0.7) rows; the output is the same with and without speculation
+(tested in tests/test_speculative.py), so only the time differs. Compare rows as ratios within one run.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import argparse
 import dataclasses
 import glob
 import itertools
+import json
 import sysconfig
 import time
 from pathlib import Path
@@ -35,34 +42,49 @@ from jaxgen.inference.sampling import SamplingConfig
 from jaxgen.training.checkpoint import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
+HEAD = 8  # tokens of the copy in the prompt: the rest is to be reproduced
+
+
+def copy_documents(tok, count: int, passage: int) -> list[str]:
+    """`count` copy-heavy texts: `passage` tokens of a stdlib file, a newline, the same again."""
+    docs = []
+    for f in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        ids = tok.encode(f.read_text(errors="replace"), special=False)
+        if len(ids) >= 3 * passage:  # from a third of the way in: file headers are much alike
+            text = tok.decode(ids[len(ids) // 3 :][:passage])
+            docs.append(text + "\n" + text)
+        if len(docs) == count:
+            return docs
+    raise SystemExit(f"fewer than {count} stdlib files of {3 * passage} tokens")
 
 
 def workload(tok, data, count: int, room: int) -> tuple[list[list[int]], list[list[int]]]:
     """`count` prompts and what a copying continuation reproduces, within `room` tokens in all.
 
     A run trained on its own files (data.source=files): each prompt is the start of one of those files,
-    and the file's next tokens are the reference (the model learned them). Otherwise (the standard
-    library): a passage of a file, a newline, then the passage's first quarter again; the rest of the
-    passage is the reference."""
+    and the file's next tokens are the reference (the model learned them). Otherwise: a copy document
+    (`copy_documents`) cut HEAD tokens into the second copy; the rest of it is the reference."""
     if data.source == "files":
         files = sorted({Path(p) for g in data.paths for p in glob.glob(g, recursive=True)})
-        head = 16
+        starts = [tok.encode(f.read_text(errors="replace"), special=False)[:room] for f in files]
+        pairs = [(ids[:16], ids[16:]) for ids in starts if len(ids) > 16]
     else:
-        files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
-        passage = room * 4 // 5
-        head = passage // 4
-    prompts, refs = [], []
-    for f in files:
-        ids = tok.encode(f.read_text(errors="replace"), special=False)
-        if data.source == "files":
-            prompts.append(ids[:head])
-            refs.append(ids[head:room])
-        elif len(ids) >= passage:
-            prompts.append(ids[:passage] + tok.encode("\n", special=False) + ids[:head])
-            refs.append(ids[head:passage])
-        if len(prompts) == count:
-            return prompts, refs
-    raise SystemExit(f"fewer than {count} usable files in {data.source}")
+        docs = [tok.encode(d, special=False) for d in copy_documents(tok, count, room * 4 // 5)]
+        cuts = [len(ids) // 2 + 1 + HEAD for ids in docs]  # the passage, the newline, HEAD tokens of the copy
+        pairs = [(ids[:c], ids[c:]) for ids, c in zip(docs, cuts, strict=True)]
+    if len(pairs) < count:
+        raise SystemExit(f"fewer than {count} usable files in {data.source}")
+    return [p for p, _ in pairs[:count]], [r for _, r in pairs[:count]]
+
+
+def write_corpus(path: Path, seq_len: int, new: int, count: int) -> None:
+    """The copy documents as a JSONL corpus, to train a model that reproduces them (see the docstring)."""
+    from jaxgen.tokenizer import Tokenizer
+
+    tok = Tokenizer.byte_level()
+    docs = copy_documents(tok, count, (seq_len - new - 4) * 4 // 5)
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    print(f"wrote {len(docs)} documents to {path}")
 
 
 def _copied(params, cfg, tok, prompts, refs, new: int) -> None:
@@ -98,12 +120,18 @@ def ab(gen: Generator, prompts, plain: SamplingConfig, fast: SamplingConfig, rep
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", type=Path, default=ROOT / "runs" / "default", help="a trained run folder")
-    parser.add_argument("--window", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--windows", type=int, nargs="+", default=[4, 8], help="num_speculative_tokens values")
     parser.add_argument("--new-tokens", type=int, default=48, help="at most half the run's data.seq_len")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--draft", type=Path, default=None, help="a run folder with a draft model")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs of each side, taken in turn")
+    parser.add_argument("--write-corpus", type=Path, default=None, help="write copy documents as JSONL and exit")
+    parser.add_argument("--corpus-docs", type=int, default=64, help="documents --write-corpus writes")
+    parser.add_argument("--seq-len", type=int, default=128, help="the data.seq_len --write-corpus sizes them for")
     args = parser.parse_args()
+    if args.write_corpus is not None:
+        write_corpus(args.write_corpus, args.seq_len, min(args.new_tokens, args.seq_len // 2), args.corpus_docs)
+        return
     cfg, tok, params = load_model(args.run)
     # the model learned positions up to its training length only: prompt and output stay within it
     data = load_config(args.run / "config.yaml").data
@@ -118,20 +146,21 @@ def main() -> None:
     print(f"{args.run}: prompts of {len(prompts[0])} tokens; {new} new tokens")
     _copied(params, cfg, tok, prompts[:8], refs[:8], new)
     print(
-        "| drafter | batch | sampling | plain tok/s | speculative tok/s | speedup | acceptance | tokens / target step |"
+        "| drafter | window | batch | sampling | plain tok/s | speculative tok/s | speedup | acceptance "
+        "| tokens / target step |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     drafters = [("n-gram", None)] + ([(f"model {args.draft.name}", draft)] if draft else [])
     for (drafter, d), b in itertools.product(drafters, args.batches):
         gen = Generator(params, cfg, tok, GeneratorConfig(max_batch=b, chunk_steps=new), draft=d)
-        for name, temp in (("greedy", 0.0), ("t=0.7", 0.7)):
+        for w, (name, temp) in itertools.product(args.windows, (("greedy", 0.0), ("t=0.7", 0.7))):
             plain = SamplingConfig(temperature=temp, max_new_tokens=new, ignore_eos=True, seed=1)
-            spec = dataclasses.replace(plain, num_speculative_tokens=args.window)
+            spec = dataclasses.replace(plain, num_speculative_tokens=w)
             base, fast, c = ab(gen, prompts[:b], plain, spec, args.repeats)
             rate = c["accepted"] / max(c["proposed"], 1)
             per_step = c["tokens"] / max(c["target_steps"], 1)
             print(
-                f"| {drafter} | {b} | {name} | {base:.1f} | {fast:.1f} | {fast / base:.2f}x | {rate:.2f} "
+                f"| {drafter} | {w} | {b} | {name} | {base:.1f} | {fast:.1f} | {fast / base:.2f}x | {rate:.2f} "
                 f"| {per_step:.2f} |",
                 flush=True,
             )

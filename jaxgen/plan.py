@@ -86,6 +86,20 @@ def abstract_params(model_cfg, mesh, dtype="float32"):
     )  # fmt: skip
 
 
+def _per_layer(params, mesh):
+    """Abstract params as decoding holds them (`model.unstack_layers`): `layers` a list of per-layer
+    weights, each sharded as its stacked (L, ...) array is past the L axis."""
+    import jax
+
+    def one(x):
+        spec = tuple(x.sharding.spec)[1:]
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+        return jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=sharding)
+
+    num_layers = jax.tree.leaves(params["layers"])[0].shape[0]
+    return params | {"layers": [jax.tree.map(one, params["layers"]) for _ in range(num_layers)]}
+
+
 def _compile_memory(fn, *args):
     compiled = fn.lower(*args).compile()
     return compiled.memory_analysis()
@@ -173,12 +187,16 @@ def inference_programs(model_cfg, mesh, slots: int, cache_len: int, chunk: int, 
     from jaxgen.sharding import batch_sharding, named_sharding
 
     model_cfg = dataclasses.replace(_plannable_model(model_cfg), dtype=dtype)
-    params = abstract_params(model_cfg, mesh, dtype)
+    params = _per_layer(abstract_params(model_cfg, mesh, dtype), mesh)
     shapes = jax.eval_shape(lambda: KVCache.init(model_cfg, slots, cache_len, dtype))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def placed(buffers):  # each layer's buffer
+        return tuple(x.update(sharding=named_sharding(mesh, KV_NAMES, x.shape)) for x in buffers)
+
     cache = shapes.replace(
-        k=shapes.k.update(sharding=named_sharding(mesh, KV_NAMES, shapes.k.shape)),
-        v=shapes.v.update(sharding=named_sharding(mesh, KV_NAMES, shapes.v.shape)),
+        k=placed(shapes.k),
+        v=placed(shapes.v),
         pos=shapes.pos.update(sharding=named_sharding(mesh, POS_NAMES, shapes.pos.shape)),
         end=shapes.end.update(sharding=replicated),
     )

@@ -190,7 +190,7 @@ def testdecode_loop_updates_the_cache_in_place(gen, cache_dtype):
     state = captured["state"]
     hlo = jax.jit(decode_loop, static_argnames="cfg", donate_argnums=1).lower(gen.params, state, cfg=CFG)
     text = hlo.compile().as_text()
-    dims = ",".join(map(str, state.cache.k.shape))
+    dims = ",".join(map(str, state.cache.k[0].shape))  # each layer's buffer
     shape = {"float32": "f32", "bfloat16": "u16"}[cache_dtype] + f"[{dims}]"
     writes = [line for line in text.splitlines() if f"= {shape}" in line and "dynamic-update-slice" in line]
     copies = [line for line in text.splitlines() if re.search(rf"= {re.escape(shape)}\S* copy\(", line)]
@@ -300,7 +300,7 @@ def test_bfloat16_cache_is_uint16_on_cpu_close_and_in_place(gen):
     params = model.init_params(CFG, jax.random.key(0))  # unscaled: the peaked test model amplifies rounding
     bf = Generator(params, CFG, gen.tokenizer, max_batch=8, chunk_steps=5, cache_dtype="bfloat16")
     cache = KVCache.init(CFG, 2, 32, "bfloat16")
-    assert cache.k.dtype == jnp.uint16  # bfloat16 bits: XLA:CPU updates these in place
+    assert all(k.dtype == jnp.uint16 for k in cache.k)  # bfloat16 bits: XLA:CPU updates these in place
     tokens = jax.random.randint(jax.random.key(7), (2, 20), 0, CFG.vocab_size)
     positions = jnp.broadcast_to(jnp.arange(20), (2, 20))
     full, _ = model.forward(params, tokens, positions, cfg=CFG)

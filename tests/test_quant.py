@@ -72,9 +72,14 @@ def test_kv_quantization_per_token_and_head():
     from jaxgen.model.kvcache import KVCache
     from jaxgen.model.paged import PagedCache
 
-    for cache in (KVCache.init(CFG, 2, 16, "int8"), PagedCache.init(CFG, 4, 16, 2, 2, "int8")):
-        assert cache.k.dtype == jnp.int8 and cache.k_scale.shape == cache.k.shape[:-1]
-        assert cache.k_scale is not cache.v_scale  # two buffers: a donated step must not get one twice
+    contiguous = KVCache.init(CFG, 2, 16, "int8")  # one buffer per layer
+    paged = PagedCache.init(CFG, 4, 16, 2, 2, "int8")
+    for k, k_scale, v_scale in [
+        *zip(contiguous.k, contiguous.k_scale, contiguous.v_scale),
+        (paged.k, paged.k_scale, paged.v_scale),
+    ]:
+        assert k.dtype == jnp.int8 and k_scale.shape == k.shape[:-1]
+        assert k_scale is not v_scale  # two buffers: a donated step must not get one twice
 
 
 def test_int8_kv_cache_decode_close_to_float_and_engine_equals_generator(params):

@@ -95,6 +95,7 @@ class HostRows:
     finish: np.ndarray  # (B,) int32
     generated: np.ndarray  # (B,) int32
     done: np.ndarray  # (B,) bool
+    step: np.ndarray  # () int32
 
     @classmethod
     def of(cls, s: DecodeState) -> HostRows:
@@ -105,6 +106,14 @@ class HostRows:
         """Top-`a` {token id: logprob} of columns [start, stop) of `row`."""
         ids, lps = self.top_ids[row, start:stop, :a].tolist(), self.top_logprobs[row, start:stop, :a].tolist()
         return [dict(zip(i, lp, strict=True)) for i, lp in zip(ids, lps, strict=True)]
+
+
+@jax.jit
+def upload(tree):
+    """A pytree of host (numpy) arrays on the device in one call: the same arrays, through a jitted
+    call's argument path, ~4x cheaper than `jax.device_put` (24 small arrays: 0.12 against 0.55 ms on
+    a 2-core CPU), and each eager `jnp` op would dispatch a computation of its own."""
+    return tree
 
 
 def prefill(params, tokens, positions, rows, lengths, cfg: ModelConfig, cache_len: int, cache_dtype: str):

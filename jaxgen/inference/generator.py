@@ -19,7 +19,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxgen import model
@@ -42,6 +41,7 @@ from jaxgen.inference.decode import (
     sample_config,
     stop_sequences,
     stop_string_cut,
+    upload,
 )
 from jaxgen.inference.sampling import MAX_LOGPROBS, SamplingArrays, SamplingConfig, SamplingError, check_prompt
 from jaxgen.sharding import with_mesh
@@ -192,9 +192,9 @@ class Generator:
                     cache_dtype=self.cache_dtype,
                 )  # fmt: skip
             spec = speculative.SpecState.init(prompts, num_spec, bucket(t + longest_new + w + 1), draft_cache)
+        step = 0
         while True:
-            limit = min(int(state.step) + self.chunk_steps, longest_new)
-            state = state.replace(limit=jnp.int32(limit))
+            state = state.replace(limit=np.int32(min(step + self.chunk_steps, longest_new)))
             if spec is None:
                 state = self._loop(self.params, state, cfg=cfg)
             else:
@@ -203,11 +203,12 @@ class Generator:
                     draft_cfg=self.draft_cfg,
                 )  # fmt: skip
             host = HostRows.of(state)
-            done = self._check_stop_strings(host, configs, group, stop_at)
+            step = int(host.step)
+            done = np.pad(self._check_stop_strings(host, configs, group, stop_at), (0, b - len(group)))
             if done.any():
-                state = state.replace(done=state.done | jnp.asarray(np.pad(done, (0, b - len(group)))))
+                state = state.replace(done=state.done | done)
             yield self._completions(host, configs, group, stop_at, prompt_scores)
-            if bool(jnp.all(state.done)):
+            if np.all(host.done | done):
                 if spec is not None:
                     self._count_speculation(spec, host, len(group))
                 return
@@ -241,19 +242,20 @@ class Generator:
                 stop_seqs[r, j, longest - len(seq) :] = seq
         row_configs = [sample_config(configs[p], s) for p, s in padded]
         done = (np.arange(b) >= live) | np.asarray([configs[p].max_new_tokens == 0 for p, _ in padded])
-        return DecodeState(
-            step=jnp.int32(0), limit=jnp.int32(0),
-            tokens=jnp.zeros((b, longest_new), jnp.int32), logprobs=jnp.zeros((b, longest_new), jnp.float32),
-            top_ids=jnp.zeros((b, longest_new, alternatives), jnp.int32),
-            top_logprobs=jnp.zeros((b, longest_new, alternatives), jnp.float32),
-            logits=logits, positions=jnp.asarray([len(ids[p]) for p, _ in padded], jnp.int32),
-            done=jnp.asarray(done), generated=jnp.zeros((b,), jnp.int32),
-            finish=jnp.asarray(np.where(done, FINISH_LENGTH, RUNNING), jnp.int32),
-            max_new=jnp.asarray([configs[p].max_new_tokens for p, _ in padded], jnp.int32),
-            stop_seqs=jnp.asarray(stop_seqs), recent=jnp.full((b, longest), -1, jnp.int32),
-            seen=jnp.asarray(seen), counts=jnp.zeros((b, v), jnp.int32),
-            sampling=jax.tree.map(jnp.asarray, SamplingArrays.stack(row_configs, v)), cache=cache,
+        host = dict(  # built here and sent in one transfer: each eager jnp op would dispatch on its own
+            step=np.int32(0), limit=np.int32(0),
+            tokens=np.zeros((b, longest_new), np.int32), logprobs=np.zeros((b, longest_new), np.float32),
+            top_ids=np.zeros((b, longest_new, alternatives), np.int32),
+            top_logprobs=np.zeros((b, longest_new, alternatives), np.float32),
+            positions=np.asarray([len(ids[p]) for p, _ in padded], np.int32),
+            done=done, generated=np.zeros((b,), np.int32),
+            finish=np.where(done, FINISH_LENGTH, RUNNING).astype(np.int32),
+            max_new=np.asarray([configs[p].max_new_tokens for p, _ in padded], np.int32),
+            stop_seqs=stop_seqs, recent=np.full((b, longest), -1, np.int32),
+            seen=seen, counts=np.zeros((b, v), np.int32),
+            sampling=SamplingArrays.stack(row_configs, v),
         )  # fmt: skip
+        return DecodeState(**upload(host), logits=logits, cache=cache)
 
     def _check_stop_strings(self, host: HostRows, configs, group, stop_at) -> np.ndarray:
         """Stop strings, on decoded text after each chunk: the output is cut before the string."""

@@ -31,7 +31,7 @@ import numpy as np
 
 from jaxgen import model
 from jaxgen.config import ModelConfig
-from jaxgen.inference.decode import FINISH_LENGTH, FINISH_STOP, RUNNING, DecodeState, stop_hit
+from jaxgen.inference.decode import FINISH_LENGTH, FINISH_STOP, RUNNING, DecodeState, stop_hit, upload
 from jaxgen.inference.sampling import sample
 from jaxgen.model.kvcache import KVCache
 from jaxgen.model.paged import PagedCache
@@ -59,14 +59,15 @@ class SpecState:
         for r, p in enumerate(prompts):
             history[r, : len(p)] = p
 
-        def zeros():  # one buffer each: the loop donates them
-            return jnp.zeros((len(prompts),), jnp.int32)
+        def zeros(dtype=np.int32):  # one buffer each: the loop donates them
+            return np.zeros((len(prompts),), dtype)
 
-        return cls(
-            history=jnp.asarray(history), length=jnp.asarray([len(p) for p in prompts], jnp.int32),
-            num_spec=jnp.asarray(num_spec, jnp.int32), proposed=zeros(), accepted=zeros(), target_steps=zeros(),
-            draft_cache=draft_cache, missing=None if draft_cache is None else jnp.zeros((len(prompts),), bool),
+        host = dict(  # sent in one transfer: each eager jnp op would dispatch on its own
+            history=history, length=np.asarray([len(p) for p in prompts], np.int32),
+            num_spec=np.asarray(num_spec, np.int32), proposed=zeros(), accepted=zeros(), target_steps=zeros(),
+            missing=None if draft_cache is None else zeros(bool),
         )  # fmt: skip
+        return cls(**upload(host), draft_cache=draft_cache)
 
 
 def window(num_spec: list[int]) -> int:

@@ -1,8 +1,8 @@
 """The KV cache: an immutable pytree passed into `forward` and returned updated.
 
 Layout (glossary in `jaxgen.sharding`):
-    k, v: (L, B, K, S, H)  keys and values for every layer, sequence, kv head and slot
-    k_scale, v_scale: (L, B, K, S) float32, int8 caches only: one scale per token and kv head
+    k, v: L x (B, K, S, H)  keys and values: one buffer per layer, by sequence, kv head and slot
+    k_scale, v_scale: L x (B, K, S) float32, int8 caches only: one scale per token and kv head
     pos:  (B, S) int32     the token position held in each slot; -1 marks an empty slot
     end:  () int32         the next slot to write; all sequences of a batch write the same slot
 
@@ -11,10 +11,13 @@ scalar offset, which XLA performs in place when the cache is donated. Batch and 
 slots come just before the head dim, so a block of slots is already in the (batch dims, rows, contracted)
 order of the two products of attention: XLA:CPU reads it as it is. With slots before the batch, as
 before, every block was transposed twice per product (at batch 32, 12 layers of one 128-slot block of
-gpt2-124m keys: 100.8 ms against 31.8 ms batch-first, the attention products alone). Cached attention
-reads only the blocks in use. Ragged
-prompts leave empty slots (pos = -1) that attention masks out; each sequence's own positions (for
-RoPE / learned embeddings) live in `pos`, so a padded sequence computes exactly what it would alone.
+gpt2-124m keys: 100.8 ms against 31.8 ms batch-first, the attention products alone). One buffer per
+layer rather than one (L, ...) array: a gpt2-124m decode step at batch 32 (32-token prompts, 64 new
+tokens, 128 slots) took 119.6-124.5 ms stacked and 103.8-105.6 ms per layer (two process pairs; the
+llama-small shape, with 4 kv heads, gained 1-4%). Layers index it statically: decoding runs them as a
+Python loop. Cached attention reads only the blocks in use. Ragged prompts leave empty slots
+(pos = -1) that attention masks out; each sequence's own positions (for RoPE / learned embeddings)
+live in `pos`, so a padded sequence computes exactly what it would alone.
 """
 
 from __future__ import annotations
@@ -27,37 +30,42 @@ from jaxgen.config import ModelConfig
 from jaxgen.sharding import constrain
 
 BLOCK = 128  # cache slots per block of cached attention
-KV_NAMES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
+KV_NAMES = ("batch", "kv_heads", "cache_seq", "head_dim")  # each layer's buffer
 POS_NAMES = ("batch", "cache_seq")
 
 
 @flax.struct.dataclass
 class KVCache:
-    k: jax.Array  # (L, B, K, S, H)
-    v: jax.Array  # (L, B, K, S, H)
+    k: tuple  # L x (B, K, S, H): one buffer per layer
+    v: tuple  # L x (B, K, S, H)
     pos: jax.Array  # (B, S) int32, -1 = empty
     end: jax.Array  # () int32
-    k_scale: jax.Array | None = None  # (L, B, K, S) float32 for an int8 cache (see `quantize_kv`), else None
-    v_scale: jax.Array | None = None
+    k_scale: tuple | None = None  # L x (B, K, S) float32 for an int8 cache (see `quantize_kv`), else None
+    v_scale: tuple | None = None
 
     @classmethod
     def init(cls, cfg: ModelConfig, batch_size: int, max_len: int, dtype=jnp.float32) -> KVCache:
         """An empty cache; `dtype` float32, bfloat16 (held as uint16 bits on CPU, see `storage_dtype`) or
         int8 (one float32 scale per token and kv head: `quantize_kv`)."""
-        shape = (cfg.num_layers, batch_size, cfg.kv_heads, max_len, cfg.head_size)
+        shape = (batch_size, cfg.kv_heads, max_len, cfg.head_size)
         dtype = storage_dtype(dtype)
+
+        def per_layer(make):  # a buffer of its own for every layer: the loops donate them
+            return tuple(make() for _ in range(cfg.num_layers))
+
+        scales = dtype == jnp.int8
         return cls(
-            k=jnp.zeros(shape, dtype),
-            v=jnp.zeros(shape, dtype),
+            k=per_layer(lambda: jnp.zeros(shape, dtype)),
+            v=per_layer(lambda: jnp.zeros(shape, dtype)),
             pos=jnp.full((batch_size, max_len), -1, jnp.int32),
             end=jnp.zeros((), jnp.int32),
-            k_scale=scale_buffer(shape, dtype),
-            v_scale=scale_buffer(shape, dtype),  # its own buffer: the two are donated
+            k_scale=per_layer(lambda: scale_buffer(shape, dtype)) if scales else None,
+            v_scale=per_layer(lambda: scale_buffer(shape, dtype)) if scales else None,
         )
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[2]
 
     def is_full(self, positions_b):
         """Per row: is there no slot left for the next token? (All rows write the same slot.)"""
@@ -78,32 +86,37 @@ class KVCache:
         return self.k, self.v, self.k_scale, self.v_scale
 
     def write(self, kv, layer, k_btkh, v_btkh, positions_bt):
-        """This call's keys and values of `layer` at slots [end, end + T): a dynamic_update_slice at
-        scalar offsets, in place when the cache is donated."""
+        """This call's keys and values of `layer` (a Python int) at slots [end, end + T): a
+        dynamic_update_slice of that layer's buffers at scalar offsets, in place when donated."""
+        i = _layer_index(layer)
+        start = (0, 0, self.end, 0)
+        k_new, v_new = k_btkh.transpose(0, 2, 1, 3), v_btkh.transpose(0, 2, 1, 3)  # (B, K, T, H)
         k_all, v_all, k_scale, v_scale = kv
-        start = (layer, 0, 0, self.end, 0)
-        k_new, v_new = k_btkh.transpose(0, 2, 1, 3)[None], v_btkh.transpose(0, 2, 1, 3)[None]  # (1, B, K, T, H)
         if k_scale is not None:
             (k_new, k_s), (v_new, v_s) = quantize_kv(k_new), quantize_kv(v_new)
-            k_scale = jax.lax.dynamic_update_slice(k_scale, k_s, start[:-1])
-            v_scale = jax.lax.dynamic_update_slice(v_scale, v_s, start[:-1])
-        k_all = jax.lax.dynamic_update_slice(k_all, to_storage(k_new, k_all.dtype), start)
-        v_all = jax.lax.dynamic_update_slice(v_all, to_storage(v_new, v_all.dtype), start)
+            k_scale = _set(k_scale, i, jax.lax.dynamic_update_slice(k_scale[i], k_s, start[:-1]))
+            v_scale = _set(v_scale, i, jax.lax.dynamic_update_slice(v_scale[i], v_s, start[:-1]))
+        k_all = _set(k_all, i, jax.lax.dynamic_update_slice(k_all[i], to_storage(k_new, k_all[i].dtype), start))
+        v_all = _set(v_all, i, jax.lax.dynamic_update_slice(v_all[i], to_storage(v_new, v_all[i].dtype), start))
         return k_all, v_all, k_scale, v_scale
 
     @property
     def block_size(self) -> int:
-        return min(BLOCK, self.max_len)  # max_len is a power of two: blocks tile it
+        # max_len is a power of two: blocks tile it. At least two blocks: with one block spanning a whole
+        # layer's buffer, XLA:CPU copied that buffer every decode step (64- and 128-slot caches)
+        if self.max_len <= BLOCK:
+            return self.max_len // 2 if self.max_len % 2 == 0 else self.max_len
+        return BLOCK
 
     def key_block(self, kv, layer, j):
         """Slots [j * block, (j + 1) * block) of `layer`: keys, values (B, K, block, H), positions (B, block)."""
+        i = _layer_index(layer)
         k_all, v_all, k_scale, v_scale = kv
-        _, b, k = k_all.shape[:3]
+        b, k = k_all[i].shape[:2]
         size = self.block_size
 
         def take(x):
-            start = (layer, 0, 0, j * size, 0)[: x.ndim]
-            return jax.lax.dynamic_slice(x, start, (1, b, k, size, *x.shape[4:]))[0]
+            return jax.lax.dynamic_slice(x[i], (0, 0, j * size, 0)[: x[i].ndim], (b, k, size, *x[i].shape[3:]))
 
         kb, vb = take(k_all), take(v_all)
         if k_scale is not None:
@@ -121,7 +134,7 @@ class KVCache:
 
     def take_rows(self, rows) -> KVCache:
         """The cache of sequences `rows` (B',) of this one, in that order (samples of a prompt, beams)."""
-        take = lambda x: None if x is None else jnp.take(x, rows, axis=1)
+        take = lambda x: None if x is None else tuple(jnp.take(a, rows, axis=0) for a in x)
         return self.replace(
             k=take(self.k), v=take(self.v), k_scale=take(self.k_scale), v_scale=take(self.v_scale),
             pos=jnp.take(self.pos, rows, axis=0),
@@ -130,13 +143,29 @@ class KVCache:
 
 def constrain_cache(cache: KVCache) -> KVCache:
     """Sharding constraints on the cache under the current mesh: batch over data, kv heads over tensor."""
+    each = lambda xs, names: tuple(constrain(x, names) for x in xs)
     scales = {}
     if cache.k_scale is not None:
         names = KV_NAMES[:-1]
-        scales = {"k_scale": constrain(cache.k_scale, names), "v_scale": constrain(cache.v_scale, names)}
+        scales = {"k_scale": each(cache.k_scale, names), "v_scale": each(cache.v_scale, names)}
     return cache.replace(
-        k=constrain(cache.k, KV_NAMES), v=constrain(cache.v, KV_NAMES), pos=constrain(cache.pos, POS_NAMES), **scales
+        k=each(cache.k, KV_NAMES), v=each(cache.v, KV_NAMES), pos=constrain(cache.pos, POS_NAMES), **scales
     )
+
+
+def _layer_index(layer) -> int:
+    try:
+        return int(layer)
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        raise TypeError(
+            "the contiguous KVCache holds one buffer per layer: its layer index must be a Python int, "
+            "not a traced value (decoding runs the layers as a Python loop: see transformer._run)"
+        ) from None
+
+
+def _set(buffers: tuple, i: int, x) -> tuple:
+    """`buffers` with entry i replaced: the other layers' buffers pass through untouched."""
+    return (*buffers[:i], x, *buffers[i + 1 :])
 
 
 def scale_buffer(shape, dtype):

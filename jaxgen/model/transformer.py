@@ -5,8 +5,9 @@
     logits, cache = forward(params, tokens, positions, cache, cfg=cfg)    # prefill / decode
 
 Parameters are a nested dict of arrays. Per-layer weights are stacked on a leading L axis and run
-with `lax.scan`, so compile time does not grow with depth. Names end with their per-layer axes
-(`w_q_dnh` is stored as (L, D, N, H)).
+with `lax.scan`, so training's compile time does not grow with depth; with a cache, layers run as a
+Python loop (the contiguous cache holds one buffer per layer, see `jaxgen.model.kvcache`). Names
+end with their per-layer axes (`w_q_dnh` is stored as (L, D, N, H)).
 """
 
 from __future__ import annotations
@@ -256,9 +257,11 @@ def _run(params, tokens, positions, cache, cfg: ModelConfig, segment_ids):
     if cache is None and cfg.remat != "none":  # recompute in the backward pass what the policy does not keep
         layer_step = jax.checkpoint(layer_step, policy=remat_policy(cfg.remat), prevent_cse=False)
     consts = layer_constants(cfg)
-    if isinstance(params["layers"], list):  # unstacked (see `unstack_layers`): a Python loop
-        auxes = []
-        for i, p in enumerate(params["layers"]):
+    stacked = not isinstance(params["layers"], list)
+    if cache is not None or not stacked:  # a Python loop: caches index their layers statically (one
+        auxes = []  # buffer each); per-layer params (`unstack_layers`) are what decoding holds
+        for i in range(cfg.num_layers):
+            p = jax.tree.map(lambda a, i=i: a[i], params["layers"]) if stacked else params["layers"][i]
             (x, kv), aux = layer_step((x, kv), (p, {k: v[i] for k, v in consts.items()}))
             auxes.append(aux)
         aux = jax.tree.map(lambda *a: jnp.stack(a), *auxes)
