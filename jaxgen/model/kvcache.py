@@ -13,8 +13,8 @@ order of the two products of attention: XLA:CPU reads it as it is. With slots be
 before, every block was transposed twice per product (at batch 32, 12 layers of one 128-slot block of
 gpt2-124m keys: 100.8 ms against 31.8 ms batch-first, the attention products alone). One buffer per
 layer rather than one (L, ...) array: a gpt2-124m decode step at batch 32 (32-token prompts, 64 new
-tokens, 128 slots) took 119.6-124.5 ms stacked and 103.8-105.6 ms per layer (two process pairs; the
-llama-small shape, with 4 kv heads, gained 1-4%). Layers index it statically: decoding runs them as a
+tokens, 128 slots) took 136.6 / 128.7 ms stacked and 128.2 / 111.5 ms per layer (process pairs; at
+256 slots within noise). Layers index it statically: decoding runs them as a
 Python loop. Cached attention reads only the blocks in use. Ragged prompts leave empty slots
 (pos = -1) that attention masks out; each sequence's own positions (for RoPE / learned embeddings)
 live in `pos`, so a padded sequence computes exactly what it would alone.
