@@ -103,7 +103,7 @@ class KVCache:
     @property
     def block_size(self) -> int:
         # max_len is a power of two: blocks tile it. At least two blocks: with one block spanning a whole
-        # layer's buffer, XLA:CPU copied that buffer every decode step (64- and 128-slot caches)
+        # layer's buffer, XLA:CPU copied that buffer every decode step at batch 1 (not at batch >= 2)
         if self.max_len <= BLOCK:
             return self.max_len // 2 if self.max_len % 2 == 0 else self.max_len
         return BLOCK
