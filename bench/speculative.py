@@ -39,10 +39,21 @@ from pathlib import Path
 from jaxgen.config import load_config
 from jaxgen.inference.generator import Generator, GeneratorConfig
 from jaxgen.inference.sampling import SamplingConfig
+from jaxgen.tokenizer import Tokenizer
 from jaxgen.training.checkpoint import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAD = 8  # tokens of the copy in the prompt: the rest is to be reproduced
+
+
+def room_for(length: int, new: int) -> int:
+    """Tokens a prompt and its reference may take in a context of `length` with `new` tokens to make."""
+    return length - new - 4
+
+
+def passage_for(room: int) -> int:
+    """The passage's tokens: a prompt of the passage, a newline and HEAD tokens of it fits in `room`."""
+    return room * 4 // 5
 
 
 def copy_documents(tok, count: int, passage: int) -> list[str]:
@@ -69,7 +80,7 @@ def workload(tok, data, count: int, room: int) -> tuple[list[list[int]], list[li
         starts = [tok.encode(f.read_text(errors="replace"), special=False)[:room] for f in files]
         pairs = [(ids[:16], ids[16:]) for ids in starts if len(ids) > 16]
     else:
-        docs = [tok.encode(d, special=False) for d in copy_documents(tok, count, room * 4 // 5)]
+        docs = [tok.encode(d, special=False) for d in copy_documents(tok, count, passage_for(room))]
         cuts = [len(ids) // 2 + 1 + HEAD for ids in docs]  # the passage, the newline, HEAD tokens of the copy
         pairs = [(ids[:c], ids[c:]) for ids, c in zip(docs, cuts, strict=True)]
     if len(pairs) < count:
@@ -79,10 +90,7 @@ def workload(tok, data, count: int, room: int) -> tuple[list[list[int]], list[li
 
 def write_corpus(path: Path, seq_len: int, new: int, count: int) -> None:
     """The copy documents as a JSONL corpus, to train a model that reproduces them (see the docstring)."""
-    from jaxgen.tokenizer import Tokenizer
-
-    tok = Tokenizer.byte_level()
-    docs = copy_documents(tok, count, (seq_len - new - 4) * 4 // 5)
+    docs = copy_documents(Tokenizer.byte_level(), count, passage_for(room_for(seq_len, new)))
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     print(f"wrote {len(docs)} documents to {path}")
 
@@ -141,7 +149,7 @@ def main() -> None:
     if args.draft is not None:
         draft_cfg, _, draft_params = load_model(args.draft)
         draft = (draft_params, draft_cfg)
-    room = min(cfg.max_seq_len, trained) - new - 4
+    room = room_for(min(cfg.max_seq_len, trained), new)
     prompts, refs = workload(tok, data, max(8, *args.batches), room)
     print(f"{args.run}: prompts of {len(prompts[0])} tokens; {new} new tokens")
     _copied(params, cfg, tok, prompts[:8], refs[:8], new)

@@ -257,11 +257,11 @@ def _run(params, tokens, positions, cache, cfg: ModelConfig, segment_ids):
     if cache is None and cfg.remat != "none":  # recompute in the backward pass what the policy does not keep
         layer_step = jax.checkpoint(layer_step, policy=remat_policy(cfg.remat), prevent_cse=False)
     consts = layer_constants(cfg)
-    stacked = not isinstance(params["layers"], list)
-    if cache is not None or not stacked:  # a Python loop: caches index their layers statically (one
-        auxes = []  # buffer each); per-layer params (`unstack_layers`) are what decoding holds
-        for i in range(cfg.num_layers):
-            p = jax.tree.map(lambda a, i=i: a[i], params["layers"]) if stacked else params["layers"][i]
+    if cache is not None:  # caches index their layers statically (one buffer each): a Python loop
+        params = unstack_layers(params)  # a no-op on what decoding holds (`decode_params`)
+    if isinstance(params["layers"], list):
+        auxes = []
+        for i, p in enumerate(params["layers"]):
             (x, kv), aux = layer_step((x, kv), (p, {k: v[i] for k, v in consts.items()}))
             auxes.append(aux)
         aux = jax.tree.map(lambda *a: jnp.stack(a), *auxes)
