@@ -191,8 +191,8 @@ def inference_programs(model_cfg, mesh, slots: int, cache_len: int, chunk: int, 
     shapes = jax.eval_shape(lambda: KVCache.init(model_cfg, slots, cache_len, dtype))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
-    def placed(buffers):  # each layer's buffer
-        return tuple(x.update(sharding=named_sharding(mesh, KV_NAMES, x.shape)) for x in buffers)
+    def placed(buffers):  # each layer's and block's buffer
+        return jax.tree.map(lambda x: x.update(sharding=named_sharding(mesh, KV_NAMES, x.shape)), buffers)
 
     cache = shapes.replace(
         k=placed(shapes.k),

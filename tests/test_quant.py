@@ -72,10 +72,10 @@ def test_kv_quantization_per_token_and_head():
     from jaxgen.model.kvcache import KVCache
     from jaxgen.model.paged import PagedCache
 
-    contiguous = KVCache.init(CFG, 2, 16, "int8")  # one buffer per layer
+    contiguous = KVCache.init(CFG, 2, 16, "int8")  # one buffer per layer and block
     paged = PagedCache.init(CFG, 4, 16, 2, 2, "int8")
     for k, k_scale, v_scale in [
-        *zip(contiguous.k, contiguous.k_scale, contiguous.v_scale),
+        *zip(*(jax.tree.leaves(x) for x in (contiguous.k, contiguous.k_scale, contiguous.v_scale))),
         (paged.k, paged.k_scale, paged.v_scale),
     ]:
         assert k.dtype == jnp.int8 and k_scale.shape == k.shape[:-1]

@@ -4,8 +4,11 @@ The seam. A cache type (contiguous `KVCache`, paged `PagedCache`) says only how 
     cache.write(kv, layer, k_btkh, v_btkh, positions_bt) -> kv       this call's keys and values stored
     cache.key_block(kv, layer, j) -> (k_bksh, v_bksh, pos_bs)        block j of a layer (pos -1 = empty)
     cache.blocks_to_visit(positions_bt) -> () int32                  blocks any of these queries can see
-`cached_attention` runs the one online-softmax loop over those blocks with the one mask rule, so the
-model never asks which cache it holds.
+    cache.num_blocks -> int | None                                   static block count, or None
+`cached_attention` runs the one online-softmax step over those blocks with the one mask rule, so the
+model never asks which cache it holds. A cache whose blocks are buffers of their own (`KVCache`:
+`num_blocks` an int) is read by a Python loop of `lax.cond`s with static j, so each product reads its
+block in place; one whose blocks are gathered (`PagedCache`: None) by a `fori_loop` over a traced j.
 
 Whole sequences (training, scoring: `cache=None`) go through `sequence_attention`, one of
 `model.attention_impl`: blockwise (jaxgen.model.blockwise, the portable default), cuDNN or splash
@@ -22,6 +25,8 @@ operand XLA would copy the whole cache every step.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -90,20 +95,30 @@ def cached_attention(q_btnh, cache, kv, layer, q_pos_bt, window, cfg):
     k = cfg.kv_heads
     q = q_btnh.reshape(b, t, k, n // k, h).astype(jnp.float32) * logit_scale(cfg)
 
-    def block(j, carry):
-        stats, kv = carry
+    def fold(j, stats, kv):
         k_bksh, v_bksh, k_pos_bs = cache.key_block(kv, layer, j)
         mask = attention_mask(q_pos_bt, k_pos_bs, window=window)
-        return _online_softmax_step(stats, q, k_bksh, v_bksh, mask, cfg.attn_softcap), kv
+        return _online_softmax_step(stats, q, k_bksh, v_bksh, mask, cfg.attn_softcap)
 
-    init = (
+    stats = (
         jnp.full((b, k, n // k, t), NEG_INF, jnp.float32),  # running max
         jnp.zeros((b, k, n // k, t), jnp.float32),  # running normaliser
         jnp.zeros((b, k, n // k, t, h), jnp.float32),  # running weighted sum of values
     )
-    (_, l, acc), kv = jax.lax.fori_loop(0, cache.blocks_to_visit(q_pos_bt), block, (init, kv))
+    visit = cache.blocks_to_visit(q_pos_bt)
+    if cache.num_blocks is None:  # kv rides in the carry: as a loop-invariant operand XLA copies it
+        stats, kv = jax.lax.fori_loop(0, visit, lambda j, c: (fold(j, *c), c[1]), (stats, kv))
+    else:  # blocks_to_visit >= 1: block 0 needs no cond
+        for j in range(cache.num_blocks):
+            fold_j = functools.partial(fold, j, kv=kv)
+            stats = fold_j(stats) if j == 0 else jax.lax.cond(j < visit, fold_j, _same, stats)
+    _, l, acc = stats
     out = acc / jnp.maximum(l, 1e-30)[..., None]  # rows with no key at all (padding) give 0
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q_btnh.dtype), kv
+
+
+def _same(stats):
+    return stats
 
 
 def _online_softmax_step(carry, q_btkgh, k_bksh, v_bksh, mask_bts, softcap):

@@ -1,23 +1,26 @@
 """The KV cache: an immutable pytree passed into `forward` and returned updated.
 
-Layout (glossary in `jaxgen.sharding`):
-    k, v: L x (B, K, S, H)  keys and values: one buffer per layer, by sequence, kv head and slot
-    k_scale, v_scale: L x (B, K, S) float32, int8 caches only: one scale per token and kv head
+Layout (glossary in `jaxgen.sharding`; the S slots cut into N blocks of S / N):
+    k, v: L x N x (B, K, S / N, H)  keys and values: a buffer of their own for every layer and block
+    k_scale, v_scale: L x N x (B, K, S / N) float32, int8 caches only: one scale per token and kv head
     pos:  (B, S) int32     the token position held in each slot; -1 marks an empty slot
     end:  () int32         the next slot to write; all sequences of a batch write the same slot
 
-Writing every sequence at the shared slot `end` keeps the update a `dynamic_update_slice` at one
-scalar offset, which XLA performs in place when the cache is donated. Batch and kv heads lead and the
-slots come just before the head dim, so a block of slots is already in the (batch dims, rows, contracted)
-order of the two products of attention: XLA:CPU reads it as it is. With slots before the batch, as
-before, every block was transposed twice per product (at batch 32, 12 layers of one 128-slot block of
-gpt2-124m keys: 100.8 ms against 31.8 ms batch-first, the attention products alone). One buffer per
-layer rather than one (L, ...) array: a gpt2-124m decode step at batch 32 (32-token prompts, 64 new
-tokens, 128 slots) took 136.6 / 128.7 ms stacked and 128.2 / 111.5 ms per layer (process pairs; at
-256 slots within noise). Layers index it statically: decoding runs them as a
-Python loop. Cached attention reads only the blocks in use. Ragged prompts leave empty slots
-(pos = -1) that attention masks out; each sequence's own positions (for RoPE / learned embeddings)
-live in `pos`, so a padded sequence computes exactly what it would alone.
+Writing every sequence at the shared slot `end` keeps the update a scatter at scalar offsets into each
+block (dropped outside it), which XLA performs in place when the cache is donated. Batch and kv heads
+lead and the slots come just before the head dim, so a block is already in the (batch dims, rows,
+contracted) order of the two products of attention. Cached attention reads only the blocks in use
+(`blocks_to_visit`), each under a `lax.cond`, and because each block is a buffer of its own the
+products read it in place. Blocks cut out of one (B, K, S, H) buffer per layer, as before, were sliced
+with a `dynamic_slice` that XLA:CPU copies before every product: a gpt2-124m decode step at batch 32
+(32-token prompts, 128 new tokens, 256 slots; process pairs, the old layout first) took 138.0 / 152.0 ms
+with one buffer per layer and 128-slot blocks against 107.4 / 118.0 ms with a buffer per 128-slot block,
+and 99.9 / 107.3 ms with 64-slot blocks (finer blocks read fewer empty slots). The number of blocks is
+capped (`MAX_BLOCKS`): each is a cond and a scatter per layer in the compiled step, and a 4096-slot
+cache of 64 blocks took three times as long to compile. Layers and blocks are indexed statically:
+decoding runs the layers as a Python loop. Ragged prompts leave empty slots (pos = -1) that attention
+masks out; each sequence's own positions (for RoPE / learned embeddings) live in `pos`, so a padded
+sequence computes exactly what it would alone.
 """
 
 from __future__ import annotations
@@ -29,29 +32,31 @@ import jax.numpy as jnp
 from jaxgen.config import ModelConfig
 from jaxgen.sharding import constrain
 
-BLOCK = 128  # cache slots per block of cached attention
-KV_NAMES = ("batch", "kv_heads", "cache_seq", "head_dim")  # each layer's buffer
+BLOCK = 64  # cache slots per block of cached attention (at most MAX_BLOCKS blocks: larger caches, larger blocks)
+MAX_BLOCKS = 16
+KV_NAMES = ("batch", "kv_heads", "cache_seq", "head_dim")  # each layer's and block's buffer
 POS_NAMES = ("batch", "cache_seq")
 
 
 @flax.struct.dataclass
 class KVCache:
-    k: tuple  # L x (B, K, S, H): one buffer per layer
-    v: tuple  # L x (B, K, S, H)
+    k: tuple  # L x N x (B, K, S / N, H): one buffer per layer and block
+    v: tuple  # L x N x (B, K, S / N, H)
     pos: jax.Array  # (B, S) int32, -1 = empty
     end: jax.Array  # () int32
-    k_scale: tuple | None = None  # L x (B, K, S) float32 for an int8 cache (see `quantize_kv`), else None
+    k_scale: tuple | None = None  # L x N x (B, K, S / N) float32 for an int8 cache (`quantize_kv`), else None
     v_scale: tuple | None = None
 
     @classmethod
     def init(cls, cfg: ModelConfig, batch_size: int, max_len: int, dtype=jnp.float32) -> KVCache:
         """An empty cache; `dtype` float32, bfloat16 (held as uint16 bits on CPU, see `storage_dtype`) or
         int8 (one float32 scale per token and kv head: `quantize_kv`)."""
-        shape = (batch_size, cfg.kv_heads, max_len, cfg.head_size)
+        blocks = num_blocks(max_len)
+        shape = (batch_size, cfg.kv_heads, max_len // blocks, cfg.head_size)
         dtype = storage_dtype(dtype)
 
-        def per_layer(make):  # a buffer of its own for every layer: the loops donate them
-            return tuple(make() for _ in range(cfg.num_layers))
+        def per_layer(make):  # a buffer of its own for every layer and block: the loops donate them
+            return tuple(tuple(make() for _ in range(blocks)) for _ in range(cfg.num_layers))
 
         scales = dtype == jnp.int8
         return cls(
@@ -65,7 +70,7 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[2]
+        return self.pos.shape[1]
 
     def is_full(self, positions_b):
         """Per row: is there no slot left for the next token? (All rows write the same slot.)"""
@@ -86,42 +91,54 @@ class KVCache:
         return self.k, self.v, self.k_scale, self.v_scale
 
     def write(self, kv, layer, k_btkh, v_btkh, positions_bt):
-        """This call's keys and values of `layer` (a Python int) at slots [end, end + T): a
-        dynamic_update_slice of that layer's buffers at scalar offsets, in place when donated."""
-        i = _layer_index(layer)
-        start = (0, 0, self.end, 0)
+        """This call's keys and values of `layer` (a Python int) at slots [end, end + T): into each
+        block, a scatter at scalar offsets that drops what falls outside it; in place when donated."""
+        i = _static_index(layer, "layer")
         k_new, v_new = k_btkh.transpose(0, 2, 1, 3), v_btkh.transpose(0, 2, 1, 3)  # (B, K, T, H)
         k_all, v_all, k_scale, v_scale = kv
         if k_scale is not None:
             (k_new, k_s), (v_new, v_s) = quantize_kv(k_new), quantize_kv(v_new)
-            k_scale = _set(k_scale, i, jax.lax.dynamic_update_slice(k_scale[i], k_s, start[:-1]))
-            v_scale = _set(v_scale, i, jax.lax.dynamic_update_slice(v_scale[i], v_s, start[:-1]))
-        k_all = _set(k_all, i, jax.lax.dynamic_update_slice(k_all[i], to_storage(k_new, k_all[i].dtype), start))
-        v_all = _set(v_all, i, jax.lax.dynamic_update_slice(v_all[i], to_storage(v_new, v_all[i].dtype), start))
+            k_scale = _set(k_scale, i, self._scatter(k_scale[i], k_s))
+            v_scale = _set(v_scale, i, self._scatter(v_scale[i], v_s))
+        k_all = _set(k_all, i, self._scatter(k_all[i], to_storage(k_new, k_all[i][0].dtype)))
+        v_all = _set(v_all, i, self._scatter(v_all[i], to_storage(v_new, v_all[i][0].dtype)))
         return k_all, v_all, k_scale, v_scale
+
+    def _scatter(self, blocks: tuple, new_bkt):
+        """`blocks` (N x (B, K, S / N, ...)) with new_bkt (B, K, T, ...) written at slots [end, end + T)."""
+        size, t = self.block_size, new_bkt.shape[2]
+        out = []
+        for j, block in enumerate(blocks):
+            first = self.end - j * size  # this call's first slot, counted from the block's start
+            owns = (first < size) & (first + t > 0)
+            if t == 1:
+                write = lambda b, first=first: jax.lax.dynamic_update_slice_in_dim(b, new_bkt, first, 2)
+            else:
+                offset = first + jnp.arange(t)
+                offset = jnp.where(offset < 0, size, offset)  # before this block: out of range, dropped
+                write = lambda b, offset=offset: b.at[:, :, offset].set(new_bkt, mode="drop", unique_indices=True)
+            out.append(jax.lax.cond(owns, write, lambda b: b, block))
+        return tuple(out)
+
+    @property
+    def num_blocks(self) -> int:
+        """N, the blocks of slots: each a buffer of its own, which attention reads in place."""
+        return len(self.k[0])
 
     @property
     def block_size(self) -> int:
-        # max_len is a power of two: blocks tile it. At least two blocks: with one block spanning a whole
-        # layer's buffer, XLA:CPU copied that buffer every decode step at batch 1 (not at batch >= 2)
-        if self.max_len <= BLOCK:
-            return self.max_len // 2 if self.max_len % 2 == 0 else self.max_len
-        return BLOCK
+        return self.max_len // self.num_blocks
 
     def key_block(self, kv, layer, j):
-        """Slots [j * block, (j + 1) * block) of `layer`: keys, values (B, K, block, H), positions (B, block)."""
-        i = _layer_index(layer)
+        """Block j (a Python int) of `layer`, slots [j * block, (j + 1) * block): keys, values
+        (B, K, block, H) as stored, and their positions (B, block)."""
+        i, j = _static_index(layer, "layer"), _static_index(j, "block")
         k_all, v_all, k_scale, v_scale = kv
-        b, k = k_all[i].shape[:2]
-        size = self.block_size
-
-        def take(x):
-            return jax.lax.dynamic_slice(x[i], (0, 0, j * size, 0)[: x[i].ndim], (b, k, size, *x[i].shape[3:]))
-
-        kb, vb = take(k_all), take(v_all)
+        kb, vb = k_all[i][j], v_all[i][j]
         if k_scale is not None:
-            kb, vb = dequantize_kv(kb, take(k_scale)), dequantize_kv(vb, take(v_scale))
-        return kb, vb, jax.lax.dynamic_slice(self.pos, (0, j * size), (b, size))
+            kb, vb = dequantize_kv(kb, k_scale[i][j]), dequantize_kv(vb, v_scale[i][j])
+        size = self.block_size
+        return kb, vb, self.pos[:, j * size : (j + 1) * size]
 
     def blocks_to_visit(self, positions_bt):
         """The blocks holding slots written so far, this call's included."""
@@ -134,7 +151,7 @@ class KVCache:
 
     def take_rows(self, rows) -> KVCache:
         """The cache of sequences `rows` (B',) of this one, in that order (samples of a prompt, beams)."""
-        take = lambda x: None if x is None else tuple(jnp.take(a, rows, axis=0) for a in x)
+        take = lambda x: None if x is None else jax.tree.map(lambda a: jnp.take(a, rows, axis=0), x)
         return self.replace(
             k=take(self.k), v=take(self.v), k_scale=take(self.k_scale), v_scale=take(self.v_scale),
             pos=jnp.take(self.pos, rows, axis=0),
@@ -143,7 +160,7 @@ class KVCache:
 
 def constrain_cache(cache: KVCache) -> KVCache:
     """Sharding constraints on the cache under the current mesh: batch over data, kv heads over tensor."""
-    each = lambda xs, names: tuple(constrain(x, names) for x in xs)
+    each = lambda xs, names: jax.tree.map(lambda x: constrain(x, names), xs)
     scales = {}
     if cache.k_scale is not None:
         names = KV_NAMES[:-1]
@@ -153,13 +170,26 @@ def constrain_cache(cache: KVCache) -> KVCache:
     )
 
 
-def _layer_index(layer) -> int:
+def num_blocks(max_len: int) -> int:
+    """How many blocks a cache of `max_len` slots is cut into: blocks of BLOCK slots, at most
+    MAX_BLOCKS of them, and at least two (a single block spanning a whole layer's keys made XLA:CPU
+    copy it every decode step at batch 1); blocks always tile the slots exactly."""
+    if max_len <= BLOCK:
+        return 2 if max_len % 2 == 0 else 1
+    blocks = min(max_len // BLOCK, MAX_BLOCKS)
+    while max_len % blocks:
+        blocks -= 1
+    return blocks
+
+
+def _static_index(index, what: str) -> int:
     try:
-        return int(layer)
+        return int(index)
     except (TypeError, jax.errors.ConcretizationTypeError):
         raise TypeError(
-            "the contiguous KVCache holds one buffer per layer: its layer index must be a Python int, "
-            "not a traced value (decoding runs the layers as a Python loop: see transformer._run)"
+            f"the contiguous KVCache holds a buffer per layer and block: its {what} index must be a Python "
+            "int, not a traced value (decoding runs the layers as a Python loop: see transformer._run, and "
+            "attention the blocks: see attention.cached_attention)"
         ) from None
 
 

@@ -109,6 +109,11 @@ class PagedCache:
         pos = jnp.broadcast_to(j * z + jnp.arange(z), (self.page_table.shape[0], z))
         return kb, vb, pos
 
+    @property
+    def num_blocks(self) -> None:
+        """None: pages are gathered by a traced index (see attention.cached_attention)."""
+        return None
+
     def blocks_to_visit(self, positions_bt):
         """The pages up to the furthest query position: a step costs what the longest live sequence holds."""
         return jnp.max(positions_bt) // self.page_size + 1
