@@ -301,6 +301,23 @@ def test_beam_search_keeps_the_best_finished_hypotheses(gen):
         beam_search(gen, PROMPTS, width=0)
 
 
+@pytest.mark.parametrize("end, tokens", [(60, 9), (64, 1), (63, 1), (0, 200)])
+def test_cache_writes_land_in_the_right_blocks(end, tokens):
+    """A write of T tokens at slot `end` lands at slots [end, end + T) whichever blocks they straddle,
+    and nowhere else: the blocks, laid side by side, equal one buffer written with a plain slice."""
+    cache = KVCache.init(CFG, 2, 256)
+    assert cache.num_blocks == 4 and cache.block_size == 64
+    cache = cache.replace(end=jnp.int32(end))
+    r = np.random.default_rng(end)
+    k_new, v_new = (r.normal(size=(2, tokens, CFG.kv_heads, CFG.head_size)).astype(np.float32) for _ in range(2))
+    k_all, v_all, _, _ = jax.jit(cache.write, static_argnums=1)(cache.arrays(), 1, k_new, v_new, None)
+    for got, new in [(k_all, k_new), (v_all, v_new)]:
+        want = np.zeros((2, CFG.kv_heads, 256, CFG.head_size), np.float32)
+        want[:, :, end : end + tokens] = new.transpose(0, 2, 1, 3)
+        np.testing.assert_array_equal(np.concatenate(got[1], axis=2), want)
+        assert not np.any(np.concatenate(got[0], axis=2))  # the other layer untouched
+
+
 def test_bfloat16_cache_is_uint16_on_cpu_close_and_in_place(gen):
     params = model.init_params(CFG, jax.random.key(0))  # unscaled: the peaked test model amplifies rounding
     bf = Generator(params, CFG, gen.tokenizer, max_batch=8, chunk_steps=5, cache_dtype="bfloat16")
