@@ -6,7 +6,7 @@
     blockwise.py    flash-style attention over whole sequences, with a recomputing custom VJP
     kernels.py      fused kernels behind the attention seam (cuDNN, Pallas splash, Pallas paged decode)
     transformer.py  the parameter table, init, forward (cache=None for training), LM head
-    kvcache.py      the contiguous KV cache pytree (Generator, beam search)
+    kvcache.py      the contiguous KV cache pytree, a buffer per layer and block (Generator, beam search)
     paged.py        the paged KV cache pytree (the serving engine)
     quant.py        int8 weights for inference (QArray, per-channel scales, int8 x int8 products)
     layout.py       decoding's weight layout: matrix products' weights output-major (OutMajor)

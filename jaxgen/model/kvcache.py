@@ -6,18 +6,21 @@ Layout (glossary in `jaxgen.sharding`; the S slots cut into N blocks of S / N):
     pos:  (B, S) int32     the token position held in each slot; -1 marks an empty slot
     end:  () int32         the next slot to write; all sequences of a batch write the same slot
 
-Writing every sequence at the shared slot `end` keeps the update a scatter at scalar offsets into each
-block (dropped outside it), which XLA performs in place when the cache is donated. Batch and kv heads
-lead and the slots come just before the head dim, so a block is already in the (batch dims, rows,
-contracted) order of the two products of attention. Cached attention reads only the blocks in use
-(`blocks_to_visit`), each under a `lax.cond`, and because each block is a buffer of its own the
-products read it in place. Blocks cut out of one (B, K, S, H) buffer per layer, as before, were sliced
-with a `dynamic_slice` that XLA:CPU copies before every product: a gpt2-124m decode step at batch 32
-(32-token prompts, 128 new tokens, 256 slots; process pairs, the old layout first) took 138.0 / 152.0 ms
-with one buffer per layer and 128-slot blocks against 107.4 / 118.0 ms with a buffer per 128-slot block,
-and 99.9 / 107.3 ms with 64-slot blocks (finer blocks read fewer empty slots). The number of blocks is
-capped (`MAX_BLOCKS`): each is a cond and a scatter per layer in the compiled step, and a 4096-slot
-cache of 64 blocks took three times as long to compile. Layers and blocks are indexed statically:
+Writing every sequence at the shared slot `end` keeps the update to the block(s) holding slots
+[end, end + T), each under a `lax.cond`: a `dynamic_update_slice` for one token (a decode step), a
+scatter that drops what falls outside the block for more (prefill chunks, speculation windows); in
+place when the cache is donated. (An unguarded dropping scatter into every block made XLA:CPU copy the
+blocks every step at batch 1.) Batch and kv heads lead and the slots come just before the head dim, so
+a block is already in the (batch dims, rows, contracted) order of the two products of attention.
+Cached attention reads only the blocks in use (`blocks_to_visit`), each under a `lax.cond`, and because
+each block is a buffer of its own the products read it in place. Blocks cut out of one (B, K, S, H)
+buffer per layer, as before, were `dynamic_slice`s that XLA:CPU copied before every product: a
+gpt2-124m decode step at batch 32 (32-token prompts, 128 new tokens, 256 slots; process pairs, the old
+layout first) took 156.6 / 141.5 ms with one buffer per layer (128-slot blocks) against 112.4 / 118.6 ms
+with this layout (64-slot blocks; 128-slot block buffers measured 107-129 ms, finer blocks read fewer
+empty slots). The number of blocks is capped (`MAX_BLOCKS`): each is two conds per layer in the
+compiled step, and with 64 blocks of 64 slots the cache-length benchmark (`bench/decode.py`, 256 and
+4096 slots) took 188 s against 65 s, mostly compiling. Layers and blocks are indexed statically:
 decoding runs the layers as a Python loop. Ragged prompts leave empty slots (pos = -1) that attention
 masks out; each sequence's own positions (for RoPE / learned embeddings) live in `pos`, so a padded
 sequence computes exactly what it would alone.
@@ -91,21 +94,22 @@ class KVCache:
         return self.k, self.v, self.k_scale, self.v_scale
 
     def write(self, kv, layer, k_btkh, v_btkh, positions_bt):
-        """This call's keys and values of `layer` (a Python int) at slots [end, end + T): into each
-        block, a scatter at scalar offsets that drops what falls outside it; in place when donated."""
+        """This call's keys and values of `layer` (a Python int) at slots [end, end + T), written into
+        the blocks holding those slots (`_write_blocks`); in place when donated."""
         i = _static_index(layer, "layer")
         k_new, v_new = k_btkh.transpose(0, 2, 1, 3), v_btkh.transpose(0, 2, 1, 3)  # (B, K, T, H)
         k_all, v_all, k_scale, v_scale = kv
         if k_scale is not None:
             (k_new, k_s), (v_new, v_s) = quantize_kv(k_new), quantize_kv(v_new)
-            k_scale = _set(k_scale, i, self._scatter(k_scale[i], k_s))
-            v_scale = _set(v_scale, i, self._scatter(v_scale[i], v_s))
-        k_all = _set(k_all, i, self._scatter(k_all[i], to_storage(k_new, k_all[i][0].dtype)))
-        v_all = _set(v_all, i, self._scatter(v_all[i], to_storage(v_new, v_all[i][0].dtype)))
+            k_scale = _set(k_scale, i, self._write_blocks(k_scale[i], k_s))
+            v_scale = _set(v_scale, i, self._write_blocks(v_scale[i], v_s))
+        k_all = _set(k_all, i, self._write_blocks(k_all[i], to_storage(k_new, k_all[i][0].dtype)))
+        v_all = _set(v_all, i, self._write_blocks(v_all[i], to_storage(v_new, v_all[i][0].dtype)))
         return k_all, v_all, k_scale, v_scale
 
-    def _scatter(self, blocks: tuple, new_bkt):
-        """`blocks` (N x (B, K, S / N, ...)) with new_bkt (B, K, T, ...) written at slots [end, end + T)."""
+    def _write_blocks(self, blocks: tuple, new_bkt):
+        """`blocks` (N x (B, K, S / N, ...)) with new_bkt (B, K, T, ...) written at slots [end, end + T):
+        each block under a cond on whether it holds any of them, so a step touches one or two."""
         size, t = self.block_size, new_bkt.shape[2]
         out = []
         for j, block in enumerate(blocks):
