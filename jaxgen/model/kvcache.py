@@ -17,10 +17,11 @@ each block is a buffer of its own the products read it in place. Blocks cut out 
 buffer per layer, as before, were `dynamic_slice`s that XLA:CPU copied before every product: a
 gpt2-124m decode step at batch 32 (32-token prompts, 128 new tokens, 256 slots; process pairs, the old
 layout first) took 156.6 / 141.5 ms with one buffer per layer (128-slot blocks) against 112.4 / 118.6 ms
-with this layout (64-slot blocks; 128-slot block buffers measured 107-129 ms, finer blocks read fewer
-empty slots). The number of blocks is capped (`MAX_BLOCKS`): each is two conds per layer in the
-compiled step, and with 64 blocks of 64 slots the cache-length benchmark (`bench/decode.py`, 256 and
-4096 slots) took 188 s against 65 s, mostly compiling. Layers and blocks are indexed statically:
+with this layout (64-slot blocks; a prototype with 128-slot block buffers, writing every block
+unguarded, measured 107-129 ms: finer blocks read fewer empty slots). The number of blocks is capped
+(`MAX_BLOCKS`): each adds conds to every layer of the compiled step, and with 64 blocks of 64 slots
+(that prototype) the cache-length benchmark (`bench/decode.py`, 256 and 4096 slots) took 188 s against
+65 s, mostly compiling. Layers and blocks are indexed statically:
 decoding runs the layers as a Python loop. Ragged prompts leave empty slots (pos = -1) that attention
 masks out; each sequence's own positions (for RoPE / learned embeddings) live in `pos`, so a padded
 sequence computes exactly what it would alone.
@@ -111,6 +112,7 @@ class KVCache:
         """`blocks` (N x (B, K, S / N, ...)) with new_bkt (B, K, T, ...) written at slots [end, end + T):
         each block under a cond on whether it holds any of them, so a step touches one or two."""
         size, t = self.block_size, new_bkt.shape[2]
+        slots = self.end + jnp.arange(t)  # this call's slots
         out = []
         for j, block in enumerate(blocks):
             first = self.end - j * size  # this call's first slot, counted from the block's start
@@ -118,7 +120,7 @@ class KVCache:
             if t == 1:
                 write = lambda b, first=first: jax.lax.dynamic_update_slice_in_dim(b, new_bkt, first, 2)
             else:
-                offset = first + jnp.arange(t)
+                offset = slots - j * size
                 offset = jnp.where(offset < 0, size, offset)  # before this block: out of range, dropped
                 write = lambda b, offset=offset: b.at[:, :, offset].set(new_bkt, mode="drop", unique_indices=True)
             out.append(jax.lax.cond(owns, write, lambda b: b, block))
@@ -176,8 +178,10 @@ def constrain_cache(cache: KVCache) -> KVCache:
 
 def num_blocks(max_len: int) -> int:
     """How many blocks a cache of `max_len` slots is cut into: blocks of BLOCK slots, at most
-    MAX_BLOCKS of them, and at least two (a single block spanning a whole layer's keys made XLA:CPU
-    copy it every decode step at batch 1); blocks always tile the slots exactly."""
+    MAX_BLOCKS of them, and at least two, so that a short sequence in a small cache reads half of it;
+    blocks always tile the slots exactly. (Two was first the fix for XLA:CPU copying a single block that
+    spanned a layer's whole buffer every step at batch 1; with a buffer per block a one-block cache
+    compiled without copies at batch 1 and 2.)"""
     if max_len <= BLOCK:
         return 2 if max_len % 2 == 0 else 1
     blocks = min(max_len // BLOCK, MAX_BLOCKS)
