@@ -3,7 +3,8 @@
     python bench/vs_transformers.py [--configs gpt2-124m llama-small] [--new-tokens 128] [--out DIR]
 
 For each config, random jaxgen weights are exported with `jaxgen.hf.save_pretrained` and loaded by
-transformers, so both sides run the very same float32 model. Measured, best of a few repeats each:
+transformers, so both sides run the very same float32 model. Measured, best of a few repeats each, the
+two sides taking turns:
 - prefill: batch 1, 128-token prompt: from tokens to the next token's logits with the KV cache built
   (jaxgen's prefill program; transformers' forward with use_cache=True and logits_to_keep=1);
 - decode tokens/s at each batch: 32-token prompts, 128 new tokens, greedy, no early stop; the time of
@@ -86,18 +87,32 @@ class TorchSide:
         return out
 
 
-def bench_generation(side, prompt_rng, batches, new_tokens, repeats) -> dict:
+def bench_generation(sides, prompt_rng, batches, new_tokens, repeats) -> list[dict]:
+    """Each measure of every side, the sides' repeats interleaved (ours, theirs, ours, ...) so that a
+    slow spell of a noisy machine falls on both rather than on whichever side ran then. Best of
+    `repeats` each; returns one dict per side."""
     prompt = prompt_rng.integers(0, 256, 128).tolist()
-    side.prefill(prompt)  # warm up / compile
-    out = {"prefill": _best(lambda: side.prefill(prompt), repeats + 2)}
+    for side in sides:
+        side.prefill(prompt)  # warm up / compile
+    out = [{"prefill": t} for t in _best_interleaved([lambda s=s: s.prefill(prompt) for s in sides], repeats + 2)]
     for b in batches:
         prompts = prompt_rng.integers(0, 256, (b, 32)).tolist()
-        side.generate(prompts, new_tokens)  # warm up / compile both programs
-        side.generate(prompts, 1)
-        full = _best(lambda p=prompts: side.generate(p, new_tokens), max(1, repeats - 1))
-        one = _best(lambda p=prompts: side.generate(p, 1), repeats)
-        out[f"decode b={b}"] = b * (new_tokens - 1) / (full - one)  # tokens/s
+        for side in sides:  # warm up / compile both programs
+            side.generate(prompts, new_tokens)
+            side.generate(prompts, 1)
+        full = _best_interleaved([lambda s=s, p=prompts: s.generate(p, new_tokens) for s in sides], max(1, repeats - 1))
+        one = _best_interleaved([lambda s=s, p=prompts: s.generate(p, 1) for s in sides], repeats)
+        for o, f, n in zip(out, full, one, strict=True):
+            o[f"decode b={b}"] = b * (new_tokens - 1) / (f - n)  # tokens/s
     return out
+
+
+def _best_interleaved(fns, repeats: int) -> list[float]:
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            best[i] = min(best[i], _best(fn, 1))
+    return best
 
 
 def bench_train_jax(cfg, batch, seq, steps) -> float:
@@ -143,10 +158,9 @@ def bench_config(name, args) -> dict[str, tuple[float, float]]:
     with tempfile.TemporaryDirectory() as folder:
         hf.save_pretrained(folder, params, cfg.model, Tokenizer.byte_level())
         jax_side, torch_side = JaxSide(cfg.model, params, args.batches), TorchSide(folder)
-        ours = bench_generation(jax_side, np.random.default_rng(0), args.batches, args.new_tokens, args.repeats)
-        del jax_side
-        theirs = bench_generation(torch_side, np.random.default_rng(0), args.batches, args.new_tokens, args.repeats)
-        del torch_side
+        sides = [jax_side, torch_side]
+        ours, theirs = bench_generation(sides, np.random.default_rng(0), args.batches, args.new_tokens, args.repeats)
+        del jax_side, torch_side, sides
         for key in ours:
             results[key] = (ours[key], theirs[key])
         if args.train_steps:
