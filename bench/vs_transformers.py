@@ -157,10 +157,9 @@ def bench_config(name, args) -> dict[str, tuple[float, float]]:
     results: dict[str, tuple[float, float]] = {}
     with tempfile.TemporaryDirectory() as folder:
         hf.save_pretrained(folder, params, cfg.model, Tokenizer.byte_level())
-        jax_side, torch_side = JaxSide(cfg.model, params, args.batches), TorchSide(folder)
-        sides = [jax_side, torch_side]
+        sides = [JaxSide(cfg.model, params, args.batches), TorchSide(folder)]
         ours, theirs = bench_generation(sides, np.random.default_rng(0), args.batches, args.new_tokens, args.repeats)
-        del jax_side, torch_side, sides
+        del sides  # free both models before the training measure
         for key in ours:
             results[key] = (ours[key], theirs[key])
         if args.train_steps:
