@@ -183,7 +183,7 @@ def inference_programs(model_cfg, mesh, slots: int, cache_len: int, chunk: int, 
     import jax
 
     from jaxgen import model
-    from jaxgen.model.kvcache import KV_NAMES, POS_NAMES, KVCache
+    from jaxgen.model.kvcache import K_NAMES, POS_NAMES, V_NAMES, KVCache
     from jaxgen.sharding import batch_sharding, named_sharding
 
     model_cfg = dataclasses.replace(_plannable_model(model_cfg), dtype=dtype)
@@ -191,12 +191,12 @@ def inference_programs(model_cfg, mesh, slots: int, cache_len: int, chunk: int, 
     shapes = jax.eval_shape(lambda: KVCache.init(model_cfg, slots, cache_len, dtype))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
-    def placed(buffers):  # each layer's and block's buffer
-        return jax.tree.map(lambda x: x.update(sharding=named_sharding(mesh, KV_NAMES, x.shape)), buffers)
+    def placed(buffers, names):  # each layer's and block's buffer
+        return jax.tree.map(lambda x: x.update(sharding=named_sharding(mesh, names, x.shape)), buffers)
 
     cache = shapes.replace(
-        k=placed(shapes.k),
-        v=placed(shapes.v),
+        k=placed(shapes.k, K_NAMES),
+        v=placed(shapes.v, V_NAMES),
         pos=shapes.pos.update(sharding=named_sharding(mesh, POS_NAMES, shapes.pos.shape)),
         end=shapes.end.update(sharding=replicated),
     )

@@ -311,11 +311,13 @@ def test_cache_writes_land_in_the_right_blocks(end, tokens):
     r = np.random.default_rng(end)
     k_new, v_new = (r.normal(size=(2, tokens, CFG.kv_heads, CFG.head_size)).astype(np.float32) for _ in range(2))
     k_all, v_all, _, _ = jax.jit(cache.write, static_argnums=1)(cache.arrays(), 1, k_new, v_new, None)
-    for got, new in [(k_all, k_new), (v_all, v_new)]:
+    keys = lambda blocks: np.concatenate(blocks, axis=3).swapaxes(2, 3)  # stored (B, K, H, S / N)
+    values = lambda blocks: np.concatenate(blocks, axis=2)  # stored (B, K, S / N, H)
+    for got, new, joined in [(k_all, k_new, keys), (v_all, v_new, values)]:
         want = np.zeros((2, CFG.kv_heads, 256, CFG.head_size), np.float32)
         want[:, :, end : end + tokens] = new.transpose(0, 2, 1, 3)
-        np.testing.assert_array_equal(np.concatenate(got[1], axis=2), want)
-        assert not np.any(np.concatenate(got[0], axis=2))  # the other layer untouched
+        np.testing.assert_array_equal(joined(got[1]), want)
+        assert not np.any(joined(got[0]))  # the other layer untouched
 
 
 def test_bfloat16_cache_is_uint16_on_cpu_close_and_in_place(gen):

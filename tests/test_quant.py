@@ -74,11 +74,11 @@ def test_kv_quantization_per_token_and_head():
 
     contiguous = KVCache.init(CFG, 2, 16, "int8")  # one buffer per layer and block
     paged = PagedCache.init(CFG, 4, 16, 2, 2, "int8")
-    for k, k_scale, v_scale in [
-        *zip(*(jax.tree.leaves(x) for x in (contiguous.k, contiguous.k_scale, contiguous.v_scale))),
-        (paged.k, paged.k_scale, paged.v_scale),
-    ]:
-        assert k.dtype == jnp.int8 and k_scale.shape == k.shape[:-1]
+    for k, v, k_scale, v_scale in [
+        *zip(*(jax.tree.leaves(x) for x in (contiguous.k, contiguous.v, contiguous.k_scale, contiguous.v_scale))),
+        (paged.k, paged.v, paged.k_scale, paged.v_scale),
+    ]:  # (contiguous keys are stored (B, K, H, S / N): the scales follow the values' (B, K, S / N))
+        assert k.dtype == v.dtype == jnp.int8 and k_scale.shape == v_scale.shape == v.shape[:-1]
         assert k_scale is not v_scale  # two buffers: a donated step must not get one twice
 
 

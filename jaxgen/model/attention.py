@@ -2,7 +2,7 @@
 
 The seam. A cache type (contiguous `KVCache`, paged `PagedCache`) says only how its keys live:
     cache.write(kv, layer, k_btkh, v_btkh, positions_bt) -> kv       this call's keys and values stored
-    cache.key_block(kv, layer, j) -> (k_bksh, v_bksh, pos_bs)        block j of a layer (pos -1 = empty)
+    cache.key_block(kv, layer, j) -> (k_bkhs, v_bksh, pos_bs)        block j of a layer (pos -1 = empty)
     cache.blocks_to_visit(positions_bt) -> () int32                  blocks any of these queries can see
     cache.num_blocks -> int | None                                   static block count, or None
 `cached_attention` runs the one online-softmax step over those blocks with the one mask rule, so the
@@ -96,9 +96,9 @@ def cached_attention(q_btnh, cache, kv, layer, q_pos_bt, window, cfg):
     q = q_btnh.reshape(b, t, k, n // k, h).astype(jnp.float32) * logit_scale(cfg)
 
     def fold(j, stats, kv):
-        k_bksh, v_bksh, k_pos_bs = cache.key_block(kv, layer, j)
+        k_bkhs, v_bksh, k_pos_bs = cache.key_block(kv, layer, j)
         mask = attention_mask(q_pos_bt, k_pos_bs, window=window)
-        return _online_softmax_step(stats, q, k_bksh, v_bksh, mask, cfg.attn_softcap)
+        return _online_softmax_step(stats, q, k_bkhs, v_bksh, mask, cfg.attn_softcap)
 
     stats = (
         jnp.full((b, k, n // k, t), NEG_INF, jnp.float32),  # running max
@@ -121,17 +121,54 @@ def _same(stats):
     return stats
 
 
-def _online_softmax_step(carry, q_btkgh, k_bksh, v_bksh, mask_bts, softcap):
-    """One block of keys folded into the running max m, normaliser l and weighted sum acc. The block is
-    (B, K, S, H): batch and kv heads lead, as the batch dimensions of both products, so XLA:CPU feeds
-    it to the product as it is (a (B, S, K, H) block was transposed for each product)."""
+def _online_softmax_step(carry, q_btkgh, k_bkhs, v_bksh, mask_bts, softcap):
+    """One block of keys folded into the running max m, normaliser l and weighted sum acc. Batch and kv
+    heads lead, the batch dimensions of both products, and keys come (H, S), values (S, H): each
+    operand already in its product's (contracted, columns) order (see `kvcache` for what keys stored
+    (S, H) cost on XLA:CPU)."""
     m, l, acc = carry  # (B, K, G, T), (B, K, G, T), (B, K, G, T, H)
     mask = mask_bts[:, None, None]
-    s = jnp.einsum("btkgh,bksh->bkgts", q_btkgh, from_storage(k_bksh).astype(jnp.float32))
+    k_bkhs, v_bksh = from_storage(k_bkhs).astype(jnp.float32), from_storage(v_bksh).astype(jnp.float32)
+    as_sums = _products_as_sums(q_btkgh)
+    s = _scores_as_sums(q_btkgh, k_bkhs) if as_sums else jnp.einsum("btkgh,bkhs->bkgts", q_btkgh, k_bkhs)
     s = layers.softcap(s, softcap)
     s = jnp.where(mask, s, NEG_INF)
     m_new = jnp.maximum(m, s.max(-1))
     p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
     corr = jnp.exp(m - m_new)
-    acc = acc * corr[..., None] + jnp.einsum("bkgts,bksh->bkgth", p, from_storage(v_bksh).astype(jnp.float32))
-    return m_new, l * corr + p.sum(-1), acc
+    pv = _values_as_sums(p, v_bksh) if as_sums else jnp.einsum("bkgts,bksh->bkgth", p, v_bksh)
+    return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
+
+
+MAX_TERMS = 64  # products written out term by term: at most this many terms per sum
+
+
+def _products_as_sums(q_btkgh) -> bool:
+    """Whether a block's two products run as written-out sums of broadcast products rather than as
+    batched matrix products: on CPU, for one query per row (a decode step) and grouped queries (G > 1).
+    There a product is B x K tiny (G, H) x (H, S) matrix products, which XLA:CPU's product kernels run
+    far below their speed on large ones, while a sum of H (or S) broadcast products is one fused loop
+    that reads each key and value once. For G = 1 (one query per kv head) the matrix products won
+    (`bench/attention_layout.py`); on accelerators they always do."""
+    _, t, _, g, h = q_btkgh.shape
+    return jax.default_backend() == "cpu" and t == 1 and g > 1 and h <= 2 * MAX_TERMS
+
+
+def _scores_as_sums(q_btkgh, k_bkhs):
+    """(B, K, G, 1, S): the scores of one query per row, as a sum over the H key dims."""
+    q = q_btkgh[:, 0]  # (B, K, G, H)
+    s = sum(q[:, :, :, i, None] * k_bkhs[:, :, None, i, :] for i in range(q.shape[-1]))
+    return s[:, :, :, None]
+
+
+def _values_as_sums(p_bkgts, v_bksh):
+    """(B, K, G, 1, H): probabilities times values for one query per row, as sums over the S slots,
+    cut into C chunks of at most MAX_TERMS slots (so a long block stays a short sum) added at the end."""
+    b, k, g, _, s = p_bkgts.shape
+    c = -(-s // MAX_TERMS)
+    while s % c:
+        c += 1
+    p = p_bkgts.reshape(b, k, g, c, s // c)
+    v = v_bksh.reshape(b, k, c, s // c, v_bksh.shape[-1])
+    out = sum(p[:, :, :, :, i, None] * v[:, :, None, :, i, :] for i in range(s // c))  # (B, K, G, C, H)
+    return out.sum(3)[:, :, :, None]

@@ -1,7 +1,8 @@
 """The KV cache: an immutable pytree passed into `forward` and returned updated.
 
 Layout (glossary in `jaxgen.sharding`; the S slots cut into N blocks of S / N):
-    k, v: L x N x (B, K, S / N, H)  keys and values: a buffer of their own for every layer and block
+    k:    L x N x (B, K, H, S / N)  keys, slots minor: a buffer of their own for every layer and block
+    v:    L x N x (B, K, S / N, H)  values, head dim minor
     k_scale, v_scale: L x N x (B, K, S / N) float32, int8 caches only: one scale per token and kv head
     pos:  (B, S) int32     the token position held in each slot; -1 marks an empty slot
     end:  () int32         the next slot to write; all sequences of a batch write the same slot
@@ -10,8 +11,12 @@ Writing every sequence at the shared slot `end` keeps the update to the block(s)
 [end, end + T), each under a `lax.cond`: a `dynamic_update_slice` for one token (a decode step), a
 scatter that drops what falls outside the block for more (prefill chunks, speculation windows); in
 place when the cache is donated. (An unguarded dropping scatter into every block made XLA:CPU copy the
-blocks every step at batch 1.) Batch and kv heads lead and the slots come just before the head dim, so
-a block is already in the (batch dims, rows, contracted) order of the two products of attention.
+blocks every step at batch 1.) Batch and kv heads lead, the batch dimensions of both products of
+attention; keys are stored (H, slots) and values (slots, H), so each block is already in the
+(contracted, columns) order of its product, queries times keys and probabilities times values, and
+XLA:CPU feeds it to the product kernel as it is. Keys stored (slots, H), as values are, made the score
+product the slowest op of a decode step: in a chained 12-layer loop of two 80-slot blocks per layer
+(llama-small shapes, batch 32: `bench/attention_layout.py`) 85-107 ms against 30-32 ms.
 Cached attention reads only the blocks in use (`blocks_to_visit`), each under a `lax.cond`, and because
 each block is a buffer of its own the products read it in place. Blocks cut out of one (B, K, S, H)
 buffer per layer, as before, were `dynamic_slice`s that XLA:CPU copied before every product: a
@@ -38,13 +43,15 @@ from jaxgen.sharding import constrain
 
 BLOCK = 64  # cache slots per block of cached attention (at most MAX_BLOCKS blocks: larger caches, larger blocks)
 MAX_BLOCKS = 16
-KV_NAMES = ("batch", "kv_heads", "cache_seq", "head_dim")  # each layer's and block's buffer
+K_NAMES = ("batch", "kv_heads", "head_dim", "cache_seq")  # each layer's and block's key buffer
+V_NAMES = ("batch", "kv_heads", "cache_seq", "head_dim")  # and value buffer
+SCALE_NAMES = ("batch", "kv_heads", "cache_seq")  # int8 scales of either
 POS_NAMES = ("batch", "cache_seq")
 
 
 @flax.struct.dataclass
 class KVCache:
-    k: tuple  # L x N x (B, K, S / N, H): one buffer per layer and block
+    k: tuple  # L x N x (B, K, H, S / N): one buffer per layer and block, slots minor
     v: tuple  # L x N x (B, K, S / N, H)
     pos: jax.Array  # (B, S) int32, -1 = empty
     end: jax.Array  # () int32
@@ -56,7 +63,8 @@ class KVCache:
         """An empty cache; `dtype` float32, bfloat16 (held as uint16 bits on CPU, see `storage_dtype`) or
         int8 (one float32 scale per token and kv head: `quantize_kv`)."""
         blocks = num_blocks(max_len)
-        shape = (batch_size, cfg.kv_heads, max_len // blocks, cfg.head_size)
+        shape = (batch_size, cfg.kv_heads, max_len // blocks, cfg.head_size)  # values; keys (B, K, H, S / N)
+        key_shape = (*shape[:2], shape[3], shape[2])
         dtype = storage_dtype(dtype)
 
         def per_layer(make):  # a buffer of its own for every layer and block: the loops donate them
@@ -64,7 +72,7 @@ class KVCache:
 
         scales = dtype == jnp.int8
         return cls(
-            k=per_layer(lambda: jnp.zeros(shape, dtype)),
+            k=per_layer(lambda: jnp.zeros(key_shape, dtype)),
             v=per_layer(lambda: jnp.zeros(shape, dtype)),
             pos=jnp.full((batch_size, max_len), -1, jnp.int32),
             end=jnp.zeros((), jnp.int32),
@@ -102,27 +110,30 @@ class KVCache:
         k_all, v_all, k_scale, v_scale = kv
         if k_scale is not None:
             (k_new, k_s), (v_new, v_s) = quantize_kv(k_new), quantize_kv(v_new)
-            k_scale = _set(k_scale, i, self._write_blocks(k_scale[i], k_s))
-            v_scale = _set(v_scale, i, self._write_blocks(v_scale[i], v_s))
-        k_all = _set(k_all, i, self._write_blocks(k_all[i], to_storage(k_new, k_all[i][0].dtype)))
-        v_all = _set(v_all, i, self._write_blocks(v_all[i], to_storage(v_new, v_all[i][0].dtype)))
+            k_scale = _set(k_scale, i, self._write_blocks(k_scale[i], k_s, 2))
+            v_scale = _set(v_scale, i, self._write_blocks(v_scale[i], v_s, 2))
+        k_new = to_storage(k_new, k_all[i][0].dtype).swapaxes(2, 3)  # (B, K, H, T), as keys are stored
+        k_all = _set(k_all, i, self._write_blocks(k_all[i], k_new, 3))
+        v_all = _set(v_all, i, self._write_blocks(v_all[i], to_storage(v_new, v_all[i][0].dtype), 2))
         return k_all, v_all, k_scale, v_scale
 
-    def _write_blocks(self, blocks: tuple, new_bkt):
-        """`blocks` (N x (B, K, S / N, ...)) with new_bkt (B, K, T, ...) written at slots [end, end + T):
-        each block under a cond on whether it holds any of them, so a step touches one or two."""
-        size, t = self.block_size, new_bkt.shape[2]
+    def _write_blocks(self, blocks: tuple, new, axis: int):
+        """`blocks` (N buffers, slots along `axis`) with `new` (T slots along `axis`) written at slots
+        [end, end + T): each block under a cond on whether it holds any of them, so a step touches one
+        or two."""
+        size, t = self.block_size, new.shape[axis]
         slots = self.end + jnp.arange(t)  # this call's slots
         out = []
         for j, block in enumerate(blocks):
             first = self.end - j * size  # this call's first slot, counted from the block's start
             owns = (first < size) & (first + t > 0)
             if t == 1:
-                write = lambda b, first=first: jax.lax.dynamic_update_slice_in_dim(b, new_bkt, first, 2)
+                write = lambda b, first=first: jax.lax.dynamic_update_slice_in_dim(b, new, first, axis)
             else:
                 offset = slots - j * size
                 offset = jnp.where(offset < 0, size, offset)  # before this block: out of range, dropped
-                write = lambda b, offset=offset: b.at[:, :, offset].set(new_bkt, mode="drop", unique_indices=True)
+                at = (slice(None),) * axis + (offset,)
+                write = lambda b, at=at: b.at[at].set(new, mode="drop", unique_indices=True)
             out.append(jax.lax.cond(owns, write, lambda b: b, block))
         return tuple(out)
 
@@ -136,13 +147,13 @@ class KVCache:
         return self.max_len // self.num_blocks
 
     def key_block(self, kv, layer, j):
-        """Block j (a Python int) of `layer`, slots [j * block, (j + 1) * block): keys, values
-        (B, K, block, H) as stored, and their positions (B, block)."""
+        """Block j (a Python int) of `layer`, slots [j * block, (j + 1) * block): keys (B, K, H, block)
+        and values (B, K, block, H) as stored, and their positions (B, block)."""
         i, j = _static_index(layer, "layer"), _static_index(j, "block")
         k_all, v_all, k_scale, v_scale = kv
         kb, vb = k_all[i][j], v_all[i][j]
         if k_scale is not None:
-            kb, vb = dequantize_kv(kb, k_scale[i][j]), dequantize_kv(vb, v_scale[i][j])
+            kb, vb = kb.astype(jnp.float32) * k_scale[i][j][:, :, None], dequantize_kv(vb, v_scale[i][j])
         size = self.block_size
         return kb, vb, self.pos[:, j * size : (j + 1) * size]
 
@@ -169,10 +180,9 @@ def constrain_cache(cache: KVCache) -> KVCache:
     each = lambda xs, names: jax.tree.map(lambda x: constrain(x, names), xs)
     scales = {}
     if cache.k_scale is not None:
-        names = KV_NAMES[:-1]
-        scales = {"k_scale": each(cache.k_scale, names), "v_scale": each(cache.v_scale, names)}
+        scales = {"k_scale": each(cache.k_scale, SCALE_NAMES), "v_scale": each(cache.v_scale, SCALE_NAMES)}
     return cache.replace(
-        k=each(cache.k, KV_NAMES), v=each(cache.v, KV_NAMES), pos=constrain(cache.pos, POS_NAMES), **scales
+        k=each(cache.k, K_NAMES), v=each(cache.v, V_NAMES), pos=constrain(cache.pos, POS_NAMES), **scales
     )
 
 
@@ -207,7 +217,8 @@ def _set(buffers: tuple, i: int, x) -> tuple:
 
 
 def scale_buffer(shape, dtype):
-    """An int8 cache's float32 scales, one per token and kv head (no trailing H); None otherwise."""
+    """An int8 cache's float32 scales, one per token and kv head (`shape` a values buffer's, less its
+    trailing H); None otherwise."""
     return jnp.zeros(shape[:-1], jnp.float32) if dtype == jnp.int8 else None
 
 

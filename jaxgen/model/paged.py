@@ -97,15 +97,16 @@ class PagedCache:
         return self.k, self.v, self.k_scale, self.v_scale
 
     def key_block(self, kv, layer, j):
-        """Each slot's page j of `layer`: keys, values (B, K, Z, H) and positions (B, Z). A position
-        past what the slot wrote is never seen (a query sees positions up to its own)."""
+        """Each slot's page j of `layer`: keys (B, K, H, Z), values (B, K, Z, H) (the order
+        `attention` takes; the gather copies the pages anyway) and positions (B, Z). A position past what
+        the slot wrote is never seen (a query sees positions up to its own)."""
         k_all, v_all, k_scale, v_scale = kv
         z = self.page_size
         pages = self.page_table[:, j]
         kb, vb = k_all[:, layer, pages], v_all[:, layer, pages]  # one gather each: (K, B, Z, H)
         if k_scale is not None:
             kb, vb = dequantize_kv(kb, k_scale[:, layer, pages]), dequantize_kv(vb, v_scale[:, layer, pages])
-        kb, vb = kb.swapaxes(0, 1), vb.swapaxes(0, 1)  # (B, K, Z, H): whole pages move
+        kb, vb = kb.transpose(1, 0, 3, 2), vb.swapaxes(0, 1)  # (B, K, H, Z), (B, K, Z, H)
         pos = jnp.broadcast_to(j * z + jnp.arange(z), (self.page_table.shape[0], z))
         return kb, vb, pos
 
