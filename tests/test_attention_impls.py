@@ -210,3 +210,23 @@ def test_engine_decodes_the_same_tokens_with_the_pallas_paged_kernel():
     for a, b in zip(outs["xla"], outs["pallas"], strict=True):
         assert a.tokens == b.tokens
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+
+
+@pytest.mark.parametrize("slots", [16, 80, 256])  # one chunk; 2 chunks of 40; 4 chunks of 64
+def test_decode_products_as_sums_equal_the_matrix_products(slots):
+    # A decode step's two products written out as sums (what CPU decoding runs for grouped queries)
+    # against the einsums over the same (H, slots) keys and (slots, H) values.
+    r = np.random.default_rng(slots)
+    b, k, g, h = 3, 2, 3, 16
+    q = jnp.asarray(r.normal(size=(b, 1, k, g, h)), jnp.float32)
+    keys = jnp.asarray(r.normal(size=(b, k, h, slots)), jnp.float32)
+    values = jnp.asarray(r.normal(size=(b, k, slots, h)), jnp.float32)
+    p = jax.nn.softmax(jnp.einsum("btkgh,bkhs->bkgts", q, keys), axis=-1)
+    assert attention._products_as_sums(q)  # the tests run on CPU: this is the path decoding takes
+    np.testing.assert_allclose(
+        attention._scores_as_sums(q, keys), jnp.einsum("btkgh,bkhs->bkgts", q, keys), rtol=1e-5, atol=1e-5
+    )
+    np.testing.assert_allclose(
+        attention._values_as_sums(p, values), jnp.einsum("bkgts,bksh->bkgth", p, values), rtol=1e-5, atol=1e-5
+    )
+    assert not attention._products_as_sums(q[:, :, :, :1])  # one query per kv head: the matrix products

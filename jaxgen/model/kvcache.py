@@ -12,11 +12,12 @@ Writing every sequence at the shared slot `end` keeps the update to the block(s)
 scatter that drops what falls outside the block for more (prefill chunks, speculation windows); in
 place when the cache is donated. (An unguarded dropping scatter into every block made XLA:CPU copy the
 blocks every step at batch 1.) Batch and kv heads lead, the batch dimensions of both products of
-attention; keys are stored (H, slots) and values (slots, H), so each block is already in the
-(contracted, columns) order of its product, queries times keys and probabilities times values, and
-XLA:CPU feeds it to the product kernel as it is. Keys stored (slots, H), as values are, made the score
-product the slowest op of a decode step: in a chained 12-layer loop of two 80-slot blocks per layer
-(llama-small shapes, batch 32: `bench/attention_layout.py`) 85-107 ms against 30-32 ms.
+attention; keys are stored (H, slots) and values (slots, H), each block in the (contracted, columns)
+order of its product (queries times keys, probabilities times values), so that the decode step's
+products written as sums (`attention._scores_as_sums`, `_values_as_sums`) run along contiguous memory.
+For the matrix products the key order matters little at 64-slot blocks (`bench/attention_layout.py`:
+38.4 ms with keys (slots, H), 39.8 with (H, slots), 20.2 as sums, llama-small shapes, batch 32, 12
+layers x 2 blocks); in a microbenchmark with 80-slot blocks keys (slots, H) took 85-107 ms against 30-32.
 Cached attention reads only the blocks in use (`blocks_to_visit`), each under a `lax.cond`, and because
 each block is a buffer of its own the products read it in place. Blocks cut out of one (B, K, S, H)
 buffer per layer, as before, were `dynamic_slice`s that XLA:CPU copied before every product: a
