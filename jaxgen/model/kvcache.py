@@ -17,7 +17,8 @@ order of its product (queries times keys, probabilities times values), so that t
 products written as sums (`attention._scores_as_sums`, `_values_as_sums`) run along contiguous memory.
 For the matrix products the key order matters little at 64-slot blocks (`bench/attention_layout.py`:
 38.4 ms with keys (slots, H), 39.8 with (H, slots), 20.2 as sums, llama-small shapes, batch 32, 12
-layers x 2 blocks); in a microbenchmark with 80-slot blocks keys (slots, H) took 85-107 ms against 30-32.
+layers x 2 blocks); in an earlier microbenchmark of the same loop with 80-slot blocks keys (slots, H)
+took 85-107 ms against 30-32.
 Cached attention reads only the blocks in use (`blocks_to_visit`), each under a `lax.cond`, and because
 each block is a buffer of its own the products read it in place. Blocks cut out of one (B, K, S, H)
 buffer per layer, as before, were `dynamic_slice`s that XLA:CPU copied before every product: a
@@ -154,7 +155,7 @@ class KVCache:
         k_all, v_all, k_scale, v_scale = kv
         kb, vb = k_all[i][j], v_all[i][j]
         if k_scale is not None:
-            kb, vb = kb.astype(jnp.float32) * k_scale[i][j][:, :, None], dequantize_kv(vb, v_scale[i][j])
+            kb, vb = dequantize_kv(kb, k_scale[i][j], axis=2), dequantize_kv(vb, v_scale[i][j])
         size = self.block_size
         return kb, vb, self.pos[:, j * size : (j + 1) * size]
 
@@ -232,8 +233,10 @@ def quantize_kv(x):
     return jnp.clip(jnp.round(x / scale[..., None]), -127, 127).astype(jnp.int8), scale
 
 
-def dequantize_kv(q, scale):
-    return q.astype(jnp.float32) * scale[..., None]
+def dequantize_kv(q, scale, axis: int = -1):
+    """int8 keys or values times their scales, which lack q's H axis (`axis`: -1, or 2 for keys stored
+    (B, K, H, S))."""
+    return q.astype(jnp.float32) * jnp.expand_dims(scale, axis)
 
 
 def storage_dtype(dtype) -> jnp.dtype:
