@@ -67,25 +67,26 @@ def bench_model(name: str, new_tokens: int, batches: list[int], bandwidth: float
         print(f"{b:>6}{step * 1e3:>9.2f}{b / step:>10.0f}{floor * 1e3:>10.2f}{step / floor:>11.2f}", flush=True)
 
 
-def bench_cache_length(name: str, batch: int, used: int, lengths: list[int], chunk: int = 32) -> None:
+def bench_cache_length(name: str, batch: int, used: int, lengths: list[int], repeats: int, chunk: int = 32) -> None:
     """Time per decode step while the cache fills from `used - chunk` to `used` tokens, for several
     allocated cache lengths (the Generator's `min_cache_len`): one timed chunk of the real decode loop,
-    the one after prefill and its first chunk."""
+    the one after prefill and its first chunk, best of `repeats` runs taken in turns."""
     cfg = load_config(ROOT / "configs" / f"{name}.yaml", [f"model.max_seq_len={max(lengths)}"]).model
     params = model.init_params(cfg, jax.random.key(0))
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 256, used - 2 * chunk).tolist() for _ in range(batch)]
     sc = SamplingConfig(temperature=0.0, max_new_tokens=2 * chunk + 1, ignore_eos=True)
-    times = {}
-    for n in lengths:
-        gen = Generator(params, cfg, Tokenizer.byte_level(), max_batch=batch, chunk_steps=chunk, min_cache_len=n)
-        best = float("inf")
-        for _ in range(2):  # the first run compiles
+    gens = {
+        n: Generator(params, cfg, Tokenizer.byte_level(), max_batch=batch, chunk_steps=chunk, min_cache_len=n)
+        for n in lengths
+    }
+    times = dict.fromkeys(lengths, float("inf"))
+    for _ in range(repeats + 1):  # the lengths in turns, so a slow spell does not fall on one; the first compiles
+        for n, gen in gens.items():
             stamps = [time.perf_counter()]
             for _ in gen.stream(prompts, sc):
                 stamps.append(time.perf_counter())
-            best = min(best, (stamps[2] - stamps[1]) / chunk)
-        times[n] = best
+            times[n] = min(times[n], (stamps[2] - stamps[1]) / chunk)
     base = times[lengths[0]]
     row = ", ".join(f"{n} slots {t * 1e3:.1f} ms ({t / base:.2f}x)" for n, t in times.items())
     print(f"{name}: decode step at batch {batch} with {used - chunk}-{used} tokens in the cache: {row}")
@@ -118,6 +119,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--batches", type=int, nargs="*", default=[1, 8, 32])
     parser.add_argument("--job-prompts", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each cache length (best counts)")
     parser.add_argument("--job-layers", type=int, default=2, help="depth of the model in the mixed job")
     parser.add_argument(
         "--cache-lengths",
@@ -132,7 +134,7 @@ def main() -> None:
     for name in args.configs if args.batches else []:
         bench_model(name, args.new_tokens, args.batches, bw)
     if args.cache_lengths:
-        bench_cache_length(args.configs[-1], 32, 160, args.cache_lengths)
+        bench_cache_length(args.configs[-1], 32, 160, args.cache_lengths, args.repeats)
     if args.job_prompts:
         bench_job(args.configs[-1], args.job_prompts, args.job_layers)
 
