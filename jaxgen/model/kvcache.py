@@ -159,10 +159,14 @@ class KVCache:
         size = self.block_size
         return kb, vb, self.pos[:, j * size : (j + 1) * size]
 
+    def filled(self, positions_bt):
+        """() int32: the slots written so far, this call's included (slots [0, filled))."""
+        return self.end + positions_bt.shape[1]
+
     def blocks_to_visit(self, positions_bt):
         """The blocks holding slots written so far, this call's included."""
         size = self.block_size
-        return (self.end + positions_bt.shape[1] + size - 1) // size
+        return (self.filled(positions_bt) + size - 1) // size
 
     def advance(self, kv, num_tokens: int) -> KVCache:
         """After every layer wrote: the new keys and values, and `end` moved past this call's tokens."""
