@@ -28,7 +28,8 @@ with this layout (64-slot blocks; a prototype with 128-slot block buffers, writi
 unguarded, measured 107-129 ms: finer blocks read fewer empty slots). The number of blocks is capped
 (`MAX_BLOCKS`): each adds conds to every layer of the compiled step, and with 64 blocks of 64 slots
 (that prototype) the cache-length benchmark (`bench/decode.py`, 256 and 4096 slots) took 188 s against
-65 s, mostly compiling. Layers and blocks are indexed statically:
+65 s, mostly compiling. (Beyond 16 x 64 slots blocks grow, and attention reads a longer block in 64-slot
+parts, those in use only: `attention._fold_parts`.) Layers and blocks are indexed statically:
 decoding runs the layers as a Python loop. Ragged prompts leave empty slots (pos = -1) that attention
 masks out; each sequence's own positions (for RoPE / learned embeddings) live in `pos`, so a padded
 sequence computes exactly what it would alone.
