@@ -13,7 +13,6 @@ from jaxgen import model
 from jaxgen.config import ConfigError, ModelConfig
 from jaxgen.model import attention, kernels
 from jaxgen.model.blockwise import blockwise_attention
-from jaxgen.model.kvcache import KVCache
 
 HEADS = {"mha": 4, "gqa": 2, "mqa": 1}
 # mask kind -> (segments, padding, window, softcap)
@@ -231,23 +230,3 @@ def test_decode_products_as_sums_equal_the_matrix_products(slots):
         attention._values_as_sums(p, values), jnp.einsum("bkgts,bksh->bkgth", p, values), rtol=1e-5, atol=1e-5
     )
     assert not attention._products_as_sums(q[:, :, :, :1])  # one query per kv head: the matrix products
-
-
-def test_long_cache_blocks_read_in_parts_equal_the_full_forward():
-    # A 2048-slot cache has 16 blocks of 128 slots, which cached attention folds in parts of 64, only
-    # those holding written slots (`attention._fold_parts`): a prefill of 150 tokens (parts 0-2) and
-    # decode steps across the part boundaries at 192 and 256 give the full forward's logits.
-    cfg = ModelConfig(vocab_size=64, num_layers=1, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64, max_seq_len=2048)
-    params = model.init_params(cfg, jax.random.key(0))
-    cache = KVCache.init(cfg, 2, 2048)
-    assert cache.block_size == 2 * attention.PART
-    tokens = jax.random.randint(jax.random.key(1), (2, 260), 0, cfg.vocab_size)
-    positions = jnp.broadcast_to(jnp.arange(260), (2, 260))
-    full, _ = jax.jit(lambda p, t, q: model.forward(p, t, q, cfg=cfg))(params, tokens, positions)
-    step = jax.jit(lambda p, t, q, c: model.forward(p, t, q, cfg=cfg, cache=c))
-    logits, cache = step(params, tokens[:, :150], positions[:, :150], cache)
-    got = [logits]
-    for i in range(150, 260):
-        logits, cache = step(params, tokens[:, i : i + 1], positions[:, i : i + 1], cache)
-        got.append(logits)
-    np.testing.assert_allclose(jnp.concatenate(got, axis=1), full, rtol=1e-5, atol=1e-5)

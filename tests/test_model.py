@@ -64,16 +64,35 @@ def test_prefill_then_decode_equals_full_forward(style, layout):
     tokens = jax.random.randint(jax.random.key(2), (2, 24), 0, cfg.vocab_size)
     positions = jnp.broadcast_to(jnp.arange(24), (2, 24))
     full, _ = model.forward(params, tokens, positions, cfg=cfg)
-
-    step = jax.jit(lambda p, t, pos, c: model.forward(p, t, pos, c, cfg=cfg))
-    cache = KVCache.init(cfg, batch_size=2, max_len=32)
-    logits, cache = step(params, tokens[:, :8], positions[:, :8], cache)
-    out = [logits]
-    for t in range(8, 24):
-        logits, cache = step(params, tokens[:, t : t + 1], positions[:, t : t + 1], cache)
-        out.append(logits)
-    np.testing.assert_allclose(jnp.concatenate(out, axis=1), full, atol=1e-5, rtol=1e-5)
+    logits, cache = prefill_then_decode(params, cfg, tokens, positions, KVCache.init(cfg, batch_size=2, max_len=32), 8)
+    np.testing.assert_allclose(logits, full, atol=1e-5, rtol=1e-5)
     assert int(cache.end) == 24
+
+
+def prefill_then_decode(params, cfg, tokens_bt, positions_bt, cache, prefill: int):
+    """Logits (B, T, V) of `prefill` tokens in one cached call, then the rest one at a time; and the cache."""
+    step = jax.jit(lambda p, t, pos, c: model.forward(p, t, pos, c, cfg=cfg))
+    logits, cache = step(params, tokens_bt[:, :prefill], positions_bt[:, :prefill], cache)
+    out = [logits]
+    for t in range(prefill, tokens_bt.shape[1]):
+        logits, cache = step(params, tokens_bt[:, t : t + 1], positions_bt[:, t : t + 1], cache)
+        out.append(logits)
+    return jnp.concatenate(out, axis=1), cache
+
+
+def test_long_cache_blocks_read_in_parts_equal_the_full_forward():
+    """A 2048-slot cache has 16 blocks of 128 slots, which cached attention folds in parts of 64, only
+    those holding written slots (`attention._fold_parts`): a prefill of 150 tokens (parts 0-2) and
+    decode steps across the part boundaries at 192 and 256 give the full forward's logits."""
+    cfg = ModelConfig(vocab_size=64, num_layers=1, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64, max_seq_len=2048)
+    params = model.init_params(cfg, jax.random.key(0))
+    cache = KVCache.init(cfg, 2, 2048)
+    assert cache.block_size == 2 * attention.PART
+    tokens = jax.random.randint(jax.random.key(1), (2, 260), 0, cfg.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(260), (2, 260))
+    full, _ = jax.jit(lambda p, t, q: model.forward(p, t, q, cfg=cfg))(params, tokens, positions)
+    logits, _ = prefill_then_decode(params, cfg, tokens, positions, cache, 150)
+    np.testing.assert_allclose(logits, full, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("style", STYLES)

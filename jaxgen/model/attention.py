@@ -133,12 +133,13 @@ PART = 64  # slots: a longer contiguous block is folded in parts of this many, t
 
 def _fold_parts(fold_block, stats, block, in_use):
     """`block` (keys (B, K, H, S), values (B, K, S, H), positions (B, S)) folded PART slots at a time by a
-    `fori_loop` over its first `in_use` parts, the block riding in the carry (as a loop-invariant operand
-    XLA copies it). On CPU a block of more than 64 slots costs more than its share (its products split
-    into many small fusions), and the parts past the filled slots are skipped: llama-small at batch 32
-    with 128-160 of 4096 slots filled (16 blocks of 256), a step took 1.20x and 1.38x that of a 256-slot
-    cache read whole, 0.90x read in parts (`bench/decode.py`, lengths in turns). One loop body per block
-    keeps compile time as it was; a cond per part had made that benchmark take 16.6 minutes against 7."""
+    `fori_loop` over its first `in_use` parts, the block riding in the carry (as for `kv` above; the
+    compiled decode step of a 2048-slot cache holds no copy of a block). On CPU a block of more than 64
+    slots costs more than its share (its products split into many small fusions), and the parts past the
+    filled slots are skipped: llama-small at batch 32 with 128-160 of 4096 slots filled (16 blocks of
+    256), a step took 1.20x and 1.38x that of a 256-slot cache read whole, 0.90x read in parts
+    (`bench/decode.py`, lengths in turns). One loop body per block keeps compile time as it was; a cond
+    per part had made that benchmark take 16.6 minutes against 7."""
 
     def body(c, carry):
         stats, (k_bkhs, v_bksh, pos_bs) = carry
