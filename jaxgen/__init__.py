@@ -2,15 +2,19 @@
 
 The package is laid out by concern; imports only point down this list:
     config, sharding, tokenizer   configs, the axis glossary and mesh rules, tokenizers
+    runtime                       process-wide JAX settings for the command lines (compilation cache)
     distributed                   joining other processes (jax.distributed), what only process 0 does
     model/                        the network and its KV caches
     hf/                           Hugging Face folders: config mapping, import, export
     training/                     the train step, the run loop, checkpoints, metrics, data
-    inference/                    sampling, the decode core, Generator, beam search, the engine
+    inference/                    sampling, the decode core, Generator, beam search, the engine, LLM
     serving/                      the HTTP server and the batch job
+    plan                          `python -m jaxgen.plan`: per-device memory of a config on a mesh
+    evaluation/                   the lm-evaluation-harness model, `python -m jaxgen.evaluation`
 
-`jaxgen.generate(run_dir_or_params, prompts, sampling)` is the one-call entry point; `Generator`
-keeps compiled programs between calls.
+`jaxgen.LLM(folder)` is the Python front door (load once, then generate / stream / score on the serving
+engine); `Generator` is the static-batch tool beneath it; `jaxgen.generate(run_dir_or_params, prompts,
+sampling)` is the one-call form. docs/ has a page per area.
 """
 
 from jaxgen.inference.generator import Completion, Generator, generate

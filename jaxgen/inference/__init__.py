@@ -1,9 +1,10 @@
 """Inference: sampling, the decode loop, Generator, beam search and the continuous-batching engine.
 
 sampling.py    per-request settings (the one validation every door shares) and the sampling function
-generator.py   the decode core (DecodeState, the while_loop, finishing a row) and Generator
+decode.py      the decode core: DecodeState, prefill, the while_loop, finishing a row, Completion
+generator.py   Generator: static batches of ragged prompts, streaming, score; jaxgen.generate
 beam.py        beam search
-speculative.py speculative decoding with n-gram drafts (the Generator's speculating loop)
+speculative.py speculative decoding, n-gram or draft-model drafts (the speculating loop of Generator and engine)
 scoring.py     log-probabilities of known tokens (score, prompt logprobs), the head run in blocks
 engine.py      the serving engine's scheduler: queues, thread, admission, preemption, chunked prefill
 steps.py       the engine's device steps: pure jitted functions of the decode state, donated
@@ -11,6 +12,7 @@ requests.py    a sequence in the engine (Request), its Status, the engine's erro
 pages.py       the paged cache's host side: free pages, reference counts, prefix cache, the page policy
 stats.py       the engine's statistics in a prometheus_client registry (counters, gauges, histograms)
 textstream.py  exact text deltas for streaming
+llm.py         LLM, the Python front door: load once, then generate / stream / score on the engine
 """
 
 from jaxgen.inference.engine import Engine

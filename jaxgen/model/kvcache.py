@@ -246,7 +246,7 @@ def dequantize_kv(q, scale, axis: int = -1):
 
 def storage_dtype(dtype) -> jnp.dtype:
     """How a cache dtype is stored. XLA:CPU upcasts bfloat16 arithmetic to float32 and then rewrites
-    the whole bfloat16 buffer every step (NOTES-jax-cpu.md), so on CPU bfloat16 values are kept as
+    the whole bfloat16 buffer every step (docs/performance.md, "CPU facts"), so on CPU bfloat16 values are kept as
     their uint16 bits, which it updates in place. Accelerators store bfloat16 as it is."""
     dtype = jnp.dtype(dtype)
     if dtype == jnp.bfloat16 and jax.default_backend() == "cpu":

@@ -1,1 +1,6 @@
-"""Data: corpus sources, a cached memory-mapped token store, packing and the grain iterator."""
+"""Data: corpus sources, a cached memory-mapped token store, packing and the grain iterator.
+
+sources.py    where documents come from: the standard library, text files, JSONL records
+tokens.py     tokenize a corpus once into cached, memory-mapped token files (train and held-out)
+pipeline.py   packing token streams into fixed-length examples; the grain iterators over them
+"""

@@ -1,0 +1,104 @@
+"""The docs stay true to the tree: package maps name every module, links resolve, nothing cites outside files.
+
+Generic by design: the checks walk the packages and the Markdown files, so a module added, moved or
+removed (or a page added to docs/) is checked without editing this file.
+"""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+PACKAGES = sorted(p.parent for p in (ROOT / "jaxgen").rglob("__init__.py") if "__pycache__" not in p.parts)
+MARKDOWN = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def _members(package: Path) -> list[str]:
+    """The modules (by file stem) and subpackages of one package, `__init__` left out."""
+    modules = [p.stem for p in package.glob("*.py") if p.stem != "__init__"]
+    subpackages = [p.name for p in package.iterdir() if (p / "__init__.py").is_file()]
+    return sorted(modules + subpackages)
+
+
+def _named(name: str, text: str) -> bool:
+    """`name`, `name.py` or `name/` as a word of `text` (so `config.json` does not count as `config`)."""
+    return re.search(rf"(?:^|[\s,(`]){re.escape(name)}(?:\.py|/)?(?=$|[\s,)`:;])", text, re.MULTILINE) is not None
+
+
+@pytest.mark.parametrize("package", PACKAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_package_docstring_maps_every_module(package):
+    """Each package's `__init__.py` docstring names every module and subpackage in it."""
+    docstring = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+    missing = [name for name in _members(package) if not _named(name, docstring)]
+    assert not missing, f"{package.relative_to(ROOT)}/__init__.py's docstring does not name {missing}"
+
+
+def _without_fences(text: str) -> str:
+    """Markdown with fenced code blocks removed (a `# comment` in a shell block is no heading)."""
+    return re.sub(r"^(```|~~~).*?^\1", "", text, flags=re.MULTILINE | re.DOTALL)
+
+
+def _without_code(text: str) -> str:
+    """Markdown with code blocks and inline code removed: links are only looked for in prose."""
+    return re.sub(r"`[^`\n]*`", "", _without_fences(text))
+
+
+def _anchors(markdown: Path) -> set[str]:
+    """GitHub's anchor for each heading: lower case, punctuation dropped, spaces as hyphens."""
+    slugs = set()
+    for heading in re.findall(r"^#+\s+(.+?)\s*#*$", _without_fences(markdown.read_text()), re.MULTILINE):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        slugs.add(slug)
+    return slugs
+
+
+def _links(markdown: Path) -> list[str]:
+    targets = re.findall(r"\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)", _without_code(markdown.read_text()))
+    return [t for t in targets if not re.match(r"^[a-z][a-z0-9+.-]*:", t)]  # http:, https:, mailto: ...
+
+
+@pytest.mark.parametrize("markdown", MARKDOWN, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(markdown):
+    """Every relative link in README.md and docs/*.md names an existing file, and its `#anchor` a heading."""
+    broken = []
+    for target in _links(markdown):
+        path, _, anchor = target.partition("#")
+        file = (markdown.parent / path).resolve() if path else markdown
+        if not file.exists():
+            broken.append(f"{target} (no file {file})")
+        elif anchor and file.suffix == ".md" and anchor not in _anchors(file):
+            broken.append(f"{target} (no heading with anchor #{anchor} in {file.name})")
+    assert not broken, f"{markdown.relative_to(ROOT)}: broken links: {broken}"
+
+
+def test_markdown_files_exist():
+    """The docs this test checks are there (a renamed folder would make the link check pass vacuously)."""
+    assert (ROOT / "README.md").is_file()
+    assert len(MARKDOWN) > 5, f"expected README.md and the pages of docs/, found {MARKDOWN}"
+
+
+# Built from pieces so that this file does not cite what it forbids.
+OUTSIDE = re.compile("NOTES-jax" + "-cpu|(?<![\\w-])shared" + "/")
+SCANNED = ["jaxgen", "tests", "bench", "configs", "docs", ".ci"]
+SUFFIXES = {".py", ".md", ".toml", ".yaml", ".yml", ".txt", ".json", ".cfg", ""}
+
+
+def _project_files():
+    yield from (p for p in ROOT.iterdir() if p.is_file() and p.suffix in SUFFIXES and not p.name.startswith("."))
+    for folder in SCANNED:
+        for p in sorted((ROOT / folder).rglob("*")):
+            if p.is_file() and p.suffix in SUFFIXES and "__pycache__" not in p.parts:
+                yield p
+
+
+def test_nothing_cites_a_file_outside_the_repository():
+    """Code, tests, benchmarks, configs and docs state facts in their own words, never by a path outside the repo."""
+    hits = []
+    for p in _project_files():
+        for number, line in enumerate(p.read_text(errors="replace").splitlines(), 1):
+            if OUTSIDE.search(line):
+                hits.append(f"{p.relative_to(ROOT)}:{number}: {line.strip()[:100]}")
+    assert not hits, "cites a file outside the repository:\n" + "\n".join(hits)
