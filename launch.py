@@ -7,7 +7,7 @@ JAX_PROCESS_ID, which train.py and serve.py read; its output lines are prefixed 
 process fails, the others get --grace seconds to notice and stop on their own (jax.distributed's
 heartbeat), then are terminated; the exit status is the first failure's. Ctrl-C or SIGTERM is passed
 on to every process (a training run saves a checkpoint and stops). On real clusters use the cluster's
-own launcher instead (README: several machines).
+own launcher instead (docs/multiprocess.md).
 """
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ def _explicit(given: tuple, names: tuple[str, str, str], cfg: DistributedConfig)
 def add_distributed_flags(parser) -> None:
     """--coordinator, --num-processes, --process-id: shortcuts for the config's `distributed` section."""
     group = parser.add_argument_group(
-        "several processes", "one process per host, all running this same command (see README: several machines); "
+        "several processes", "one process per host, all running this same command (see docs/multiprocess.md); "
         "without these, the environment is read (JAX_COORDINATOR_ADDRESS, an srun step, mpirun, a GKE TPU slice)",
     )  # fmt: skip
     group.add_argument(

@@ -4,5 +4,5 @@ harness.py     `JaxgenLM`, registered with lm-eval as the model "jaxgen": a run 
 __main__.py    `python -m jaxgen.evaluation --model jaxgen --model_args checkpoint=DIR --tasks ...` (lm-eval's
                own command line, with the jaxgen model registered first)
 
-Through the server instead: `serve.py http` and lm-eval's `local-completions` model (README).
+Through the server instead: `serve.py http` and lm-eval's `local-completions` model (docs/evaluation.md).
 """
