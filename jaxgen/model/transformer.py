@@ -377,7 +377,7 @@ _NO_ROUTER = {"share": np.zeros((0,), np.float32), "mean_prob": np.zeros((0,), n
 def _attend_plain(q, k, v, consts, *, impl, mask, positions, segment_ids, cfg: ModelConfig):
     window = consts.get("window")  # None without a sliding window
     if impl == "cudnn":
-        return kernels.cudnn_attention(q, k, v, mask, window, cfg), None
+        return kernels.cudnn_attention(q, k, v, mask, window, cfg, scale=attention.logit_scale(cfg)), None
     if impl != "dense":
         return attention.sequence_attention(q, k, v, positions, segment_ids, window, cfg, impl=impl), None
     if window is not None:  # this layer's window on top of the shared causal mask
