@@ -7,12 +7,13 @@ page table per row: the serving engine). A cache is an immutable pytree, passed 
 returned updated; `kv` is its (keys, values, key scales, value scales) tuple (`arrays`), threaded through
 the layer loop's carry and written layer by layer (as a loop-invariant operand XLA would copy it).
 
-Adding a third cache type (say a sliding-window ring buffer) touches its own file and nothing else: a
+Adding a third cache type (say a sliding-window ring buffer) touches its own file: a
 `flax.struct.dataclass` (the decorator registers it as a pytree) with every member below, storing keys
-and values through `jaxgen.model.storage`; `tests/test_cache_contract.py` checks the members once it is
-listed there. Attention reads any cache block by block; if a fused decode kernel should read it in place,
-its `decode_kernel` names one, and that kernel's one registration is its entry in
-`jaxgen.model.kernels.DECODE_KERNELS`.
+and values through `jaxgen.model.storage`, its sharding stated by its own `constrain`. The model and the
+decode core take it as they are; attention reads it block by block. Should a fused decode kernel read it
+in place, the cache names that kernel in `decode_kernel` and hands its inputs in `decode_inputs`; a new
+kernel's one registration is its entry in `jaxgen.model.kernels.DECODE_KERNELS`. (List the type in
+`tests/test_cache_contract.py`, which checks every member's presence and signature.)
 
 Shapes (glossary in `jaxgen.sharding`): B rows, T this call's tokens, K kv heads, H head dim, W + 1 the
 tokens of a speculative call; a block holds Sb slots.

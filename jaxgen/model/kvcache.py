@@ -14,8 +14,8 @@ more), in place when the cache is donated. Each block being a buffer of its own,
 the blocks in use in place, where blocks sliced out of one buffer per layer were copied by XLA:CPU before
 every product. Keys are stored (H, slots) and values (slots, H), each block in its product's
 (contracted, columns) order, which CPU decoding's written-out sums (`kernels.cpu`) read along contiguous
-memory. Blocks are few (`MAX_BLOCKS`): each adds conds to every layer of the compiled step. (measured:
-docs/performance.md, "KV cache layout") Layers and blocks are indexed statically: decoding runs the
+memory. Blocks are few (`MAX_BLOCKS`): each adds conds to every layer of the compiled step (measured:
+docs/performance.md, "KV cache layout"). Layers and blocks are indexed statically: decoding runs the
 layers as a Python loop. Ragged prompts leave empty slots (pos = -1) that attention masks out; each
 row's own positions (for RoPE / learned embeddings) live in `pos`, so a padded sequence computes exactly
 what it would alone.

@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxgen.config import ModelConfig
 from jaxgen.model import attention, kernels, layers, layout, moe, quant
-from jaxgen.model.kvcache import KVCache
+from jaxgen.model.cache import Cache
 from jaxgen.sharding import constrain, named_sharding
 
 
@@ -166,7 +166,7 @@ def forward(
     params: dict,
     tokens: jax.Array,
     positions: jax.Array,
-    cache: KVCache | None = None,
+    cache: Cache | None = None,
     *,
     cfg: ModelConfig,
     segment_ids: jax.Array | None = None,
@@ -178,7 +178,7 @@ def forward(
     segment_ids: (B, T) int32 or None; packed documents do not attend across segments
         (training only: a cache holds one sequence per row).
     cache: None for a training pass over whole sequences; or a cache to prefill or decode (any type
-        with the interface of `jaxgen.model.attention`: a `KVCache`, whose slots [end, end + T)
+        of the contract `jaxgen.model.cache.Cache`: a `KVCache`, whose slots [end, end + T)
         receive this call's keys and values, or the serving engine's `PagedCache`, where each token
         goes to its row's page for its position). The model never asks which.
     Returns logits (B, T, V) float32 and the cache (None when none was given); with `with_aux`, also
