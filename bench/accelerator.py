@@ -65,7 +65,8 @@ def check_cudnn() -> None:
         return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * w)
 
     dense = loss(lambda q, k, v: attention.dense_attention(q, k, v, mask, cfg))
-    fused = loss(lambda q, k, v: kernels.cudnn_attention(q, k, v, kernels.cudnn_mask(pos, seg), None, cfg))
+    scale = attention.logit_scale(cfg)
+    fused = loss(lambda q, k, v: kernels.cudnn_attention(q, k, v, kernels.cudnn_mask(pos, seg), None, cfg, scale=scale))
     (a, ga), (b, gb) = (jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(q, k, v) for f in (dense, fused))
     print(f"loss dense {float(a):.4f} cudnn {float(b):.4f}")
     for name, x, y in zip("qkv", ga, gb, strict=True):

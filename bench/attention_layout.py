@@ -9,9 +9,9 @@ online softmax. Three ways of running each block's products, timed in turns, bes
     keys (S, H)      einsum over keys stored as values are (the layout before keys went (H, S))
     keys (H, S)      einsum over keys stored (H, S), as `KVCache` stores them
     as sums          keys (H, S), both products written out as sums of broadcast products
-                     (`attention._scores_as_sums`, `attention._values_as_sums`)
+                     (`kernels.cpu.scores_as_sums`, `kernels.cpu.values_as_sums`)
 
-"picked" is what `attention._products_as_sums` chooses for that shape on this backend. Random float32
+"picked" is what `kernels.cpu.products_as_sums` chooses for that shape on this backend. Random float32
 data; the model's shapes (batch, kv heads, query groups, head dim) and a block of --block slots.
 """
 
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen.config import load_config
-from jaxgen.model import attention
+from jaxgen.model.kernels import cpu
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS, BLOCKS = 12, 2
@@ -37,11 +37,11 @@ def _scores(kind):
         return lambda q, k: jnp.einsum("btkgh,bksh->bkgts", q, k)
     if kind == "keys (H, S)":
         return lambda q, k: jnp.einsum("btkgh,bkhs->bkgts", q, k)
-    return attention._scores_as_sums
+    return cpu.scores_as_sums
 
 
 def _values(kind):
-    return attention._values_as_sums if kind == "as sums" else lambda p, v: jnp.einsum("bkgts,bksh->bkgth", p, v)
+    return cpu.values_as_sums if kind == "as sums" else lambda p, v: jnp.einsum("bkgts,bksh->bkgth", p, v)
 
 
 def chained(kind: str):
@@ -88,7 +88,7 @@ def bench_shape(name: str, b: int, block: int, repeats: int) -> None:
             t0 = time.perf_counter()
             run(q, kinds[kind], values).block_until_ready()
             best[kind] = min(best[kind], time.perf_counter() - t0)
-    picked = "as sums" if attention._products_as_sums(q) else "keys (H, S)"
+    picked = "as sums" if cpu.products_as_sums(q) else "keys (H, S)"
     cells = "".join(f"{best[kind] * 1e3:>14.2f}" for kind in runs)
     print(f"{name:>12}{b:>6}{k_heads:>4}{g:>4}{h:>4}{cells}   {picked}")
 

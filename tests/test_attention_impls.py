@@ -107,7 +107,9 @@ def test_splash_kernel_in_interpret_mode_equals_dense(heads):
         attn_softcap=20.0, attention_impl="splash", attention_block=128,
     )  # fmt: skip
     for window in (jnp.int32(50), jnp.int32(np.iinfo(np.int32).max)):
-        fn = lambda q, k, v, window=window: kernels.splash_attention(q, k, v, pos, seg, window, cfg)
+        fn = lambda q, k, v, window=window: kernels.splash_attention(
+            q, k, v, pos, seg, window, cfg, scale=attention.logit_scale(cfg)
+        )
         _compare(fn, cfg, q, k, v, pos, seg, window, w, tol=2e-5)
 
 
@@ -222,11 +224,11 @@ def test_decode_products_as_sums_equal_the_matrix_products(slots):
     keys = jnp.asarray(r.normal(size=(b, k, h, slots)), jnp.float32)
     values = jnp.asarray(r.normal(size=(b, k, slots, h)), jnp.float32)
     p = jax.nn.softmax(jnp.einsum("btkgh,bkhs->bkgts", q, keys), axis=-1)
-    assert attention._products_as_sums(q) == (jax.default_backend() == "cpu")  # CPU decoding's path
+    assert kernels.cpu.products_as_sums(q) == (jax.default_backend() == "cpu")  # CPU decoding's path
     np.testing.assert_allclose(
-        attention._scores_as_sums(q, keys), jnp.einsum("btkgh,bkhs->bkgts", q, keys), rtol=1e-5, atol=1e-5
+        kernels.cpu.scores_as_sums(q, keys), jnp.einsum("btkgh,bkhs->bkgts", q, keys), rtol=1e-5, atol=1e-5
     )
     np.testing.assert_allclose(
-        attention._values_as_sums(p, values), jnp.einsum("bkgts,bksh->bkgth", p, values), rtol=1e-5, atol=1e-5
+        kernels.cpu.values_as_sums(p, values), jnp.einsum("bkgts,bksh->bkgth", p, values), rtol=1e-5, atol=1e-5
     )
-    assert not attention._products_as_sums(q[:, :, :, :1])  # one query per kv head: the matrix products
+    assert not kernels.cpu.products_as_sums(q[:, :, :, :1])  # one query per kv head: the matrix products

@@ -5,7 +5,7 @@ import pytest
 
 from jaxgen import model
 from jaxgen.config import ModelConfig
-from jaxgen.model import attention
+from jaxgen.model import attention, kernels
 from jaxgen.model.kvcache import KVCache, cache_memory_bytes
 
 LAYOUTS = {"mha": 4, "gqa": 2, "mqa": 1}
@@ -82,12 +82,12 @@ def prefill_then_decode(params, cfg, tokens_bt, positions_bt, cache, prefill: in
 
 def test_long_cache_blocks_read_in_parts_equal_the_full_forward():
     """A 2048-slot cache has 16 blocks of 128 slots, which cached attention folds in parts of 64, only
-    those holding written slots (`attention._fold_parts`): a prefill of 150 tokens (parts 0-2) and
+    those holding written slots (`kernels.cpu.fold_parts`): a prefill of 150 tokens (parts 0-2) and
     decode steps across the part boundaries at 192 and 256 give the full forward's logits."""
     cfg = ModelConfig(vocab_size=64, num_layers=1, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64, max_seq_len=2048)
     params = model.init_params(cfg, jax.random.key(0))
     cache = KVCache.init(cfg, 2, 2048)
-    assert cache.block_size == 2 * attention.PART
+    assert cache.block_size == 2 * kernels.cpu.PART
     tokens = jax.random.randint(jax.random.key(1), (2, 260), 0, cfg.vocab_size)
     positions = jnp.broadcast_to(jnp.arange(260), (2, 260))
     full, _ = jax.jit(lambda p, t, q: model.forward(p, t, q, cfg=cfg))(params, tokens, positions)

@@ -11,8 +11,8 @@ from jaxgen import LLM, SamplingConfig, model
 from jaxgen.config import ConfigError, ModelConfig, ServeConfig
 from jaxgen.inference.generator import Generator, GeneratorConfig
 from jaxgen.model import quant
-from jaxgen.model.kvcache import dequantize_kv, quantize_kv
 from jaxgen.model.paged import page_bytes
+from jaxgen.model.storage import dequantize_kv, quantize_kv
 from jaxgen.tokenizer import Tokenizer
 from jaxgen.training import checkpoint
 

@@ -33,8 +33,7 @@ from jaxgen import model
 from jaxgen.config import ModelConfig
 from jaxgen.inference.decode import FINISH_LENGTH, FINISH_STOP, RUNNING, DecodeState, stop_hit, upload
 from jaxgen.inference.sampling import sample
-from jaxgen.model.kvcache import KVCache
-from jaxgen.model.paged import PagedCache
+from jaxgen.model.cache import Cache
 
 NGRAMS = (3, 2, 1)  # the longest match wins
 
@@ -50,7 +49,7 @@ class SpecState:
     # with a draft model: its cache (the Generator's: a KVCache with the same slots as the target's; the
     # engine's: a PagedCache on the target's page tables) and, per row, whether the last kept token is not
     # in it yet (all W drafts were kept: the draft model never ran on the last one)
-    draft_cache: KVCache | PagedCache | None = None
+    draft_cache: Cache | None = None
     missing: jax.Array | None = None  # (B,) bool
 
     @classmethod
@@ -141,18 +140,12 @@ def check_draft(draft_cfg, cfg: ModelConfig) -> ModelConfig:
 
 
 def _draft_kept(cache, before, missing, live, kept, w: int):
-    """The draft cache after the check: of the W + 1 slots from `before.end` (prev, x0, drafts 1..W-1), those
-    holding a token that was not kept get position -1, as in the target's cache. A paged draft cache
-    (the engine's) needs nothing: as the target's, its keys sit at their positions (`forget_rejected`)."""
-    if not isinstance(cache, KVCache):
-        return cache
-    end = before.end
+    """The draft cache after the check: of the W + 1 slots it was fed from `before` (prev, x0, drafts
+    1..W-1), those holding a token that was not kept are forgotten, as in the target's cache
+    (`Cache.forget_rejected`)."""
     i = jnp.arange(w + 1)[None]
     keep = jnp.where(i == 0, missing[:, None], i - 1 <= kept[:, None]) & live[:, None]
-    old = jax.lax.dynamic_slice(cache.pos, (0, end), (cache.pos.shape[0], w + 1))
-    used = jnp.max(jnp.where(keep, i + 1, 0))  # as the target's: the next call writes past the last kept slot
-    pos = jax.lax.dynamic_update_slice(cache.pos, jnp.where(keep, old, -1), (0, end))
-    return cache.replace(pos=pos, end=end + used)
+    return cache.forget_rejected(before, keep)
 
 
 def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConfig, w: int, draft_params=None,
@@ -216,26 +209,14 @@ def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConf
 
 
 def room(cache, positions_b):
-    """(B,) tokens each row's cache can take from `positions_b` on: the paged cache's pages allocated
-    (the engine reserves the draft window's), or the contiguous cache's free slots (sized for the run)."""
-    if isinstance(cache, KVCache):
-        return jnp.broadcast_to(cache.max_len - cache.end, positions_b.shape)
-    return cache.capacity - positions_b
+    """(B,) tokens each row's cache can take from `positions_b` on (`Cache.room`)."""
+    return cache.room(positions_b)
 
 
 def forget_rejected(cache, before, kept_positions_bt):
-    """The cache after a (W + 1)-token call, its rejected drafts' keys unreachable. A contiguous
-    `KVCache` wrote the call at slots [before.end, before.end + W + 1), shared by all rows, so those
-    slots keep their position only where kept (-1: empty, never reused). A `PagedCache` addresses keys by
-    position: a rejected draft's key sits past the row's last kept token, where no query of the row
-    looks until the next step writes that position again, so there is nothing to undo."""
-    if not isinstance(cache, KVCache):
-        return cache
-    # the next step writes from just past the longest row's kept tokens: the slots after them held
-    # rejected drafts only (now empty) and are written over, so attention reads no more slots than needed
-    used = jnp.max(jnp.sum(kept_positions_bt >= 0, axis=1))
-    pos = jax.lax.dynamic_update_slice(cache.pos, kept_positions_bt, (0, before.end))
-    return cache.replace(pos=pos, end=before.end + used)
+    """The cache after a (W + 1)-token call made on `before`, its rejected drafts' keys never read again
+    (`Cache.forget_rejected`); `kept_positions_bt` (B, W + 1): the kept tokens' positions, -1 elsewhere."""
+    return cache.forget_rejected(before, kept_positions_bt >= 0, kept_positions_bt)
 
 
 def _verify(s: DecodeState, drafts_bw, real_b, logits_bwv, cfg: ModelConfig, base):

@@ -2,12 +2,15 @@
 
     layers.py       norms, rotary positions, MLP, soft-capping, 2-D weight products
     moe.py          mixture of experts: router, dropless dispatch (grouped tiles / ragged_dot / dense)
-    attention.py    one attention over every cache (blockwise online softmax) and the training path
+    attention.py    the mask rule, dense attention, one blockwise online softmax over any cache
     blockwise.py    flash-style attention over whole sequences, with a recomputing custom VJP
-    kernels.py      fused kernels behind the attention seam (cuDNN, Pallas splash, Pallas paged decode)
+    kernels/        kernels behind the attention seam and which runs where: cuDNN, Pallas splash, GPU Pallas
+                    paged decode, XLA:CPU decode tuning (imports nothing else of this package)
     transformer.py  the parameter table, init, forward (cache=None for training), LM head
+    cache.py        the cache contract (`Cache`): what the model and the decode core ask of a KV cache
     kvcache.py      the contiguous KV cache pytree, a buffer per layer and block (Generator, beam search)
     paged.py        the paged KV cache pytree (the serving engine)
+    storage.py      how caches store keys and values (bfloat16 bits on CPU, int8 with per-token scales)
     quant.py        int8 weights for inference (QArray, per-channel scales, int8 x int8 products)
     layout.py       decoding's weight layout: matrix products' weights output-major (OutMajor)
 

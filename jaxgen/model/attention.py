@@ -1,14 +1,13 @@
 """Attention: one mask rule, a dense path for whole sequences, and one blockwise path over any cache.
 
-The seam. A cache type (contiguous `KVCache`, paged `PagedCache`) says only how its keys live:
-    cache.write(kv, layer, k_btkh, v_btkh, positions_bt) -> kv       this call's keys and values stored
-    cache.key_block(kv, layer, j) -> (k_bkhs, v_bksh, pos_bs)        block j of a layer (pos -1 = empty)
-    cache.blocks_to_visit(positions_bt) -> () int32                  blocks any of these queries can see
-    cache.num_blocks -> int | None                                   static block count, or None
-`cached_attention` runs the one online-softmax step over those blocks with the one mask rule, so the
-model never asks which cache it holds. A cache whose blocks are buffers of their own (`KVCache`:
-`num_blocks` an int) is read by a Python loop of `lax.cond`s with static j, so each product reads its
-block in place; one whose blocks are gathered (`PagedCache`: None) by a `fori_loop` over a traced j.
+The seam. A cache (`jaxgen.model.cache.Cache`: contiguous `KVCache`, paged `PagedCache`) says only how
+its keys live: `write` stores a call's keys, `key_block` hands block j of a layer with its positions,
+`blocks_to_visit` says how many blocks any query can see. `cached_attention` runs the one online-softmax
+step over those blocks with the one mask rule, so the model never asks which cache it holds. A cache
+whose blocks are buffers of their own (`num_blocks` an int) is read by a Python loop of `lax.cond`s with
+static j, so each product reads its block in place; one whose blocks are gathered (None) by a
+`fori_loop` over a traced j. A decode step over a cache that names a fused decode kernel may run that
+kernel instead (`kernels.decode_kernel`); on CPU a decode step's products run as `kernels.cpu` says.
 
 Whole sequences (training, scoring: `cache=None`) go through `sequence_attention`, one of
 `model.attention_impl`: blockwise (jaxgen.model.blockwise, the portable default), cuDNN or splash
@@ -32,7 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxgen.model import blockwise, kernels, layers
-from jaxgen.model.kvcache import from_storage
+from jaxgen.model.kernels import cpu
+from jaxgen.model.storage import from_storage
 
 NEG_INF = jnp.finfo(jnp.float32).min  # finite, so a fully masked row (padding) gives no NaN
 
@@ -73,9 +73,11 @@ def sequence_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, win
     `attention_mask(positions, positions, segment_ids, segment_ids, window)`. (B, T, N, H)."""
     if impl == "cudnn":
         mask = kernels.cudnn_mask(positions_bt, segment_ids_bt)
-        return kernels.cudnn_attention(q_btnh, k_btkh, v_btkh, mask, window, cfg)
+        return kernels.cudnn_attention(q_btnh, k_btkh, v_btkh, mask, window, cfg, scale=logit_scale(cfg))
     if impl == "splash":
-        return kernels.splash_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, window, cfg)
+        return kernels.splash_attention(
+            q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, window, cfg, scale=logit_scale(cfg)
+        )
     return blockwise.blockwise_attention(
         q_btnh, k_btkh, v_btkh, positions_bt, positions_bt, scale=logit_scale(cfg), softcap=cfg.attn_softcap,
         q_seg_bt=segment_ids_bt, k_seg_bs=segment_ids_bt, window=window,
@@ -90,8 +92,11 @@ def cached_attention(q_btnh, cache, kv, layer, q_pos_bt, window, cfg):
     sliding window (an int, a traced scalar, or None). Returns (B, T, N, H) and `kv` (this call's keys
     already written by `cache.write`)."""
     b, t, n, h = q_btnh.shape
-    if kernels.decode_kernel(cfg, cache, t):  # a decode step over pages: the GPU Pallas kernel
-        return kernels.paged_decode_attention(q_btnh, cache, kv, layer, q_pos_bt, cfg), kv
+    kernel = kernels.decode_kernel(cfg, cache, t)
+    if kernel:  # a decode step the cache's fused kernel reads in place (pages: the GPU Pallas kernel)
+        inputs = cache.decode_inputs(kv, layer)
+        scale, softcap = logit_scale(cfg), cfg.attn_softcap
+        return kernels.decode_attention(kernel, q_btnh, inputs, q_pos_bt, scale=scale, softcap=softcap), kv
     k = cfg.kv_heads
     q = q_btnh.reshape(b, t, k, n // k, h).astype(jnp.float32) * logit_scale(cfg)
 
@@ -101,11 +106,10 @@ def cached_attention(q_btnh, cache, kv, layer, q_pos_bt, window, cfg):
 
     def fold(j, stats, kv):
         block = cache.key_block(kv, layer, j)
-        size = block[0].shape[-1]
-        if cache.num_blocks is None or size <= PART:
+        if cache.num_blocks is None:  # a gathered block: its slots were copied anyway
             return fold_block(stats, *block)
-        in_use = jnp.clip(-(-(cache.filled(q_pos_bt) - j * size) // PART), 1, size // PART)
-        return _fold_parts(fold_block, stats, block, in_use)
+        filled = cache.filled(q_pos_bt) - j * block[0].shape[-1]  # from the block's first slot
+        return cpu.fold_parts(fold_block, stats, block, filled)
 
     stats = (
         jnp.full((b, k, n // k, t), NEG_INF, jnp.float32),  # running max
@@ -128,76 +132,19 @@ def _same(stats):
     return stats
 
 
-PART = 64  # slots: a longer contiguous block is folded in parts of this many, those in use only
-
-
-def _fold_parts(fold_block, stats, block, in_use):
-    """`block` (keys (B, K, H, S), values (B, K, S, H), positions (B, S)) folded PART slots at a time by a
-    `fori_loop` over its first `in_use` parts, the block riding in the carry (as for `kv` above; the
-    compiled decode step of a 2048-slot cache holds no copy of a block). On CPU a block of more than 64
-    slots costs more than its share (its products split into many small fusions), and the parts past the
-    filled slots are skipped: llama-small at batch 32 with 128-160 of 4096 slots filled (16 blocks of
-    256), a step took 1.20x and 1.38x that of a 256-slot cache read whole, 0.90x read in parts
-    (`bench/decode.py`, lengths in turns). One loop body per block keeps compile time as it was; a cond
-    per part had made that benchmark take 16.6 minutes against 7."""
-
-    def body(c, carry):
-        stats, (k_bkhs, v_bksh, pos_bs) = carry
-        part = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, c * PART, PART, axis)
-        return fold_block(stats, part(k_bkhs, 3), part(v_bksh, 2), part(pos_bs, 1)), (k_bkhs, v_bksh, pos_bs)
-
-    return jax.lax.fori_loop(0, in_use, body, (stats, block))[0]
-
-
 def _online_softmax_step(carry, q_btkgh, k_bkhs, v_bksh, mask_bts, softcap):
     """One block of keys folded into the running max m, normaliser l and weighted sum acc. Batch and kv
     heads lead, the batch dimensions of both products, and keys come (H, S), values (S, H): each
-    operand already in its product's (contracted, columns) order (see `kvcache` for what keys stored
-    (S, H) cost on XLA:CPU)."""
+    operand already in its product's (contracted, columns) order (see `kvcache` for why)."""
     m, l, acc = carry  # (B, K, G, T), (B, K, G, T), (B, K, G, T, H)
     mask = mask_bts[:, None, None]
     k_bkhs, v_bksh = from_storage(k_bkhs).astype(jnp.float32), from_storage(v_bksh).astype(jnp.float32)
-    as_sums = _products_as_sums(q_btkgh)
-    s = _scores_as_sums(q_btkgh, k_bkhs) if as_sums else jnp.einsum("btkgh,bkhs->bkgts", q_btkgh, k_bkhs)
+    as_sums = cpu.products_as_sums(q_btkgh)  # CPU decode steps (see kernels.cpu)
+    s = cpu.scores_as_sums(q_btkgh, k_bkhs) if as_sums else jnp.einsum("btkgh,bkhs->bkgts", q_btkgh, k_bkhs)
     s = layers.softcap(s, softcap)
     s = jnp.where(mask, s, NEG_INF)
     m_new = jnp.maximum(m, s.max(-1))
     p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
     corr = jnp.exp(m - m_new)
-    pv = _values_as_sums(p, v_bksh) if as_sums else jnp.einsum("bkgts,bksh->bkgth", p, v_bksh)
+    pv = cpu.values_as_sums(p, v_bksh) if as_sums else jnp.einsum("bkgts,bksh->bkgth", p, v_bksh)
     return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
-
-
-MAX_TERMS = 64  # products written out term by term: at most this many terms per sum
-
-
-def _products_as_sums(q_btkgh) -> bool:
-    """Whether a block's two products run as written-out sums of broadcast products rather than as
-    batched matrix products: on CPU, for one query per row (a decode step) and grouped queries (G > 1).
-    There a product is B x K tiny (G, H) x (H, S) matrix products, which XLA:CPU's product kernels run
-    far below their speed on large ones, while a sum of H (or S) broadcast products is one fused loop
-    that reads each key and value once: llama-small shapes (K 4, G 3, H 64), 12 layers x 2 blocks of 64
-    slots, batch 32, 20.2 ms against 39.8 (`bench/attention_layout.py`). For G = 1 (one query per kv
-    head: gpt2-124m) the matrix products won, 36.0 against 54.5 ms; accelerators run them natively."""
-    _, t, _, g, h = q_btkgh.shape
-    return jax.default_backend() == "cpu" and t == 1 and g > 1 and h <= MAX_TERMS  # (H = 128: not measured)
-
-
-def _scores_as_sums(q_btkgh, k_bkhs):
-    """(B, K, G, 1, S): the scores of one query per row, as a sum over the H key dims."""
-    q = q_btkgh[:, 0]  # (B, K, G, H)
-    s = sum(q[:, :, :, i, None] * k_bkhs[:, :, None, i, :] for i in range(q.shape[-1]))
-    return s[:, :, :, None]
-
-
-def _values_as_sums(p_bkgts, v_bksh):
-    """(B, K, G, 1, H): probabilities times values for one query per row, as sums over the S slots,
-    cut into C chunks of at most MAX_TERMS slots (so a long block stays a short sum) added at the end."""
-    b, k, g, _, s = p_bkgts.shape
-    c = -(-s // MAX_TERMS)
-    while s % c:
-        c += 1
-    p = p_bkgts.reshape(b, k, g, c, s // c)
-    v = v_bksh.reshape(b, k, c, s // c, v_bksh.shape[-1])
-    out = sum(p[:, :, :, :, i, None] * v[:, :, None, :, i, :] for i in range(s // c))  # (B, K, G, C, H)
-    return out.sum(3)[:, :, :, None]

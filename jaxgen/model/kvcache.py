@@ -1,4 +1,5 @@
-"""The KV cache: an immutable pytree passed into `forward` and returned updated.
+"""The contiguous KV cache (`jaxgen.model.cache.Cache`) of the Generator and beam search: an immutable
+pytree passed into `forward` and returned updated.
 
 Layout (glossary in `jaxgen.sharding`; the S slots cut into N blocks of S / N):
     k:    L x N x (B, K, H, S / N)  keys, slots minor: a buffer of their own for every layer and block
@@ -7,32 +8,17 @@ Layout (glossary in `jaxgen.sharding`; the S slots cut into N blocks of S / N):
     pos:  (B, S) int32     the token position held in each slot; -1 marks an empty slot
     end:  () int32         the next slot to write; all sequences of a batch write the same slot
 
-Writing every sequence at the shared slot `end` keeps the update to the block(s) holding slots
-[end, end + T), each under a `lax.cond`: a `dynamic_update_slice` for one token (a decode step), a
-scatter that drops what falls outside the block for more (prefill chunks, speculation windows); in
-place when the cache is donated. (An unguarded dropping scatter into every block made XLA:CPU copy the
-blocks every step at batch 1.) Batch and kv heads lead, the batch dimensions of both products of
-attention; keys are stored (H, slots) and values (slots, H), each block in the (contracted, columns)
-order of its product (queries times keys, probabilities times values), so that the decode step's
-products written as sums (`attention._scores_as_sums`, `_values_as_sums`) run along contiguous memory.
-For the matrix products the key order matters little at 64-slot blocks (`bench/attention_layout.py`:
-38.4 ms with keys (slots, H), 39.8 with (H, slots), 20.2 as sums, llama-small shapes, batch 32, 12
-layers x 2 blocks); in an earlier microbenchmark of the same loop with 80-slot blocks keys (slots, H)
-took 85-107 ms against 30-32.
-Cached attention reads only the blocks in use (`blocks_to_visit`), each under a `lax.cond`, and because
-each block is a buffer of its own the products read it in place. Blocks cut out of one (B, K, S, H)
-buffer per layer, as before, were `dynamic_slice`s that XLA:CPU copied before every product: a
-gpt2-124m decode step at batch 32 (32-token prompts, 128 new tokens, 256 slots; process pairs, the old
-layout first) took 156.6 / 141.5 ms with one buffer per layer (128-slot blocks) against 112.4 / 118.6 ms
-with this layout (64-slot blocks; a prototype with 128-slot block buffers, writing every block
-unguarded, measured 107-129 ms: finer blocks read fewer empty slots). The number of blocks is capped
-(`MAX_BLOCKS`): each adds conds to every layer of the compiled step, and with 64 blocks of 64 slots
-(that prototype) the cache-length benchmark (`bench/decode.py`, 256 and 4096 slots) took 188 s against
-65 s, mostly compiling. (Beyond 16 x 64 slots blocks grow, and attention reads a longer block in 64-slot
-parts, those in use only: `attention._fold_parts`.) Layers and blocks are indexed statically:
-decoding runs the layers as a Python loop. Ragged prompts leave empty slots (pos = -1) that attention
-masks out; each sequence's own positions (for RoPE / learned embeddings) live in `pos`, so a padded
-sequence computes exactly what it would alone.
+Why this layout: all rows write the shared slot `end`, so a call touches only the block(s) holding slots
+[end, end + T), each under a `lax.cond` (a `dynamic_update_slice` for one token, a dropping scatter for
+more), in place when the cache is donated. Each block being a buffer of its own, cached attention reads
+the blocks in use in place, where blocks sliced out of one buffer per layer were copied by XLA:CPU before
+every product. Keys are stored (H, slots) and values (slots, H), each block in its product's
+(contracted, columns) order, which CPU decoding's written-out sums (`kernels.cpu`) read along contiguous
+memory. Blocks are few (`MAX_BLOCKS`): each adds conds to every layer of the compiled step (measured:
+docs/performance.md, "KV cache layout"). Layers and blocks are indexed statically: decoding runs the
+layers as a Python loop. Ragged prompts leave empty slots (pos = -1) that attention masks out; each
+row's own positions (for RoPE / learned embeddings) live in `pos`, so a padded sequence computes exactly
+what it would alone.
 """
 
 from __future__ import annotations
@@ -42,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgen.config import ModelConfig
+from jaxgen.model.storage import dequantize_kv, quantize_kv, scale_buffer, storage_dtype, to_storage
 from jaxgen.sharding import constrain
 
 BLOCK = 64  # cache slots per block of cached attention (at most MAX_BLOCKS blocks: larger caches, larger blocks)
@@ -91,11 +78,46 @@ class KVCache:
         """Per row: is there no slot left for the next token? (All rows write the same slot.)"""
         return jnp.broadcast_to(self.end >= self.max_len, positions_b.shape)
 
+    def room(self, positions_b):
+        """(B,) the free slots, the same for every row (the cache is sized for the run)."""
+        return jnp.broadcast_to(self.max_len - self.end, positions_b.shape)
+
     def memory_bytes(self) -> int:
         """Bytes held by the cache's arrays (keys, values and slot positions)."""
         return _nbytes(self)
 
-    # --- what attention needs (see jaxgen.model.attention) ------------------------------------------
+    def constrain(self) -> KVCache:
+        """Sharding constraints on the cache under the current mesh: batch over data, kv heads over tensor."""
+        each = lambda xs, names: jax.tree.map(lambda x: constrain(x, names), xs)
+        scales = {}
+        if self.k_scale is not None:
+            scales = {"k_scale": each(self.k_scale, SCALE_NAMES), "v_scale": each(self.v_scale, SCALE_NAMES)}
+        return self.replace(
+            k=each(self.k, K_NAMES), v=each(self.v, V_NAMES), pos=constrain(self.pos, POS_NAMES), **scales
+        )
+
+    def forget_rejected(self, before: KVCache, keep_bt, positions_bt=None) -> KVCache:
+        """After a speculative call of W + 1 tokens on `before`: it wrote slots [before.end, before.end +
+        W + 1), shared by all rows, and those slots keep a position only where kept (`keep_bt` (B, W + 1);
+        `positions_bt`, or else the position written), -1 elsewhere. The next call writes from just past
+        the last slot any row kept: the slots after it held rejected tokens only and are written over, so
+        attention reads no more slots than needed."""
+        end, t = before.end, keep_bt.shape[1]
+        if positions_bt is None:
+            positions_bt = jax.lax.dynamic_slice(self.pos, (0, end), (self.pos.shape[0], t))
+        used = jnp.max(jnp.where(keep_bt, jnp.arange(t)[None] + 1, 0))
+        pos = jax.lax.dynamic_update_slice(self.pos, jnp.where(keep_bt, positions_bt, -1), (0, end))
+        return self.replace(pos=pos, end=end + used)
+
+    # --- what attention needs (see jaxgen.model.cache and jaxgen.model.attention) ---------------------
+
+    @property
+    def decode_kernel(self) -> None:
+        """None: no fused decode kernel reads these blocks; attention's block loop does."""
+        return None
+
+    def decode_inputs(self, kv, layer) -> tuple:
+        return ()
 
     def with_positions(self, positions_bt) -> KVCache:
         """The cache as a call of T tokens sees it: their positions recorded at slots [end, end + T)."""
@@ -183,14 +205,8 @@ class KVCache:
 
 
 def constrain_cache(cache: KVCache) -> KVCache:
-    """Sharding constraints on the cache under the current mesh: batch over data, kv heads over tensor."""
-    each = lambda xs, names: jax.tree.map(lambda x: constrain(x, names), xs)
-    scales = {}
-    if cache.k_scale is not None:
-        scales = {"k_scale": each(cache.k_scale, SCALE_NAMES), "v_scale": each(cache.v_scale, SCALE_NAMES)}
-    return cache.replace(
-        k=each(cache.k, K_NAMES), v=each(cache.v, V_NAMES), pos=constrain(cache.pos, POS_NAMES), **scales
-    )
+    """`cache.constrain()`."""
+    return cache.constrain()
 
 
 def num_blocks(max_len: int) -> int:
@@ -221,47 +237,6 @@ def _static_index(index, what: str) -> int:
 def _set(buffers: tuple, i: int, x) -> tuple:
     """`buffers` with entry i replaced: the other layers' buffers pass through untouched."""
     return (*buffers[:i], x, *buffers[i + 1 :])
-
-
-def scale_buffer(shape, dtype):
-    """An int8 cache's float32 scales, one per token and kv head (`shape` a values buffer's, less its
-    trailing H); None otherwise."""
-    return jnp.zeros(shape[:-1], jnp.float32) if dtype == jnp.int8 else None
-
-
-def quantize_kv(x):
-    """Symmetric int8 of keys or values (..., H) with one float32 scale per token and head (...,): the
-    absmax over H / 127. Per token, because a token's keys are written once and never rescaled."""
-    x = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x), axis=-1)
-    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
-    return jnp.clip(jnp.round(x / scale[..., None]), -127, 127).astype(jnp.int8), scale
-
-
-def dequantize_kv(q, scale, axis: int = -1):
-    """int8 keys or values times their scales, which lack q's H axis (`axis`: -1, or 2 for keys stored
-    (B, K, H, S))."""
-    return q.astype(jnp.float32) * jnp.expand_dims(scale, axis)
-
-
-def storage_dtype(dtype) -> jnp.dtype:
-    """How a cache dtype is stored. XLA:CPU upcasts bfloat16 arithmetic to float32 and then rewrites
-    the whole bfloat16 buffer every step (docs/performance.md, "CPU facts"), so on CPU bfloat16 values are kept as
-    their uint16 bits, which it updates in place. Accelerators store bfloat16 as it is."""
-    dtype = jnp.dtype(dtype)
-    if dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
-        return jnp.dtype(jnp.uint16)
-    return dtype
-
-
-def to_storage(x: jax.Array, stored: jnp.dtype) -> jax.Array:
-    if stored == jnp.uint16:
-        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
-    return x.astype(stored)
-
-
-def from_storage(x: jax.Array) -> jax.Array:
-    return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.uint16 else x
 
 
 def cache_memory_bytes(cfg: ModelConfig, batch_size: int, max_len: int, dtype=jnp.float32) -> int:

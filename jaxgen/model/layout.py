@@ -2,16 +2,10 @@
 
 At decode a matrix product is a few rows (the batch) times a whole weight. Stored as trained, (I, O),
 XLA:CPU's product kernel (YNNPACK) runs those products slower than with both operands running along I
-in memory. Measured on this project's 2-core machines, float32, best of 20 (the (I, O) time first):
-
-    rows   (768, 3072)        (3072, 768)        (768, 50257) head
-    1      0.35 vs 0.39 ms    0.28 vs 0.36 ms    6.10 vs 6.86 ms
-    8      1.04 vs 0.87 ms    1.15 vs 0.90 ms    16.3 vs 10.6 ms
-    32     2.25 vs 1.21 ms    1.48 vs 1.21 ms    28.8 vs 18.3 ms
-
-so the output-major layout pays from about 8 rows on and costs a little for one: `decode_layout`
-takes the batch the weights will serve and keeps (I, O) below `OUT_MAJOR_ROWS`. Training and the
-stored checkpoints keep (I, O); `OutMajor` is a pytree, so the decode loop carries it as it is.
+in memory, from about 8 rows on, while for one row (O, I) costs a little (measured: docs/performance.md,
+"Decode weight layout"): `decode_layout` takes the batch the weights will serve and keeps (I, O) below
+`OUT_MAJOR_ROWS`. Training and the stored checkpoints keep (I, O); `OutMajor` is a pytree, so the
+decode loop carries it as it is.
 """
 
 from __future__ import annotations
@@ -23,7 +17,7 @@ import jax
 
 from jaxgen.model import quant
 
-OUT_MAJOR_ROWS = 8  # rows per product from which (O, I) measured faster (table above)
+OUT_MAJOR_ROWS = 8  # rows per product from which (O, I) measured faster
 _KINDS = (*quant.OUT_MAJOR_KINDS, "dv")  # attention, MLP and an untied head's products (not the embedding)
 
 

@@ -1,4 +1,5 @@
-"""The paged KV cache of the serving engine: a pool of fixed-size pages and a page table per slot.
+"""The paged KV cache (`jaxgen.model.cache.Cache`) of the serving engine: a pool of fixed-size pages and
+a page table per slot.
 
 Layout (glossary in `jaxgen.sharding`; Q pages of size Z in the pool, M pages at most per slot):
     k, v:       (K, L, Q, Z, H)  keys and values of every kv head, layer, page and offset
@@ -15,7 +16,7 @@ writes into a shared page, because its own tokens go after the shared prefix, in
 The pool and tables are device arrays updated by jitted functions; which pages are free, shared or
 cached is host bookkeeping (`jaxgen.inference.pages.PagePool`). Kv heads lead so that the pool seen as
 (K, L * Q, Z, H), a free reshape, is what the GPU Pallas paged-attention kernel reads in place, layer l's
-page p being page l * Q + p (`jaxgen.model.kernels.paged_decode_attention`); a tensor-parallel shard
+page p being page l * Q + p (`decode_inputs`, `jaxgen.model.kernels.paged_gpu`); a tensor-parallel shard
 of the kv heads is then one contiguous run of memory.
 """
 
@@ -26,7 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxgen.config import ModelConfig
-from jaxgen.model.kvcache import dequantize_kv, quantize_kv, scale_buffer, storage_dtype, to_storage
+from jaxgen.model.kernels import DecodeKernel, paged_gpu
+from jaxgen.model.storage import dequantize_kv, from_storage, quantize_kv, scale_buffer, storage_dtype, to_storage
 from jaxgen.sharding import constrain
 
 NULL_PAGE = 0
@@ -71,7 +73,17 @@ class PagedCache:
         """Per slot: is there no room for the token at `positions_b`?"""
         return positions_b >= self.capacity
 
-    # --- what attention needs (see jaxgen.model.attention); a block is one page --------------------
+    def room(self, positions_b):
+        """(B,) tokens each slot's pages can still take from `positions_b` on (the engine reserves a draft
+        window's pages before a speculative step)."""
+        return self.capacity - positions_b
+
+    def forget_rejected(self, before: PagedCache, keep_bt, positions_bt=None) -> PagedCache:
+        """Nothing to undo: keys are addressed by position, and a rejected draft's key sits past its row's
+        last kept token, where no query of the row looks until a later call writes that position again."""
+        return self
+
+    # --- what attention needs (see jaxgen.model.cache and attention); a block is one page -------------
 
     def with_positions(self, positions_bt) -> PagedCache:
         return self  # a key's position is where it sits: page index x page size + offset
@@ -115,12 +127,30 @@ class PagedCache:
         """None: pages are gathered by a traced index (see attention.cached_attention)."""
         return None
 
+    def filled(self, positions_bt):
+        """() int32: positions [0, filled) may hold keys in some slot, this call's included."""
+        return jnp.max(positions_bt) + 1
+
     def blocks_to_visit(self, positions_bt):
         """The pages up to the furthest query position: a step costs what the longest live sequence holds."""
         return jnp.max(positions_bt) // self.page_size + 1
 
     def advance(self, kv, num_tokens: int) -> PagedCache:
         return self.replace(k=kv[0], v=kv[1], k_scale=kv[2], v_scale=kv[3])
+
+    @property
+    def decode_kernel(self) -> DecodeKernel:
+        """The GPU Pallas paged kernel, which reads float pools of power-of-two pages in place."""
+        return DecodeKernel("paged_gpu", {"page_size": self.page_size, "quantized": self.k_scale is not None})
+
+    def decode_inputs(self, kv, layer) -> paged_gpu.Pages:
+        """The pools of float pages seen as (K, L * Q, Z, H), a free reshape, and each slot's pages of
+        `layer` as rows of them (layer l's page p is row l * Q + p)."""
+        k_all, v_all, *_ = kv  # float pages only (int8 pools take the XLA loop)
+        kh, num_layers, num_pages, z, h = k_all.shape
+        k_pool = from_storage(k_all).reshape(kh, num_layers * num_pages, z, h)
+        v_pool = from_storage(v_all).reshape(kh, num_layers * num_pages, z, h)
+        return paged_gpu.Pages(k_pool, v_pool, self.page_table + layer * num_pages)
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype="float32") -> int:

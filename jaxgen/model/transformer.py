@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxgen.config import ModelConfig
 from jaxgen.model import attention, kernels, layers, layout, moe, quant
-from jaxgen.model.kvcache import KVCache
+from jaxgen.model.cache import Cache
 from jaxgen.sharding import constrain, named_sharding
 
 
@@ -166,7 +166,7 @@ def forward(
     params: dict,
     tokens: jax.Array,
     positions: jax.Array,
-    cache: KVCache | None = None,
+    cache: Cache | None = None,
     *,
     cfg: ModelConfig,
     segment_ids: jax.Array | None = None,
@@ -178,7 +178,7 @@ def forward(
     segment_ids: (B, T) int32 or None; packed documents do not attend across segments
         (training only: a cache holds one sequence per row).
     cache: None for a training pass over whole sequences; or a cache to prefill or decode (any type
-        with the interface of `jaxgen.model.attention`: a `KVCache`, whose slots [end, end + T)
+        of the contract `jaxgen.model.cache.Cache`: a `KVCache`, whose slots [end, end + T)
         receive this call's keys and values, or the serving engine's `PagedCache`, where each token
         goes to its row's page for its position). The model never asks which.
     Returns logits (B, T, V) float32 and the cache (None when none was given); with `with_aux`, also
@@ -377,7 +377,7 @@ _NO_ROUTER = {"share": np.zeros((0,), np.float32), "mean_prob": np.zeros((0,), n
 def _attend_plain(q, k, v, consts, *, impl, mask, positions, segment_ids, cfg: ModelConfig):
     window = consts.get("window")  # None without a sliding window
     if impl == "cudnn":
-        return kernels.cudnn_attention(q, k, v, mask, window, cfg), None
+        return kernels.cudnn_attention(q, k, v, mask, window, cfg, scale=attention.logit_scale(cfg)), None
     if impl != "dense":
         return attention.sequence_attention(q, k, v, positions, segment_ids, window, cfg, impl=impl), None
     if window is not None:  # this layer's window on top of the shared causal mask

@@ -1,0 +1,119 @@
+"""Kernels behind the attention seam, and which one runs where (and, when the one asked for cannot, why).
+
+    masks.py      what the fused sequence kernels share: masks by index, a static window per layer
+    cudnn.py      cuDNN's fused flash attention for whole sequences (`jax.nn.dot_product_attention`; GPU)
+    splash.py     the Pallas splash kernel for whole sequences (TPU; elsewhere in interpret mode)
+    paged_gpu.py  the GPU Pallas paged-attention kernel for a decode step over the engine's page pool
+    cpu.py        XLA:CPU-only tuning of cached attention's decode step (products as sums, 64-slot parts)
+
+`choose(cfg)` and `fit_length` pick the whole-sequence implementation (`model.attention_impl`);
+`decode_kernel(cfg, cache, T)` says whether a cached call runs the fused decode kernel its cache names
+(`Cache.decode_kernel`, a key of `DECODE_KERNELS`: the one registration a decode kernel needs) or
+attention's XLA block loop (`model.decode_impl`). A reason a kernel cannot run is logged once.
+
+This package imports nothing else of `jaxgen.model`: each kernel is told the logit scale and is handed
+its cache's arrays as float views (`Cache.decode_inputs`): the model imports the kernels, never the
+other way round.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import NamedTuple
+
+import jax
+
+from jaxgen.config import ModelConfig
+from jaxgen.model.kernels import cpu, cudnn, paged_gpu, splash
+
+log = logging.getLogger(__name__)
+
+DECODE_KERNELS = {"paged_gpu": paged_gpu}  # name -> module with unfit(cfg, backend, **facts) and attention
+
+cudnn_unfit, cudnn_mask, cudnn_attention = cudnn.unfit, cudnn.mask, cudnn.attention
+splash_unfit, splash_attention = splash.unfit, splash.attention
+paged_unfit = paged_gpu.unfit
+
+__all__ = [
+    "DECODE_KERNELS",
+    "DecodeKernel",
+    "choose",
+    "cpu",
+    "cudnn_attention",
+    "cudnn_mask",
+    "cudnn_unfit",
+    "decode_attention",
+    "decode_kernel",
+    "fit_length",
+    "paged_unfit",
+    "splash_attention",
+    "splash_unfit",
+]
+
+
+class DecodeKernel(NamedTuple):
+    """A cache's claim on a fused decode kernel (`Cache.decode_kernel`): which one, and the facts about the
+    cache that kernel's `unfit` checks (its keyword arguments; paged_gpu: page_size, quantized)."""
+
+    name: str  # a key of DECODE_KERNELS
+    facts: dict
+
+
+def choose(cfg: ModelConfig, backend: str | None = None) -> str:
+    """The implementation that runs for `cfg.attention_impl` on `backend` (default: jax's):
+    dense, blockwise, cudnn or splash. A fused kernel whose constraints do not hold falls back to
+    blockwise, with the reason logged once."""
+    backend = backend or jax.default_backend()
+    impl = cfg.attention_impl
+    if impl in ("dense", "blockwise"):
+        return impl
+    if impl == "auto":
+        impl = {"tpu": "splash", "gpu": "cudnn"}.get(backend, "blockwise")
+        if impl == "blockwise":
+            return impl
+    reason = splash.unfit(cfg, backend) if impl == "splash" else cudnn.unfit(cfg, backend)
+    if reason:
+        _warn_once(f"model.attention_impl={cfg.attention_impl}: {impl} cannot run ({reason}); using blockwise")
+        return "blockwise"
+    return impl
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    log.warning(message)
+
+
+def fit_length(impl: str, t: int, cfg: ModelConfig) -> str:
+    """`impl` for a sequence of `t` tokens, or blockwise (said once) where the kernel cannot take that
+    length: splash tiles T by blocks that are multiples of 128; cuDNN needs an even T."""
+    reason = None
+    block = min(cfg.attention_block, t)
+    if impl == "splash" and (t % block or block % 128):
+        reason = f"splash needs T a multiple of a block that is a multiple of 128; T={t}, block={block}"
+    if impl == "cudnn" and t % 2:
+        reason = f"cuDNN needs an even T, got {t}"
+    if reason:
+        _warn_once(f"{reason}; using blockwise for this length")
+        return "blockwise"
+    return impl
+
+
+def decode_kernel(cfg: ModelConfig, cache, num_queries: int, backend: str | None = None) -> str | None:
+    """The fused decode kernel this cached attention call runs (a key of DECODE_KERNELS), or None for
+    attention's XLA block loop: a decode step (one query per row) over a cache that names a kernel
+    (`cache.decode_kernel`; the paged cache: the GPU Pallas kernel), with `model.decode_impl` pallas, or
+    auto on a GPU, and the kernel's constraints met."""
+    claim = cache.decode_kernel
+    if claim is None or num_queries != 1 or cfg.decode_impl == "xla":
+        return None
+    reason = DECODE_KERNELS[claim.name].unfit(cfg, backend or jax.default_backend(), **claim.facts)
+    if reason and cfg.decode_impl == "pallas":
+        _warn_once(f"model.decode_impl=pallas: the {claim.name} kernel cannot run ({reason}); using the XLA loop")
+    return None if reason else claim.name
+
+
+def decode_attention(name: str, q_btnh, inputs, q_pos_bt, *, scale: float, softcap: float | None):
+    """Kernel `name`'s attention of one query per row (B, 1, N, H) over `inputs` (what the cache hands it:
+    `Cache.decode_inputs`): (B, 1, N, H)."""
+    return DECODE_KERNELS[name].attention(q_btnh, inputs, q_pos_bt, scale=scale, softcap=softcap)
