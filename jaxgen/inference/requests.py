@@ -1,6 +1,7 @@
 """A sequence in the serving engine: its `Request` record, its `Status`, and the engine's errors.
 
-The engine (`jaxgen.inference.engine`) writes a request's progress; clients read it (`result()`, `text`,
+The engine and its scheduler (`jaxgen.inference.engine`, `.scheduler`) write a request's progress (the page
+policy keeps its pages: `Request.pages` reads them); clients read it (`result()`, `text`,
 `tokens`, `finish_reason`, `done_event`) and may be called back after each decode chunk (`on_update`).
 """
 
@@ -10,7 +11,7 @@ import dataclasses
 import enum
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from jaxgen.inference.decode import Completion, HostRows, finish_row
 from jaxgen.inference.sampling import SamplingConfig
@@ -55,7 +56,6 @@ class Request:
     slot: int = -1
     admitted: int = -1  # the order it last got a slot in (the most recent is preempted first)
     preemptions: int = 0
-    pages: list[int] = dataclasses.field(default_factory=list)
     prefilled: int = 0  # tokens of `sequence` in the cache
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
@@ -70,6 +70,13 @@ class Request:
     t_first: float | None = None
     t_done: float | None = None
     done_event: threading.Event = dataclasses.field(default_factory=threading.Event)
+    # the page policy's lists (`PagePolicy.held`), lent by the scheduler that queues it
+    held: Mapping[Request, list[int]] = dataclasses.field(default_factory=dict, repr=False)
+
+    @property
+    def pages(self) -> list[int]:
+        """The KV-cache pages it holds now, in position order (a copy; [] when it holds none)."""
+        return list(self.held.get(self, ()))
 
     @property
     def sequence(self) -> list[int]:
@@ -86,11 +93,11 @@ class Request:
         (a preempted sequence keeps those it has)."""
         return self.sampling.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt)
 
-    def take_prompt_scores(self, scores, n: int) -> None:
-        """Appends the prompt log-probabilities of a scored prefill chunk of `n` tokens (from `prefilled`)."""
-        if self.prefilled == 0:
+    def take_prompt_scores(self, scores, start: int, n: int) -> None:
+        """Appends the prompt log-probabilities of a scored prefill chunk of `n` tokens from `start`."""
+        if start == 0:
             self.prompt_logprobs, self.prompt_top_logprobs = [None], [None]  # nothing predicts the first token
-        k = min(n, len(self.prompt) - 1 - self.prefilled)  # chunk positions whose next token is in the prompt
+        k = min(n, len(self.prompt) - 1 - start)  # chunk positions whose next token is in the prompt
         lps, tops = prompt_entries(
             scores.logprobs[0, :k], scores.top_ids[0, :k], scores.top_logprobs[0, :k], self.sampling.prompt_logprobs
         )

@@ -15,8 +15,9 @@
                                                                with n-gram or draft-model drafts
 
 The state is the `DecodeState` of `jaxgen.generate`, its cache a `PagedCache`. The scheduler
-(`jaxgen.inference.engine`) decides what to run; these functions only run it, and per-request values
-are arrays, so nothing a request asks for recompiles them. `slot_row` builds a slot's row on the host.
+(`jaxgen.inference.scheduler`) decides what to run and the engine runs it through these functions;
+per-request values are arrays, so nothing a request asks for recompiles them. `slot_row` builds a
+slot's row on the host.
 """
 
 from __future__ import annotations
@@ -30,10 +31,8 @@ from jaxgen import model
 from jaxgen.config import ModelConfig, ServeConfig
 from jaxgen.inference import scoring, speculative
 from jaxgen.inference.decode import FINISH_LENGTH, MAX_STOPS, RUNNING, DecodeState, bucket, decode_loop
-from jaxgen.inference.sampling import MAX_SPECULATIVE, SamplingArrays, SamplingConfig
+from jaxgen.inference.sampling import MAX_SPECULATIVE, MAX_STOP_SEQUENCE, SamplingArrays, SamplingConfig
 from jaxgen.model.paged import PagedCache
-
-STOP_LEN = 8  # the longest stop token sequence a request may give
 
 
 @flax.struct.dataclass
@@ -44,8 +43,8 @@ class SlotRow:
     position: jax.Array  # () int32, the position the next token takes
     generated: jax.Array  # () int32, tokens generated so far (seeded draws are keyed by it)
     max_new: jax.Array  # () int32
-    stop_seqs: jax.Array  # (MAX_STOPS, STOP_LEN) int32, right-aligned, -1 padded
-    recent: jax.Array  # (STOP_LEN,) int32, the last generated tokens (-1 before any)
+    stop_seqs: jax.Array  # (MAX_STOPS, MAX_STOP_SEQUENCE) int32, right-aligned, -1 padded
+    recent: jax.Array  # (MAX_STOP_SEQUENCE,) int32, the last generated tokens (-1 before any)
     seen: jax.Array  # (V,) bool, tokens in the prompt or the output
     counts: jax.Array  # (V,) int32, occurrences in the output
     sampling: SamplingArrays  # rows of one
@@ -56,12 +55,12 @@ def slot_row(logits, prompt: list[int], tokens: list[int], c: SamplingConfig, st
     when it was preempted): the penalties' state, the stop window and the draw index as if it had
     decoded without a break."""
     v = cfg.vocab_size
-    stop_seqs = np.full((MAX_STOPS, STOP_LEN), -1, np.int32)
+    stop_seqs = np.full((MAX_STOPS, MAX_STOP_SEQUENCE), -1, np.int32)
     for j, seq in enumerate(stops):
-        stop_seqs[j, STOP_LEN - len(seq) :] = seq
-    recent = np.full(STOP_LEN, -1, np.int32)
-    last = tokens[-STOP_LEN:]
-    recent[STOP_LEN - len(last) :] = last
+        stop_seqs[j, MAX_STOP_SEQUENCE - len(seq) :] = seq
+    recent = np.full(MAX_STOP_SEQUENCE, -1, np.int32)
+    last = tokens[-MAX_STOP_SEQUENCE:]
+    recent[MAX_STOP_SEQUENCE - len(last) :] = last
     seen = np.zeros(v, bool)
     seen[prompt] = True
     seen[tokens] = True
@@ -89,7 +88,8 @@ def init_state(cfg: ModelConfig, serve: ServeConfig, num_pages: int, max_pages: 
         logits=jnp.zeros((b, v), jnp.float32), positions=jnp.zeros((b,), jnp.int32),
         done=jnp.ones((b,), bool), generated=jnp.zeros((b,), jnp.int32),
         finish=jnp.full((b,), FINISH_LENGTH, jnp.int32), max_new=jnp.zeros((b,), jnp.int32),
-        stop_seqs=jnp.full((b, MAX_STOPS, STOP_LEN), -1, jnp.int32), recent=jnp.full((b, STOP_LEN), -1, jnp.int32),
+        stop_seqs=jnp.full((b, MAX_STOPS, MAX_STOP_SEQUENCE), -1, jnp.int32),
+        recent=jnp.full((b, MAX_STOP_SEQUENCE), -1, jnp.int32),
         seen=jnp.zeros((b, v), bool), counts=jnp.zeros((b, v), jnp.int32),
         sampling=jax.tree.map(jnp.asarray, SamplingArrays.stack([idle] * b, v)), cache=cache,
     )  # fmt: skip
