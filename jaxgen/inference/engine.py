@@ -6,21 +6,17 @@
     request.result()                   # a Completion, as Generator.generate returns
 
 One step: schedule -> execute -> update. The scheduler (`jaxgen.inference.scheduler`, no device call)
-plans admissions, prefill chunks, preemptions and the decode set; this module runs the plan through the
-jitted device steps (`jaxgen.inference.steps`) and tells the scheduler what ran and what finished. It also
-holds the API, the thread, and isolation and recovery: a failure that concerns one request fails it alone,
-a failed device step fails the sequences in flight and rebuilds the device state.
-
-A request's tokens do not depend on what else runs (per-slot sampling settings; seeded draws keyed by
-(seed, token index), as in `Generator`) nor on preemption (a readmitted sequence decodes on where it
-stopped: draw index, penalty counts, stop window restored). With `draft=(params, cfg)` a smaller model with
-the same tokenizer drafts for speculating requests (`jaxgen.inference.speculative`); its KV pages lie in a
-pool of their own on the target's page tables, prefilled with every chunk.
+plans admissions, prefill chunks, preemptions and the decode set; the engine runs the plan through the
+jitted device steps (`jaxgen.inference.steps`) and tells the scheduler what ran and what finished. A
+failure that concerns one request fails it alone; a failed device step fails those in flight and
+rebuilds the device state. Outputs depend neither on what else runs nor on preemption: per-slot settings,
+seeded draws keyed by (seed, token index) as in `Generator`, and a readmitted sequence resumes exactly.
+Speculating requests draft by n-gram lookup or with `Engine(..., draft=(params, cfg))`, a smaller model
+whose KV pages lie in a pool of their own on the target's page tables (`jaxgen.inference.speculative`).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -32,23 +28,13 @@ import numpy as np
 
 from jaxgen import model
 from jaxgen.config import ModelConfig, ServeConfig
-from jaxgen.inference import speculative, steps
-from jaxgen.inference.decode import (
-    FINISH_NAMES,
-    Completion,
-    HostRows,
-    counted,
-    encode_prompt,
-    sample_config,
-    stop_sequences,
-    stop_string_cut,
-)
+from jaxgen.inference import decode, speculative, steps
+from jaxgen.inference.decode import Completion, HostRows
 from jaxgen.inference.pages import PagePolicy, PagePool
-from jaxgen.inference.requests import LIVE, EngineClosed, Request, RequestFailed, Status
-from jaxgen.inference.sampling import MAX_STOP_SEQUENCE, SamplingConfig, SamplingError, check_prompt
+from jaxgen.inference.requests import LIVE, EngineClosed, Request, RequestFailed, Status, check_limits
+from jaxgen.inference.sampling import SamplingConfig, SamplingError, check_prompt
 from jaxgen.inference.scheduler import PrefillChunk, Scheduler, StepOutput, StepPlan, Tables
 from jaxgen.inference.stats import EngineStats
-from jaxgen.model.paged import page_bytes
 from jaxgen.sharding import with_mesh
 from jaxgen.tokenizer import Tokenizer
 
@@ -65,24 +51,20 @@ class Engine:
     ):  # fmt: skip
         self.params = model.decode_params(params, serve.slots)  # see model.decode_params
         self.cfg, self.tokenizer, self.serve = cfg, tokenizer, serve
-        # draft=(params, cfg): a smaller model with the same tokenizer drafts for speculating requests (else
-        # n-gram lookup does); its KV pages sit in a pool of their own on the target's page tables
+        # draft=(params, cfg): a smaller model with the same tokenizer drafts for speculating requests
         self.draft_params, self.draft_cfg = None, None
         if draft is not None:
             self.draft_cfg = speculative.check_draft(draft[1], cfg)
             self.draft_params = model.decode_params(draft[0], serve.slots)
-        z = serve.page_size
-        per_page = page_bytes(cfg, z, serve.cache_dtype)
-        if self.draft_cfg is not None:  # the budget holds both pools
-            per_page += page_bytes(self.draft_cfg, z, serve.cache_dtype)
-        num_pages = serve.num_pages or int(serve.kv_memory_gb * 2**30 // per_page)
+        num_pages, z = steps.pool_pages(cfg, serve, self.draft_cfg), serve.page_size
         policy = PagePolicy(num_pages, z, serve.slots, cfg.max_seq_len, serve.chunk_steps, serve.prefix_caching)
-        self.scheduler = Scheduler(policy, serve.prefill_chunk)
+        self.scheduler, self.max_pages = Scheduler(policy, serve.prefill_chunk), policy.max_pages
         self.compilations = 0
         self._jit_steps(mesh)
         init = jax.jit(steps.init_state, static_argnums=(0, 1, 2, 3))  # jitted: the pool is made in its shardings
-        self.state = with_mesh(init, mesh)(cfg, serve, num_pages, policy.max_pages)
-        self._init_spec = with_mesh(jax.jit(steps.init_spec, static_argnums=(0, 1, 2, 3, 4)), mesh)
+        self.state = with_mesh(init, mesh)(cfg, serve, num_pages, self.max_pages)
+        init_spec = with_mesh(jax.jit(steps.init_spec, static_argnums=(0, 1, 2, 3, 4)), mesh)
+        self._new_spec = lambda: init_spec(cfg, serve, self.draft_cfg, num_pages, self.max_pages)
         self.spec = self._new_spec()  # speculative decoding's per-slot state (and the draft model's pool)
         self.lock = threading.Lock()  # guards the scheduler (submit and cancel come from other threads)
         self.wake = threading.Condition(self.lock)
@@ -90,8 +72,7 @@ class Engine:
             serve.slots, queue_length=self.queue_length, running_slots=lambda: len(self.scheduler.running()),
             cache_pages_in_use=lambda: self.pool.in_use(), cache_pages_total=lambda: self.pool.usable,
         )  # fmt: skip
-        self._thread: threading.Thread | None = None
-        self._stop = False
+        self._thread, self._stop = None, False  # the background thread, if started
         self.accepting = True  # False once drain() began: submit raises EngineClosed
 
     @property
@@ -109,25 +90,16 @@ class Engine:
 
     def _jit_steps(self, mesh) -> None:
         """The device steps, jitted with the state donated (each trace counted in `compilations`)."""
-        donate = functools.partial(jax.jit, donate_argnums=0)
-        self._set_tables = with_mesh(donate(counted(self, steps.set_tables)), mesh)
-        self._activate = with_mesh(donate(counted(self, steps.activate)), mesh)
-        self._retire = with_mesh(donate(counted(self, steps.retire)), mesh)
-        with_cfg = functools.partial(jax.jit, static_argnames="cfg", donate_argnums=1)
-        self._prefill = with_mesh(with_cfg(counted(self, steps.prefill_chunk)), mesh)
-        scored = jax.jit(counted(self, steps.prefill_chunk_scored), static_argnames=("cfg", "top"), donate_argnums=1)
-        self._prefill_scored = with_mesh(scored, mesh)
-        self._chunk = with_mesh(with_cfg(counted(self, steps.decode_chunk)), mesh)
-        spec_chunk = jax.jit(counted(self, steps.decode_chunk_speculative), static_argnames=("cfg", "w", "draft_cfg"),
-                             donate_argnums=(1, 2))  # fmt: skip
-        self._spec_chunk = with_mesh(spec_chunk, mesh)
-        self._activate_spec = with_mesh(donate(counted(self, steps.activate_spec)), mesh)
-        draft_prefill = jax.jit(counted(self, steps.prefill_draft_chunk), static_argnames="draft_cfg", donate_argnums=1)
-        self._prefill_draft = with_mesh(draft_prefill, mesh)
 
-    def _new_spec(self):
-        max_pages = self.scheduler.policy.max_pages
-        return self._init_spec(self.cfg, self.serve, self.draft_cfg, self.pool.num_pages, max_pages)
+        def jit(fn, donate=0, static=()):
+            return with_mesh(jax.jit(decode.counted(self, fn), static_argnames=static, donate_argnums=donate), mesh)
+
+        self._set_tables, self._activate = jit(steps.set_tables), jit(steps.activate)
+        self._retire, self._activate_spec = jit(steps.retire), jit(steps.activate_spec)
+        self._prefill, self._chunk = jit(steps.prefill_chunk, 1, "cfg"), jit(steps.decode_chunk, 1, "cfg")
+        self._prefill_scored = jit(steps.prefill_chunk_scored, 1, ("cfg", "top"))
+        self._spec_chunk = jit(steps.decode_chunk_speculative, (1, 2), ("cfg", "w", "draft_cfg"))
+        self._prefill_draft = jit(steps.prefill_draft_chunk, 1, "draft_cfg")
 
     # --- requests ----------------------------------------------------------------------------------
 
@@ -135,22 +107,15 @@ class Engine:
         """Raises SamplingError / PageError for a request this engine can never run, before queueing."""
         prompt = check_prompt(prompt, self.cfg.vocab_size, self.cfg.max_seq_len)
         c.check_for_model(self.cfg.vocab_size)
-        most = self.serve.max_logprobs
-        for name, value in (("logprobs", c.logprobs), ("prompt_logprobs", c.prompt_logprobs or 0)):
-            if value > most:
-                raise SamplingError(f"{name}={value} is not allowed: at most {most} (serve.max_logprobs)", name)
-        if any(len(q) > MAX_STOP_SEQUENCE for q in self._stops(c)):
-            raise SamplingError(
-                f"a stop token sequence is longer than {MAX_STOP_SEQUENCE} tokens", "stop_token_sequences"
-            )
+        check_limits(c, self._stops(c), self.serve.max_logprobs)
         self.scheduler.check(len(prompt), c.max_new_tokens)  # PageError
 
     def encode_prompts(self, prompts: list[str | list[int]]) -> list[list[int]]:
         """Token ids of each prompt, checked as Generator.encode_prompts checks them."""
-        return [encode_prompt(self.tokenizer, p, self.cfg, f"prompt {i}") for i, p in enumerate(prompts)]
+        return [decode.encode_prompt(self.tokenizer, p, self.cfg, f"prompt {i}") for i, p in enumerate(prompts)]
 
     def _stops(self, c: SamplingConfig) -> list[tuple[int, ...]]:
-        return stop_sequences(c, self.tokenizer.eos_ids)
+        return decode.stop_sequences(c, self.tokenizer.eos_ids)
 
     def submit(
         self, prompt: str | list[int], sampling: SamplingConfig = SamplingConfig(), *, prompt_index: int = 0,
@@ -161,10 +126,10 @@ class Engine:
         Raises SamplingError / PageError for a request that can never run, EngineClosed when the
         engine is shutting down. `on_update` is called from the engine thread after each chunk and
         once more when the sequence ends, however it ends (finished, cancelled or failed)."""
-        ids = encode_prompt(self.tokenizer, prompt, self.cfg)
+        ids = decode.encode_prompt(self.tokenizer, prompt, self.cfg)
         self.check(ids, sampling)
         requests = [
-            Request(ids, sample_config(sampling, s), prompt_index, s, on_update, t_submit=time.perf_counter())
+            Request(ids, decode.sample_config(sampling, s), prompt_index, s, on_update, t_submit=time.perf_counter())
             for s in range(sampling.n)
         ]  # fmt: skip
         with self.wake:
@@ -290,9 +255,6 @@ class Engine:
 
     def _run_prefills(self, plan: StepPlan) -> bool:
         """The plan's prefill chunks, in order; False when one failed (those after it do not run)."""
-        for c in plan.prefills:
-            if c.took_pages:
-                self.stats.prefix_lookup(c.looked_up, c.hits)
         ran: list[PrefillChunk] = []
         try:
             self._push_tables(plan.prefill_tables)
@@ -314,6 +276,8 @@ class Engine:
 
     def _prefill_chunk(self, c: PrefillChunk) -> None:
         r = c.request
+        if c.took_pages:
+            self.stats.prefix_lookup(c.looked_up, c.hits)
         tokens, positions, targets = steps.prefill_inputs(r.sequence, c.start, c.length)
         args = (self.params, self.state, c.slot, tokens, positions, c.length - 1)
         if r.wants_prompt_scores:
@@ -333,11 +297,8 @@ class Engine:
         """The slot's decode row from the prompt and the tokens so far (none, or those kept by a preemption)."""
         row = steps.slot_row(logits, r.prompt, r.tokens, r.sampling, self._stops(r.sampling), self.cfg)
         self.state = self._activate(self.state, slot, row)
-        # n-gram drafts look up the prompt and the output so far (a slot with 0 drafts never reads them)
-        history = np.full(steps.history_size(self.cfg), -1, np.int32)
-        history[: len(r.sequence)] = r.sequence
-        n = np.int32(r.sampling.num_speculative_tokens)
-        self.spec = self._activate_spec(self.spec, slot, history, np.int32(len(r.sequence)), n)
+        n = np.int32(r.sampling.num_speculative_tokens)  # a slot with 0 drafts never reads its history
+        self.spec = self._activate_spec(self.spec, slot, *steps.spec_history(self.cfg, r.sequence), n)
 
     def _retire_preempted(self, plan: StepPlan) -> None:
         for p in plan.preemptions:
@@ -345,7 +306,7 @@ class Engine:
             if p.requeued:
                 self.stats.preempted()
             else:  # it was cancelled or failed meanwhile: it ends
-                self._drop(p.request)
+                self._end(p.request, dropped=True)
 
     def _decode_chunk(self, plan: StepPlan) -> None:
         self._push_tables(plan.decode_tables)
@@ -356,9 +317,8 @@ class Engine:
                 self.params, self.state, self.spec, limit, cfg=self.cfg, w=w, draft_params=self.draft_params,
                 draft_cfg=self.draft_cfg,
             )  # fmt: skip
-            self.stats.speculated(*(int(x.sum()) for x in jax.device_get(
-                (self.spec.target_steps, self.spec.proposed, self.spec.accepted)
-            )))  # fmt: skip
+            counts = jax.device_get((self.spec.target_steps, self.spec.proposed, self.spec.accepted))
+            self.stats.speculated(*(int(x.sum()) for x in counts))
         else:
             self.state = self._chunk(self.params, self.state, limit, cfg=self.cfg)
         host = HostRows.of(self.state)
@@ -380,9 +340,9 @@ class Engine:
             r.t_first = now
             self.stats.first_token(now - r.t_submit)
         self.stats.count("generated_tokens_total", len(new))
-        stopped = stop_string_cut(self.tokenizer, r.tokens, r.sampling.stop) is not None
+        stopped = decode.stop_string_cut(self.tokenizer, r.tokens, r.sampling.stop) is not None
         if host.done[slot] or stopped:
-            self._finish(r, "stop" if stopped else FINISH_NAMES.get(int(host.finish[slot]), "length"))
+            self._finish(r, "stop" if stopped else decode.FINISH_NAMES.get(int(host.finish[slot]), "length"))
         elif r.on_update is not None:  # the text so far, for those who watch (decoded again at the end)
             r.text = self.tokenizer.decode(r.tokens)
             r.on_update(r)
@@ -396,33 +356,21 @@ class Engine:
             freed = self.scheduler.update(StepOutput(finished=(r,)))
         self._end(r, *freed)
 
-    def _end(self, r: Request, slot: int = -1) -> None:
+    def _end(self, r: Request, slot: int = -1, dropped: bool = False) -> None:
         """Every sequence ends here, however it ends (the scheduler freed its pages and slot): the slot
-        retired, the client told, waiters woken."""
+        retired, the client told, waiters woken; a `dropped` one (cancelled or failed) counted once."""
+        if dropped:
+            self.stats.ended(r.status)
         if slot >= 0:
             self.state = self._retire(self.state, slot)
-        if r.status == Status.CANCELLED:
-            r.finish_reason = "cancelled"
-        elif r.status == Status.FAILED:
-            r.finish_reason = "error"
-        if r.on_update is not None:
-            try:
-                r.on_update(r)
-            except Exception:
-                log.exception("a request's on_update failed as it ended")
-        r.done_event.set()
-
-    def _drop(self, r: Request, slot: int = -1) -> None:
-        """Ends a cancelled or failed sequence, counted once."""
-        self.stats.ended(r.status)
-        self._end(r, slot)
+        r.end()
 
     def _drop_ended(self) -> None:
         """Ends the sequences cancelled or failed since the last look."""
         with self.lock:
             ended = self.scheduler.take_ended()
         for r, slot in ended:
-            self._drop(r, slot)
+            self._end(r, slot, dropped=True)
 
     def _failed_step(self, r: Request | None, what: str, e: Exception) -> None:
         log.exception("engine %s step failed", what)
@@ -443,8 +391,7 @@ class Engine:
         tables from scratch (a failed donated call may have consumed them); waiting requests stay queued."""
         with self.lock:
             in_flight = self.scheduler.reset(message)
-        max_pages = self.scheduler.policy.max_pages
-        self.state = steps.init_state(self.cfg, self.serve, self.pool.num_pages, max_pages)
+        self.state = steps.init_state(self.cfg, self.serve, self.pool.num_pages, self.max_pages)
         self.spec = self._new_spec()
         for r in in_flight:
             self.stats.ended(Status.FAILED)

@@ -9,6 +9,7 @@
     decode_chunk(params, state, limit, cfg) -> state           up to `limit` decode steps, every active slot
     init_spec(cfg, serve, draft_cfg=None, num_pages=0, max_pages=0) -> spec   speculative decoding's state
     activate_spec(spec, slot, history, length, num_spec) -> spec   a slot's prompt and output so far
+                                                               (`spec_history`)
     prefill_draft_chunk(draft_params, spec, cache, slot, tokens, positions, draft_cfg) -> spec
                                                                the draft model's prefill of the same chunk
     decode_chunk_speculative(params, state, spec, limit, cfg, w, draft_params, draft_cfg) -> (state, spec)
@@ -32,7 +33,7 @@ from jaxgen.config import ModelConfig, ServeConfig
 from jaxgen.inference import scoring, speculative
 from jaxgen.inference.decode import FINISH_LENGTH, MAX_STOPS, RUNNING, DecodeState, bucket, decode_loop
 from jaxgen.inference.sampling import MAX_SPECULATIVE, MAX_STOP_SEQUENCE, SamplingArrays, SamplingConfig
-from jaxgen.model.paged import PagedCache
+from jaxgen.model.paged import PagedCache, page_bytes
 
 
 @flax.struct.dataclass
@@ -168,6 +169,22 @@ def decode_chunk(params, state: DecodeState, limit, cfg: ModelConfig) -> DecodeS
 
 def history_size(cfg: ModelConfig) -> int:
     return cfg.max_seq_len + MAX_SPECULATIVE + 1
+
+
+def spec_history(cfg: ModelConfig, sequence: list[int]) -> tuple[np.ndarray, np.int32]:
+    """A slot's n-gram lookup history (S,) int32, -1 padded, and its length: the prompt and output so far."""
+    history = np.full(history_size(cfg), -1, np.int32)
+    history[: len(sequence)] = sequence
+    return history, np.int32(len(sequence))
+
+
+def pool_pages(cfg: ModelConfig, serve: ServeConfig, draft_cfg: ModelConfig | None = None) -> int:
+    """Pages in the pool: `serve.num_pages`, or as many as `serve.kv_memory_gb` holds (with a draft model,
+    a page of each pool)."""
+    per_page = page_bytes(cfg, serve.page_size, serve.cache_dtype)
+    if draft_cfg is not None:
+        per_page += page_bytes(draft_cfg, serve.page_size, serve.cache_dtype)
+    return serve.num_pages or int(serve.kv_memory_gb * 2**30 // per_page)
 
 
 def init_spec(cfg: ModelConfig, serve: ServeConfig, draft_cfg: ModelConfig | None = None, num_pages: int = 0,
