@@ -244,7 +244,8 @@ class PagePolicy:
         return True
 
     def register(self, r: Request) -> None:
-        """After a sequence's prefill: its whole prompt pages become prefix-cache entries."""
+        """A sequence whose prefill completes in the step being planned: its whole prompt pages become
+        prefix-cache entries now, so a later chunk of the same step may share them (chunks run in order)."""
         self.pool.register_prompt(r.sequence, self.held[r])
 
     def forget(self, r: Request) -> None:
