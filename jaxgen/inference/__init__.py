@@ -6,7 +6,8 @@ generator.py   Generator: static batches of ragged prompts, streaming, score; ja
 beam.py        beam search
 speculative.py speculative decoding, n-gram or draft-model drafts (the speculating loop of Generator and engine)
 scoring.py     log-probabilities of known tokens (score, prompt logprobs), the head run in blocks
-engine.py      the serving engine's scheduler: queues, thread, admission, preemption, chunked prefill
+engine.py      the serving engine: its API, thread and queues; runs each step's plan on the device
+scheduler.py   the engine's decisions, no JAX: admission, chunked prefill, pages, preemption (StepPlan)
 steps.py       the engine's device steps: pure jitted functions of the decode state, donated
 requests.py    a sequence in the engine (Request), its Status, the engine's errors
 pages.py       the paged cache's host side: free pages, reference counts, prefix cache, the page policy

@@ -5,38 +5,21 @@
     engine.run_until_idle()            # or engine.start() for a background thread (the HTTP server)
     request.result()                   # a Completion, as Generator.generate returns
 
-This module is the scheduler: queues, the thread, admission, preemption, isolation and recovery.
-What runs on the device is `jaxgen.inference.steps` (pure jitted functions of the decode state, donated);
-the page policy and bookkeeping, `jaxgen.inference.pages`; statistics, `jaxgen.inference.stats`; a
-sequence, `jaxgen.inference.requests.Request`.
-
-A fixed number of decode slots share one pool of fixed-size pages (`jaxgen.model.paged`). Each step
-(1) gives waiting requests free slots, (2) prefills up to `prefill_chunk` tokens (several short prompts,
-or one chunk of a long one: running sequences wait at most one chunk), (3) grows the running sequences'
-pages, (4) runs a jitted `while_loop` of up to `chunk_steps` decode steps for every active slot, and
-(5) retires finished sequences, returning their pages.
-
-Speculative decoding (`jaxgen.inference.speculative`): requests with `num_speculative_tokens` > 0 are
-checked W drafts a step, from n-gram lookup or, with `Engine(..., draft=(params, cfg))`, from a smaller
-model with the same tokenizer, whose KV pages lie in a pool of their own on the target's page tables
-(prefilled with every chunk, so prefix-cache hits and preempted sequences find them filled).
-
-A request's tokens do not depend on what else runs: each slot has its own sampling settings, and
-seeded draws are keyed by (seed, token index), exactly as in `Generator`.
-
-Memory (`PagePolicy`, as vLLM): pages grow as a sequence decodes; when the pool runs dry the most
-recently admitted sequence is preempted, back to the front of the queue with its tokens so far, and
-readmitted it prefills prompt + tokens again and decodes on exactly where it stopped (draw index,
-penalty counts and stop window restored). A request that could never fit is refused at `submit`.
+One step: schedule -> execute -> update. The scheduler (`jaxgen.inference.scheduler`, no device call)
+plans admissions, prefill chunks, preemptions and the decode set; the engine runs the plan through the
+jitted device steps (`jaxgen.inference.steps`) and tells the scheduler what ran and what finished. A
+failure that concerns one request fails it alone; a failed device step fails those in flight and
+rebuilds the device state. Outputs depend neither on what else runs nor on preemption: per-slot settings,
+seeded draws keyed by (seed, token index) as in `Generator`, and a readmitted sequence resumes exactly.
+Speculating requests draft by n-gram lookup or with `Engine(..., draft=(params, cfg))`, a smaller model
+whose KV pages lie in a pool of their own on the target's page tables (`jaxgen.inference.speculative`).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 
 import jax
@@ -45,27 +28,17 @@ import numpy as np
 
 from jaxgen import model
 from jaxgen.config import ModelConfig, ServeConfig
-from jaxgen.inference import speculative, steps
-from jaxgen.inference.decode import (
-    FINISH_NAMES,
-    Completion,
-    HostRows,
-    counted,
-    encode_prompt,
-    sample_config,
-    stop_sequences,
-    stop_string_cut,
-)
+from jaxgen.inference import decode, speculative, steps
+from jaxgen.inference.decode import Completion, HostRows
 from jaxgen.inference.pages import PagePolicy, PagePool
-from jaxgen.inference.requests import LIVE, EngineClosed, Request, RequestFailed, Status
+from jaxgen.inference.requests import LIVE, EngineClosed, Request, RequestFailed, Status, check_limits
 from jaxgen.inference.sampling import SamplingConfig, SamplingError, check_prompt
+from jaxgen.inference.scheduler import PrefillChunk, Scheduler, StepOutput, StepPlan, Tables
 from jaxgen.inference.stats import EngineStats
-from jaxgen.inference.steps import STOP_LEN
-from jaxgen.model.paged import page_bytes
 from jaxgen.sharding import with_mesh
 from jaxgen.tokenizer import Tokenizer
 
-__all__ = ["LIVE", "STOP_LEN", "Engine", "EngineClosed", "Request", "RequestFailed", "Status"]
+__all__ = ["LIVE", "Engine", "EngineClosed", "Request", "RequestFailed", "Status"]
 log = logging.getLogger(__name__)
 
 
@@ -78,63 +51,55 @@ class Engine:
     ):  # fmt: skip
         self.params = model.decode_params(params, serve.slots)  # see model.decode_params
         self.cfg, self.tokenizer, self.serve = cfg, tokenizer, serve
-        # draft=(params, cfg): a smaller model with the same tokenizer drafts for speculating requests (else
-        # n-gram lookup does); its KV pages sit in a pool of its own on the target's page tables
+        # draft=(params, cfg): a smaller model with the same tokenizer drafts for speculating requests
         self.draft_params, self.draft_cfg = None, None
         if draft is not None:
             self.draft_cfg = speculative.check_draft(draft[1], cfg)
             self.draft_params = model.decode_params(draft[0], serve.slots)
-        z = serve.page_size
-        per_page = page_bytes(cfg, z, serve.cache_dtype)
-        if self.draft_cfg is not None:  # the budget holds both pools
-            per_page += page_bytes(self.draft_cfg, z, serve.cache_dtype)
-        num_pages = serve.num_pages or int(serve.kv_memory_gb * 2**30 // per_page)
-        self.paging = PagePolicy(num_pages, z, serve.slots, cfg.max_seq_len, serve.chunk_steps, serve.prefix_caching)
+        num_pages, z = steps.pool_pages(cfg, serve, self.draft_cfg), serve.page_size
+        policy = PagePolicy(num_pages, z, serve.slots, cfg.max_seq_len, serve.chunk_steps, serve.prefix_caching)
+        self.scheduler, self.max_pages = Scheduler(policy, serve.prefill_chunk), policy.max_pages
         self.compilations = 0
         self._jit_steps(mesh)
         init = jax.jit(steps.init_state, static_argnums=(0, 1, 2, 3))  # jitted: the pool is made in its shardings
-        self.state = with_mesh(init, mesh)(cfg, serve, num_pages, self.paging.max_pages)
-        self._init_spec = with_mesh(jax.jit(steps.init_spec, static_argnums=(0, 1, 2, 3, 4)), mesh)
+        self.state = with_mesh(init, mesh)(cfg, serve, num_pages, self.max_pages)
+        init_spec = with_mesh(jax.jit(steps.init_spec, static_argnums=(0, 1, 2, 3, 4)), mesh)
+        self._new_spec = lambda: init_spec(cfg, serve, self.draft_cfg, num_pages, self.max_pages)
         self.spec = self._new_spec()  # speculative decoding's per-slot state (and the draft model's pool)
-        self.slots: list[Request | None] = [None] * serve.slots
-        self.waiting: deque[Request] = deque()
-        self.prefilling: deque[Request] = deque()
-        self.admissions = 0  # slots given so far: each admission's order (preemption takes the latest)
-        self.lock = threading.Lock()  # guards the queues (submit and cancel come from other threads)
+        self.lock = threading.Lock()  # guards the scheduler (submit and cancel come from other threads)
         self.wake = threading.Condition(self.lock)
         self.stats = EngineStats(
-            serve.slots, queue_length=self.queue_length, running_slots=lambda: len(self._running()),
-            cache_pages_in_use=lambda: self.paging.pool.in_use(), cache_pages_total=lambda: self.paging.pool.usable,
+            serve.slots, queue_length=self.queue_length, running_slots=lambda: len(self.scheduler.running()),
+            cache_pages_in_use=lambda: self.pool.in_use(), cache_pages_total=lambda: self.pool.usable,
         )  # fmt: skip
-        self._thread: threading.Thread | None = None
-        self._stop = False
+        self._thread, self._stop = None, False  # the background thread, if started
         self.accepting = True  # False once drain() began: submit raises EngineClosed
 
     @property
     def pool(self) -> PagePool:
         """The page pool (free pages, reference counts, prefix cache)."""
-        return self.paging.pool
+        return self.scheduler.policy.pool
+
+    @property
+    def slots(self) -> list[Request | None]:
+        return self.scheduler.slots
+
+    @property
+    def waiting(self):
+        return self.scheduler.waiting
 
     def _jit_steps(self, mesh) -> None:
         """The device steps, jitted with the state donated (each trace counted in `compilations`)."""
-        donate = functools.partial(jax.jit, donate_argnums=0)
-        self._set_tables = with_mesh(donate(counted(self, steps.set_tables)), mesh)
-        self._activate = with_mesh(donate(counted(self, steps.activate)), mesh)
-        self._retire = with_mesh(donate(counted(self, steps.retire)), mesh)
-        with_cfg = functools.partial(jax.jit, static_argnames="cfg", donate_argnums=1)
-        self._prefill = with_mesh(with_cfg(counted(self, steps.prefill_chunk)), mesh)
-        scored = jax.jit(counted(self, steps.prefill_chunk_scored), static_argnames=("cfg", "top"), donate_argnums=1)
-        self._prefill_scored = with_mesh(scored, mesh)
-        self._chunk = with_mesh(with_cfg(counted(self, steps.decode_chunk)), mesh)
-        spec_chunk = jax.jit(counted(self, steps.decode_chunk_speculative), static_argnames=("cfg", "w", "draft_cfg"),
-                             donate_argnums=(1, 2))  # fmt: skip
-        self._spec_chunk = with_mesh(spec_chunk, mesh)
-        self._activate_spec = with_mesh(donate(counted(self, steps.activate_spec)), mesh)
-        draft_prefill = jax.jit(counted(self, steps.prefill_draft_chunk), static_argnames="draft_cfg", donate_argnums=1)
-        self._prefill_draft = with_mesh(draft_prefill, mesh)
 
-    def _new_spec(self):
-        return self._init_spec(self.cfg, self.serve, self.draft_cfg, self.pool.num_pages, self.paging.max_pages)
+        def jit(fn, donate=0, static=()):
+            return with_mesh(jax.jit(decode.counted(self, fn), static_argnames=static, donate_argnums=donate), mesh)
+
+        self._set_tables, self._activate = jit(steps.set_tables), jit(steps.activate)
+        self._retire, self._activate_spec = jit(steps.retire), jit(steps.activate_spec)
+        self._prefill, self._chunk = jit(steps.prefill_chunk, 1, "cfg"), jit(steps.decode_chunk, 1, "cfg")
+        self._prefill_scored = jit(steps.prefill_chunk_scored, 1, ("cfg", "top"))
+        self._spec_chunk = jit(steps.decode_chunk_speculative, (1, 2), ("cfg", "w", "draft_cfg"))
+        self._prefill_draft = jit(steps.prefill_draft_chunk, 1, "draft_cfg")
 
     # --- requests ----------------------------------------------------------------------------------
 
@@ -142,21 +107,15 @@ class Engine:
         """Raises SamplingError / PageError for a request this engine can never run, before queueing."""
         prompt = check_prompt(prompt, self.cfg.vocab_size, self.cfg.max_seq_len)
         c.check_for_model(self.cfg.vocab_size)
-        most = self.serve.max_logprobs
-        for name, value in (("logprobs", c.logprobs), ("prompt_logprobs", c.prompt_logprobs or 0)):
-            if value > most:
-                raise SamplingError(f"{name}={value} is not allowed: at most {most} (serve.max_logprobs)", name)
-        stops = self._stops(c)
-        if any(len(q) > STOP_LEN for q in stops):
-            raise SamplingError(f"a stop token sequence is longer than {STOP_LEN} tokens", "stop_token_sequences")
-        self.paging.check(len(prompt), c.max_new_tokens)  # PageError
+        check_limits(c, self._stops(c), self.serve.max_logprobs)
+        self.scheduler.check(len(prompt), c.max_new_tokens)  # PageError
 
     def encode_prompts(self, prompts: list[str | list[int]]) -> list[list[int]]:
         """Token ids of each prompt, checked as Generator.encode_prompts checks them."""
-        return [encode_prompt(self.tokenizer, p, self.cfg, f"prompt {i}") for i, p in enumerate(prompts)]
+        return [decode.encode_prompt(self.tokenizer, p, self.cfg, f"prompt {i}") for i, p in enumerate(prompts)]
 
     def _stops(self, c: SamplingConfig) -> list[tuple[int, ...]]:
-        return stop_sequences(c, self.tokenizer.eos_ids)
+        return decode.stop_sequences(c, self.tokenizer.eos_ids)
 
     def submit(
         self, prompt: str | list[int], sampling: SamplingConfig = SamplingConfig(), *, prompt_index: int = 0,
@@ -167,16 +126,16 @@ class Engine:
         Raises SamplingError / PageError for a request that can never run, EngineClosed when the
         engine is shutting down. `on_update` is called from the engine thread after each chunk and
         once more when the sequence ends, however it ends (finished, cancelled or failed)."""
-        ids = encode_prompt(self.tokenizer, prompt, self.cfg)
+        ids = decode.encode_prompt(self.tokenizer, prompt, self.cfg)
         self.check(ids, sampling)
         requests = [
-            Request(ids, sample_config(sampling, s), prompt_index, s, on_update, t_submit=time.perf_counter())
+            Request(ids, decode.sample_config(sampling, s), prompt_index, s, on_update, t_submit=time.perf_counter())
             for s in range(sampling.n)
         ]  # fmt: skip
         with self.wake:
             if not self.accepting:
                 raise EngineClosed("the engine is shutting down: no new requests are admitted")
-            self.waiting.extend(requests)
+            self.scheduler.add(requests)
             self.stats.submitted(len(requests))
             self.wake.notify()
         return requests
@@ -184,9 +143,8 @@ class Engine:
     def cancel(self, request: Request) -> None:
         """Stops a request (a client went away); its slot and pages are freed at the next step."""
         with self.wake:
-            if request.status in LIVE:
-                request.status = Status.CANCELLED
-                self.wake.notify()
+            self.scheduler.cancel(request)
+            self.wake.notify()
 
     def generate(self, prompts, sampling: SamplingConfig | list[SamplingConfig] = SamplingConfig()) -> list[Completion]:
         """Like Generator.generate, on the engine: every prompt queued at once, results in order."""
@@ -207,10 +165,10 @@ class Engine:
     # --- the thread --------------------------------------------------------------------------------
 
     def idle(self) -> bool:
-        return not self.waiting and not self.prefilling and all(r is None for r in self.slots)
+        return self.scheduler.idle()
 
     def queue_length(self) -> int:
-        return len(self.waiting) + len(self.prefilling)
+        return self.scheduler.queue_length()
 
     def run_until_idle(self) -> None:
         while not self.idle():
@@ -218,11 +176,11 @@ class Engine:
 
     @property
     def running(self) -> bool:
-        """True while the background scheduler thread serves requests."""
+        """True while the background engine thread serves requests."""
         return self._thread is not None and self._thread.is_alive() and not self._stop
 
     def start(self) -> None:
-        """Runs the scheduler in a background thread until `stop()`."""
+        """Runs the engine in a background thread until `stop()`."""
         self._stop = False
         self._thread = threading.Thread(target=self._serve_forever, name="jaxgen-engine", daemon=True)
         self._thread.start()
@@ -240,16 +198,13 @@ class Engine:
         up to `grace_s` seconds, then fails the rest: every request ends (its on_update is called)."""
         with self.wake:
             self.accepting = False
-            for r in [*self.waiting, *self.prefilling]:
-                self._mark_failed(r, reason)
+            self.scheduler.fail_queued(reason)
             self.wake.notify()
         deadline = time.monotonic() + grace_s
         while self.running and not self.idle() and time.monotonic() < deadline:
             time.sleep(0.05)
         with self.wake:
-            for r in [*self.waiting, *self.slots]:  # preempted ones went back to waiting
-                if r is not None:
-                    self._mark_failed(r, reason)
+            self.scheduler.fail_all(reason)
             self.wake.notify()
         if not self.running:  # no thread to end them: end them here
             self._drop_ended()
@@ -269,44 +224,160 @@ class Engine:
             self._recover(f"the engine stopped: {type(e).__name__}: {e}")
             raise
 
-    # --- the scheduler -----------------------------------------------------------------------------
+    # --- one step: schedule, execute, update ----------------------------------------------------------
 
     def step(self) -> None:
-        """One scheduler iteration: admit, prefill chunks, grow pages, one decode chunk, retire. A failure
-        that concerns one request fails that request alone; a failed device step fails the sequences in
-        flight (their cache is lost), rebuilds the device state and goes on with the queue."""
+        """One step: the scheduler's plan, its prefill chunks, its preempted slots retired, one decode
+        chunk. A failure that concerns one request fails that request alone; a failed device step fails
+        the sequences in flight (their cache is lost), rebuilds the device state and goes on with the queue."""
         t0 = time.perf_counter()
         self._drop_ended()
-        self._admit()
-        budget = self.serve.prefill_chunk  # tokens per step, over as many prompts as it covers
-        while budget > 0 and self.prefilling:
-            r = self.prefilling[0]
-            try:
-                done = self._prefill_one_chunk(budget)
-            except Exception as e:
-                self._failed_step(r, "prefill", e)
-                continue
-            if not done:
-                break
-            budget -= done
-        if self._running():
-            try:
-                self.paging.grow(self._running(), self._holders, self._preempt)
-                self._decode_chunk()
-            except Exception as e:
-                self._failed_step(None, "decode", e)
+        with self.lock:
+            plan = self.scheduler.schedule()
+        prefilled = self._run_prefills(plan)
+        try:
+            self._retire_preempted(plan)
+            if prefilled and plan.decode:
+                self._decode_chunk(plan)
+        except Exception as e:
+            self._failed_step(None, "decode", e)
         self._drop_ended()
         self.stats.count("busy_seconds", time.perf_counter() - t0)
 
-    def _running(self) -> list[Request]:
-        return [r for r in self.slots if r is not None and r.status == Status.RUNNING]
+    def _admit(self) -> None:
+        with self.lock:
+            self.scheduler.admit()
+
+    def _push_tables(self, tables: Tables | None) -> None:
+        """The host's page tables to the device, when the plan changed them."""
+        if tables is not None:
+            self.state = self._set_tables(self.state, *tables)
+
+    def _run_prefills(self, plan: StepPlan) -> bool:
+        """The plan's prefill chunks, in order; False when one failed (those after it do not run)."""
+        ran: list[PrefillChunk] = []
+        try:
+            self._push_tables(plan.prefill_tables)
+            for c in plan.prefills:
+                self._prefill_chunk(c)
+                ran.append(c)
+        except Exception as e:
+            failed = plan.prefills[len(ran)] if len(ran) < len(plan.prefills) else None
+            with self.lock:
+                self.scheduler.update(StepOutput(tuple(ran), failed, plan.prefills[len(ran) + 1 :]))
+            self._failed_step(failed.request if failed else None, "prefill", e)
+            return False
+        with self.lock:
+            self.scheduler.update(StepOutput(tuple(ran)))
+        for c in ran:  # the prompt only (scored): done once it is in the cache
+            if c.last and c.request.sampling.max_new_tokens == 0 and c.request.status == Status.RUNNING:
+                self._finish(c.request, "length")
+        return True
+
+    def _prefill_chunk(self, c: PrefillChunk) -> None:
+        r = c.request
+        if c.took_pages:
+            self.stats.prefix_lookup(c.looked_up, c.hits)
+        tokens, positions, targets = steps.prefill_inputs(r.sequence, c.start, c.length)
+        args = (self.params, self.state, c.slot, tokens, positions, c.length - 1)
+        if r.wants_prompt_scores:
+            self.state, logits, scores = self._prefill_scored(*args, targets, cfg=self.cfg, top=self.serve.max_logprobs)
+            r.take_prompt_scores(jax.device_get(scores), c.start, c.length)
+        else:
+            self.state, logits = self._prefill(*args, cfg=self.cfg)
+        if self.draft_cfg is not None:  # every sequence: a prefix page may later serve one that speculates
+            self.spec = self._prefill_draft(
+                self.draft_params, self.spec, self.state.cache, c.slot, tokens, positions, draft_cfg=self.draft_cfg
+            )
+        self.stats.prefilled(c.length, recomputed=c.recompute)
+        if c.last and r.sampling.max_new_tokens > 0:
+            self._activate_slot(r, c.slot, logits)
+
+    def _activate_slot(self, r: Request, slot: int, logits) -> None:
+        """The slot's decode row from the prompt and the tokens so far (none, or those kept by a preemption)."""
+        row = steps.slot_row(logits, r.prompt, r.tokens, r.sampling, self._stops(r.sampling), self.cfg)
+        self.state = self._activate(self.state, slot, row)
+        n = np.int32(r.sampling.num_speculative_tokens)  # a slot with 0 drafts never reads its history
+        self.spec = self._activate_spec(self.spec, slot, *steps.spec_history(self.cfg, r.sequence), n)
+
+    def _retire_preempted(self, plan: StepPlan) -> None:
+        for p in plan.preemptions:
+            self.state = self._retire(self.state, p.slot)
+            if p.requeued:
+                self.stats.preempted()
+            else:  # it was cancelled or failed meanwhile: it ends
+                self._end(p.request, dropped=True)
+
+    def _decode_chunk(self, plan: StepPlan) -> None:
+        self._push_tables(plan.decode_tables)
+        limit = jnp.int32(self.serve.chunk_steps)
+        w = speculative.window([plan.draft_tokens])
+        if w:
+            self.state, self.spec = self._spec_chunk(
+                self.params, self.state, self.spec, limit, cfg=self.cfg, w=w, draft_params=self.draft_params,
+                draft_cfg=self.draft_cfg,
+            )  # fmt: skip
+            counts = jax.device_get((self.spec.target_steps, self.spec.proposed, self.spec.accepted))
+            self.stats.speculated(*(int(x.sum()) for x in counts))
+        else:
+            self.state = self._chunk(self.params, self.state, limit, cfg=self.cfg)
+        host = HostRows.of(self.state)
+        now = time.perf_counter()
+        for r in plan.decode:
+            if r.status == Status.RUNNING:
+                try:
+                    self._take_tokens(r, host, now)
+                except Exception as e:  # host-side work of one request (decoding, its callback): it alone fails
+                    log.exception("request failed after a decode chunk")
+                    with self.lock:
+                        self.scheduler.fail(r, f"{type(e).__name__}: {str(e)[:200]}")
+
+    def _take_tokens(self, r: Request, host: HostRows, now: float) -> None:
+        """One sequence's new tokens from the chunk's host copy; ends the sequence when it is done."""
+        slot = r.slot
+        new = r.take(host, slot)
+        if new and r.t_first is None:
+            r.t_first = now
+            self.stats.first_token(now - r.t_submit)
+        self.stats.count("generated_tokens_total", len(new))
+        stopped = decode.stop_string_cut(self.tokenizer, r.tokens, r.sampling.stop) is not None
+        if host.done[slot] or stopped:
+            self._finish(r, "stop" if stopped else decode.FINISH_NAMES.get(int(host.finish[slot]), "length"))
+        elif r.on_update is not None:  # the text so far, for those who watch (decoded again at the end)
+            r.text = self.tokenizer.decode(r.tokens)
+            r.on_update(r)
+
+    # --- ending -------------------------------------------------------------------------------------
+
+    def _finish(self, r: Request, reason: str) -> None:
+        r.complete(self.tokenizer, self._stops(r.sampling), reason)
+        self.stats.finished(r.t_submit, r.t_first, r.t_done, len(r.tokens))
+        with self.lock:
+            freed = self.scheduler.update(StepOutput(finished=(r,)))
+        self._end(r, *freed)
+
+    def _end(self, r: Request, slot: int = -1, dropped: bool = False) -> None:
+        """Every sequence ends here, however it ends (the scheduler freed its pages and slot): the slot
+        retired, the client told, waiters woken; a `dropped` one (cancelled or failed) counted once."""
+        if dropped:
+            self.stats.ended(r.status)
+        if slot >= 0:
+            self.state = self._retire(self.state, slot)
+        r.end()
+
+    def _drop_ended(self) -> None:
+        """Ends the sequences cancelled or failed since the last look."""
+        with self.lock:
+            ended = self.scheduler.take_ended()
+        for r, slot in ended:
+            self._end(r, slot, dropped=True)
 
     def _failed_step(self, r: Request | None, what: str, e: Exception) -> None:
         log.exception("engine %s step failed", what)
         message = f"the engine's {what} step failed: {type(e).__name__}: {str(e)[:200]}"
         if r is not None:
             with self.lock:
-                self._mark_failed(r, message)
+                self.scheduler.fail(r, message)
         if r is None or self._state_lost():
             self._recover(message + " (this request was in flight; retry it)")
         self._drop_ended()
@@ -315,198 +386,12 @@ class Engine:
         """True when a failed donated call consumed the device state."""
         return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves((self.state, self.spec)))
 
-    def _admit(self) -> None:
-        with self.lock:
-            for slot, r in enumerate(self.slots):
-                if r is None and self.waiting:
-                    r = self.waiting.popleft()
-                    r.slot, r.status, r.admitted = slot, Status.PREFILL, self.admissions
-                    self.admissions += 1
-                    self.slots[slot] = r
-                    self.prefilling.append(r)
-
-    def _sync_tables(self) -> None:
-        """Pushes the host's page tables to the device when they changed (before a prefill or decode)."""
-        changes = self.paging.tables.take_changes()
-        if changes is not None:
-            self.state = self._set_tables(self.state, *changes)
-
-    def _prefill_one_chunk(self, budget: int) -> int:
-        """Prefills up to `budget` tokens of the first sequence waiting; returns how many it ran."""
-        r = self.prefilling[0]
-        if not r.pages:
-            looked_up = self.paging.take_for_prefill(r, self._running())
-            if looked_up is None:
-                return 0  # too few pages free: it waits for running sequences to finish
-            self.stats.prefix_lookup(*looked_up)
-            r.prefilled = r.cached_tokens
-        seq = r.sequence  # the prompt, and after a preemption the tokens so far
-        n = min(len(seq) - r.prefilled, budget)
-        tokens, positions, targets = steps.prefill_inputs(seq, r.prefilled, n)
-        self._sync_tables()
-        args = (self.params, self.state, r.slot, tokens, positions, n - 1)
-        if r.wants_prompt_scores:
-            self.state, logits, scores = self._prefill_scored(*args, targets, cfg=self.cfg, top=self.serve.max_logprobs)
-            r.take_prompt_scores(jax.device_get(scores), n)
-        else:
-            self.state, logits = self._prefill(*args, cfg=self.cfg)
-        if self.draft_cfg is not None:  # every sequence: a prefix page may later serve one that speculates
-            self.spec = self._prefill_draft(
-                self.draft_params, self.spec, self.state.cache, r.slot, tokens, positions, draft_cfg=self.draft_cfg
-            )
-        r.prefilled += n
-        self.stats.prefilled(n, recomputed=r.preemptions > 0)
-        if r.prefilled < len(seq):
-            return n
-        self.prefilling.popleft()
-        if self.serve.prefix_caching:
-            self.paging.pool.register_prompt(seq, r.pages)
-        self._start_decoding(r, logits)
-        return n
-
-    def _start_decoding(self, r: Request, logits) -> None:
-        if r.sampling.max_new_tokens == 0:  # the prompt only (scored): done once it is in the cache
-            with self.lock:
-                live = r.status == Status.PREFILL
-            if live:
-                self._finish(r, "length")
-            return
-        row = steps.slot_row(logits, r.prompt, r.tokens, r.sampling, self._stops(r.sampling), self.cfg)
-        self.state = self._activate(self.state, r.slot, row)
-        # n-gram drafts look up the prompt and the output so far (a slot with 0 drafts never reads them)
-        history = np.full(steps.history_size(self.cfg), -1, np.int32)
-        history[: len(r.sequence)] = r.sequence
-        n = np.int32(r.sampling.num_speculative_tokens)
-        self.spec = self._activate_spec(self.spec, r.slot, history, np.int32(len(r.sequence)), n)
-        with self.lock:  # a cancel that came during the prefill stands
-            if r.status == Status.PREFILL:
-                r.status = Status.RUNNING
-
-    # --- preemption ---------------------------------------------------------------------------------
-
-    def _holders(self) -> list[Request]:
-        return [r for r in self.slots if r is not None and r.pages]
-
-    def _preempt(self, r: Request) -> None:
-        """Frees a sequence's slot and pages and queues it first again with its tokens so far; one that
-        was cancelled or failed meanwhile ends instead."""
-        with self.lock:
-            if r in self.prefilling:
-                self.prefilling.remove(r)
-            live = r.status in (Status.PREFILL, Status.RUNNING)
-            if live:
-                r.status = Status.WAITING
-                self.waiting.appendleft(r)
-        if not live:
-            self._drop(r)
-            return
-        log.debug("preempting a sequence with %d pages and %d tokens", len(r.pages), len(r.tokens))
-        self._release(r)
-        r.prefilled = r.cached_tokens = 0
-        r.preemptions += 1
-        self.stats.preempted()
-
-    # --- decoding and ending -----------------------------------------------------------------------
-
-    def _decode_chunk(self) -> None:
-        self._sync_tables()
-        limit = jnp.int32(self.serve.chunk_steps)
-        w = speculative.window([r.sampling.num_speculative_tokens for r in self._running()])
-        if w:
-            self.state, self.spec = self._spec_chunk(
-                self.params, self.state, self.spec, limit, cfg=self.cfg, w=w, draft_params=self.draft_params,
-                draft_cfg=self.draft_cfg,
-            )  # fmt: skip
-            self.stats.speculated(*(int(x.sum()) for x in jax.device_get(
-                (self.spec.target_steps, self.spec.proposed, self.spec.accepted)
-            )))  # fmt: skip
-        else:
-            self.state = self._chunk(self.params, self.state, limit, cfg=self.cfg)
-        host = HostRows.of(self.state)
-        now = time.perf_counter()
-        for slot, r in enumerate(self.slots):
-            if r is not None and r.status == Status.RUNNING:
-                try:
-                    self._take_tokens(r, slot, host, now)
-                except Exception as e:  # host-side work of one request (decoding, its callback): it alone fails
-                    log.exception("request failed after a decode chunk")
-                    with self.lock:
-                        self._mark_failed(r, f"{type(e).__name__}: {str(e)[:200]}")
-
-    def _take_tokens(self, r: Request, slot: int, host: HostRows, now: float) -> None:
-        """One slot's new tokens from the chunk's host copy; ends the sequence when it is done."""
-        new = r.take(host, slot)
-        if new and r.t_first is None:
-            r.t_first = now
-            self.stats.first_token(now - r.t_submit)
-        self.stats.count("generated_tokens_total", len(new))
-        stopped = stop_string_cut(self.tokenizer, r.tokens, r.sampling.stop) is not None
-        if host.done[slot] or stopped:
-            self._finish(r, "stop" if stopped else FINISH_NAMES.get(int(host.finish[slot]), "length"))
-        elif r.on_update is not None:  # the text so far, for those who watch (decoded again at the end)
-            r.text = self.tokenizer.decode(r.tokens)
-            r.on_update(r)
-
-    def _finish(self, r: Request, reason: str) -> None:
-        r.complete(self.tokenizer, self._stops(r.sampling), reason)
-        self.stats.finished(r.t_submit, r.t_first, r.t_done, len(r.tokens))
-        with self.lock:
-            r.status = Status.DONE
-        self._end(r)
-
-    def _mark_failed(self, r: Request, message: str) -> None:
-        """(Lock held.) Marks a live sequence failed; the scheduler ends it at its next check."""
-        if r.status in LIVE:
-            r.status, r.error = Status.FAILED, message
-
-    def _end(self, r: Request) -> None:
-        """Every sequence ends here, however it ends: slot and pages back, the client told, waiters woken."""
-        self._release(r)
-        if r.status == Status.CANCELLED:
-            r.finish_reason = "cancelled"
-        elif r.status == Status.FAILED:
-            r.finish_reason = "error"
-        if r.on_update is not None:
-            try:
-                r.on_update(r)
-            except Exception:
-                log.exception("a request's on_update failed as it ended")
-        r.done_event.set()
-
-    def _release(self, r: Request) -> None:
-        self.paging.release(r, r.slot)
-        if r.slot >= 0:
-            self.state = self._retire(self.state, r.slot)
-            self.slots[r.slot] = None
-            r.slot = -1
-
-    def _drop(self, r: Request) -> None:
-        """Ends a cancelled or failed sequence, counted once."""
-        self.stats.ended(r.status)
-        self._end(r)
-
-    def _drop_ended(self) -> None:
-        """Ends the sequences cancelled or failed since the last look."""
-        with self.lock:
-            queued = {id(r): r for r in [*self.waiting, *self.prefilling, *self.slots] if r is not None}
-            ended = [r for r in queued.values() if r.status in (Status.CANCELLED, Status.FAILED)]
-            self.waiting = deque(r for r in self.waiting if r.status in LIVE)
-            self.prefilling = deque(r for r in self.prefilling if r.status in LIVE)
-        for r in ended:
-            self._drop(r)
-
     def _recover(self, message: str) -> None:
         """Fails every sequence in flight and rebuilds the device state, the page pool and the page
         tables from scratch (a failed donated call may have consumed them); waiting requests stay queued."""
         with self.lock:
-            in_flight = list({id(r): r for r in [*self.prefilling, *self.slots] if r is not None}.values())
-            for r in in_flight:
-                self._mark_failed(r, message)
-                r.slot, r.pages = -1, []
-            self.prefilling.clear()
-            self.slots = [None] * self.serve.slots
-        self.paging.reset()
-        self.state = steps.init_state(self.cfg, self.serve, self.pool.num_pages, self.paging.max_pages)
+            in_flight = self.scheduler.reset(message)
+        self.state = steps.init_state(self.cfg, self.serve, self.pool.num_pages, self.max_pages)
         self.spec = self._new_spec()
         for r in in_flight:
             self.stats.ended(Status.FAILED)

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import collections
 import hashlib
-from collections.abc import Callable
 
 import numpy as np
 
-from jaxgen.inference.requests import Request, Status
+from jaxgen.inference.requests import Request
 from jaxgen.inference.sampling import MAX_SPECULATIVE, SamplingError
 
 
@@ -128,6 +127,15 @@ class PagePool:
             if self.refs[p] == 0 and p not in self.hash_of:
                 self.free.append(p)
 
+    def forget(self, pages: list[int]) -> None:
+        """Drops the cache entries of `pages` (their content was never written); held ones free on release."""
+        for p in pages:
+            h = self.hash_of.pop(p, None)
+            if h is not None:
+                del self.cached[h]
+                if self.refs[p] == 0:
+                    self.free.append(p)
+
     def clear_cache(self) -> None:
         """Drops every idle cached page (prefix caching off, or tests)."""
         for h, p in list(self.cached.items()):
@@ -163,11 +171,12 @@ class PageTables:
 
 
 class PagePolicy:
-    """When a sequence takes pages and gives them back, as vLLM does: it takes pages for its prompt and
-    one decode chunk when its prefill starts (keeping back those the running sequences need for their
-    next chunk), then grows page by page as it decodes (`grow`, before each decode chunk: room for
-    `chunk_steps` more tokens, bounded by max_new_tokens and the context). When the pool runs dry, the
-    most recently admitted sequence holding pages is preempted (the engine frees it and queues it again).
+    """When a sequence takes pages and gives them back, as vLLM does, and which pages each holds (the
+    policy owns the lists: `pages_of`). A sequence takes pages for its prompt and one decode chunk when
+    its prefill starts (keeping back those the running sequences need for their next chunk), then grows
+    page by page as it decodes (`extend`, before each decode chunk: room for `chunk_steps` more tokens,
+    bounded by max_new_tokens and the context). Which sequence gives way when the pool runs dry is the
+    scheduler's decision (`jaxgen.inference.scheduler`).
     """
 
     def __init__(self, num_pages: int, page_size: int, slots: int, context: int, chunk_steps: int, prefix: bool):
@@ -177,11 +186,19 @@ class PagePolicy:
         self.max_pages = -(-context // page_size)  # pages one sequence may need at most
         self.pool = PagePool(num_pages, page_size)
         self.tables = PageTables(slots, self.max_pages, page_size)
+        self.held: dict[Request, list[int]] = {}  # each sequence's pages, in position order
 
     def reset(self) -> None:
-        """A fresh pool and tables (the engine rebuilt its device state)."""
+        """A fresh pool and tables, nothing held (the engine rebuilt its device state)."""
         self.pool = PagePool(self.pool.num_pages, self.page_size)
         self.tables = PageTables(self.slots, self.max_pages, self.page_size)
+        self.held.clear()  # cleared, not replaced: Requests read it (`Request.pages`)
+
+    def pages_of(self, r: Request) -> list[int]:
+        return self.held.get(r, [])
+
+    def holds(self, r: Request) -> bool:
+        return bool(self.held.get(r))
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -200,40 +217,48 @@ class PagePolicy:
         """Pages a sequence lacks for its next decode chunk (its prefill's, before it ran)."""
         position = len(r.prompt) + len(r.tokens)  # of its next token
         need = min(position + self.chunk_steps + spec_margin(r), r.limit(self.context))
-        return max(0, self.pages_for(need) - len(r.pages))
+        return max(0, self.pages_for(need) - len(self.pages_of(r)))
 
     def take_for_prefill(self, r: Request, running: list[Request]) -> tuple[int, int] | None:
-        """Pages for a sequence's prefill and first decode chunk (shared prefix pages first); returns
-        (tokens looked up in the prefix cache, tokens found), or None when too few pages are free."""
+        """Pages for a sequence's prefill and first decode chunk (shared prefix pages first) in slot
+        `r.slot`; returns (tokens looked up in the prefix cache, tokens found), or None when too few
+        pages are free."""
         # a prompt being scored runs whole: cached pages would skip the positions it asks about
         seq = r.sequence if self.prefix and not r.wants_prompt_scores else []
         need = min(len(r.sequence) + self.chunk_steps + spec_margin(r), r.limit(self.context))
         try:
-            r.pages, r.cached_tokens = self.pool.allocate(seq, need, reserve=sum(self.short(q) for q in running))
+            pages, cached = self.pool.allocate(seq, need, reserve=sum(self.short(q) for q in running))
         except PagesExhausted:
             return None
-        self.tables.assign(r.slot, r.pages)
-        return len(seq), r.cached_tokens
+        self.held[r] = pages
+        self.tables.assign(r.slot, pages)
+        return len(seq), cached
 
-    def grow(self, running: list[Request], holders: Callable[[], list[Request]], preempt: Callable[[Request], None]):
-        """Room for the next decode chunk for each running sequence, oldest first; when the pool runs dry,
-        `preempt` the latest admitted of `holders()` (perhaps the one growing: the oldest always fits)."""
-        for r in sorted(running, key=lambda r: r.admitted):
-            while r.status == Status.RUNNING and (short := self.short(r)) > 0:
-                try:
-                    r.pages += self.pool.extend(short)
-                except PagesExhausted:
-                    preempt(max(holders(), key=lambda q: q.admitted))
-                    continue
-                self.tables.assign(r.slot, r.pages)
+    def extend(self, r: Request) -> bool:
+        """Room for a running sequence's next decode chunk; False (nothing taken) when the pool is dry."""
+        try:
+            self.held[r] = self.pages_of(r) + self.pool.extend(self.short(r))
+        except PagesExhausted:
+            return False
+        self.tables.assign(r.slot, self.held[r])
+        return True
+
+    def register(self, r: Request) -> None:
+        """A sequence whose prefill completes in the step being planned: its whole prompt pages become
+        prefix-cache entries now, so a later chunk of the same step may share them (chunks run in order)."""
+        self.pool.register_prompt(r.sequence, self.held[r])
+
+    def forget(self, r: Request) -> None:
+        """Drops the prefix-cache entries of a sequence's pages (a prefill that did not run)."""
+        self.pool.forget(self.pages_of(r))
 
     def release(self, r: Request, slot: int) -> None:
         """A sequence gives back its pages; its slot's table row is cleared."""
         if slot >= 0:
             self.tables.assign(slot, [])
-        if r.pages:
-            self.pool.release(r.pages)
-            r.pages = []
+        pages = self.held.pop(r, None)
+        if pages:
+            self.pool.release(pages)
 
 
 def spec_margin(r: Request) -> int:

@@ -1,20 +1,25 @@
-"""A sequence in the serving engine: its `Request` record, its `Status`, and the engine's errors.
+"""A sequence in the serving engine: its `Request` record, its `Status`, the engine's errors and the
+fixed limits it checks a request against (`check_limits`).
 
-The engine (`jaxgen.inference.engine`) writes a request's progress; clients read it (`result()`, `text`,
-`tokens`, `finish_reason`, `done_event`) and may be called back after each decode chunk (`on_update`).
+The engine and its scheduler (`jaxgen.inference.engine`, `.scheduler`) write a request's progress (its
+pages are the page policy's: `Request.pages` reads them); clients read it (`result()`, `text`, `tokens`,
+`finish_reason`, `done_event`) and may be called back after each decode chunk (`on_update`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from jaxgen.inference.decode import Completion, HostRows, finish_row
-from jaxgen.inference.sampling import SamplingConfig
+from jaxgen.inference.sampling import MAX_STOP_SEQUENCE, SamplingConfig, SamplingError
 from jaxgen.inference.scoring import prompt_entries
+
+log = logging.getLogger(__name__)
 
 
 class Status(str, enum.Enum):
@@ -41,6 +46,17 @@ class RequestFailed(RuntimeError):
     """A request ended with an error (`Request.error`), not with a completion."""
 
 
+def check_limits(c: SamplingConfig, stops: list[tuple[int, ...]], max_logprobs: int) -> None:
+    """SamplingError for settings past the engine's fixed limits: more log-probabilities than `max_logprobs`
+    (serve.max_logprobs), a stop token sequence longer than MAX_STOP_SEQUENCE."""
+    for name, value in (("logprobs", c.logprobs), ("prompt_logprobs", c.prompt_logprobs or 0)):
+        if value > max_logprobs:
+            raise SamplingError(f"{name}={value} is not allowed: at most {max_logprobs} (serve.max_logprobs)", name)
+    if any(len(q) > MAX_STOP_SEQUENCE for q in stops):
+        message = f"a stop token sequence is longer than {MAX_STOP_SEQUENCE} tokens"
+        raise SamplingError(message, "stop_token_sequences")
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     """One sequence in the engine (a request with n samples is n of these)."""
@@ -55,7 +71,6 @@ class Request:
     slot: int = -1
     admitted: int = -1  # the order it last got a slot in (the most recent is preempted first)
     preemptions: int = 0
-    pages: list[int] = dataclasses.field(default_factory=list)
     prefilled: int = 0  # tokens of `sequence` in the cache
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
@@ -70,6 +85,13 @@ class Request:
     t_first: float | None = None
     t_done: float | None = None
     done_event: threading.Event = dataclasses.field(default_factory=threading.Event)
+    # the page policy's lists (`PagePolicy.held`), lent by the scheduler that queues it
+    held: Mapping[Request, list[int]] = dataclasses.field(default_factory=dict, repr=False)
+
+    @property
+    def pages(self) -> list[int]:
+        """The KV-cache pages it holds now, in position order (a copy; [] when it holds none)."""
+        return list(self.held.get(self, ()))
 
     @property
     def sequence(self) -> list[int]:
@@ -86,11 +108,11 @@ class Request:
         (a preempted sequence keeps those it has)."""
         return self.sampling.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt)
 
-    def take_prompt_scores(self, scores, n: int) -> None:
-        """Appends the prompt log-probabilities of a scored prefill chunk of `n` tokens (from `prefilled`)."""
-        if self.prefilled == 0:
+    def take_prompt_scores(self, scores, start: int, n: int) -> None:
+        """Appends the prompt log-probabilities of a scored prefill chunk of `n` tokens from `start`."""
+        if start == 0:
             self.prompt_logprobs, self.prompt_top_logprobs = [None], [None]  # nothing predicts the first token
-        k = min(n, len(self.prompt) - 1 - self.prefilled)  # chunk positions whose next token is in the prompt
+        k = min(n, len(self.prompt) - 1 - start)  # chunk positions whose next token is in the prompt
         lps, tops = prompt_entries(
             scores.logprobs[0, :k], scores.top_ids[0, :k], scores.top_logprobs[0, :k], self.sampling.prompt_logprobs
         )
@@ -113,6 +135,20 @@ class Request:
         self.tokens, self.logprobs = self.tokens[:keep], self.logprobs[:keep]
         self.top_logprobs = self.top_logprobs[:keep]
         self.t_done = time.perf_counter()
+
+    def end(self) -> None:
+        """Its end, however it ended (the engine freed its slot and pages): the finish reason of a cancelled
+        or failed one, the client told (`on_update`), waiters woken."""
+        if self.status == Status.CANCELLED:
+            self.finish_reason = "cancelled"
+        elif self.status == Status.FAILED:
+            self.finish_reason = "error"
+        if self.on_update is not None:
+            try:
+                self.on_update(self)
+            except Exception:
+                log.exception("a request's on_update failed as it ended")
+        self.done_event.set()
 
     def result(self, timeout: float | None = None) -> Completion:
         """The completion; RequestFailed for a failed request (a cancelled one returns what it had)."""

@@ -9,14 +9,16 @@
     decode_chunk(params, state, limit, cfg) -> state           up to `limit` decode steps, every active slot
     init_spec(cfg, serve, draft_cfg=None, num_pages=0, max_pages=0) -> spec   speculative decoding's state
     activate_spec(spec, slot, history, length, num_spec) -> spec   a slot's prompt and output so far
+                                                               (`spec_history`)
     prefill_draft_chunk(draft_params, spec, cache, slot, tokens, positions, draft_cfg) -> spec
                                                                the draft model's prefill of the same chunk
     decode_chunk_speculative(params, state, spec, limit, cfg, w, draft_params, draft_cfg) -> (state, spec)
                                                                with n-gram or draft-model drafts
 
 The state is the `DecodeState` of `jaxgen.generate`, its cache a `PagedCache`. The scheduler
-(`jaxgen.inference.engine`) decides what to run; these functions only run it, and per-request values
-are arrays, so nothing a request asks for recompiles them. `slot_row` builds a slot's row on the host.
+(`jaxgen.inference.scheduler`) decides what to run and the engine runs it through these functions;
+per-request values are arrays, so nothing a request asks for recompiles them. `slot_row` builds a
+slot's row on the host.
 """
 
 from __future__ import annotations
@@ -30,10 +32,8 @@ from jaxgen import model
 from jaxgen.config import ModelConfig, ServeConfig
 from jaxgen.inference import scoring, speculative
 from jaxgen.inference.decode import FINISH_LENGTH, MAX_STOPS, RUNNING, DecodeState, bucket, decode_loop
-from jaxgen.inference.sampling import MAX_SPECULATIVE, SamplingArrays, SamplingConfig
-from jaxgen.model.paged import PagedCache
-
-STOP_LEN = 8  # the longest stop token sequence a request may give
+from jaxgen.inference.sampling import MAX_SPECULATIVE, MAX_STOP_SEQUENCE, SamplingArrays, SamplingConfig
+from jaxgen.model.paged import PagedCache, page_bytes
 
 
 @flax.struct.dataclass
@@ -44,8 +44,8 @@ class SlotRow:
     position: jax.Array  # () int32, the position the next token takes
     generated: jax.Array  # () int32, tokens generated so far (seeded draws are keyed by it)
     max_new: jax.Array  # () int32
-    stop_seqs: jax.Array  # (MAX_STOPS, STOP_LEN) int32, right-aligned, -1 padded
-    recent: jax.Array  # (STOP_LEN,) int32, the last generated tokens (-1 before any)
+    stop_seqs: jax.Array  # (MAX_STOPS, MAX_STOP_SEQUENCE) int32, right-aligned, -1 padded
+    recent: jax.Array  # (MAX_STOP_SEQUENCE,) int32, the last generated tokens (-1 before any)
     seen: jax.Array  # (V,) bool, tokens in the prompt or the output
     counts: jax.Array  # (V,) int32, occurrences in the output
     sampling: SamplingArrays  # rows of one
@@ -56,12 +56,12 @@ def slot_row(logits, prompt: list[int], tokens: list[int], c: SamplingConfig, st
     when it was preempted): the penalties' state, the stop window and the draw index as if it had
     decoded without a break."""
     v = cfg.vocab_size
-    stop_seqs = np.full((MAX_STOPS, STOP_LEN), -1, np.int32)
+    stop_seqs = np.full((MAX_STOPS, MAX_STOP_SEQUENCE), -1, np.int32)
     for j, seq in enumerate(stops):
-        stop_seqs[j, STOP_LEN - len(seq) :] = seq
-    recent = np.full(STOP_LEN, -1, np.int32)
-    last = tokens[-STOP_LEN:]
-    recent[STOP_LEN - len(last) :] = last
+        stop_seqs[j, MAX_STOP_SEQUENCE - len(seq) :] = seq
+    recent = np.full(MAX_STOP_SEQUENCE, -1, np.int32)
+    last = tokens[-MAX_STOP_SEQUENCE:]
+    recent[MAX_STOP_SEQUENCE - len(last) :] = last
     seen = np.zeros(v, bool)
     seen[prompt] = True
     seen[tokens] = True
@@ -89,7 +89,8 @@ def init_state(cfg: ModelConfig, serve: ServeConfig, num_pages: int, max_pages: 
         logits=jnp.zeros((b, v), jnp.float32), positions=jnp.zeros((b,), jnp.int32),
         done=jnp.ones((b,), bool), generated=jnp.zeros((b,), jnp.int32),
         finish=jnp.full((b,), FINISH_LENGTH, jnp.int32), max_new=jnp.zeros((b,), jnp.int32),
-        stop_seqs=jnp.full((b, MAX_STOPS, STOP_LEN), -1, jnp.int32), recent=jnp.full((b, STOP_LEN), -1, jnp.int32),
+        stop_seqs=jnp.full((b, MAX_STOPS, MAX_STOP_SEQUENCE), -1, jnp.int32),
+        recent=jnp.full((b, MAX_STOP_SEQUENCE), -1, jnp.int32),
         seen=jnp.zeros((b, v), bool), counts=jnp.zeros((b, v), jnp.int32),
         sampling=jax.tree.map(jnp.asarray, SamplingArrays.stack([idle] * b, v)), cache=cache,
     )  # fmt: skip
@@ -168,6 +169,22 @@ def decode_chunk(params, state: DecodeState, limit, cfg: ModelConfig) -> DecodeS
 
 def history_size(cfg: ModelConfig) -> int:
     return cfg.max_seq_len + MAX_SPECULATIVE + 1
+
+
+def spec_history(cfg: ModelConfig, sequence: list[int]) -> tuple[np.ndarray, np.int32]:
+    """A slot's n-gram lookup history (S,) int32, -1 padded, and its length: the prompt and output so far."""
+    history = np.full(history_size(cfg), -1, np.int32)
+    history[: len(sequence)] = sequence
+    return history, np.int32(len(sequence))
+
+
+def pool_pages(cfg: ModelConfig, serve: ServeConfig, draft_cfg: ModelConfig | None = None) -> int:
+    """Pages in the pool: `serve.num_pages`, or as many as `serve.kv_memory_gb` holds (with a draft model,
+    a page of each pool)."""
+    per_page = page_bytes(cfg, serve.page_size, serve.cache_dtype)
+    if draft_cfg is not None:
+        per_page += page_bytes(draft_cfg, serve.page_size, serve.cache_dtype)
+    return serve.num_pages or int(serve.kv_memory_gb * 2**30 // per_page)
 
 
 def init_spec(cfg: ModelConfig, serve: ServeConfig, draft_cfg: ModelConfig | None = None, num_pages: int = 0,

@@ -1,0 +1,274 @@
+"""The engine's scheduler: every decision of a step, made on the host with no device call (as vLLM v1
+splits its engine); the engine (`jaxgen.inference.engine`) runs the plan through the jitted steps.
+
+    plan = scheduler.schedule()                       # StepPlan: admissions, prefill chunks, preemptions, decode set
+    ...                                               # the engine runs it
+    freed = scheduler.update(StepOutput(prefilled=..., finished=...))   # bookkeeping; slots to retire
+
+A step's decisions, in order: waiting requests take free slots, first come first served; prefill chunks
+fill up to `prefill_chunk` tokens over the sequences in prefill, oldest first (several short prompts, or
+one chunk of a long one: running sequences wait at most one chunk); a sequence takes its pages when its
+prefill starts (prefix-cache pages first, keeping back what the running sequences need for their next
+decode chunk, and room for a draft window when it speculates: `pages.spec_margin`); then every running
+sequence, oldest first, grows room for its next decode chunk, and when the pool runs dry the most
+recently admitted sequence holding pages is preempted: back to the front of the queue with its tokens,
+readmitted later to prefill prompt + tokens again and decode on where it stopped.
+
+The page policy (`jaxgen.inference.pages.PagePolicy`) owns the page lists. Not thread-safe: the engine
+calls it with its lock held (submit and cancel come from other threads). It imports nothing of JAX, so
+its tests drive it with plain Requests and compile nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import deque
+
+import numpy as np
+
+from jaxgen.inference.pages import PagePolicy
+from jaxgen.inference.requests import LIVE, Request, Status
+
+log = logging.getLogger(__name__)
+Tables = tuple[np.ndarray, np.ndarray]  # every slot's page table row (B, M) and capacity in tokens (B,)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillChunk:
+    """`length` tokens of `request.sequence` from `start` into slot `slot`'s pages."""
+
+    request: Request
+    slot: int
+    start: int
+    length: int
+    last: bool  # it completes the prefill: the sequence decodes from the next step on
+    recompute: bool  # a preempted sequence's tokens, prefilled again
+    took_pages: bool = False  # its pages were taken for it in this step
+    looked_up: int = 0  # then: prompt tokens looked up in the prefix cache
+    hits: int = 0  # and tokens found there (`start` skips them)
+
+
+@dataclasses.dataclass(frozen=True)
+class Preemption:
+    request: Request
+    slot: int  # its slot, freed: the engine retires it before decoding
+    requeued: bool  # False: it was cancelled or failed meanwhile, and ends instead
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """One engine step, decided: the engine runs the prefills in order, retires the preempted slots, then
+    decodes one chunk for `decode`, pushing each table snapshot (None: unchanged) before its phase."""
+
+    admissions: tuple[tuple[Request, int], ...] = ()  # (request, slot)
+    prefills: tuple[PrefillChunk, ...] = ()
+    prefill_tables: Tables | None = None
+    preemptions: tuple[Preemption, ...] = ()
+    decode: tuple[Request, ...] = ()  # the sequences that decode a chunk, by slot
+    decode_tables: Tables | None = None
+    draft_tokens: int = 0  # the most drafts a step any decoding sequence asks for (0: plain decoding)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    """What the engine ran of a plan, and which sequences it finished."""
+
+    prefilled: tuple[PrefillChunk, ...] = ()  # the chunks that ran, in order
+    failed: PrefillChunk | None = None  # the chunk that raised (its request marked failed)
+    skipped: tuple[PrefillChunk, ...] = ()  # the chunks after it, which did not run
+    finished: tuple[Request, ...] = ()  # sequences done (a stop, their length)
+
+
+class Scheduler:
+    """The queues, the slots and the decisions of each step; see the module docstring."""
+
+    def __init__(self, policy: PagePolicy, prefill_chunk: int):
+        self.policy, self.prefill_chunk = policy, prefill_chunk
+        self.slots: list[Request | None] = [None] * policy.slots
+        self.waiting: deque[Request] = deque()
+        self.prefilling: deque[Request] = deque()
+        self.admissions = 0  # slots given so far: each admission's order (preemption takes the latest)
+
+    # --- the queues ---------------------------------------------------------------------------------
+
+    def check(self, prompt_len: int, max_new: int) -> None:
+        """PageError for a request that could never fit, even alone in the whole pool."""
+        self.policy.check(prompt_len, max_new)
+
+    def add(self, requests: list[Request]) -> None:
+        for r in requests:
+            r.held = self.policy.held  # so `r.pages` reads the policy's list
+        self.waiting.extend(requests)
+
+    def idle(self) -> bool:
+        return not self.waiting and not self.prefilling and all(r is None for r in self.slots)
+
+    def queue_length(self) -> int:
+        return len(self.waiting) + len(self.prefilling)
+
+    def running(self) -> list[Request]:
+        return [r for r in self.slots if r is not None and r.status == Status.RUNNING]
+
+    def holders(self) -> list[Request]:
+        return [r for r in self.slots if r is not None and self.policy.holds(r)]
+
+    def cancel(self, r: Request) -> None:
+        """Stops a live request; its slot and pages are freed when the engine next takes the ended."""
+        if r.status in LIVE:
+            r.status = Status.CANCELLED
+
+    def fail(self, r: Request, message: str) -> None:
+        if r.status in LIVE:
+            r.status, r.error = Status.FAILED, message
+
+    def fail_queued(self, message: str) -> None:
+        """Fails every sequence that has not started decoding."""
+        for r in [*self.waiting, *self.prefilling]:
+            self.fail(r, message)
+
+    def fail_all(self, message: str) -> None:
+        for r in [*self.waiting, *self.slots]:  # preempted ones went back to waiting
+            if r is not None:
+                self.fail(r, message)
+
+    def take_ended(self) -> list[tuple[Request, int]]:
+        """The sequences cancelled or failed since the last look, out of the queues, their pages and slot
+        freed: (request, the slot it held or -1), for the engine to retire and tell."""
+        queued = {id(r): r for r in [*self.waiting, *self.prefilling, *self.slots] if r is not None}
+        ended = [r for r in queued.values() if r.status in (Status.CANCELLED, Status.FAILED)]
+        self.waiting = deque(r for r in self.waiting if r.status in LIVE)
+        self.prefilling = deque(r for r in self.prefilling if r.status in LIVE)
+        return [(r, self.release(r)) for r in ended]
+
+    def release(self, r: Request) -> int:
+        """A sequence gives back its pages and slot; returns the slot (-1: it held none)."""
+        slot = r.slot
+        self.policy.release(r, slot)
+        if slot >= 0:
+            self.slots[slot] = None
+            r.slot = -1
+        return slot
+
+    def reset(self, message: str) -> list[Request]:
+        """Fails every sequence in flight and empties the slots and the page pool (the engine rebuilds
+        its device state); waiting requests stay queued. Returns those in flight."""
+        in_flight = list({id(r): r for r in [*self.prefilling, *self.slots] if r is not None}.values())
+        for r in in_flight:
+            self.fail(r, message)
+            r.slot = -1
+        self.prefilling.clear()
+        self.slots = [None] * len(self.slots)
+        self.policy.reset()
+        return in_flight
+
+    # --- one step -----------------------------------------------------------------------------------
+
+    def admit(self) -> list[tuple[Request, int]]:
+        """Waiting requests into free slots, first come first served."""
+        admitted = []
+        for slot, r in enumerate(self.slots):
+            if r is None and self.waiting:
+                r = self.waiting.popleft()
+                r.slot, r.status, r.admitted = slot, Status.PREFILL, self.admissions
+                self.admissions += 1
+                self.slots[slot] = r
+                self.prefilling.append(r)
+                admitted.append((r, slot))
+        return admitted
+
+    def schedule(self) -> StepPlan:
+        """The next step's plan (see the module docstring); pages are taken and freed here."""
+        admissions = self.admit()
+        running = self.running()
+        prefills = self._plan_prefills(running)
+        prefill_tables = self.policy.tables.take_changes()
+        preemptions = self._grow(running)
+        decode = tuple(r for r in self.slots if r is not None and any(r is q for q in running))
+        return StepPlan(
+            tuple(admissions), tuple(prefills), prefill_tables, tuple(preemptions), decode,
+            self.policy.tables.take_changes(), max((r.sampling.num_speculative_tokens for r in decode), default=0),
+        )  # fmt: skip
+
+    def _plan_prefills(self, running: list[Request]) -> list[PrefillChunk]:
+        """Chunks of up to `prefill_chunk` tokens in all, oldest first; a sequence whose prefill completes
+        joins `running` (its prompt pages registered now: a later chunk of this step may share them)."""
+        chunks, budget = [], self.prefill_chunk
+        for r in list(self.prefilling):
+            if budget <= 0:
+                break
+            took, looked_up, hits = not self.policy.holds(r), 0, 0
+            if took:
+                taken = self.policy.take_for_prefill(r, running)
+                if taken is None:
+                    break  # too few pages free: it waits for running sequences to finish
+                looked_up, hits = taken
+                r.prefilled = r.cached_tokens = hits
+            n = min(len(r.sequence) - r.prefilled, budget)
+            last = r.prefilled + n == len(r.sequence)
+            chunks.append(PrefillChunk(r, r.slot, r.prefilled, n, last, r.preemptions > 0, took, looked_up, hits))
+            budget -= n
+            if last and self.policy.prefix:
+                self.policy.register(r)
+            if last and r.sampling.max_new_tokens > 0:  # with none, it only scores the prompt
+                running.append(r)
+        return chunks
+
+    def _grow(self, running: list[Request]) -> list[Preemption]:
+        """Room for the next decode chunk for each running sequence, oldest first; when the pool runs dry
+        the latest admitted sequence holding pages is preempted (perhaps the one growing: the oldest
+        always fits, `check`)."""
+        preemptions = []
+        for r in sorted(running, key=lambda q: q.admitted):
+            while any(r is q for q in running) and self.policy.short(r) > 0:
+                if not self.policy.extend(r):
+                    victim = max(self.holders(), key=lambda q: q.admitted)
+                    preemptions.append(self.preempt(victim))
+                    running[:] = [q for q in running if q is not victim]
+        return preemptions
+
+    def preempt(self, r: Request) -> Preemption:
+        """Frees a sequence's slot and pages and queues it first again with its tokens so far; one that
+        was cancelled or failed meanwhile ends instead."""
+        if r in self.prefilling:
+            self.prefilling.remove(r)
+        live = r.status in (Status.PREFILL, Status.RUNNING)
+        log.debug("preempting a sequence with %d pages and %d tokens", len(self.policy.pages_of(r)), len(r.tokens))
+        slot = self.release(r)
+        if live:
+            r.status = Status.WAITING
+            self.waiting.appendleft(r)
+            r.prefilled = r.cached_tokens = 0
+            r.preemptions += 1
+        return Preemption(r, slot, live)
+
+    def update(self, out: StepOutput) -> list[int]:
+        """Moves the bookkeeping on by what ran; returns the slots freed (for the engine to retire)."""
+        for c in out.prefilled:
+            r = c.request
+            if not self.policy.holds(r):
+                continue  # preempted in the same plan: it prefills again from the start
+            r.prefilled = c.start + c.length
+            if c.last:
+                self.prefilling.remove(r)
+                if r.status == Status.PREFILL:  # a cancel that came during the prefill stands
+                    r.status = Status.RUNNING
+        if out.failed is not None:
+            self._undo(out.failed, out.skipped)
+        freed = []
+        for r in out.finished:
+            r.status = Status.DONE
+            freed.append(self.release(r))
+        return [s for s in freed if s >= 0]
+
+    def _undo(self, failed: PrefillChunk, skipped: tuple[PrefillChunk, ...]) -> None:
+        """After a failed prefill chunk, what the plan assumed of it and of the chunks after it: their
+        prefix-cache entries (never written) go, and pages taken for a chunk that did not run go back."""
+        for c in (failed, *skipped):
+            if c.last and self.policy.holds(c.request):
+                self.policy.forget(c.request)
+        for c in skipped:
+            if c.took_pages and self.policy.holds(c.request):
+                self.policy.release(c.request, c.slot)
+                c.request.prefilled = c.request.cached_tokens = 0
+        self.policy.tables.changed = True  # the decode phase's tables were not pushed
