@@ -165,22 +165,16 @@ def main(argv: list[str] | None = None) -> int:
         except SamplingError as e:
             parser.error(str(e))
     from jaxgen.inference.engine import Engine
+    from jaxgen.inference.loading import load_for_serving
     from jaxgen.runtime import enable_compilation_cache
-    from jaxgen.training.checkpoint import load_draft, load_model
 
     enable_compilation_cache()
     try:
         mesh = _engine_mesh(settings)  # a ConfigError is a ValueError
-        s = settings.serve
-        cfg, tokenizer, params = load_model(
-            args.checkpoint, mesh, param_dtype=s.param_dtype, quantize=s.quantize,
-            quantize_embedding=s.quantize_embedding,
-        )  # fmt: skip
-        draft = None
-        if s.draft is not None:
-            draft = load_draft(s.draft, tokenizer, mesh, param_dtype=s.param_dtype, quantize=s.quantize,
-                               quantize_embedding=s.quantize_embedding)  # fmt: skip
-        engine = Engine(params, cfg, tokenizer, settings.serve, mesh=mesh if mesh.size > 1 else None, draft=draft)
+        m = load_for_serving(args.checkpoint, settings.serve, mesh)
+        engine = Engine(
+            m.params, m.cfg, m.tokenizer, settings.serve, mesh=mesh if mesh.size > 1 else None, draft=m.draft
+        )
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -1,7 +1,10 @@
 """Inference: sampling, the decode loop, Generator, beam search and the continuous-batching engine.
 
 sampling.py    per-request settings (the one validation every door shares) and the sampling function
-generator.py   the decode core (DecodeState, the while_loop, finishing a row) and Generator
+decode.py      the decode core: DecodeState, prefill, the while_loop, recording tokens, finishing a row
+generator.py   Generator: static batches through the decode core, the tool beneath LLM
+llm.py         LLM, the Python front door: a model loaded once, generate / stream / score on the engine
+loading.py     loading for inference: run and Hugging Face folders, int8 weights, the draft model
 beam.py        beam search
 speculative.py speculative decoding with n-gram drafts (the Generator's speculating loop)
 scoring.py     log-probabilities of known tokens (score, prompt logprobs), the head run in blocks

@@ -411,7 +411,7 @@ def generate(
     """One-shot generation. `source` is a run folder written by train.py (its latest checkpoint), a
     Hugging Face model folder, or params given with their `cfg` and `tokenizer`. kwargs go to `Generator`."""
     if isinstance(source, str | Path):
-        from jaxgen.training.checkpoint import load_model  # the checkpoint stack only when a folder is given
+        from jaxgen.inference.loading import load_model  # the checkpoint reader only when a folder is given
 
         cfg, tokenizer, source = load_model(source)
     if cfg is None or tokenizer is None:
