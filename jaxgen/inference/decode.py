@@ -116,6 +116,17 @@ def upload(tree):
     return tree
 
 
+def padded(seqs, rows: int, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Token ids and positions (rows, length) of `seqs`, right-padded with position -1, and their lengths
+    (rows,) (1 for the filler rows past the last sequence): `prefill`'s prompts."""
+    tokens = np.zeros((rows, length), np.int32)
+    positions = np.full((rows, length), -1, np.int32)
+    lengths = np.ones((rows,), np.int32)
+    for i, q in enumerate(seqs):
+        tokens[i, : len(q)], positions[i, : len(q)], lengths[i] = q, np.arange(len(q)), len(q)
+    return tokens, positions, lengths
+
+
 def prefill(params, tokens, positions, rows, lengths, cfg: ModelConfig, cache_len: int, cache_dtype: str):
     """Runs the unique prompts once, then gathers cache rows for every sample (n per prompt).
 
