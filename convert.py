@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("out_dir must differ from run_dir")
 
     from jaxgen import hf
-    from jaxgen.training.checkpoint import load_run
+    from jaxgen.inference.loading import load_run
 
     try:
         cfg, tokenizer, params = load_run(args.run_dir, step=args.step)

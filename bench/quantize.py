@@ -90,7 +90,7 @@ def speed_table(name: str, batches: list[int]) -> None:
 
 
 def perplexity_table(run: Path) -> None:
-    from jaxgen.training.checkpoint import load_model
+    from jaxgen.inference.loading import load_model
 
     cfg, tok, params = load_model(run)
     text = (ROOT / "README.md").read_text()

@@ -38,9 +38,9 @@ from pathlib import Path
 
 from jaxgen.config import load_config
 from jaxgen.inference.generator import Generator, GeneratorConfig
+from jaxgen.inference.loading import load_model
 from jaxgen.inference.sampling import SamplingConfig
 from jaxgen.tokenizer import Tokenizer
-from jaxgen.training.checkpoint import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAD = 8  # tokens of the copy in the prompt: the rest is to be reproduced

@@ -14,9 +14,9 @@ initialize(DistributedConfig())
 import jax  # noqa: E402
 
 from jaxgen.inference.generator import Generator  # noqa: E402
+from jaxgen.inference.loading import load_run  # noqa: E402
 from jaxgen.inference.sampling import SamplingConfig  # noqa: E402
 from jaxgen.sharding import make_mesh  # noqa: E402
-from jaxgen.training.checkpoint import load_run  # noqa: E402
 
 PROMPTS = ["def main(", "import os\n", "class Config:", "x"]
 CONFIGS = [SamplingConfig(max_new_tokens=12, temperature=t, seed=7) for t in (0.0, 0.9, 0.0, 1.2)]

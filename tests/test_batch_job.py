@@ -11,10 +11,10 @@ import pytest
 
 from jaxgen.config import MeshConfig, ServeConfig
 from jaxgen.inference.engine import Engine
+from jaxgen.inference.loading import load_run
 from jaxgen.inference.sampling import SamplingArrays, SamplingConfig
 from jaxgen.serving.batch_job import run_job
 from jaxgen.sharding import make_mesh
-from jaxgen.training.checkpoint import load_run
 from tests.conftest import ROOT
 
 

@@ -12,9 +12,10 @@ import pytest
 
 import train
 from jaxgen.config import ConfigError, MeshConfig, load_config
+from jaxgen.inference.loading import load_run
 from jaxgen.sharding import make_mesh
 from jaxgen.training import trainer
-from jaxgen.training.checkpoint import Checkpointer, CheckpointError, load_run
+from jaxgen.training.checkpoint import Checkpointer, CheckpointError
 from jaxgen.training.metrics import MetricsWriter, plot_loss, read_metrics
 
 

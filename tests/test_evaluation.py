@@ -21,9 +21,9 @@ from jaxgen.config import ServeConfig
 from jaxgen.evaluation.harness import JaxgenLM
 from jaxgen.inference.engine import Engine
 from jaxgen.inference.generator import Generator
+from jaxgen.inference.loading import load_model
 from jaxgen.inference.sampling import SamplingConfig
 from jaxgen.serving.server import create_app
-from jaxgen.training.checkpoint import load_model
 from tests.conftest import ROOT
 from tests.live import live_server
 

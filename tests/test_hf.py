@@ -282,7 +282,7 @@ def test_fine_tune_convert_and_serve_from_the_command_lines(family_model, token_
     import serve
     import train
     from jaxgen import model
-    from jaxgen.training.checkpoint import load_run
+    from jaxgen.inference.loading import load_run
 
     _family, _, folder, gen = family_model
     pairs = tmp_path / "pairs.jsonl"
@@ -360,7 +360,7 @@ def test_bfloat16_checkpoint_loads_as_float32_or_as_itself(family_model, tmp_pat
 
 
 def test_run_folder_restores_in_bfloat16_when_asked(tiny_run):
-    from jaxgen.training.checkpoint import load_model
+    from jaxgen.inference.loading import load_model
 
     cfg, _, params = load_model(tiny_run, _one_device(), param_dtype="bfloat16")
     assert cfg.dtype == "bfloat16" and {p.dtype for p in jax.tree.leaves(params)} == {np.dtype(jnp.bfloat16)}

@@ -6,8 +6,8 @@ import pytest
 import jaxgen
 from jaxgen import LLM, RequestOutput, SamplingConfig
 from jaxgen.config import ConfigError
+from jaxgen.inference import loading as checkpoint
 from jaxgen.inference.sampling import SamplingError
-from jaxgen.training import checkpoint
 
 PROMPTS = ["def fib(", "import os\n"]
 CONFIGS = [

@@ -20,8 +20,8 @@ import pytest
 
 from jaxgen.config import ConfigError, DistributedConfig, MeshConfig
 from jaxgen.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, detect, free_port
+from jaxgen.inference.loading import load_run
 from jaxgen.sharding import make_mesh
-from jaxgen.training.checkpoint import load_run
 from tests.conftest import ROOT
 
 STEPS = 24

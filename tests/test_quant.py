@@ -9,12 +9,12 @@ import pytest
 
 from jaxgen import LLM, SamplingConfig, model
 from jaxgen.config import ConfigError, ModelConfig, ServeConfig
+from jaxgen.inference import loading as checkpoint
 from jaxgen.inference.generator import Generator, GeneratorConfig
 from jaxgen.model import quant
 from jaxgen.model.paged import page_bytes
 from jaxgen.model.storage import dequantize_kv, quantize_kv
 from jaxgen.tokenizer import Tokenizer
-from jaxgen.training import checkpoint
 
 CFG = ModelConfig(
     vocab_size=257, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, max_seq_len=128,

@@ -10,8 +10,8 @@ import time
 import jax
 import numpy as np
 
+from jaxgen.inference.loading import load_run
 from jaxgen.sharding import make_mesh
-from jaxgen.training.checkpoint import load_run
 from tests.conftest import ROOT
 
 

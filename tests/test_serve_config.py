@@ -80,7 +80,7 @@ def test_a_training_config_is_refused():
 
 @pytest.mark.parametrize("command", [["http"], ["generate", "--prompt", "x"]])
 def test_a_bad_setting_stops_before_the_checkpoint_loads(command, monkeypatch, capsys):
-    from jaxgen.training import checkpoint
+    from jaxgen.inference import loading as checkpoint
 
     def load_model(*args, **kwargs):
         raise AssertionError("the model loaded before the settings were checked")
@@ -98,7 +98,7 @@ def test_http_settings_reach_the_engine_and_the_server(monkeypatch, tmp_path):
     import jaxgen.inference.engine
     import jaxgen.runtime
     import jaxgen.serving.server
-    from jaxgen.training import checkpoint
+    from jaxgen.inference import loading as checkpoint
 
     seen = {}
 

@@ -97,7 +97,7 @@ def test_the_speculating_loop_updates_the_cache_in_place(rows):
 def test_a_trained_model_keeps_drafts_and_takes_fewer_target_steps(tiny_run):
     """The tiny trained run continuing repetitive code: drafts are kept, so the rows take fewer target
     steps than tokens, and the output is still plain decoding's."""
-    from jaxgen.training.checkpoint import load_model
+    from jaxgen.inference.loading import load_model
 
     cfg, tok, params = load_model(tiny_run)
     gen = Generator(params, cfg, tok, GeneratorConfig(max_batch=2, chunk_steps=32))
@@ -173,7 +173,7 @@ def test_speculative_samples_follow_the_target_distribution(tiny_run):
     """A chi-square test, as for the samplers: 3000 seeded two-token samples with n-gram drafts (the
     second token is the first one a draft is checked for); its frequencies against the exact marginal
     sum_a p(a) p(b | a), computed with the model's forward pass over every first token."""
-    from jaxgen.training.checkpoint import load_model
+    from jaxgen.inference.loading import load_model
 
     cfg, tok, params = load_model(tiny_run)
     prompt = tok.encode("import os\nimport os\nimport", special=False)
@@ -307,8 +307,8 @@ def test_the_engine_with_the_target_as_its_draft_keeps_every_greedy_draft():
 def test_a_draft_model_from_a_folder_must_share_the_tokenizer(tiny_run):
     """LLM(run, draft=run) loads the draft from a folder (serve.draft); another tokenizer is refused
     with the count of tokens that differ, and a shorter context by the engine's check."""
+    from jaxgen.inference.loading import load_draft
     from jaxgen.tokenizer import train_bpe
-    from jaxgen.training.checkpoint import load_draft
 
     llm = LLM(tiny_run, draft=tiny_run, slots=2, num_pages=32)
     assert llm.serve.draft == str(tiny_run) and llm.engine.draft_cfg == llm.cfg

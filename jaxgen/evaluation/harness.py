@@ -52,7 +52,7 @@ class JaxgenLM(TemplateLM):
         if model is None:
             if checkpoint is None:
                 raise ValueError("JaxgenLM needs checkpoint=DIR (a jaxgen run folder or a Hugging Face model folder)")
-            from jaxgen.training.checkpoint import load_model
+            from jaxgen.inference.loading import load_model
 
             model = load_model(checkpoint)
         self.cfg, self.tok, self.params = model  # (ModelConfig, Tokenizer, params), as load_model returns

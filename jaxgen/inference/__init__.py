@@ -1,8 +1,10 @@
 """Inference: sampling, the decode loop, Generator, beam search and the continuous-batching engine.
 
 sampling.py    per-request settings (the one validation every door shares) and the sampling function
-decode.py      the decode core: DecodeState, prefill, the while_loop, finishing a row, Completion
-generator.py   Generator: static batches of ragged prompts, streaming, score; jaxgen.generate
+decode.py      the decode core: DecodeState, prefill, the while_loop, recording tokens, finishing a row
+generator.py   Generator: static batches through the decode core, the tool beneath LLM
+llm.py         LLM, the Python front door: a model loaded once, generate / stream / score on the engine
+loading.py     loading for inference: run and Hugging Face folders, int8 weights, the draft model
 beam.py        beam search
 speculative.py speculative decoding, n-gram or draft-model drafts (the speculating loop of Generator and engine)
 scoring.py     log-probabilities of known tokens (score, prompt logprobs), the head run in blocks
@@ -13,7 +15,6 @@ requests.py    a sequence in the engine (Request), its Status, the engine's erro
 pages.py       the paged cache's host side: free pages, reference counts, prefix cache, the page policy
 stats.py       the engine's statistics in a prometheus_client registry (counters, gauges, histograms)
 textstream.py  exact text deltas for streaming
-llm.py         LLM, the Python front door: load once, then generate / stream / score on the engine
 """
 
 from jaxgen.inference.engine import Engine

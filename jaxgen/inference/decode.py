@@ -116,6 +116,17 @@ def upload(tree):
     return tree
 
 
+def padded(seqs, rows: int, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Token ids and positions (rows, length) of `seqs`, right-padded with position -1, and their lengths
+    (rows,) (1 for the filler rows past the last sequence): `prefill`'s prompts."""
+    tokens = np.zeros((rows, length), np.int32)
+    positions = np.full((rows, length), -1, np.int32)
+    lengths = np.ones((rows,), np.int32)
+    for i, q in enumerate(seqs):
+        tokens[i, : len(q)], positions[i, : len(q)], lengths[i] = q, np.arange(len(q)), len(q)
+    return tokens, positions, lengths
+
+
 def prefill(params, tokens, positions, rows, lengths, cfg: ModelConfig, cache_len: int, cache_dtype: str):
     """Runs the unique prompts once, then gathers cache rows for every sample (n per prompt).
 
@@ -131,6 +142,7 @@ def prefill(params, tokens, positions, rows, lengths, cfg: ModelConfig, cache_le
 
 def decode_loop(params, state: DecodeState, cfg: ModelConfig) -> DecodeState:
     """Decode until every row is done or `state.limit` steps; pure, cache updated in place."""
+    base = state.generated - state.step  # a live row makes one token a step: its token goes to column `step`
 
     def cond(s: DecodeState):
         return (s.step < s.limit) & ~jnp.all(s.done)
@@ -138,39 +150,53 @@ def decode_loop(params, state: DecodeState, cfg: ModelConfig) -> DecodeState:
     def body(s: DecodeState):
         tok = sample(s.logits, s.sampling, s.generated, s.seen, s.counts)  # keyed by (seed, token index)
         tok = jnp.where(s.done, 0, tok)
-        s = _record(s, tok)
+        s = record(s, tok, s.logits, ~s.done, cfg, base, full=s.cache.is_full(s.positions))
         # Finished rows run as padding (position -1): they write nothing anyone reads. (Skipping the
         # forward once every row is done would need a lax.cond, which made XLA copy the whole cache.)
         fed = jnp.where(s.done, -1, s.positions)
         logits, cache = model.forward(params, tok[:, None], fed[:, None], s.cache, cfg=cfg)
         return s.replace(step=s.step + 1, logits=logits[:, 0], positions=s.positions + 1, cache=cache)
 
-    def _record(s: DecodeState, tok) -> DecodeState:
-        """The drawn tokens (B,) written to column `step` with their log-probabilities, the penalties'
-        counts updated, and each row's finish code (a stop sequence, max_new, the cache or the context)."""
-        logp = jax.nn.log_softmax(s.logits, axis=-1)
-        chosen = jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
-        top_lp, top_ids = jax.lax.top_k(logp, s.top_ids.shape[-1])
-
-        def write(buf, x):  # column `step` of a (B, M, ...) buffer
-            return jax.lax.dynamic_update_slice_in_dim(buf, x[:, None], s.step, 1)
-
-        live = ~s.done
-        recent = jnp.concatenate([s.recent[:, 1:], tok[:, None]], axis=1)
-        hit_stop = stop_hit(s.stop_seqs, recent)
-        generated = s.generated + live
-        cache_full = s.cache.is_full(s.positions)  # no room left for this token's keys
-        too_long = (generated >= s.max_new) | cache_full | (s.positions + 1 >= cfg.max_seq_len)
-        finish = jnp.where(live & hit_stop, FINISH_STOP, jnp.where(live & too_long, FINISH_LENGTH, s.finish))
-        rows = jnp.arange(tok.shape[0])
-        return s.replace(
-            generated=generated, tokens=write(s.tokens, tok), logprobs=write(s.logprobs, chosen),
-            top_ids=write(s.top_ids, top_ids), top_logprobs=write(s.top_logprobs, top_lp), finish=finish,
-            done=s.done | (finish != RUNNING), recent=recent,
-            counts=s.counts.at[rows, tok].add(live.astype(jnp.int32)), seen=s.seen.at[rows, tok].max(live),
-        )  # fmt: skip
-
     return jax.lax.while_loop(cond, body, state)
+
+
+def record(s: DecodeState, tok, logits, active, cfg: ModelConfig, base, full=False) -> DecodeState:
+    """`tok` (B,) appended to the rows where `active`, drawn from `logits` (B, V), at each row's column
+    `generated - base` (`base` (B,): the row's `generated` when column 0 was written): its log-probability
+    and alternatives, the penalties' counts, the stop window, and the finish code (a stop sequence,
+    max_new, `full` (B,): no cache room for this token's keys, or the context)."""
+    column = jnp.where(active, s.generated - base, s.tokens.shape[1])  # past the end: dropped
+    recent = jnp.where(active[:, None], jnp.concatenate([s.recent[:, 1:], tok[:, None]], axis=1), s.recent)
+    generated = s.generated + active
+    too_long = (generated >= s.max_new) | full | (s.positions + 1 >= cfg.max_seq_len)
+    finish = finish_code(s.finish, active, stop_hit(s.stop_seqs, recent), too_long)
+    return append(s, jnp.arange(tok.shape[0]), column, tok, logits, active, generated, finish, recent)
+
+
+def append(s: DecodeState, rows, column, tok, logits, kept, generated, finish, recent) -> DecodeState:
+    """The state with `tok` written at (`rows`, `column`) of the token buffers where `kept` (columns past
+    the end are dropped), with its log-probability and top alternatives under `logits` (..., V), the
+    penalties' counts of the kept tokens, and the new `generated`, `finish` and `recent`. `tok` is (B,) for
+    one token a row or (B, W) for a speculative step's drafts (`rows` (B, 1) then)."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(logp, tok[..., None], axis=-1)[..., 0]
+    top_lp, top_ids = jax.lax.top_k(logp, s.top_ids.shape[-1])
+    added = jnp.where(kept, tok, logits.shape[-1])  # out of range: dropped
+
+    def write(buf, x):
+        return buf.at[rows, column].set(x, mode="drop")
+
+    return s.replace(
+        generated=generated, tokens=write(s.tokens, tok), logprobs=write(s.logprobs, chosen),
+        top_ids=write(s.top_ids, top_ids), top_logprobs=write(s.top_logprobs, top_lp), finish=finish,
+        done=s.done | (finish != RUNNING), recent=recent,
+        counts=s.counts.at[rows, added].add(1, mode="drop"), seen=s.seen.at[rows, added].set(True, mode="drop"),
+    )  # fmt: skip
+
+
+def finish_code(finish, active, hit_stop, too_long):
+    """Each row's finish code (B,): a stop sequence wins over a length limit; inactive rows keep theirs."""
+    return jnp.where(active & hit_stop, FINISH_STOP, jnp.where(active & too_long, FINISH_LENGTH, finish))
 
 
 def stop_hit(stop_seqs, recent):

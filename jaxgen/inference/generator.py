@@ -37,13 +37,14 @@ from jaxgen.inference.decode import (
     decode_loop,
     encode_prompt,
     finish_row,
+    padded,
     prefill,
     sample_config,
     stop_sequences,
     stop_string_cut,
     upload,
 )
-from jaxgen.inference.sampling import MAX_LOGPROBS, SamplingArrays, SamplingConfig, SamplingError, check_prompt
+from jaxgen.inference.sampling import SamplingArrays, SamplingConfig, SamplingError
 from jaxgen.sharding import with_mesh
 from jaxgen.tokenizer import Tokenizer
 
@@ -114,11 +115,10 @@ class Generator:
         )
         # speculative decoding so far: target steps and drafts proposed and kept, summed over rows
         self.speculation = {"target_steps": 0, "tokens": 0, "proposed": 0, "accepted": 0}
-        self._score = with_mesh(jax.jit(counted(self, scoring.score_tokens), static_argnames=("cfg", "top")), mesh)
-        statics = ("cfg", "cache_len", "cache_dtype")
-        self._score_after = with_mesh(
-            jax.jit(counted(self, scoring.score_after_prompts), static_argnames=statics), mesh
-        )
+        self.scorer = scoring.Scorer(
+            cfg, tokenizer, self.max_batch, self.cache_dtype,
+            jit=lambda fn, statics: with_mesh(jax.jit(counted(self, fn), static_argnames=statics), mesh),
+        )  # fmt: skip
 
     def prefill(self, tokens, positions, rows, lengths, cache_len: int):
         """The jitted `decode.prefill` on this Generator's params: (cache, next-token logits)."""
@@ -173,18 +173,18 @@ class Generator:
         w = speculative.window([configs[p].num_speculative_tokens for p, _ in group])
         if w:  # every step writes W + 1 slots (rejected drafts' slots are not reused)
             cache_len = max(bucket(speculative.cache_len_needed(t, longest_new, w)), self.min_cache_len)
-        tokens, positions, lengths = _padded([ids[p] for p in prompt_idx], p_count, t)
+        tokens, positions, lengths = padded([ids[p] for p in prompt_idx], p_count, t)
         where = {p: i for i, p in enumerate(prompt_idx)}
-        padded = group + [group[0]] * (b - len(group))  # filler rows, finished from the start
-        rows = np.asarray([where[p] for p, _ in padded], np.int32)
+        batch_rows = group + [group[0]] * (b - len(group))  # filler rows, finished from the start
+        rows = np.asarray([where[p] for p, _ in batch_rows], np.int32)
         cache, logits = self.prefill(tokens, positions, rows, lengths, cache_len)
-        state = self._init_state(ids, configs, padded, len(group), cache, logits, longest_new)
-        prompt_scores = self._prompt_scores(ids, configs, prompt_idx)
+        state = self._init_state(ids, configs, batch_rows, len(group), cache, logits, longest_new)
+        prompt_scores = self.scorer.prompt_scores(self.params, ids, configs, prompt_idx)
         stop_at: list[int | None] = [None] * len(group)
         spec = None
         if w:
-            prompts = [ids[p] for p, _ in padded]
-            num_spec = [configs[p].num_speculative_tokens for p, _ in padded]
+            prompts = [ids[p] for p, _ in batch_rows]
+            num_spec = [configs[p].num_speculative_tokens for p, _ in batch_rows]
             draft_cache = None
             if self.draft_cfg is not None:  # the draft model's own prefill, into as many slots
                 draft_cache, _ = self._prefill(
@@ -229,28 +229,28 @@ class Generator:
             "tokens_per_step": c["tokens"] / c["target_steps"] if c["target_steps"] else 0.0,
         }
 
-    def _init_state(self, ids, configs, padded, live, cache, logits, longest_new) -> DecodeState:
-        b, v = len(padded), self.cfg.vocab_size
-        alternatives = max(configs[p].logprobs for p, _ in padded)
+    def _init_state(self, ids, configs, batch_rows, live, cache, logits, longest_new) -> DecodeState:
+        b, v = len(batch_rows), self.cfg.vocab_size
+        alternatives = max(configs[p].logprobs for p, _ in batch_rows)
         seen = np.zeros((b, v), bool)
-        stops = [self._stops(configs[p]) for p, _ in padded]
+        stops = [self._stops(configs[p]) for p, _ in batch_rows]
         longest = bucket(max((len(q) for row in stops for q in row), default=1), minimum=4)
         stop_seqs = np.full((b, MAX_STOPS, longest), -1, np.int32)
-        for r, (p, _) in enumerate(padded):
+        for r, (p, _) in enumerate(batch_rows):
             seen[r, ids[p]] = True
             for j, seq in enumerate(stops[r]):
                 stop_seqs[r, j, longest - len(seq) :] = seq
-        row_configs = [sample_config(configs[p], s) for p, s in padded]
-        done = (np.arange(b) >= live) | np.asarray([configs[p].max_new_tokens == 0 for p, _ in padded])
+        row_configs = [sample_config(configs[p], s) for p, s in batch_rows]
+        done = (np.arange(b) >= live) | np.asarray([configs[p].max_new_tokens == 0 for p, _ in batch_rows])
         host = dict(  # built here and sent in one transfer: each eager jnp op would dispatch on its own
             step=np.int32(0), limit=np.int32(0),
             tokens=np.zeros((b, longest_new), np.int32), logprobs=np.zeros((b, longest_new), np.float32),
             top_ids=np.zeros((b, longest_new, alternatives), np.int32),
             top_logprobs=np.zeros((b, longest_new, alternatives), np.float32),
-            positions=np.asarray([len(ids[p]) for p, _ in padded], np.int32),
+            positions=np.asarray([len(ids[p]) for p, _ in batch_rows], np.int32),
             done=done, generated=np.zeros((b,), np.int32),
             finish=np.where(done, FINISH_LENGTH, RUNNING).astype(np.int32),
-            max_new=np.asarray([configs[p].max_new_tokens for p, _ in padded], np.int32),
+            max_new=np.asarray([configs[p].max_new_tokens for p, _ in batch_rows], np.int32),
             stop_seqs=stop_seqs, recent=np.full((b, longest), -1, np.int32),
             seen=seen, counts=np.zeros((b, v), np.int32),
             sampling=SamplingArrays.stack(row_configs, v),
@@ -297,111 +297,12 @@ class Generator:
         token, 'perplexity': exp(nll), 'token_logprobs': [...], 'greedy': whether every continuation
         token is the model's most likely one (as evaluation harnesses ask)}. Same padding rules as generation.
         """
-        pairs = self._pairs(prompts, continuations)
-        out = []
-        for (p, _c), (lp, greedy, _, _) in zip(pairs, self._scores([p + c for p, c in pairs], top=1), strict=True):
-            out.append(_score_dict(lp[len(p) - 1 :].tolist(), bool(greedy[len(p) - 1 :].all())))
-        return out
+        return self.scorer.score(self.params, prompts, continuations)
 
     def score_shared(self, prompts, continuations) -> list[dict]:
         """`score`, with each distinct prompt run once: its continuations read its KV cache (a multiple-choice
-        question's context runs once for all its endings). The same dicts as `score`, in order; pairs are
-        batched `max_batch` at a time, sorted by length."""
-        pairs = self._pairs(prompts, continuations)
-        order = sorted(range(len(pairs)), key=lambda i: (len(pairs[i][0]), pairs[i][0], len(pairs[i][1])))
-        out: list[dict | None] = [None] * len(pairs)
-        for start in range(0, len(order), self.max_batch):
-            idx = order[start : start + self.max_batch]
-            for i, result in zip(idx, self._score_shared_batch([pairs[i] for i in idx]), strict=True):
-                out[i] = result
-        return out
-
-    def _score_shared_batch(self, pairs) -> list[dict]:
-        unique = list(dict.fromkeys(tuple(p) for p, _ in pairs))
-        where = {p: i for i, p in enumerate(unique)}
-        p_count, b = bucket(len(unique), minimum=1), bucket(len(pairs), minimum=1)
-        t, c = bucket(max(len(p) for p in unique)), bucket(max(len(q) for _, q in pairs))
-        tokens, positions, lengths = _padded(unique, p_count, t)
-        rows = np.zeros((b,), np.int32)
-        cont = np.zeros((b, c), np.int32)
-        cont_pos = np.full((b, c), -1, np.int32)
-        for r, (p, q) in enumerate(pairs):
-            rows[r] = where[tuple(p)]
-            cont[r, : len(q)], cont_pos[r, : len(q)] = q, np.arange(len(p), len(p) + len(q))
-        targets = np.roll(cont, -1, axis=1)
-        first, first_greedy, rest = jax.device_get(
-            self._score_after(self.params, tokens, positions, lengths, rows, cont, cont_pos, targets, cfg=self.cfg,
-                              cache_len=bucket(t + c), cache_dtype=self.cache_dtype)
-        )  # fmt: skip
-        out = []
-        for r, (_, q) in enumerate(pairs):
-            token_lp = [float(first[r]), *rest.logprobs[r, : len(q) - 1].tolist()]
-            greedy = bool(first_greedy[r]) and bool(rest.greedy[r, : len(q) - 1].all())
-            out.append(_score_dict(token_lp, greedy))
-        return out
-
-    def _pairs(self, prompts, continuations) -> list[tuple[list[int], list[int]]]:
-        """Token ids of each (prompt, continuation) pair, checked before any compilation."""
-        if len(prompts) != len(continuations):
-            raise SamplingError(f"{len(prompts)} prompts but {len(continuations)} continuations")
-        pairs = []
-        for i, (p, c) in enumerate(zip(prompts, continuations, strict=True)):
-            pi = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
-            ci = self.tokenizer.encode(c, special=False) if isinstance(c, str) else list(c)
-            if not pi or not ci:
-                raise SamplingError(f"pair {i}: prompt and continuation must each have at least one token")
-            if len(pi) + len(ci) > self.cfg.max_seq_len:
-                raise SamplingError(f"pair {i} has {len(pi) + len(ci)} tokens; the context is {self.cfg.max_seq_len}")
-            # ids outside the vocabulary would index past the embedding (NaN log-likelihoods)
-            check_prompt(pi + ci, self.cfg.vocab_size, self.cfg.max_seq_len + 1, f"pair {i}")
-            pairs.append((pi, ci))
-        return pairs
-
-    def _scores(self, seqs: list[list[int]], top: int):
-        """Per sequence of L tokens: (logprobs (L-1,), greedy (L-1,), top ids and logprobs (L-1, top)),
-        position i scoring token i + 1; `max_batch` sequences at a time, lengths bucketed. (`top` is static:
-        score() asks 1, prompt log-probabilities MAX_LOGPROBS, whatever a request asks, so neither recompiles.)"""
-        out = []
-        for start in range(0, len(seqs), self.max_batch):
-            batch = seqs[start : start + self.max_batch]
-            b, t = bucket(len(batch), minimum=1), bucket(max(len(q) for q in batch))
-            tokens, positions, _ = _padded(batch, b, t)
-            targets = np.roll(tokens, -1, axis=1)
-            s = jax.device_get(self._score(self.params, tokens, positions, targets, cfg=self.cfg, top=top))
-            for i, q in enumerate(batch):
-                n = len(q) - 1
-                out.append((s.logprobs[i, :n], s.greedy[i, :n], s.top_ids[i, :n], s.top_logprobs[i, :n]))
-        return out
-
-    def _prompt_scores(self, ids, configs, prompt_idx) -> dict[int, tuple]:
-        """(prompt_logprobs, prompt_top_logprobs) of each prompt in `prompt_idx`; (None, None) for those
-        whose settings ask none."""
-        wanted = [p for p in prompt_idx if configs[p].prompt_logprobs is not None]
-        out = {p: (None, None) for p in prompt_idx}
-        for p, (lp, _, top_ids, top_lp) in zip(
-            wanted, self._scores([ids[p] for p in wanted], top=MAX_LOGPROBS), strict=True
-        ):
-            out[p] = scoring.prompt_entries(lp, top_ids, top_lp, configs[p].prompt_logprobs)
-        return out
-
-
-def _padded(seqs, rows: int, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Token ids and positions (rows, length) of `seqs`, right-padded with position -1, and their lengths
-    (rows,) (1 for the filler rows past the last sequence)."""
-    tokens = np.zeros((rows, length), np.int32)
-    positions = np.full((rows, length), -1, np.int32)
-    lengths = np.ones((rows,), np.int32)
-    for i, q in enumerate(seqs):
-        tokens[i, : len(q)], positions[i, : len(q)], lengths[i] = q, np.arange(len(q)), len(q)
-    return tokens, positions, lengths
-
-
-def _score_dict(token_lp: list[float], greedy: bool) -> dict:
-    nll = -sum(token_lp) / len(token_lp)
-    return {
-        "logprob": sum(token_lp), "tokens": len(token_lp), "nll": nll, "perplexity": float(np.exp(min(nll, 50.0))),
-        "token_logprobs": token_lp, "greedy": greedy,
-    }  # fmt: skip
+        question's context runs once for all its endings). The same dicts as `score`, in order."""
+        return self.scorer.score_shared(self.params, prompts, continuations)
 
 
 def generate(
@@ -411,7 +312,7 @@ def generate(
     """One-shot generation. `source` is a run folder written by train.py (its latest checkpoint), a
     Hugging Face model folder, or params given with their `cfg` and `tokenizer`. kwargs go to `Generator`."""
     if isinstance(source, str | Path):
-        from jaxgen.training.checkpoint import load_model  # the checkpoint stack only when a folder is given
+        from jaxgen.inference.loading import load_model  # the checkpoint reader only when a folder is given
 
         cfg, tokenizer, source = load_model(source)
     if cfg is None or tokenizer is None:

@@ -26,7 +26,6 @@ from jaxgen.config import ConfigError, ModelConfig, ServeConfig
 from jaxgen.inference.engine import Engine
 from jaxgen.inference.sampling import SamplingConfig, SamplingError
 from jaxgen.inference.textstream import TextDeltas
-from jaxgen.model import quant
 from jaxgen.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -66,24 +65,15 @@ class LLM:
             serve_overrides["draft"] = str(draft)
             draft = None
         self.serve = _serve_config(serve, serve_overrides)  # checked before anything loads
-        if isinstance(source, str | Path):
-            from jaxgen.training.checkpoint import load_model  # the checkpoint stack only when a folder is given
-
-            cfg, tokenizer, source = load_model(source, param_dtype=self.serve.param_dtype)
-        if cfg is None or tokenizer is None:
+        if not isinstance(source, str | Path) and (cfg is None or tokenizer is None):
             raise ValueError("LLM(params, ...) needs cfg= and tokenizer= (or pass a run or Hugging Face folder)")
-        if self.serve.quantize == "int8":  # serve.quantize: int8 weights (a no-op on weights already int8)
-            source = quant.quantize_params(source, embedding=self.serve.quantize_embedding)
-        # laid out for decoding once here; Engine and Generator take them as they are (idempotent)
-        self.params = model.decode_params(source, self.serve.slots)
-        self.cfg, self.tokenizer = cfg, tokenizer
-        if self.serve.draft is not None and draft is None:
-            from jaxgen.training.checkpoint import load_draft
+        from jaxgen.inference.loading import load_for_serving  # orbax only when a model loads, not on import
 
-            s = self.serve
-            draft = load_draft(s.draft, tokenizer, param_dtype=s.param_dtype, quantize=s.quantize,
-                               quantize_embedding=s.quantize_embedding)  # fmt: skip
-        self.engine = Engine(self.params, cfg, tokenizer, self.serve, draft=draft)
+        loaded = load_for_serving(source, self.serve, cfg=cfg, tokenizer=tokenizer, draft=draft)
+        # laid out for decoding once here; Engine and Generator take them as they are (idempotent)
+        self.params = model.decode_params(loaded.params, self.serve.slots)
+        self.cfg, self.tokenizer = loaded.cfg, loaded.tokenizer
+        self.engine = Engine(self.params, self.cfg, self.tokenizer, self.serve, draft=loaded.draft)
         self._generator: Generator | None = None
 
     def generate(

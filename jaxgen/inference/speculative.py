@@ -31,7 +31,7 @@ import numpy as np
 
 from jaxgen import model
 from jaxgen.config import ModelConfig
-from jaxgen.inference.decode import FINISH_LENGTH, FINISH_STOP, RUNNING, DecodeState, stop_hit, upload
+from jaxgen.inference.decode import DecodeState, append, finish_code, record, stop_hit, upload
 from jaxgen.inference.sampling import sample
 from jaxgen.model.cache import Cache
 
@@ -187,7 +187,7 @@ def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConf
         # made XLA copy the whole cache 4 times a step (in and out of the branch; 15% slower at batch 1)
         logits, cache = model.forward(params, tokens, jnp.where(fed, positions, -1), s.cache, cfg=cfg)
 
-        s = _record(s, x0, s.logits, live, s.positions, cfg, base)
+        s = record(s, x0, s.logits, live, cfg, base)
         s, kept = _verify(s, drafts, real, logits[:, :w], cfg, base)
         history = history.at[rows[:, None], length[:, None] + jnp.arange(w)[None]].set(drafts, mode="drop")
         keep = live[:, None] & (offsets <= kept[:, None])  # rejected drafts' keys: never read again
@@ -254,50 +254,9 @@ def _verify(s: DecodeState, drafts_bw, real_b, logits_bwv, cfg: ModelConfig, bas
     kept = kept_bw.sum(1).astype(jnp.int32)
 
     last = jnp.maximum(kept - 1, 0)[:, None]
-    ends_here = jnp.take_along_axis(ends, last, 1)[:, 0] & (kept > 0)
-    code = jnp.where(jnp.take_along_axis(hit, last, 1)[:, 0], FINISH_STOP, FINISH_LENGTH)
-    finish = jnp.where(ends_here, code, s.finish)
-    logp = jax.nn.log_softmax(logits_bwv, axis=-1)
-    chosen = jnp.take_along_axis(logp, drafts_bw[..., None], axis=-1)[..., 0]
-    top_lp, top_ids = jax.lax.top_k(logp, s.top_ids.shape[-1])
+    finish = finish_code(s.finish, kept > 0, *(jnp.take_along_axis(x, last, 1)[:, 0] for x in (hit, too_long)))
     rows = jnp.arange(b)[:, None]
     column = jnp.where(kept_bw, index - base[:, None], s.tokens.shape[1])  # past the end: dropped
-
-    def write(buf, x):
-        return buf.at[rows, column].set(x, mode="drop")
-
     recent = jnp.take_along_axis(seq, kept[:, None] + jnp.arange(ls)[None], axis=1)
-    added = jnp.where(kept_bw, drafts_bw, v)  # out of range: dropped
-    s = s.replace(
-        generated=s.generated + kept, tokens=write(s.tokens, drafts_bw), logprobs=write(s.logprobs, chosen),
-        top_ids=write(s.top_ids, top_ids), top_logprobs=write(s.top_logprobs, top_lp), finish=finish,
-        done=s.done | (finish != RUNNING), recent=recent,
-        counts=s.counts.at[rows, added].add(1, mode="drop"), seen=s.seen.at[rows, added].set(True, mode="drop"),
-    )  # fmt: skip
+    s = append(s, rows, column, drafts_bw, logits_bwv, kept_bw, s.generated + kept, finish, recent)
     return s, kept
-
-
-def _record(s: DecodeState, tok, logits, active, position, cfg: ModelConfig, base) -> DecodeState:
-    """`tok` (B,) appended to the rows where `active`, at each row's own column (`generated`): its
-    log-probability and alternatives, the penalties' counts, and the finish code (a stop sequence,
-    max_new or the context; the cache is sized so that it cannot fill)."""
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    chosen = jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
-    top_lp, top_ids = jax.lax.top_k(logp, s.top_ids.shape[-1])
-    rows = jnp.arange(tok.shape[0])
-    column = jnp.where(active, s.generated - base, s.tokens.shape[1])  # past the end: dropped
-
-    def write(buf, x):
-        return buf.at[rows, column].set(x, mode="drop")
-
-    recent = jnp.where(active[:, None], jnp.concatenate([s.recent[:, 1:], tok[:, None]], axis=1), s.recent)
-    hit_stop = stop_hit(s.stop_seqs, recent)
-    generated = s.generated + active
-    too_long = (generated >= s.max_new) | (position + 1 >= cfg.max_seq_len)
-    finish = jnp.where(active & hit_stop, FINISH_STOP, jnp.where(active & too_long, FINISH_LENGTH, s.finish))
-    return s.replace(
-        generated=generated, tokens=write(s.tokens, tok), logprobs=write(s.logprobs, chosen),
-        top_ids=write(s.top_ids, top_ids), top_logprobs=write(s.top_logprobs, top_lp), finish=finish,
-        done=s.done | (finish != RUNNING), recent=recent,
-        counts=s.counts.at[rows, tok].add(active.astype(jnp.int32)), seen=s.seen.at[rows, tok].max(active),
-    )  # fmt: skip

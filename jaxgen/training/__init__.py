@@ -3,12 +3,20 @@
 step.py        TrainState, the optimizer, the teacher-forced loss, the jitted train and eval steps
 loss.py        the LM head and cross-entropy in chunks, gradient formed on the way (no whole logits)
 trainer.py     train(cfg, run_dir): data, evaluation, checkpoints, metrics, signals, resume
-checkpoint.py  orbax checkpoints with fallback past damaged ones; load_run / load_model
+checkpoint.py  orbax checkpoints with fallback past damaged ones (loading for inference: jaxgen.inference.loading)
 metrics.py     metrics.jsonl, TensorBoard, the loss plot, the matmul-rate measurement
 data/          corpus sources, the token store, packing and the grain iterators
+
+`train` and `TrainResult` are imported on first use, so that the checkpoint reader alone (which
+`jaxgen.inference.loading` needs) brings no trainer, data pipeline or optimizer with it.
 """
 
-from jaxgen.training.checkpoint import load_model, load_run
-from jaxgen.training.trainer import TrainResult, train
+__all__ = ["TrainResult", "train"]
 
-__all__ = ["TrainResult", "load_model", "load_run", "train"]
+
+def __getattr__(name: str):
+    if name in __all__:
+        from jaxgen.training import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'jaxgen.training' has no attribute {name!r}")

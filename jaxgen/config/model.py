@@ -1,0 +1,158 @@
+"""ModelConfig: one decoder-only transformer; GPT-2, Llama, Gemma, Qwen and OLMo styles are field choices."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from jaxgen.config.base import check, check_literals
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """One decoder-only transformer; GPT-2 and Llama styles are field choices, not code copies."""
+
+    vocab_size: int = 512
+    num_layers: int = 2
+    d_model: int = 64  # D
+    num_heads: int = 4  # N
+    num_kv_heads: int | None = None  # K; None = num_heads (MHA), 1 = MQA, else GQA
+    head_dim: int | None = None  # H; None = d_model // num_heads
+    d_ff: int = 256  # F
+    max_seq_len: int = 256
+    position: Literal["learned", "rope"] = "rope"
+    rope_theta: float = 10000.0
+    rope_scaling: Literal["none", "linear", "llama3"] = "none"  # stretch RoPE to longer contexts
+    rope_factor: float = 1.0  # linear and llama3: how much longer
+    rope_low_freq_factor: float = 1.0  # llama3 only
+    rope_high_freq_factor: float = 4.0  # llama3 only
+    rope_original_max_len: int = 8192  # llama3: the context length trained before scaling
+    norm: Literal["layernorm", "rmsnorm"] = "rmsnorm"
+    norm_eps: float = 1e-5
+    norm_unit_offset: bool = False  # the norm multiplies by (1 + scale), scale initialised to 0 (Gemma)
+    mlp: Literal["gelu", "swiglu", "geglu"] = "swiglu"  # geglu: tanh-GELU gate (Gemma)
+    use_bias: bool = False  # biases in attention and MLP projections (GPT-2: True)
+    qkv_bias: bool = False  # biases on the query, key and value projections only (Qwen2)
+    embed_scale: bool = False  # token embeddings times sqrt(d_model) on the way in (Gemma)
+    tie_embeddings: bool = False  # the LM head reuses the token embedding (GPT-2: True)
+    sliding_window: int | None = None  # attend to at most this many previous positions
+    global_every: int = 0  # with sliding_window: layer i attends globally when (i + 1) % n == 0 (Gemma 2: 2)
+    rope_local_theta: float | None = None  # RoPE base of the sliding-window layers (Gemma 3); None = rope_theta
+    qk_norm: Literal["none", "head", "full"] = "none"  # RMSNorm on q and k before RoPE: per head (Qwen3,
+    #   Gemma 3) or over the whole projection N * H / K * H (OLMo 2)
+    norm_placement: Literal["pre", "sandwich", "post"] = "pre"  # sandwich: pre- and post-norms (Gemma 2/3);
+    #   post: the sublayer's output normed before the residual add, no pre-norm (OLMo 2)
+    query_scale: float | None = None  # logits scaled by query_scale ** -0.5 (Gemma's query_pre_attn_scalar);
+    #   None = head_dim
+    attn_softcap: float | None = None  # attention logits capped as cap * tanh(x / cap) (Gemma 2)
+    final_softcap: float | None = None  # the same on the output logits
+    num_experts: int = 0  # E; 0 = a dense MLP, else a mixture of experts (Mixtral, Qwen3-MoE) of width d_ff
+    experts_per_token: int = 2  # k: experts each token is routed to
+    router_renormalize: bool = True  # the k routing weights rescaled to sum to 1 (Mixtral; Qwen3's norm_topk_prob)
+    router_aux_coef: float = 0.01  # weight of the load-balancing loss in training (Switch Transformer)
+    router_z_coef: float = 0.0  # weight of the router z-loss (mean squared logsumexp of router logits)
+    moe_impl: Literal["auto", "grouped", "ragged_dot", "megablox", "dense"] = "auto"  # how tokens reach
+    #   their experts: grouped: sorted by expert, one product per tile of rows (only the experts in use
+    #   are read); ragged_dot: jax.lax.ragged_dot (a kernel on GPU; dense under a mask on CPU);
+    #   megablox: the Pallas TPU grouped matmul (interpret mode elsewhere); dense: every expert on
+    #   every token (the reference); auto: megablox on TPU, ragged_dot on GPU, grouped on CPU
+    family: str | None = None  # the Hugging Face family imported from, kept for export (None: from the fields)
+    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; params stay float32
+    attention_impl: Literal["auto", "dense", "blockwise", "cudnn", "splash"] = "auto"  # attention over whole
+    #   sequences (training, scoring): blockwise: flash-style over key blocks with a recomputing backward,
+    #   O(T x block) memory (jaxgen.model.blockwise); cudnn: cuDNN's fused kernel (GPU, bf16); splash: the
+    #   Pallas TPU kernel (interpret mode elsewhere); dense: the whole (T, T) matrix (the reference);
+    #   auto: splash on TPU, cudnn on GPU where it fits, else blockwise (see jaxgen.model.kernels)
+    attention_block: int = 512  # query and key block of blockwise and splash attention
+    decode_impl: Literal["auto", "xla", "pallas"] = "auto"  # attention of a decode step over the engine's
+    #   paged cache: xla: the blockwise loop over pages (jaxgen.model.attention); pallas: the GPU Pallas
+    #   paged-attention kernel (interpret mode elsewhere; not for sliding windows); auto: pallas on GPU
+    remat: Literal["none", "full", "dots", "dots_no_batch", "offload_dots"] = "none"  # what the scanned
+    #   layer keeps for the backward pass (jax.checkpoint policies): none: everything; full: only its
+    #   input (recompute the rest); dots: matrix-product outputs; dots_no_batch: those without a batch
+    #   axis (weights-only products); offload_dots: dots moved to host memory (GPU/TPU)
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        for name in ("vocab_size", "num_layers", "d_model", "num_heads", "d_ff", "max_seq_len"):
+            value = getattr(self, name)
+            check(isinstance(value, int) and value > 0, f"model.{name}", value, "a positive integer")
+        check_literals(self, "model")
+        check(self.rope_factor >= 1, "model.rope_factor", self.rope_factor, "a number >= 1")
+        if self.rope_scaling == "llama3":
+            check(
+                self.rope_high_freq_factor > self.rope_low_freq_factor,
+                "model.rope_high_freq_factor",
+                self.rope_high_freq_factor,
+                f"a number > rope_low_freq_factor={self.rope_low_freq_factor}",
+            )
+        k = self.kv_heads
+        check(
+            k > 0 and self.num_heads % k == 0,
+            "model.num_kv_heads",
+            self.num_kv_heads,
+            f"a divisor of num_heads={self.num_heads} (1 = multi-query, num_heads = multi-head)",
+        )
+        if self.head_dim is None:
+            check(
+                self.d_model % self.num_heads == 0,
+                "model.num_heads",
+                self.num_heads,
+                f"a divisor of d_model={self.d_model} (or set model.head_dim)",
+            )
+        if self.position == "rope":
+            check(self.head_size % 2 == 0, "model.head_dim", self.head_size, "an even number with rope")
+        if self.sliding_window is not None:
+            check(self.sliding_window > 0, "model.sliding_window", self.sliding_window, "null or > 0")
+        self._check_layer_pattern()
+        self._check_attention_extras()
+        self._check_experts()
+
+    def _check_layer_pattern(self):
+        check(self.global_every >= 0, "model.global_every", self.global_every, "an integer >= 0")
+        for name in ("global_every", "rope_local_theta"):
+            if getattr(self, name) and self.sliding_window is None:
+                check(False, f"model.{name}", getattr(self, name), "only with model.sliding_window set")
+        if self.rope_local_theta is not None:
+            check(self.position == "rope", "model.rope_local_theta", self.rope_local_theta, "only with rope")
+
+    def _check_attention_extras(self):
+        for name in ("query_scale", "attn_softcap", "final_softcap"):
+            value = getattr(self, name)
+            check(value is None or value > 0, f"model.{name}", value, "null or a number > 0")
+        block = self.attention_block
+        check(isinstance(block, int) and block >= 8, "model.attention_block", block, "an integer >= 8")
+
+    def _check_experts(self):
+        check(self.num_experts >= 0, "model.num_experts", self.num_experts, "0 (dense MLP) or a positive integer")
+        if not self.num_experts:
+            return
+        check(
+            1 <= self.experts_per_token <= self.num_experts,
+            "model.experts_per_token",
+            self.experts_per_token,
+            f"1..num_experts={self.num_experts}",
+        )
+        check(self.mlp in ("swiglu", "geglu"), "model.mlp", self.mlp, "swiglu or geglu with experts")
+        check(not self.use_bias, "model.use_bias", self.use_bias, "false with experts")
+        for name in ("router_aux_coef", "router_z_coef"):
+            check(getattr(self, name) >= 0, f"model.{name}", getattr(self, name), "a number >= 0")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
+
+    def is_global(self, layer: int) -> bool:
+        """Whether `layer` attends to the whole context (no sliding window)."""
+        if self.sliding_window is None:
+            return True
+        return self.global_every > 0 and (layer + 1) % self.global_every == 0
+
+    @property
+    def groups(self) -> int:
+        """Query heads per kv head (G); 1 for multi-head attention."""
+        return self.num_heads // self.kv_heads

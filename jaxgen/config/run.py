@@ -1,0 +1,89 @@
+"""`Config`, a whole run (every section), and the config files: `load_config` and `save_config` for
+training, `load_serve_config` for serve.py."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from jaxgen.config.base import ConfigError, apply_overrides, build, check, field_names, plain, read_yaml, set_key
+from jaxgen.config.devices import DistributedConfig, MeshConfig
+from jaxgen.config.model import ModelConfig
+from jaxgen.config.serve import ServeCommandConfig, ServeConfig
+from jaxgen.config.train import CheckpointConfig, DataConfig, OptimizerConfig, TrainingConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    name: str = "run"
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    serve: ServeConfig = dataclasses.field(default_factory=ServeConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+
+    def __post_init__(self):
+        check(
+            self.data.seq_len <= self.model.max_seq_len,
+            "data.seq_len",
+            self.data.seq_len,
+            f"at most model.max_seq_len={self.model.max_seq_len}",
+        )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def config_from_dict(data: dict) -> Config:
+    try:
+        return build(Config, data or {})
+    except TypeError as e:  # a wrong nesting, e.g. `model: 4`
+        raise ConfigError(str(e)) from e
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Reads a YAML config (or the defaults when `path` is None) and applies dotted overrides."""
+    data: dict = {}
+    if path is not None:
+        data = read_yaml(path)
+        data.setdefault("name", Path(path).stem)
+    return config_from_dict(apply_overrides(data, list(overrides)))
+
+
+def load_serve_config(
+    path: str | Path | None = None, overrides: list[str] = (), settings: dict[str, Any] | None = None
+) -> ServeCommandConfig:
+    """What serve.py runs with. Later wins: the defaults, the YAML at `path` (top-level sections `serve` and
+    `http`, both optional), the dotted `overrides`, then `settings` ({dotted key: value}, serve.py's flags)."""
+    data = read_yaml(path) if path is not None else {}
+    training = sorted(set(data) & (set(field_names(Config)) - set(field_names(ServeCommandConfig))))
+    if training:
+        raise ConfigError(f"{path} is a training config (it has {', '.join(training)}): serve.py reads a file "
+                          "with serve and http sections, such as configs/serve.yaml")  # fmt: skip
+    data = apply_overrides(data, list(overrides))
+    for key, value in (settings or {}).items():
+        set_key(data, key, value, f"{key}={value!r}")
+    http = data.get("http")
+    if isinstance(http, dict) and "api_key" in http:
+        raise ConfigError("http.api_key is not read from config files (they get copied and committed): "
+                          "pass --api-key or set JAXGEN_API_KEY")  # fmt: skip
+    try:
+        return build(ServeCommandConfig, data)
+    except TypeError as e:  # a wrong nesting, e.g. `serve: 4`
+        raise ConfigError(str(e)) from e
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    """Writes the YAML next to `path` and renames it over: a crash or a full disk never leaves half a file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    data = plain(cfg.to_dict())
+    data.pop("distributed", None)  # how this run was started, not what it is: a reused file must not rejoin it
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+    tmp.replace(path)

@@ -1,0 +1,104 @@
+"""What serve.py reads (configs/serve.yaml): the engine and its limits, the HTTP server, several processes."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from jaxgen.config.base import check, check_literals
+from jaxgen.config.devices import DistributedConfig, MeshConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """The serving engine (`jaxgen.inference.engine`): decode slots and the paged KV cache's memory budget."""
+
+    slots: int = 16  # sequences decoded together
+    page_size: int = 16  # tokens per KV-cache page
+    kv_memory_gb: float = 1.0  # the page pool's size; pages = this / bytes of one page (all layers)
+    num_pages: int = 0  # an exact page count instead of kv_memory_gb (tests); 0 = from the budget
+    chunk_steps: int = 8  # decode steps per jitted chunk, between scheduling decisions
+    prefill_chunk: int = 256  # prompt tokens per prefill call: longer prompts interleave with decoding
+    max_logprobs: int = 5  # the most top alternatives a request may ask for
+    prefix_caching: bool = True  # share the pages of prompt prefixes already in the cache
+    # the KV cache's dtype: int8 holds about twice the tokens of bfloat16 per GB (one float32 scale per token
+    # and kv head beside the int8 values)
+    cache_dtype: Literal["float32", "bfloat16", "int8"] = "float32"
+    # how the weights are held: auto = the checkpoint's dtype on GPU/TPU (bfloat16 for most Hugging Face
+    # folders), float32 on CPU (XLA:CPU's bfloat16 products are slow); bfloat16 weights compute in bfloat16
+    param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # int8: every attention and MLP weight held as int8 with a scale per output channel, its products int8 x int8
+    # (`jaxgen.model.quant`); quantize_embedding: the embedding and the head too
+    quantize: Literal["none", "int8"] = "none"
+    quantize_embedding: bool = False
+    # a run or Hugging Face folder whose model (a smaller one, with the same tokenizer) drafts for requests with
+    # num_speculative_tokens > 0; None = n-gram lookup over each request's prompt and output
+    draft: str | None = None
+    # several processes (`serve.py generate --input`): split = each serves its share of the lines on its own
+    # devices (data parallel); shared = one engine on a mesh over every process's devices (model parallel)
+    processes: Literal["split", "shared"] = "split"
+    # the engine's mesh (data, tensor) over this process's devices (split) or every process's (shared); -1 = the rest
+    data_parallel: int = 1  # slots split over devices
+    tensor_parallel: int = 1  # heads, kv heads and the MLP split over devices
+    # the HTTP server's limits
+    max_body_bytes: int = 4_000_000  # a larger request body gets 413 before it is parsed
+    max_queue: int = 1024  # requests waiting beyond this get 429 with Retry-After
+    request_timeout_s: float = 0.0  # a request running longer is cancelled (408); 0 = no limit
+    shutdown_grace_s: float = 10.0  # on SIGTERM, running sequences get this long before their streams are ended
+
+    def __post_init__(self):
+        check_literals(self, "serve")
+        for name in ("slots", "page_size", "chunk_steps", "prefill_chunk", "max_body_bytes", "max_queue"):
+            value = getattr(self, name)
+            check(isinstance(value, int) and value > 0, f"serve.{name}", value, "a positive integer")
+        check(self.kv_memory_gb > 0, "serve.kv_memory_gb", self.kv_memory_gb, "a number > 0")
+        check(self.num_pages == 0 or self.num_pages >= 2, "serve.num_pages", self.num_pages, "0 or at least 2")
+        check(self.max_logprobs >= 0, "serve.max_logprobs", self.max_logprobs, "an integer >= 0")
+        for name in ("request_timeout_s", "shutdown_grace_s"):
+            value = getattr(self, name)
+            check(isinstance(value, int | float) and 0 <= value < float("inf"), f"serve.{name}", value, "a number >= 0")
+        check(isinstance(self.quantize_embedding, bool), "serve.quantize_embedding", self.quantize_embedding, "a bool")
+        check(self.draft is None or (isinstance(self.draft, str) and bool(self.draft)), "serve.draft", self.draft,
+               "null or the path of a run or Hugging Face folder")  # fmt: skip
+        for name in ("data_parallel", "tensor_parallel"):
+            value = getattr(self, name)
+            check(value == -1 or value > 0, f"serve.{name}", value, "a positive integer, or -1 for the rest")
+        check(
+            (self.data_parallel, self.tensor_parallel) != (-1, -1), "serve.tensor_parallel", -1,
+            "a positive integer when serve.data_parallel is -1 (one of the two may take the rest)",
+        )  # fmt: skip
+        check(
+            self.processes == "split" or self.data_parallel == 1, "serve.data_parallel", self.data_parallel,
+            "1 with serve.processes=shared (one engine, tensor parallel over every process's devices); "
+            "serve.processes=split is the data parallelism across processes",
+        )  # fmt: skip
+
+    @property
+    def mesh(self) -> MeshConfig:
+        return MeshConfig(data=self.data_parallel, tensor=self.tensor_parallel)
+
+
+@dataclasses.dataclass(frozen=True)
+class HttpConfig:
+    """The HTTP server of `serve.py http`. Its API key is never read from a file: --api-key or JAXGEN_API_KEY."""
+
+    host: str = "127.0.0.1"  # the address to bind; 127.0.0.1 = this machine only
+    port: int = 8000
+    model_name: str | None = None  # the model id clients send; None = the checkpoint folder's name
+
+    def __post_init__(self):
+        check(bool(self.host), "http.host", self.host, "an address such as 127.0.0.1 or 0.0.0.0")
+        check(0 <= self.port <= 65535, "http.port", self.port, "an integer in [0, 65535] (0 = any free port)")
+        check(self.model_name is None or bool(self.model_name), "http.model_name", self.model_name, "null or a name")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeCommandConfig:
+    """What `serve.py` reads (configs/serve.yaml): the engine and its limits, and the HTTP server."""
+
+    serve: ServeConfig = dataclasses.field(default_factory=ServeConfig)
+    http: HttpConfig = dataclasses.field(default_factory=HttpConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

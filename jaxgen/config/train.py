@@ -1,0 +1,98 @@
+"""What a training run reads: the data, the optimizer, the run's length and rhythm, its checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from jaxgen.config.base import check, check_literals
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    source: Literal["stdlib", "files", "jsonl"] = "stdlib"
+    paths: tuple[str, ...] = ()  # globs, for files and jsonl
+    text_field: str = "text"
+    prompt_field: str | None = None  # jsonl fine-tuning: loss only on the response
+    response_field: str | None = None
+    tokenizer: str = "byte"  # "byte" or a path to a Hugging Face tokenizer.json
+    seq_len: int = 128  # T: tokens per training sequence
+    eval_fraction: float = 0.02  # share of documents held out
+    eval_batches: int = 4
+    cache_dir: str = "~/.cache/jaxgen/tokens"
+    seed: int = 0
+
+    def __post_init__(self):
+        check_literals(self, "data")
+        check(self.seq_len > 0, "data.seq_len", self.seq_len, "a positive integer")
+        check(0 < self.eval_fraction < 1, "data.eval_fraction", self.eval_fraction, "a number in (0, 1)")
+        if self.source != "stdlib":
+            check(bool(self.paths), "data.paths", self.paths, f"at least one glob for source={self.source}")
+        check(
+            (self.prompt_field is None) == (self.response_field is None),
+            "data.prompt_field",
+            self.prompt_field,
+            "set together with data.response_field",
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    learning_rate: float = 1e-3  # peak, reached after warmup
+    min_lr_ratio: float = 0.1  # cosine decays to learning_rate * min_lr_ratio
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # global-norm clipping; 0 disables
+
+    def __post_init__(self):
+        check(self.learning_rate > 0, "optimizer.learning_rate", self.learning_rate, "a number > 0")
+        check(0 <= self.min_lr_ratio <= 1, "optimizer.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
+        check(self.warmup_steps >= 0, "optimizer.warmup_steps", self.warmup_steps, "an integer >= 0")
+        check(self.grad_clip >= 0, "optimizer.grad_clip", self.grad_clip, "a number >= 0 (0 disables)")
+        for name in ("b1", "b2"):
+            value = getattr(self, name)
+            check(0 <= value < 1, f"optimizer.{name}", value, "a number in [0, 1)")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingConfig:
+    steps: int = 200  # total optimizer steps of the run
+    batch_size: int = 8  # sequences per optimizer step (global, all devices)
+    grad_accum: int = 1  # micro-batches per step; batch_size must divide by it
+    eval_every: int = 50
+    log_every: int = 10
+    seed: int = 0
+    max_nonfinite_in_row: int = 5  # stop after this many skipped (non-finite) updates in a row
+    steps_per_run: int = 0  # stop this invocation after N steps (time-sliced jobs); 0 = run to the end
+    peak_flops: float = 0.0  # for MFU; 0 = measure the matmul rate of this machine at start
+    loss_chunk: int = 1024  # tokens of each row per step of the LM head and loss (jaxgen.training.loss): the
+    #   (B, T, V) logits are never whole; 0 = all at once
+    # Fine-tuning: a local Hugging Face model folder. Its config.json replaces the `model` section (all
+    # but model.dtype), its tokenizer replaces data.tokenizer, and its weights are the starting point.
+    init_from: str | None = None
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "grad_accum", "eval_every", "log_every", "max_nonfinite_in_row"):
+            value = getattr(self, name)
+            check(isinstance(value, int) and value > 0, f"training.{name}", value, "a positive integer")
+        check(
+            self.batch_size % self.grad_accum == 0,
+            "training.grad_accum",
+            self.grad_accum,
+            f"a divisor of training.batch_size={self.batch_size}",
+        )
+        check(self.steps_per_run >= 0, "training.steps_per_run", self.steps_per_run, "an integer >= 0")
+        check(self.loss_chunk >= 0, "training.loss_chunk", self.loss_chunk, "an integer >= 0 (0 = no chunks)")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 100  # save every N steps (also at the end and on SIGTERM / Ctrl-C)
+    keep: int = 3  # keep the last K checkpoints
+
+    def __post_init__(self):
+        check(self.every > 0, "checkpoint.every", self.every, "a positive integer")
+        check(self.keep > 0, "checkpoint.keep", self.keep, "a positive integer")

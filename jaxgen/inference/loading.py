@@ -1,0 +1,131 @@
+"""Loading a model for inference: a run folder's checkpoint, a Hugging Face folder, int8 weights and a
+draft model, the one way serve.py, `LLM` and `generate` get theirs.
+
+    load_run(run_dir)                      -> (Config, Tokenizer, params)     a train.py run folder
+    load_model(path)                       -> (ModelConfig, Tokenizer, params) a run or Hugging Face folder
+    load_draft(path, tokenizer)            -> (params, ModelConfig)           a draft for speculative decoding
+    load_for_serving(source, serve, mesh)  -> Loaded                          the above as `ServeConfig` says
+
+Kept outside `jaxgen.training` so that serving imports no trainer, data pipeline or optimizer: only the
+checkpoint reader (`jaxgen.training.checkpoint`, orbax) comes with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from jaxgen import hf
+from jaxgen.config import Config, MeshConfig, ModelConfig, ServeConfig, load_config
+from jaxgen.hf.load import inference_dtype
+from jaxgen.model import quant
+from jaxgen.sharding import make_mesh
+from jaxgen.tokenizer import Tokenizer
+from jaxgen.training.checkpoint import Checkpointer, CheckpointError, restore_newest
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+    """A model ready for the engine: its config, tokenizer, params and draft model ((params, cfg) or None)."""
+
+    cfg: ModelConfig
+    tokenizer: Tokenizer
+    params: dict
+    draft: tuple | None = None
+
+
+def load_for_serving(source, serve: ServeConfig, mesh=None, *, cfg=None, tokenizer=None, draft=None) -> Loaded:
+    """The model `serve` asks for: `source` a run or Hugging Face folder (`load_model`, held in
+    serve.param_dtype) or params given with their `cfg` and `tokenizer`; int8 weights with serve.quantize
+    (a no-op on weights already int8); the draft model of serve.draft unless `draft` is given."""
+    if isinstance(source, str | Path):
+        cfg, tokenizer, source = load_model(source, mesh, param_dtype=serve.param_dtype)
+    if cfg is None or tokenizer is None:
+        raise ValueError("params need cfg= and tokenizer= (or pass a run or Hugging Face folder)")
+    if serve.quantize == "int8":
+        source = quant.quantize_params(source, embedding=serve.quantize_embedding)
+    if serve.draft is not None and draft is None:
+        draft = load_draft(serve.draft, tokenizer, mesh, param_dtype=serve.param_dtype, quantize=serve.quantize,
+                           quantize_embedding=serve.quantize_embedding)  # fmt: skip
+    return Loaded(cfg, tokenizer, source, draft)
+
+
+def load_run(run_dir: str | Path, mesh=None, step: int | None = None, param_dtype: str = "float32"):
+    """Config, tokenizer and params (held in `param_dtype`) of a run folder's latest good (or given) checkpoint.
+
+    A latest checkpoint that does not restore is skipped with a warning for the one before it.
+    The params are placed with the model's shardings on `mesh` (default: all local devices on data).
+    """
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").exists():
+        raise FileNotFoundError(f"{run_dir} is not a jaxgen run folder (no config.yaml); train.py writes one")
+    cfg: Config = load_config(run_dir / "config.yaml")
+    tokenizer = Tokenizer.from_folder(run_dir)
+    ckpt = Checkpointer(run_dir, cfg.checkpoint)
+    try:
+        steps = ckpt.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"{run_dir} has no checkpoint yet")
+        if step is not None and step not in steps:
+            raise CheckpointError(f"{ckpt.directory} has no checkpoint of step {step}; it has steps {steps}")
+        mesh = make_mesh(MeshConfig()) if mesh is None else mesh
+        _, params = restore_newest(
+            ckpt, lambda s: ckpt.restore_params(s, cfg.model, mesh, param_dtype), steps if step is None else [step]
+        )
+    finally:
+        ckpt.close()
+    return cfg, tokenizer, params
+
+
+def load_model(
+    path: str | Path, mesh=None, step: int | None = None, param_dtype: str = "auto", quantize: str = "none",
+    quantize_embedding: bool = False,
+):  # fmt: skip
+    """(ModelConfig, Tokenizer, params) of a jaxgen run folder or a local Hugging Face model folder.
+
+    param_dtype: how the weights are held for inference: float32, bfloat16, or auto: the checkpoint's
+    dtype (float32 master weights for a run folder; usually bfloat16 for a Hugging Face folder) on GPU
+    and TPU, float32 on CPU (see `hf.load.inference_dtype`). bfloat16 weights compute in bfloat16.
+    quantize: "int8" holds the matrix weights as int8 (`jaxgen.model.quant`; with `quantize_embedding`
+    the embedding and head too), for inference only."""
+    if quantize not in ("none", "int8"):
+        raise ValueError(f"quantize={quantize!r} is not allowed: none, int8")
+    path = Path(path)
+    if (path / "config.yaml").exists():
+        dtype = inference_dtype(param_dtype, "float32")
+        cfg, tokenizer, params = load_run(path, mesh, step, dtype)
+        cfg = dataclasses.replace(cfg.model, dtype="bfloat16") if dtype == "bfloat16" else cfg.model
+    elif hf.is_hf_folder(path):
+        cfg, tokenizer, params = hf.load_pretrained(path, mesh, param_dtype=param_dtype)
+        if tokenizer is None:
+            raise FileNotFoundError(f"{path} has no tokenizer.json; jaxgen needs one to read and write text")
+    else:
+        raise FileNotFoundError(
+            f"{path} is neither a jaxgen run folder (config.yaml, written by train.py) nor a Hugging Face model "
+            "folder (config.json and *.safetensors)"
+        )
+    if quantize == "int8":
+        params = quant.quantize_params(params, embedding=quantize_embedding)
+    return cfg, tokenizer, params
+
+
+def load_draft(path: str | Path, tokenizer, mesh=None, param_dtype: str = "auto", quantize: str = "none",
+               quantize_embedding: bool = False) -> tuple:  # fmt: skip
+    """(params, ModelConfig) of a draft model for speculative decoding (`load_model`'s folders and options),
+    ValueError when its tokenizer maps tokens to other ids than the target's `tokenizer` (a draft's tokens
+    are fed to the target as they are). The model's own checks (vocabulary, context) are
+    `jaxgen.inference.speculative.check_draft`'s, where the draft meets its target."""
+    try:
+        cfg, draft_tokenizer, params = load_model(path, mesh, param_dtype=param_dtype, quantize=quantize,
+                                                  quantize_embedding=quantize_embedding)  # fmt: skip
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"the draft model (serve.draft): {e}") from e
+    mine = tokenizer.tok.get_vocab(with_added_tokens=True)
+    theirs = draft_tokenizer.tok.get_vocab(with_added_tokens=True)
+    if mine != theirs:
+        differ = sum(1 for t, i in theirs.items() if mine.get(t) != i) + len(set(mine) - set(theirs))
+        raise ValueError(
+            f"the draft model at {path} has another tokenizer than the target's ({differ} tokens differ; "
+            f"{len(theirs)} vs {len(mine)} tokens): a draft model must use the same tokenizer"
+        )
+    return params, cfg
