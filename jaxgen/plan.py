@@ -76,7 +76,7 @@ def abstract_params(model_cfg, mesh, dtype="float32"):
     import jax
 
     from jaxgen.model import param_shardings
-    from jaxgen.model.transformer import param_specs
+    from jaxgen.model.params import param_specs
 
     shardings = param_shardings(model_cfg, mesh)
     specs = param_specs(model_cfg)

@@ -6,7 +6,8 @@
     blockwise.py    flash-style attention over whole sequences, with a recomputing custom VJP
     kernels/        kernels behind the attention seam and which runs where: cuDNN, Pallas splash, GPU Pallas
                     paged decode, XLA:CPU decode tuning (imports nothing else of this package)
-    transformer.py  the parameter table, init, forward (cache=None for training), LM head
+    params.py       the parameter table (shapes, logical axes, initialisers), init, counts, FLOPs per token
+    transformer.py  forward (cache=None for training), the layer stack, LM head
     cache.py        the cache contract (`Cache`): what the model and the decode core ask of a KV cache
     kvcache.py      the contiguous KV cache pytree, a buffer per layer and block (Generator, beam search)
     paged.py        the paged KV cache pytree (the serving engine)
@@ -17,17 +18,12 @@
 `from jaxgen import model; model.forward(params, tokens, positions, cache=None, cfg=cfg)`.
 """
 
+from jaxgen.model.params import ParamSpec, count_params, flops_per_token, init_params, param_shardings, param_specs
 from jaxgen.model.transformer import (
-    ParamSpec,
-    count_params,
     decode_params,
-    flops_per_token,
     forward,
     hidden_states,
-    init_params,
     lm_head,
-    param_shardings,
-    param_specs,
     stack_layers,
     unstack_layers,
 )
