@@ -85,7 +85,8 @@ def checkpoint_dtype(folder: str | Path) -> str:
 def inference_dtype(requested: str, saved: str, backend: str | None = None) -> str:
     """How serving holds weights: `requested` (float32, bfloat16), or for "auto" the checkpoint's own
     dtype on a GPU or TPU and float32 on CPU, where XLA converts a bfloat16 matrix whole at every
-    product instead of fusing the conversion (13-15x slower decode at batch 1, NOTES-jax-cpu.md)."""
+    product instead of fusing the conversion, which makes decoding several times slower (measured:
+    docs/performance.md, bfloat16 weights on CPU)."""
     if requested != "auto":
         return requested
     return "float32" if (backend or jax.default_backend()) == "cpu" else saved
