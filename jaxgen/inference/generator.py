@@ -1,4 +1,6 @@
-"""Generator: static batches of ragged prompts through the decode core (`jaxgen.inference.decode`).
+"""Generator: static batches of ragged prompts through the decode core (`jaxgen.inference.decode`), the
+static-batch tool beneath `LLM` (jaxgen.inference.llm, the Python front door: start there). Use it
+for a fixed batch run start to finish, or to score without a serving engine.
 
     gen = Generator(params, cfg, tokenizer)
     outs = gen.generate(["def fib(", "import "], SamplingConfig(temperature=0, max_new_tokens=32))
@@ -44,7 +46,7 @@ from jaxgen.inference.decode import (
     stop_string_cut,
     upload,
 )
-from jaxgen.inference.sampling import SamplingArrays, SamplingConfig, SamplingError
+from jaxgen.inference.sampling import SamplingArrays, SamplingConfig, SamplingError, per_prompt
 from jaxgen.sharding import with_mesh
 from jaxgen.tokenizer import Tokenizer
 
@@ -148,9 +150,7 @@ class Generator:
         """Yields, after each chunk of decode steps, a `Completion` per row so far (finish_reason ''
         while running). Batches larger than `max_batch` rows run one after another."""
         ids = self.encode_prompts(prompts)
-        configs = sampling if isinstance(sampling, list) else [sampling] * len(ids)
-        if len(configs) != len(ids):
-            raise SamplingError(f"{len(configs)} sampling configs for {len(ids)} prompts")
+        configs = per_prompt(sampling, len(ids))
         for c in configs:
             c.check_for_model(self.cfg.vocab_size)
             self._stops(c)

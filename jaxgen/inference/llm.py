@@ -1,4 +1,6 @@
-"""One front door for Python users: load a model once, then generate, stream and score.
+"""LLM, the Python front door: load a model once, then generate, stream and score. Start here;
+`Generator` (jaxgen.inference.generator) is the static-batch tool beneath it, for a fixed batch run
+start to finish and scoring without a serving engine.
 
     llm = LLM("runs/default", slots=8)  # a run folder or a Hugging Face folder, loaded once
     outs = llm.generate(["def fib(", "import "], SamplingConfig(temperature=0, max_new_tokens=32))
@@ -24,7 +26,7 @@ from typing import TYPE_CHECKING
 from jaxgen import model
 from jaxgen.config import ConfigError, ModelConfig, ServeConfig
 from jaxgen.inference.engine import Engine
-from jaxgen.inference.sampling import SamplingConfig, SamplingError
+from jaxgen.inference.sampling import SamplingConfig, SamplingError, per_prompt
 from jaxgen.inference.textstream import TextDeltas
 from jaxgen.tokenizer import Tokenizer
 
@@ -88,9 +90,7 @@ class LLM:
         call's requests stays queued.
         """
         prompts = _as_list(prompts)
-        configs = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
-        if len(configs) != len(prompts):
-            raise SamplingError(f"{len(prompts)} prompts but {len(configs)} sampling configs")
+        configs = per_prompt(sampling, len(prompts))
         groups = self._submit_all(prompts, configs)
         self._run(r for group in groups for r in group)
         return [RequestOutput(p, g[0].prompt, [r.result() for r in g]) for p, g in zip(prompts, groups, strict=True)]

@@ -199,6 +199,15 @@ class SamplingConfig:
         return cls(**kwargs)
 
 
+def per_prompt(sampling: SamplingConfig | list[SamplingConfig], count: int) -> list[SamplingConfig]:
+    """The settings of each of `count` prompts: `sampling` itself when it is a list (one per prompt), else
+    it repeated; SamplingError when a list has another length."""
+    configs = sampling if isinstance(sampling, list) else [sampling] * count
+    if len(configs) != count:
+        raise SamplingError(f"{count} prompts but {len(configs)} sampling configs")
+    return configs
+
+
 def _from_json(k: str, v):
     """JSON shapes to the config's: {id: bias} or pairs for logit_bias, lists for tuples."""
     if k == "logit_bias":
