@@ -112,7 +112,7 @@ class HostRows:
 def upload(tree):
     """A pytree of host (numpy) arrays on the device in one call: the same arrays, through a jitted
     call's argument path, several times cheaper than `jax.device_put` for many small arrays (measured:
-    docs/performance.md, host to device uploads), and each eager `jnp` op would dispatch a computation of
+    docs/performance.md, "Host to device uploads"), and each eager `jnp` op would dispatch a computation of
     its own."""
     return tree
 
