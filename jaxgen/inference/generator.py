@@ -158,21 +158,26 @@ class Generator:
         for start in range(0, len(rows), self.max_batch):
             yield from self._stream_group(ids, configs, rows[start : start + self.max_batch])
 
+    def _sizes(self, ids, configs, group, prompt_idx) -> tuple[int, int, int, int]:
+        """A group's static sizes: prompt bucket T, new tokens, cache slots and draft window W."""
+        t = bucket(max(len(ids[p]) for p in prompt_idx))
+        # no row can generate past the context, whatever max_new_tokens asks (it ends with "length")
+        # (at least 1: the buffers need a column even when every row asks none, max_new_tokens=0)
+        longest_new = max(min(max(configs[p].max_new_tokens for p, _ in group), self.cfg.max_seq_len), 1)
+        # Slots for the padded prompts plus every new token: the padding (up to the bucket t) takes slots
+        # too, so capping at the context length would leave no room when t reaches it.
+        cache_len = max(bucket(t + min(longest_new, self.cfg.max_seq_len)), self.min_cache_len)
+        w = speculative.window([configs[p].num_speculative_tokens for p, _ in group])
+        if w:  # every step writes W + 1 slots (rejected drafts' slots are not reused)
+            cache_len = max(bucket(speculative.cache_len_needed(t, longest_new, w)), self.min_cache_len)
+        return t, longest_new, cache_len, w
+
     def _stream_group(self, ids, configs, group):
         cfg = self.cfg
         prompt_idx = sorted({p for p, _ in group})
         b = bucket(len(group), minimum=1)
         p_count = bucket(len(prompt_idx), minimum=1)
-        t = bucket(max(len(ids[p]) for p in prompt_idx))
-        # no row can generate past the context, whatever max_new_tokens asks (it ends with "length")
-        # (at least 1: the buffers need a column even when every row asks none, max_new_tokens=0)
-        longest_new = max(min(max(configs[p].max_new_tokens for p, _ in group), cfg.max_seq_len), 1)
-        # Slots for the padded prompts plus every new token: the padding (up to the bucket t) takes slots
-        # too, so capping at the context length would leave no room when t reaches it.
-        cache_len = max(bucket(t + min(longest_new, cfg.max_seq_len)), self.min_cache_len)
-        w = speculative.window([configs[p].num_speculative_tokens for p, _ in group])
-        if w:  # every step writes W + 1 slots (rejected drafts' slots are not reused)
-            cache_len = max(bucket(speculative.cache_len_needed(t, longest_new, w)), self.min_cache_len)
+        t, longest_new, cache_len, w = self._sizes(ids, configs, group, prompt_idx)
         tokens, positions, lengths = padded([ids[p] for p in prompt_idx], p_count, t)
         where = {p: i for i, p in enumerate(prompt_idx)}
         batch_rows = group + [group[0]] * (b - len(group))  # filler rows, finished from the start
@@ -183,15 +188,8 @@ class Generator:
         stop_at: list[int | None] = [None] * len(group)
         spec = None
         if w:
-            prompts = [ids[p] for p, _ in batch_rows]
-            num_spec = [configs[p].num_speculative_tokens for p, _ in batch_rows]
-            draft_cache = None
-            if self.draft_cfg is not None:  # the draft model's own prefill, into as many slots
-                draft_cache, _ = self._prefill(
-                    self.draft_params, tokens, positions, rows, lengths, cfg=self.draft_cfg, cache_len=cache_len,
-                    cache_dtype=self.cache_dtype,
-                )  # fmt: skip
-            spec = speculative.SpecState.init(prompts, num_spec, bucket(t + longest_new + w + 1), draft_cache)
+            spec = self._spec_state(ids, configs, batch_rows, (tokens, positions, rows, lengths), cache_len,
+                                    bucket(t + longest_new + w + 1))  # fmt: skip
         step = 0
         while True:
             state = state.replace(limit=np.int32(min(step + self.chunk_steps, longest_new)))
@@ -212,6 +210,17 @@ class Generator:
                 if spec is not None:
                     self._count_speculation(spec, host, len(group))
                 return
+
+    def _spec_state(self, ids, configs, batch_rows, prompts_in, cache_len: int, history: int):
+        """The rows' speculative state; with a draft model, its own prefill of the prompts (`prompts_in`:
+        `prefill`'s tokens, positions, rows and lengths) into as many slots as the target's."""
+        draft_cache = None
+        if self.draft_cfg is not None:
+            draft_cache, _ = self._prefill(
+                self.draft_params, *prompts_in, cfg=self.draft_cfg, cache_len=cache_len, cache_dtype=self.cache_dtype
+            )
+        num_spec = [configs[p].num_speculative_tokens for p, _ in batch_rows]
+        return speculative.SpecState.init([ids[p] for p, _ in batch_rows], num_spec, history, draft_cache)
 
     def _count_speculation(self, spec, host: HostRows, live: int) -> None:
         steps, proposed, accepted = jax.device_get((spec.target_steps, spec.proposed, spec.accepted))

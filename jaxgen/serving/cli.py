@@ -166,17 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             )  # fmt: skip
         except SamplingError as e:
             p.error(str(e))
-    from jaxgen.inference.engine import Engine
-    from jaxgen.inference.loading import load_for_serving
-    from jaxgen.runtime import enable_compilation_cache
-
-    enable_compilation_cache()
     try:
-        mesh = _engine_mesh(settings)  # a ConfigError is a ValueError
-        m = load_for_serving(args.checkpoint, settings.serve, mesh)
-        engine = Engine(
-            m.params, m.cfg, m.tokenizer, settings.serve, mesh=mesh if mesh.size > 1 else None, draft=m.draft
-        )
+        engine = _engine(args, settings)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -189,6 +180,18 @@ def main(argv: list[str] | None = None) -> int:
     run = batch_job.run_shared if settings.serve.processes == "shared" else batch_job.run_split
     print(json.dumps(run(engine, args.input, args.output, defaults)))
     return 0
+
+
+def _engine(args, settings):
+    """The engine on the model of --checkpoint, as `settings` say (FileNotFoundError, ValueError if not)."""
+    from jaxgen.inference.engine import Engine
+    from jaxgen.inference.loading import load_for_serving
+    from jaxgen.runtime import enable_compilation_cache
+
+    enable_compilation_cache()
+    mesh = _engine_mesh(settings)  # a ConfigError is a ValueError
+    m = load_for_serving(args.checkpoint, settings.serve, mesh)
+    return Engine(m.params, m.cfg, m.tokenizer, settings.serve, mesh=mesh if mesh.size > 1 else None, draft=m.draft)
 
 
 def _check_processes(args, settings) -> None:
