@@ -117,6 +117,24 @@ def upload(tree):
     return tree
 
 
+def row_history(prompt: list[int], tokens: list[int], stops, width: int, vocab: int):
+    """The host arrays of one row with `prompt` and then `tokens` in its cache (none yet, or what it had
+    when it was preempted), as if it had decoded without a break: its stop sequences (MAX_STOPS, width)
+    right-aligned and -1 padded, its last `width` tokens (width,) (-1 before any), the tokens it has
+    seen (V,) bool and the output's counts (V,) int32. The Generator and the engine build rows with it."""
+    stop_seqs = np.full((MAX_STOPS, width), -1, np.int32)
+    for j, seq in enumerate(stops):
+        stop_seqs[j, width - len(seq) :] = seq
+    recent = np.full(width, -1, np.int32)
+    last = tokens[-width:]
+    recent[width - len(last) :] = last
+    seen = np.zeros(vocab, bool)
+    seen[prompt] = True
+    seen[tokens] = True
+    counts = np.bincount(np.asarray(tokens, np.int64), minlength=vocab).astype(np.int32)
+    return stop_seqs, recent, seen, counts
+
+
 def padded(seqs, rows: int, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Token ids and positions (rows, length) of `seqs`, right-padded with position -1, and their lengths
     (rows,) (1 for the filler rows past the last sequence): `prefill`'s prompts."""

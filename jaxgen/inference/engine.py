@@ -32,7 +32,7 @@ from jaxgen.inference import decode, speculative, steps
 from jaxgen.inference.decode import Completion, HostRows
 from jaxgen.inference.pages import PagePolicy, PagePool
 from jaxgen.inference.requests import LIVE, EngineClosed, Request, RequestFailed, Status, check_limits
-from jaxgen.inference.sampling import SamplingConfig, SamplingError, check_prompt
+from jaxgen.inference.sampling import SamplingConfig, check_prompt, per_prompt
 from jaxgen.inference.scheduler import PrefillChunk, Scheduler, StepOutput, StepPlan, Tables
 from jaxgen.inference.stats import EngineStats
 from jaxgen.sharding import with_mesh
@@ -148,9 +148,7 @@ class Engine:
 
     def generate(self, prompts, sampling: SamplingConfig | list[SamplingConfig] = SamplingConfig()) -> list[Completion]:
         """Like Generator.generate, on the engine: every prompt queued at once, results in order."""
-        configs = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
-        if len(configs) != len(prompts):
-            raise SamplingError(f"{len(prompts)} prompts but {len(configs)} sampling configs")
+        configs = per_prompt(sampling, len(prompts))
         requests = [
             r for i, (p, c) in enumerate(zip(prompts, configs, strict=True)) for r in self.submit(p, c, prompt_index=i)
         ]

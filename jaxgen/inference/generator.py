@@ -29,7 +29,6 @@ from jaxgen.inference import scoring, speculative
 from jaxgen.inference.decode import (
     FINISH_LENGTH,
     FINISH_NAMES,
-    MAX_STOPS,
     RUNNING,
     Completion,
     DecodeState,
@@ -41,6 +40,7 @@ from jaxgen.inference.decode import (
     finish_row,
     padded,
     prefill,
+    row_history,
     sample_config,
     stop_sequences,
     stop_string_cut,
@@ -241,14 +241,10 @@ class Generator:
     def _init_state(self, ids, configs, batch_rows, live, cache, logits, longest_new) -> DecodeState:
         b, v = len(batch_rows), self.cfg.vocab_size
         alternatives = max(configs[p].logprobs for p, _ in batch_rows)
-        seen = np.zeros((b, v), bool)
         stops = [self._stops(configs[p]) for p, _ in batch_rows]
         longest = bucket(max((len(q) for row in stops for q in row), default=1), minimum=4)
-        stop_seqs = np.full((b, MAX_STOPS, longest), -1, np.int32)
-        for r, (p, _) in enumerate(batch_rows):
-            seen[r, ids[p]] = True
-            for j, seq in enumerate(stops[r]):
-                stop_seqs[r, j, longest - len(seq) :] = seq
+        rows = [row_history(ids[p], [], stops[r], longest, v) for r, (p, _) in enumerate(batch_rows)]
+        stop_seqs, recent, seen, counts = (np.stack(x) for x in zip(*rows, strict=True))
         row_configs = [sample_config(configs[p], s) for p, s in batch_rows]
         done = (np.arange(b) >= live) | np.asarray([configs[p].max_new_tokens == 0 for p, _ in batch_rows])
         host = dict(  # built here and sent in one transfer: each eager jnp op would dispatch on its own
@@ -260,8 +256,7 @@ class Generator:
             done=done, generated=np.zeros((b,), np.int32),
             finish=np.where(done, FINISH_LENGTH, RUNNING).astype(np.int32),
             max_new=np.asarray([configs[p].max_new_tokens for p, _ in batch_rows], np.int32),
-            stop_seqs=stop_seqs, recent=np.full((b, longest), -1, np.int32),
-            seen=seen, counts=np.zeros((b, v), np.int32),
+            stop_seqs=stop_seqs, recent=recent, seen=seen, counts=counts,
             sampling=SamplingArrays.stack(row_configs, v),
         )  # fmt: skip
         return DecodeState(**upload(host), logits=logits, cache=cache)

@@ -31,7 +31,7 @@ import numpy as np
 from jaxgen import model
 from jaxgen.config import ModelConfig, ServeConfig
 from jaxgen.inference import scoring, speculative
-from jaxgen.inference.decode import FINISH_LENGTH, MAX_STOPS, RUNNING, DecodeState, bucket, decode_loop
+from jaxgen.inference.decode import FINISH_LENGTH, MAX_STOPS, RUNNING, DecodeState, bucket, decode_loop, row_history
 from jaxgen.inference.sampling import MAX_SPECULATIVE, MAX_STOP_SEQUENCE, SamplingArrays, SamplingConfig
 from jaxgen.model.paged import PagedCache, page_bytes
 
@@ -56,19 +56,11 @@ def slot_row(logits, prompt: list[int], tokens: list[int], c: SamplingConfig, st
     when it was preempted): the penalties' state, the stop window and the draw index as if it had
     decoded without a break."""
     v = cfg.vocab_size
-    stop_seqs = np.full((MAX_STOPS, MAX_STOP_SEQUENCE), -1, np.int32)
-    for j, seq in enumerate(stops):
-        stop_seqs[j, MAX_STOP_SEQUENCE - len(seq) :] = seq
-    recent = np.full(MAX_STOP_SEQUENCE, -1, np.int32)
-    last = tokens[-MAX_STOP_SEQUENCE:]
-    recent[MAX_STOP_SEQUENCE - len(last) :] = last
-    seen = np.zeros(v, bool)
-    seen[prompt] = True
-    seen[tokens] = True
+    stop_seqs, recent, seen, counts = row_history(prompt, tokens, stops, MAX_STOP_SEQUENCE, v)
     return SlotRow(
         logits=logits, position=np.int32(len(prompt) + len(tokens)), generated=np.int32(len(tokens)),
         max_new=np.int32(min(c.max_new_tokens, cfg.max_seq_len)),  # the context ends it first anyway
-        stop_seqs=stop_seqs, recent=recent, seen=seen, counts=np.bincount(tokens, minlength=v).astype(np.int32),
+        stop_seqs=stop_seqs, recent=recent, seen=seen, counts=counts,
         sampling=jax.tree.map(jnp.asarray, SamplingArrays.stack([c], v)),
     )  # fmt: skip
 
