@@ -36,3 +36,11 @@ def tiny_run(tiny_cfg, tmp_path_factory):
     cfg = dataclasses.replace(tiny_cfg, training=dataclasses.replace(tiny_cfg.training, steps=10))
     train(cfg, run_dir, progress=False)
     return run_dir
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """After each test file, drop jax's compiled programs: a worker runs many files, and no program is
+    shared between files (each builds its own models), so their executables would only pile up."""
+    yield
+    jax.clear_caches()

@@ -156,7 +156,9 @@ def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConf
 
     base: (B,) int32 or None: the row's `generated` at the start of this call when the buffers hold one
     chunk (the engine: token i of the chunk at column i), else None (the Generator: column = token index).
-    The loop also stops before a row could run out of buffer columns (a step writes up to W + 1)."""
+    The loop also stops before a row could run out of buffer columns (a step writes up to W + 1).
+    (Longer than most functions on purpose: `cond` and `body` are closures over the call's static settings,
+    as in `decode.decode_loop`; the body's parts that stand alone are `model_drafts` and `_verify`.)"""
     rows = jnp.arange(state.tokens.shape[0])
     base = jnp.zeros_like(state.generated) if base is None else base
 

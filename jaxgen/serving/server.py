@@ -103,7 +103,9 @@ class ChatRequest(_Common):
 
 
 def create_app(engine: Engine, model_name: str, api_key: str | None = None, serve: ServeConfig | None = None):
-    """The ASGI app: FastAPI routes wrapped in the body limit. `serve` defaults to the engine's config."""
+    """The ASGI app: FastAPI routes wrapped in the body limit. `serve` defaults to the engine's config.
+    (Long on purpose: the routes are closures over this app's engine, model name and chat template, the
+    way FastAPI apps are written; each route's work is in `responses` and `errors`.)"""
     serve = serve or engine.serve
     app = FastAPI(title="jaxgen", description="OpenAI-compatible text generation with jaxgen")
     created = int(time.time())
