@@ -33,7 +33,7 @@ from jaxgen.inference.sampling import (
     sample,
     shown,
 )
-from jaxgen.model.kvcache import KVCache, constrain_cache
+from jaxgen.model.kvcache import KVCache
 from jaxgen.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -152,11 +152,11 @@ def prefill(params, tokens, positions, rows, lengths, cfg: ModelConfig, cache_le
     tokens, positions: (P, T) padded prompts (position -1 on padding); rows: (B,) prompt of each row;
     lengths: (P,) prompt lengths. Returns the (B, ...) cache and the next-token logits (B, V).
     """
-    cache = constrain_cache(KVCache.init(cfg, tokens.shape[0], cache_len, cache_dtype))
+    cache = KVCache.init(cfg, tokens.shape[0], cache_len, cache_dtype).constrain()
     x, cache = model.hidden_states(params, tokens, positions, cache, cfg=cfg)
     x_last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # (P, 1, D)
     last = model.lm_head(params, x_last, cfg)[:, 0]  # (P, V): no logits for the rest of the prompt
-    return constrain_cache(cache.take_rows(rows)), last[rows]
+    return cache.take_rows(rows).constrain(), last[rows]
 
 
 def decode_loop(params, state: DecodeState, cfg: ModelConfig) -> DecodeState:

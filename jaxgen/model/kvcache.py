@@ -204,11 +204,6 @@ class KVCache:
         )  # fmt: skip
 
 
-def constrain_cache(cache: KVCache) -> KVCache:
-    """`cache.constrain()`."""
-    return cache.constrain()
-
-
 def num_blocks(max_len: int) -> int:
     """How many blocks a cache of `max_len` slots is cut into: blocks of BLOCK slots, at most
     MAX_BLOCKS of them, and at least two, so that a short sequence in a small cache reads half of it;
