@@ -9,6 +9,10 @@ so both systems produce exactly the same tokens. Static batching runs them in ar
 at a time, through `Generator.stream` (each batch runs until its longest request is done). The shared-
 prefix variant puts the same 256-token system prompt in front of every prompt.
 
+The HTTP row sends the plain workload through `serve.py http`'s app (uvicorn in a thread, as served):
+one streaming /v1/completions request per prompt, all at once, each from its own connection; its gap to
+the engine row is what the server costs (parsing, tokens to text, events, the event loop).
+
 Reported per run: output tokens/s over the whole run, and p50/p99 of the time to first token (from the
 common arrival time) and of the time per output token after the first. Compilation is excluded: every
 system runs a warm-up first (static batching: the whole workload once, since its shapes vary per batch).
@@ -17,7 +21,11 @@ system runs a warm-up first (static batching: the whole workload once, since its
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
+import json
+import socket
+import threading
 import time
 from pathlib import Path
 
@@ -52,6 +60,56 @@ def run_engine(engine: Engine, prompts, configs) -> dict:
     ttft = [r.t_first - t0 for r in requests]
     tpot = [(r.t_done - r.t_first) / (len(r.tokens) - 1) for r in requests if len(r.tokens) > 1]
     return _summary(sum(len(r.tokens) for r in requests), wall, ttft, tpot)
+
+
+def run_http(engine: Engine, prompts, configs) -> dict:
+    """The workload through the HTTP server: streaming completions with token-id prompts (logprobs=0, so
+    each event lists its tokens even while their text is an incomplete UTF-8 sequence)."""
+    import httpx
+    import uvicorn
+
+    from jaxgen.serving.server import create_app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, "bench"), port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    engine.start()
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+
+    async def one(client, prompt, cfg, t0):
+        body = {"prompt": prompt, "max_tokens": cfg.max_new_tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True, "logprobs": 0}  # fmt: skip
+        first = last = None
+        tokens = 0
+        async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                got = (json.loads(line[6:])["choices"][0]["logprobs"] or {}).get("tokens") or []
+                if got:
+                    last = time.perf_counter()
+                    first = first or last
+                    tokens += len(got)
+        return tokens, first - t0, (last - first) / max(tokens - 1, 1)
+
+    async def all_at_once():
+        limits = httpx.Limits(max_connections=len(prompts))
+        async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+            t0 = time.perf_counter()
+            out = await asyncio.gather(*(one(client, p, c, t0) for p, c in zip(prompts, configs, strict=True)))
+            return out, time.perf_counter() - t0
+
+    try:
+        out, wall = asyncio.run(all_at_once())
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        engine.stop()
+    return _summary(sum(o[0] for o in out), wall, [o[1] for o in out], [o[2] for o in out if o[0] > 1])
 
 
 def run_static(gen: Generator, prompts, configs, batch: int) -> dict:
@@ -90,6 +148,7 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=16, help="engine slots = static batch size")
     parser.add_argument("--chunk-steps", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-http", action="store_true", help="skip the row through the HTTP server")
     args = parser.parse_args()
     overrides = [f"model.num_layers={args.layers}", "model.max_seq_len=1024"]
     cfg = load_config(ROOT / "configs" / f"{args.config}.yaml", overrides).model
@@ -117,6 +176,10 @@ def main() -> None:
     engine.generate(warm_p + shared_prompts[:2], warm_c + shared_configs[:2])  # compile
     results["engine"] = run_engine(engine, prompts, configs)
     show("engine")
+    if not args.no_http:
+        engine.pool.clear_cache()  # the engine row's prompts are cached: start both rows cold
+        results["engine behind HTTP (streaming clients)"] = run_http(engine, prompts, configs)
+        show("engine behind HTTP (streaming clients)")
     gen = Generator(params, cfg, tok, max_batch=args.slots, chunk_steps=args.chunk_steps)
     run_static(gen, prompts, configs, args.slots)  # compile every batch's shapes
     results["static batches (generate)"] = run_static(gen, prompts, configs, args.slots)
@@ -132,7 +195,10 @@ def main() -> None:
     ratio = results["engine"]["tok_s"] / results["static batches (generate)"]["tok_s"]
     ttft = results["shared prefix: engine, no prefix caching"]["ttft_p50"]
     ttft /= results["shared prefix: engine, prefix caching"]["ttft_p50"]
-    print(f"\nengine / static batching throughput: {ratio:.2f}x (target 1.7x)")
+    if not args.no_http:
+        http = results["engine behind HTTP (streaming clients)"]["tok_s"] / results["engine"]["tok_s"]
+        print(f"\nthrough HTTP / engine alone throughput: {http:.2f}x")
+    print(f"engine / static batching throughput: {ratio:.2f}x (target 1.7x)")
     print(f"time to first token p50, no prefix caching / prefix caching: {ttft:.2f}x (target >= 2x)")
     print(f"engine compilations: {engine.compilations}; generate compilations: {gen.compilations}")
 
