@@ -299,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)  # overrides may stand among the flags
     try:
         mesh_sizes = parse_mesh(args.mesh)
     except ValueError as e:

@@ -13,7 +13,7 @@ SERVE_YAML = ROOT / "configs" / "serve.yaml"
 
 
 def _settings(argv: list[str]) -> ServeCommandConfig:
-    return serve.command_config(serve._parser().parse_args(argv))
+    return serve.command_config(serve.parse_args(argv)[1])
 
 
 def test_serve_yaml_lists_every_field_at_its_default():
@@ -111,7 +111,10 @@ def test_http_settings_reach_the_engine_and_the_server(monkeypatch, tmp_path):
     monkeypatch.setattr(checkpoint, "load_draft", lambda path, tokenizer, mesh, **kwargs: (f"params of {path}", "dcfg"))
     monkeypatch.setattr(jaxgen.inference.engine, "Engine", Engine)
     monkeypatch.setattr(jaxgen.runtime, "enable_compilation_cache", lambda: None)
-    monkeypatch.setattr(jaxgen.serving.server, "create_app", lambda engine, name, key: seen.update(name=name, key=key))
+    monkeypatch.setattr(
+        jaxgen.serving.server, "create_app",
+        lambda engine, name, key, metrics_need_key: seen.update(name=name, key=key, metrics=metrics_need_key),
+    )  # fmt: skip
     monkeypatch.setattr(
         jaxgen.serving.server, "serve_forever", lambda engine, app, host, port, grace_s: seen.update(at=(host, port))
     )
