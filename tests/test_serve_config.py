@@ -151,13 +151,13 @@ def test_a_broken_config_file_is_one_line_naming_it(tmp_path, content, fragment)
 def test_every_given_value_is_checked_and_overrides_may_stand_among_flags(tmp_path):
     with pytest.raises(ConfigError, match=r"override 'serve.slots=\[1' is not a YAML value"):
         _settings(["http", "--checkpoint", "c", "serve.slots=[1"])
-    with pytest.raises(ConfigError, match="serve.slots='abc' is not allowed: an integer"):
+    with pytest.raises(ConfigError, match=r"serve\.slots='abc' is not allowed: an integer"):
         _settings(["http", "--slots", "2", "--checkpoint", "c", "serve.slots=abc"])  # the flag would win: still wrong
-    with pytest.raises(ConfigError, match="serve.slots=0 is not allowed"):
+    with pytest.raises(ConfigError, match=r"serve\.slots=0 is not allowed"):
         _settings(["http", "--checkpoint", "c", "serve.slots=0", "--slots", "2"])
     path = tmp_path / "file.yaml"
     path.write_text("serve:\n  slots: many\n")  # replaced by an override, still wrong
-    with pytest.raises(ConfigError, match="serve.slots='many' is not allowed: an integer"):
+    with pytest.raises(ConfigError, match=r"serve\.slots='many' is not allowed: an integer"):
         _settings(["http", "--checkpoint", "c", "--config", str(path), "serve.slots=2"])
     argv = ["http", "serve.slots=3", "--checkpoint", "c", "serve.chunk_steps=4", "--port", "1", "serve.page_size=8"]
     s = _settings(argv)
@@ -175,12 +175,12 @@ def test_train_cli_takes_overrides_among_flags():
 @pytest.mark.parametrize(
     "overrides, fragment",
     [
-        (["serve.num_pages=1000000000000"], "serve.num_pages=1000000000000 is not allowed: 0 (from serve.kv_memory_gb)"),
+        (["serve.num_pages=1000000000000"], "serve.num_pages=1000000000000 is not allowed: 0 (from"),
         (["serve.kv_memory_gb=.inf"], "serve.kv_memory_gb=inf is not allowed: a number > 0 and at most"),
         (["serve.kv_memory_gb=1e308"], "serve.kv_memory_gb=1e+308 is not allowed"),
         (["serve.kv_memory_gb=.nan"], "serve.kv_memory_gb=nan is not allowed"),
         (["serve.chunk_steps=1000000000"], "serve.chunk_steps=1000000000 is not allowed: at most 1024"),
-        (["serve.quantize_embedding=true"], "serve.quantize_embedding=True is not allowed: true only with serve.quantize"),
+        (["serve.quantize_embedding=true"], "serve.quantize_embedding=True is not allowed: true only with"),
     ],
 )
 def test_hostile_sizes_are_refused_by_the_config(overrides, fragment):
