@@ -229,3 +229,45 @@ def test_binding_every_interface_without_a_key_warns(monkeypatch, capsys):
         assert serve.main(["http", "--checkpoint", "c", *argv]) == 1
         assert "warning" not in capsys.readouterr().err
     assert _settings(["http", "--checkpoint", "c", "--metrics-need-key"]).http.metrics_need_key
+
+
+# each field drawn from a valid value, 0, -1, huge ints, inf, nan, 1e308, wrong types and strings (YAML text)
+HOSTILE = ["0", "-1", "1", "2", "3", "16", "384", "385", "1024", "65536", "1000000000", "1000000000000",
+           str(10**18), "1.5", "1e-9", "1e308", ".inf", "-.inf", ".nan", "true", "false", "null", "abc", "''",
+           "[1]", "{a: 1}", "int8", "shared", "0.0.0.0"]  # fmt: skip
+FIELDS = [f"serve.{f.name}" for f in dataclasses.fields(ServeConfig) if f.name != "draft"]
+FIELDS += [f"http.{f.name}" for f in dataclasses.fields(HttpConfig)]
+
+
+def test_hostile_server_settings_are_named_or_fit(monkeypatch):
+    """Issue 31's fuzz of server settings, through the command line's own path (overrides, the config, the
+    engine's mesh, the checks the engine runs before it allocates): a one-line ConfigError naming a field
+    that was given, or settings whose buffers fit in memory."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from jaxgen.config import ModelConfig
+    from jaxgen.inference.budget import HEADROOM, check_serving, memory_available, planned_bytes
+    from jaxgen.model.paged import page_bytes
+    from jaxgen.serving import cli
+
+    cfg = ModelConfig(**TINY)
+
+    @settings(derandomize=True, max_examples=100, deadline=None)
+    @given(st.dictionaries(st.sampled_from(FIELDS), st.sampled_from(HOSTILE), min_size=1, max_size=4))
+    def check(drawn):
+        args = serve.parse_args(["http", "--checkpoint", "c", *(f"{k}={v}" for k, v in drawn.items())])[1]
+        try:
+            s = serve.command_config(args)
+            mesh = cli._engine_mesh(s)
+            check_serving(cfg, s.serve, mesh=mesh)
+        except ConfigError as e:
+            message = str(e)
+            assert "\n" not in message and any(key in message for key in drawn), (drawn, message)
+            return
+        per_page = page_bytes(cfg, s.serve.page_size, s.serve.cache_dtype)
+        pages = s.serve.num_pages or int(s.serve.kv_memory_gb * 2**30 // per_page)
+        assert 2 <= pages < 2**31 and s.serve.max_logprobs <= cfg.vocab_size
+        assert sum(planned_bytes(cfg, s.serve, pages, per_page).values()) <= HEADROOM * memory_available(mesh)[0]
+
+    check()

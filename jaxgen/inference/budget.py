@@ -35,7 +35,8 @@ def check_serving(cfg: ModelConfig, serve: ServeConfig, draft_cfg: ModelConfig |
     if pages < 2:
         raise ConfigError(
             f"serve.kv_memory_gb={serve.kv_memory_gb} is not allowed: it holds {pages} pages of {per_page} bytes "
-            f"and the page pool needs at least 2; at least {2 * per_page / 2**30:.3g} GB"
+            f"(serve.page_size={serve.page_size} tokens) and the page pool needs at least 2: at least "
+            f"{2 * per_page / 2**30:.3g} GB"
         )
     needs = planned_bytes(cfg, serve, pages, per_page)
     available, where = memory_available(mesh)

@@ -244,7 +244,13 @@ def _engine_mesh(settings):
     from jaxgen.sharding import check_spans_processes, make_mesh
 
     shared = settings.serve.processes == "shared"
-    mesh = make_mesh(settings.serve.mesh, jax.devices() if shared else jax.local_devices())
+    s = settings.serve
+    try:
+        mesh = make_mesh(s.mesh, jax.devices() if shared else jax.local_devices())
+    except ConfigError as e:  # it names the mesh: say which settings made it
+        raise ConfigError(
+            f"serve.data_parallel={s.data_parallel}, serve.tensor_parallel={s.tensor_parallel}: {e}"
+        ) from None
     if shared and jax.process_count() > 1:
         try:
             what = f"serve.processes=shared with serve.tensor_parallel={settings.serve.tensor_parallel}: the engine"
