@@ -166,10 +166,12 @@ def test_every_given_value_is_checked_and_overrides_may_stand_among_flags(tmp_pa
         serve.parse_args(["http", "--checkpoint", "c", "serve.slots=3", "--bogus", "1"])
 
 
-def test_train_cli_takes_overrides_among_flags():
+def test_train_cli_takes_overrides_among_flags(capsys):
     import train
 
-    assert train.main(["training.steps=abc", "--config", "configs/tiny.yaml", "--no-progress"]) == 2
+    argv = ["--config", "configs/tiny.yaml", "model.num_layers=2", "--no-progress", "training.steps=abc"]
+    assert train.main(argv) == 2  # the second run of overrides is read (it was "unrecognized arguments")
+    assert "training.steps='abc' is not allowed: an integer" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -200,7 +202,7 @@ TINY = dict(vocab_size=384, num_layers=2, d_model=64, num_heads=4, num_kv_heads=
         (["serve.num_pages=100000000"], "serve.num_pages=100000000 is not allowed: the engine's buffers would take"),
         (["serve.kv_memory_gb=100000"], "serve.kv_memory_gb=100000.0 is not allowed: the engine's buffers"),
         (["serve.chunk_steps=1024", "serve.slots=1000000"], "serve.chunk_steps=1024 is not allowed"),
-        (["serve.kv_memory_gb=1e-9"], "it holds 0 pages of 8192 bytes and the page pool needs at least 2"),
+        (["serve.kv_memory_gb=1e-9"], "it holds 0 pages of 8192 bytes (serve.page_size=16 tokens) and the page pool needs"),
     ],
 )
 def test_settings_the_model_cannot_serve_are_refused_before_the_engine_allocates(overrides, fragment, monkeypatch):
