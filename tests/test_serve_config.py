@@ -202,7 +202,7 @@ TINY = dict(vocab_size=384, num_layers=2, d_model=64, num_heads=4, num_kv_heads=
         (["serve.num_pages=100000000"], "serve.num_pages=100000000 is not allowed: the engine's buffers would take"),
         (["serve.kv_memory_gb=100000"], "serve.kv_memory_gb=100000.0 is not allowed: the engine's buffers"),
         (["serve.chunk_steps=1024", "serve.slots=1000000"], "serve.chunk_steps=1024 is not allowed"),
-        (["serve.kv_memory_gb=1e-9"], "it holds 0 pages of 8192 bytes (serve.page_size=16 tokens) and the page pool needs"),
+        (["serve.kv_memory_gb=1e-9"], "it holds 0 pages of 8192 bytes (serve.page_size=16 tokens) and the page pool"),
     ],
 )
 def test_settings_the_model_cannot_serve_are_refused_before_the_engine_allocates(overrides, fragment, monkeypatch):
