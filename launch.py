@@ -106,9 +106,10 @@ def _die_with(parent: int):
     ended with its process group while the launcher lives."""
     import ctypes
 
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child runs as little as it can
+
     def arm():
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != parent:  # the launcher died before prctl: the signal will never come
             os._exit(1)
 

@@ -155,6 +155,8 @@ def test_every_given_value_is_checked_and_overrides_may_stand_among_flags(tmp_pa
         _settings(["http", "--slots", "2", "--checkpoint", "c", "serve.slots=abc"])  # the flag would win: still wrong
     with pytest.raises(ConfigError, match=r"serve\.slots=0 is not allowed"):
         _settings(["http", "--checkpoint", "c", "serve.slots=0", "--slots", "2"])
+    s = _settings(["http", "--checkpoint", "c", "serve.quantize_embedding=true", "--quantize", "int8"])
+    assert s.serve.quantize_embedding and s.serve.quantize == "int8"  # checked together with the flags
     path = tmp_path / "file.yaml"
     path.write_text("serve:\n  slots: many\n")  # replaced by an override, still wrong
     with pytest.raises(ConfigError, match=r"serve\.slots='many' is not allowed: an integer"):

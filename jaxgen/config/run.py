@@ -79,11 +79,19 @@ def load_serve_config(
                           "with serve and http sections, such as configs/serve.yaml")  # fmt: skip
     _check_layer(ServeCommandConfig, data)  # the file's values, before the overrides replace some
     data = apply_overrides(data, list(overrides))
-    if settings:  # the overrides' values, before the flags replace some: a bad value is an error wherever it is
-        _build_serve(data)
-    for key, value in (settings or {}).items():
+    settings = settings or {}
+    replaced = {item.split("=", 1)[0].strip() for item in overrides} & set(settings)
+    if replaced:  # an override a flag replaces is checked too, with every other setting as it will be
+        _build_serve(_with(data, {k: v for k, v in settings.items() if k not in replaced}))
+    return _build_serve(_with(data, settings))
+
+
+def _with(data: dict, settings: dict[str, Any]) -> dict:
+    """A copy of `data` with each dotted key of `settings` set."""
+    data = apply_overrides(data, [])
+    for key, value in settings.items():
         set_key(data, key, value, f"{key}={value!r}")
-    return _build_serve(data)
+    return data
 
 
 def _build_serve(data: dict) -> ServeCommandConfig:
