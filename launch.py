@@ -165,8 +165,8 @@ def supervise(procs: list[subprocess.Popen], grace: float, stop: Stop | None = N
                 failed_at, status = time.monotonic(), _status(p.returncode)
                 print(f"launch: process {i} exited with status {status}", file=sys.stderr, flush=True)
         stopped = stop is not None and stop.at is not None
-        since = min(t for t in (failed_at, stop.at if stopped else None, float("inf")) if t is not None)
-        if time.monotonic() - since > grace:
+        since = [t for t in (failed_at, stop.at if stopped else None) if t is not None]
+        if since and time.monotonic() - min(since) > grace:
             print(f"launch: ending the other processes after {grace:.0f} s", file=sys.stderr, flush=True)
             _end([p for p in procs if p.returncode is None], wait_s=0.0 if stopped else 10.0)  # stopped: had SIGTERM
         time.sleep(0.1)

@@ -243,8 +243,8 @@ def _engine_mesh(settings):
     from jaxgen.config import ConfigError
     from jaxgen.sharding import check_spans_processes, make_mesh
 
-    shared = settings.serve.processes == "shared"
     s = settings.serve
+    shared = s.processes == "shared"
     try:
         mesh = make_mesh(s.mesh, jax.devices() if shared else jax.local_devices())
     except ConfigError as e:  # it names the mesh: say which settings made it
@@ -253,7 +253,7 @@ def _engine_mesh(settings):
         ) from None
     if shared and jax.process_count() > 1:
         try:
-            what = f"serve.processes=shared with serve.tensor_parallel={settings.serve.tensor_parallel}: the engine"
+            what = f"serve.processes=shared with serve.tensor_parallel={s.tensor_parallel}: the engine"
             check_spans_processes(mesh, what)
         except ValueError as e:
             raise ConfigError(f"{e}; e.g. serve.tensor_parallel=-1") from None
