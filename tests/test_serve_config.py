@@ -275,3 +275,22 @@ def test_hostile_server_settings_are_named_or_fit(monkeypatch):
         assert sum(planned_bytes(cfg, s.serve, pages, per_page).values()) <= HEADROOM * memory_available(mesh)[0]
 
     check()
+
+
+def test_sizes_the_model_cannot_serve_stop_serve_py_before_the_weights_load(tmp_path, monkeypatch, capsys):
+    import shutil
+
+    from jaxgen.inference import loading
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the weights loaded before the settings were checked against the model")
+
+    monkeypatch.setattr(loading, "load_model", load_model)
+    shutil.copy(ROOT / "configs" / "tiny.yaml", tmp_path / "config.yaml")  # a run folder's config: vocabulary 384
+    for override, fragment in [
+        ("serve.max_logprobs=385", "error: serve.max_logprobs=385 is not allowed: at most the model's vocabulary"),
+        ("serve.num_pages=100000000", "error: serve.num_pages=100000000 is not allowed: the engine's buffers"),
+    ]:
+        assert serve.main(["generate", "--checkpoint", str(tmp_path), "--prompt", "x", override]) == 1
+        err = capsys.readouterr().err
+        assert fragment in err and len(err.splitlines()) == 1, err
