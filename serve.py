@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import sys
 
-from jaxgen.serving.cli import command_config, main
+from jaxgen.serving.cli import command_config, main, parse_args
 from jaxgen.serving.cli import parser as _parser
 
-__all__ = ["_parser", "command_config", "main"]
+__all__ = ["_parser", "command_config", "main", "parse_args"]
 
 if __name__ == "__main__":
     sys.exit(main())

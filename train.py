@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
     add_distributed_flags(parser)
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. model.num_layers=4")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may stand among the flags
     try:
         cfg = load_config(args.config, args.overrides + distributed_overrides(args))
         joined = initialize(cfg.distributed)  # before anything else touches JAX

@@ -26,6 +26,9 @@ DEVICES = {
     "v4": (32e9, "tpu"), "v5e": (16e9, "tpu"), "v5p": (95e9, "tpu"), "v6e": (32e9, "tpu"),
 }  # fmt: skip
 HEADROOM = 0.9  # of a device's memory a plan may use: the runtime, fragmentation, compiled code
+MAX_DEVICES = 4096  # fake CPU devices: XLA makes 4096 in seconds; far more take minutes or crash it
+# the largest --slots, --cache-len and --prefill-chunk: positions and page offsets are int32
+LIMITS = {"slots": 2**20, "cache_len": 2**24, "prefill_chunk": 2**24}
 
 
 @dataclasses.dataclass
@@ -53,6 +56,8 @@ def parse_mesh(text: str) -> dict[str, int]:
         if name not in sizes or not value.isdigit() or int(value) < 1:
             raise ValueError(f"--mesh item {item!r} is not allowed: data=N, fsdp=N or tensor=N with N >= 1")
         sizes[name] = int(value)
+    if math.prod(sizes.values()) > MAX_DEVICES:
+        raise ValueError(f"--mesh {text} is not allowed: {math.prod(sizes.values())} devices; at most {MAX_DEVICES}")
     return sizes
 
 
@@ -299,16 +304,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)  # overrides may stand among the flags
     try:
         mesh_sizes = parse_mesh(args.mesh)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for name in ("slots", "cache_len", "prefill_chunk"):
+    for name, top in LIMITS.items():
         value = getattr(args, name)
-        if value is not None and value < 1:
-            print(f"error: --{name.replace('_', '-')}={value} is not allowed: a positive integer", file=sys.stderr)
+        if value is not None and not 1 <= value <= top:
+            print(f"error: --{name.replace('_', '-')}={value} is not allowed: an integer from 1 to {top}",
+                  file=sys.stderr)  # fmt: skip
             return 2
     import jax
 

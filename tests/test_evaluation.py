@@ -169,3 +169,23 @@ def test_command_line_on_a_hugging_face_folder_equals_transformers(tmp_path, tas
                 logp = torch.log_softmax(ref(torch.tensor([ctx + cont])).logits[0].double(), -1)
             want = sum(logp[len(ctx) - 1 + i, t].item() for i, t in enumerate(cont))
             assert float(got[0]) == pytest.approx(want, abs=1e-4)
+
+
+def test_command_line_on_a_run_without_a_checkpoint_says_so_in_one_line(tmp_path, tasks):
+    """Issue 31: the right error, then a traceback and orbax's thread failing at interpreter exit."""
+    import shutil
+    import subprocess
+    import sys
+
+    from jaxgen.tokenizer import Tokenizer
+
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(ROOT / "configs" / "tiny.yaml", run / "config.yaml")
+    Tokenizer.byte_level().save_folder(run)
+    command = [sys.executable, "-m", "jaxgen.evaluation", "--model", "jaxgen", "--model_args", f"checkpoint={run}",
+               "--tasks", "jaxgen_mc", "--include_path", str(tasks.include_path)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 1
+    assert f"error: {run} has no checkpoint yet" in done.stderr
+    assert "Traceback" not in done.stderr and "RuntimeError" not in done.stderr, done.stderr[-3000:]

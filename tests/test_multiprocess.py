@@ -89,6 +89,82 @@ def test_command_lines_refuse_wrong_process_settings_before_starting():
     assert launcher.returncode == 2 and "no command given" in launcher.stderr
 
 
+# --- the launcher's own processes: tiny Python children, no jax (issue 31) ------------------------------------
+
+# prints its pid (and its child's, when it starts one), then: `ignore` SIGTERM and sleep, or `exit` at once
+CHILD = """
+import os, signal, subprocess, sys, time
+kid = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) if "{spawn}" else None
+print("pids", os.getpid(), kid.pid if kid else 0, flush=True)
+if "{mode}" == "exit":
+    sys.exit(0)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+time.sleep(120)
+"""
+
+
+def _launcher(n: int, grace: float, *children: str):
+    """The launcher of `n` children (child i runs children[i % len]) and the pids they printed."""
+    code = f"import os; i = int(os.environ.get('JAX_PROCESS_ID', 0)); exec({list(children)!r}[i % {len(children)}])"
+    cmd = [sys.executable, "launch.py", "-n", str(n), "--grace", str(grace), "--", sys.executable, "-c", code]
+    launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    pids, seen = [], 0
+    while seen < n:
+        line = launcher.stdout.readline()
+        assert line, "the launcher ended before its children started"
+        if " pids " in line:
+            pids += [int(x) for x in line.split()[2:] if x != "0"]
+            seen += 1
+    return launcher, pids
+
+
+def _gone(pids, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 0)
+                with open(f"/proc/{pid}/stat") as f:  # a zombie waiting for its reaper is gone too
+                    if f.read().split(")")[-1].split()[0] != "Z":
+                        alive.append(pid)
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="process groups and PR_SET_PDEATHSIG as on Linux")
+def test_the_launcher_ends_stubborn_processes_and_what_they_started():
+    stubborn = CHILD.format(spawn="", mode="ignore")
+    # one child leaves a grandchild behind and exits; the other ignores SIGTERM
+    launcher, pids = _launcher(2, 1.0, CHILD.format(spawn="yes", mode="exit"), stubborn)
+    assert len(pids) == 3  # the first child, its grandchild, the second child
+    assert _gone(pids[:2], within=10)  # the grandchild ends with its parent's process group
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=20) != 0  # killed 1 s (--grace) after SIGTERM
+    assert _gone(pids, within=5)
+
+    launcher, pids = _launcher(1, 600.0, stubborn)
+    launcher.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    launcher.send_signal(signal.SIGINT)  # a second signal kills at once
+    assert launcher.wait(timeout=20) != 0 and _gone(pids, within=5)
+
+    launcher, pids = _launcher(1, 600.0, stubborn)
+    launcher.kill()  # the launcher cannot end them itself: they die with it
+    launcher.wait()
+    assert _gone(pids, within=10)
+
+
+def test_the_launcher_refuses_hundreds_of_processes(capsys):
+    import launch
+
+    with pytest.raises(SystemExit):
+        launch.main(["-n", "400", "--", "true"])
+    assert "--num-processes=400 is not allowed: an integer from 1 to 64" in capsys.readouterr().err
+
+
 def test_a_mesh_that_leaves_a_process_out_is_refused(monkeypatch):
     from jaxgen import sharding
 

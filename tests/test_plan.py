@@ -72,3 +72,12 @@ def test_command_line_gives_a_verdict_and_refuses_bad_input(tmp_path):
     assert "on 4 x v5e (mesh data=2, fsdp=2, tensor=1)" in out.stdout
     for program in ("train step:", "prefill (64 tokens x 8 slots):", "decode step (8 slots):"):
         assert program in out.stdout and "fits" in out.stdout
+
+
+def test_sizes_beyond_what_can_be_planned_are_refused_with_the_range(capsys):
+    """Issue 31: --cache-len 10**15 ended in an OverflowError, --mesh data=100000 in a segfault minutes later."""
+    assert plan.main(["--config", "configs/tiny.yaml", "--cache-len", str(10**15)]) == 2
+    assert "--cache-len=1000000000000000 is not allowed: an integer from 1 to 16777216" in capsys.readouterr().err
+    assert plan.main(["--config", "configs/tiny.yaml", "--mesh", "data=100000"]) == 2
+    assert "--mesh data=100000 is not allowed: 100000 devices; at most 4096" in capsys.readouterr().err
+    assert plan.main(["--config", "configs/tiny.yaml", "--mesh", "data=64,fsdp=64,tensor=2"]) == 2

@@ -13,7 +13,7 @@ SERVE_YAML = ROOT / "configs" / "serve.yaml"
 
 
 def _settings(argv: list[str]) -> ServeCommandConfig:
-    return serve.command_config(serve._parser().parse_args(argv))
+    return serve.command_config(serve.parse_args(argv)[1])
 
 
 def test_serve_yaml_lists_every_field_at_its_default():
@@ -111,7 +111,10 @@ def test_http_settings_reach_the_engine_and_the_server(monkeypatch, tmp_path):
     monkeypatch.setattr(checkpoint, "load_draft", lambda path, tokenizer, mesh, **kwargs: (f"params of {path}", "dcfg"))
     monkeypatch.setattr(jaxgen.inference.engine, "Engine", Engine)
     monkeypatch.setattr(jaxgen.runtime, "enable_compilation_cache", lambda: None)
-    monkeypatch.setattr(jaxgen.serving.server, "create_app", lambda engine, name, key: seen.update(name=name, key=key))
+    monkeypatch.setattr(
+        jaxgen.serving.server, "create_app",
+        lambda engine, name, key, metrics_need_key: seen.update(name=name, key=key, metrics=metrics_need_key),
+    )  # fmt: skip
     monkeypatch.setattr(
         jaxgen.serving.server, "serve_forever", lambda engine, app, host, port, grace_s: seen.update(at=(host, port))
     )
@@ -124,3 +127,170 @@ def test_http_settings_reach_the_engine_and_the_server(monkeypatch, tmp_path):
     assert seen["draft"] is None  # n-gram drafts unless serve.draft names a model
     assert serve.main([*argv, "--draft", "runs/small"]) == 0
     assert seen["serve"].draft == "runs/small" and seen["draft"] == ("params of runs/small", "dcfg")
+
+
+# --- issue 31: files, overrides and flags; sizes and settings the model cannot serve -----------------------
+
+
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        (None, "is a directory, not a YAML file"),
+        (b"serve:\n  slots: [1\n", "is not valid YAML: expected ',' or ']'"),
+        (b"serve:\n  slots: \xff\xfe\n", "is not UTF-8 text"),
+    ],
+)
+def test_a_broken_config_file_is_one_line_naming_it(tmp_path, content, fragment):
+    path = tmp_path / "bad.yaml"
+    path.mkdir() if content is None else path.write_bytes(content)
+    with pytest.raises(ConfigError) as e:
+        load_serve_config(path)
+    assert str(path) in str(e.value) and fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_every_given_value_is_checked_and_overrides_may_stand_among_flags(tmp_path):
+    with pytest.raises(ConfigError, match=r"override 'serve.slots=\[1' is not a YAML value"):
+        _settings(["http", "--checkpoint", "c", "serve.slots=[1"])
+    with pytest.raises(ConfigError, match=r"serve\.slots='abc' is not allowed: an integer"):
+        _settings(["http", "--slots", "2", "--checkpoint", "c", "serve.slots=abc"])  # the flag would win: still wrong
+    with pytest.raises(ConfigError, match=r"serve\.slots=0 is not allowed"):
+        _settings(["http", "--checkpoint", "c", "serve.slots=0", "--slots", "2"])
+    s = _settings(["http", "--checkpoint", "c", "serve.quantize_embedding=true", "--quantize", "int8"])
+    assert s.serve.quantize_embedding and s.serve.quantize == "int8"  # checked together with the flags
+    path = tmp_path / "file.yaml"
+    path.write_text("serve:\n  slots: many\n")  # replaced by an override, still wrong
+    with pytest.raises(ConfigError, match=r"serve\.slots='many' is not allowed: an integer"):
+        _settings(["http", "--checkpoint", "c", "--config", str(path), "serve.slots=2"])
+    argv = ["http", "serve.slots=3", "--checkpoint", "c", "serve.chunk_steps=4", "--port", "1", "serve.page_size=8"]
+    s = _settings(argv)
+    assert (s.serve.slots, s.serve.chunk_steps, s.serve.page_size, s.http.port) == (3, 4, 8, 1)
+    with pytest.raises(SystemExit):
+        serve.parse_args(["http", "--checkpoint", "c", "serve.slots=3", "--bogus", "1"])
+
+
+def test_train_cli_takes_overrides_among_flags(capsys):
+    import train
+
+    argv = ["--config", "configs/tiny.yaml", "model.num_layers=2", "--no-progress", "training.steps=abc"]
+    assert train.main(argv) == 2  # the second run of overrides is read (it was "unrecognized arguments")
+    assert "training.steps='abc' is not allowed: an integer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["serve.num_pages=1000000000000"], "serve.num_pages=1000000000000 is not allowed: 0 (from"),
+        (["serve.kv_memory_gb=.inf"], "serve.kv_memory_gb=inf is not allowed: a number > 0 and at most"),
+        (["serve.kv_memory_gb=1e308"], "serve.kv_memory_gb=1e+308 is not allowed"),
+        (["serve.kv_memory_gb=.nan"], "serve.kv_memory_gb=nan is not allowed"),
+        (["serve.chunk_steps=1000000000"], "serve.chunk_steps=1000000000 is not allowed: at most 1024"),
+        (["serve.quantize_embedding=true"], "serve.quantize_embedding=True is not allowed: true only with"),
+    ],
+)
+def test_hostile_sizes_are_refused_by_the_config(overrides, fragment):
+    with pytest.raises(ConfigError) as e:
+        load_serve_config(None, overrides)
+    assert fragment in str(e.value)
+
+
+TINY = dict(vocab_size=384, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, max_seq_len=256)
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["serve.max_logprobs=385"], "serve.max_logprobs=385 is not allowed: at most the model's vocabulary of 384"),
+        (["serve.slots=1000000000"], "serve.slots=1000000000 is not allowed: the engine's buffers would take"),
+        (["serve.num_pages=100000000"], "serve.num_pages=100000000 is not allowed: the engine's buffers would take"),
+        (["serve.kv_memory_gb=100000"], "serve.kv_memory_gb=100000.0 is not allowed: the engine's buffers"),
+        (["serve.chunk_steps=1024", "serve.slots=1000000"], "serve.chunk_steps=1024 is not allowed"),
+        (["serve.kv_memory_gb=1e-9"], "it holds 0 pages of 8192 bytes (serve.page_size=16 tokens) and the page pool"),
+    ],
+)
+def test_settings_the_model_cannot_serve_are_refused_before_the_engine_allocates(overrides, fragment, monkeypatch):
+    from jaxgen.config import ModelConfig
+    from jaxgen.inference import engine as engine_module
+
+    def nothing(*args, **kwargs):
+        raise AssertionError("allocated before the settings were checked")
+
+    monkeypatch.setattr(engine_module.model, "decode_params", nothing)
+    with pytest.raises(ConfigError) as e:
+        engine_module.Engine({}, ModelConfig(**TINY), None, load_serve_config(None, overrides).serve)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_binding_every_interface_without_a_key_warns(monkeypatch, capsys):
+    from jaxgen.inference import loading
+
+    def load_model(*args, **kwargs):
+        raise FileNotFoundError("no model here")
+
+    monkeypatch.setattr(loading, "load_model", load_model)
+    assert serve.main(["http", "--checkpoint", "c", "--host", "0.0.0.0"]) == 1
+    assert "warning: http.host=0.0.0.0 answers other machines and no API key is set" in capsys.readouterr().err
+    for argv in (["--host", "0.0.0.0", "--api-key", "k"], ["--host", "127.0.0.1"], []):
+        assert serve.main(["http", "--checkpoint", "c", *argv]) == 1
+        assert "warning" not in capsys.readouterr().err
+    assert _settings(["http", "--checkpoint", "c", "--metrics-need-key"]).http.metrics_need_key
+
+
+# each field drawn from a valid value, 0, -1, huge ints, inf, nan, 1e308, wrong types and strings (YAML text)
+HOSTILE = ["0", "-1", "1", "2", "3", "16", "384", "385", "1024", "65536", "1000000000", "1000000000000",
+           str(10**18), "1.5", "1e-9", "1e308", ".inf", "-.inf", ".nan", "true", "false", "null", "abc", "''",
+           "[1]", "{a: 1}", "int8", "shared", "0.0.0.0"]  # fmt: skip
+FIELDS = [f"serve.{f.name}" for f in dataclasses.fields(ServeConfig) if f.name != "draft"]
+FIELDS += [f"http.{f.name}" for f in dataclasses.fields(HttpConfig)]
+
+
+def test_hostile_server_settings_are_named_or_fit(monkeypatch):
+    """Issue 31's fuzz of server settings, through the command line's own path (overrides, the config, the
+    engine's mesh, the checks the engine runs before it allocates): a one-line ConfigError naming a field
+    that was given, or settings whose buffers fit in memory."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from jaxgen.config import ModelConfig
+    from jaxgen.inference.budget import HEADROOM, check_serving, memory_available, planned_bytes
+    from jaxgen.model.paged import page_bytes
+    from jaxgen.serving import cli
+
+    cfg = ModelConfig(**TINY)
+
+    @settings(derandomize=True, max_examples=100, deadline=None)
+    @given(st.dictionaries(st.sampled_from(FIELDS), st.sampled_from(HOSTILE), min_size=1, max_size=4))
+    def check(drawn):
+        args = serve.parse_args(["http", "--checkpoint", "c", *(f"{k}={v}" for k, v in drawn.items())])[1]
+        try:
+            s = serve.command_config(args)
+            mesh = cli._engine_mesh(s)
+            check_serving(cfg, s.serve, mesh=mesh)
+        except ConfigError as e:
+            message = str(e)
+            assert "\n" not in message and any(key in message for key in drawn), (drawn, message)
+            return
+        per_page = page_bytes(cfg, s.serve.page_size, s.serve.cache_dtype)
+        pages = s.serve.num_pages or int(s.serve.kv_memory_gb * 2**30 // per_page)
+        assert 2 <= pages < 2**31 and s.serve.max_logprobs <= cfg.vocab_size
+        assert sum(planned_bytes(cfg, s.serve, pages, per_page).values()) <= HEADROOM * memory_available(mesh)[0]
+
+    check()
+
+
+def test_sizes_the_model_cannot_serve_stop_serve_py_before_the_weights_load(tmp_path, monkeypatch, capsys):
+    import shutil
+
+    from jaxgen.inference import loading
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the weights loaded before the settings were checked against the model")
+
+    monkeypatch.setattr(loading, "load_model", load_model)
+    shutil.copy(ROOT / "configs" / "tiny.yaml", tmp_path / "config.yaml")  # a run folder's config: vocabulary 384
+    for override, fragment in [
+        ("serve.max_logprobs=385", "error: serve.max_logprobs=385 is not allowed: at most the model's vocabulary"),
+        ("serve.num_pages=100000000", "error: serve.num_pages=100000000 is not allowed: the engine's buffers"),
+    ]:
+        assert serve.main(["generate", "--checkpoint", str(tmp_path), "--prompt", "x", override]) == 1
+        err = capsys.readouterr().err
+        assert fragment in err and len(err.splitlines()) == 1, err

@@ -89,6 +89,24 @@ def field_names(cls) -> list[str]:
 
 
 def build(cls, data: dict, prefix: str = ""):
+    hints = _known(cls, data, prefix)
+    kwargs = {k: coerce(v, hints[k], prefix + k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def check_types(cls, data: dict, prefix: str = "") -> None:
+    """Every key of `data` known and every value of its field's type, without building `cls`: for a layer of
+    settings (a file) whose values a later layer (an override) may replace; a bad value is an error anyway."""
+    hints = _known(cls, data, prefix)
+    for key, value in data.items():
+        if dataclasses.is_dataclass(hints[key]) and isinstance(value, dict):
+            check_types(hints[key], value, prefix + key + ".")
+        else:
+            coerce(value, hints[key], prefix + key)
+
+
+def _known(cls, data: dict, prefix: str) -> dict:
+    """The type hints of `cls`; ConfigError naming the first key of `data` that is not one of its fields."""
     hints = typing.get_type_hints(cls)
     unknown = sorted(set(data) - set(hints))
     if unknown:
@@ -96,13 +114,22 @@ def build(cls, data: dict, prefix: str = ""):
             f"unknown config key {prefix}{unknown[0]}; allowed keys under "
             f"{prefix.rstrip('.') or 'the top level'}: {', '.join(field_names(cls))}"
         )
-    kwargs = {k: coerce(v, hints[k], prefix + k) for k, v in data.items()}
-    return cls(**kwargs)
+    return hints
 
 
-def _parse_scalar(text: str) -> Any:
+def _parse_scalar(text: str, item: str) -> Any:
     """A CLI value is read as YAML, so `4`, `1e-3`, `true`, `null` and `[a, b]` all work."""
-    return yaml.safe_load(text)
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {item!r} is not a YAML value ({yaml_problem(e)})") from None
+
+
+def yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error on one line: what is wrong and where (PyYAML's own message spans several lines)."""
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{getattr(e, 'problem', None) or type(e).__name__}{where}"
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -112,7 +139,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key=value (e.g. model.num_layers=4)")
         key, text = item.split("=", 1)
-        set_key(data, key.strip(), _parse_scalar(text), item)
+        set_key(data, key.strip(), _parse_scalar(text, item), item)
     return data
 
 
@@ -136,7 +163,16 @@ def read_yaml(path: str | Path) -> dict:
     if not path.exists():
         shipped = sorted(p.name for p in Path(__file__).parents[2].joinpath("configs").glob("*.yaml"))
         raise ConfigError(f"config file {str(path)!r} does not exist; shipped configs: {', '.join(shipped)}")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except IsADirectoryError:
+        raise ConfigError(f"config file {str(path)!r} is a directory, not a YAML file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    except OSError as e:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {yaml_problem(e)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
     return data

@@ -9,7 +9,17 @@ from typing import Any
 
 import yaml
 
-from jaxgen.config.base import ConfigError, apply_overrides, build, check, field_names, plain, read_yaml, set_key
+from jaxgen.config.base import (
+    ConfigError,
+    apply_overrides,
+    build,
+    check,
+    check_types,
+    field_names,
+    plain,
+    read_yaml,
+    set_key,
+)
 from jaxgen.config.devices import DistributedConfig, MeshConfig
 from jaxgen.config.model import ModelConfig
 from jaxgen.config.serve import ServeCommandConfig, ServeConfig
@@ -53,6 +63,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     if path is not None:
         data = read_yaml(path)
         data.setdefault("name", Path(path).stem)
+        check_types(Config, data)  # its values, before the overrides replace some
     return config_from_dict(apply_overrides(data, list(overrides)))
 
 
@@ -66,9 +77,24 @@ def load_serve_config(
     if training:
         raise ConfigError(f"{path} is a training config (it has {', '.join(training)}): serve.py reads a file "
                           "with serve and http sections, such as configs/serve.yaml")  # fmt: skip
+    _check_layer(ServeCommandConfig, data)  # the file's values, before the overrides replace some
     data = apply_overrides(data, list(overrides))
-    for key, value in (settings or {}).items():
+    settings = settings or {}
+    replaced = {item.split("=", 1)[0].strip() for item in overrides} & set(settings)
+    if replaced:  # an override a flag replaces is checked too, with every other setting as it will be
+        _build_serve(_with(data, {k: v for k, v in settings.items() if k not in replaced}))
+    return _build_serve(_with(data, settings))
+
+
+def _with(data: dict, settings: dict[str, Any]) -> dict:
+    """A copy of `data` with each dotted key of `settings` set."""
+    data = apply_overrides(data, [])
+    for key, value in settings.items():
         set_key(data, key, value, f"{key}={value!r}")
+    return data
+
+
+def _build_serve(data: dict) -> ServeCommandConfig:
     http = data.get("http")
     if isinstance(http, dict) and "api_key" in http:
         raise ConfigError("http.api_key is not read from config files (they get copied and committed): "
@@ -77,6 +103,14 @@ def load_serve_config(
         return build(ServeCommandConfig, data)
     except TypeError as e:  # a wrong nesting, e.g. `serve: 4`
         raise ConfigError(str(e)) from e
+
+
+def _check_layer(cls, data: dict) -> None:
+    """`check_types` of a file's data (an `http.api_key` in it is refused by name later, not as unknown)."""
+    http = data.get("http")
+    if isinstance(http, dict) and "api_key" in http:
+        return
+    check_types(cls, data)
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

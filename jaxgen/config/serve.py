@@ -8,6 +8,15 @@ from typing import Literal
 from jaxgen.config.base import check, check_literals
 from jaxgen.config.devices import DistributedConfig, MeshConfig
 
+MAX_CHUNK_STEPS = 1024
+MAX_PAGE_SIZE = 2**16
+MAX_KV_GB = 1e6  # a petabyte: beyond any device; the page count from it must stay a finite integer
+MAX_PAGES = 2**31 - 1
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
 
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
@@ -50,10 +59,24 @@ class ServeConfig:
         check_literals(self, "serve")
         for name in ("slots", "page_size", "chunk_steps", "prefill_chunk", "max_body_bytes", "max_queue"):
             value = getattr(self, name)
-            check(isinstance(value, int) and value > 0, f"serve.{name}", value, "a positive integer")
-        check(self.kv_memory_gb > 0, "serve.kv_memory_gb", self.kv_memory_gb, "a number > 0")
-        check(self.num_pages == 0 or self.num_pages >= 2, "serve.num_pages", self.num_pages, "0 or at least 2")
-        check(self.max_logprobs >= 0, "serve.max_logprobs", self.max_logprobs, "an integer >= 0")
+            check(_is_int(value) and value > 0, f"serve.{name}", value, "a positive integer")
+        # a decode chunk's output buffers have chunk_steps columns, and its loop runs them without a break
+        check(self.chunk_steps <= MAX_CHUNK_STEPS, "serve.chunk_steps", self.chunk_steps, f"at most {MAX_CHUNK_STEPS}")
+        check(self.page_size <= MAX_PAGE_SIZE, "serve.page_size", self.page_size, f"at most {MAX_PAGE_SIZE} tokens")
+        check(
+            isinstance(self.kv_memory_gb, int | float) and 0 < self.kv_memory_gb <= MAX_KV_GB, "serve.kv_memory_gb",
+            self.kv_memory_gb, f"a number > 0 and at most {MAX_KV_GB:g} (GB)",
+        )  # fmt: skip
+        check(
+            _is_int(self.num_pages) and (self.num_pages == 0 or 2 <= self.num_pages <= MAX_PAGES), "serve.num_pages",
+            self.num_pages, f"0 (from serve.kv_memory_gb) or from 2 to {MAX_PAGES} (page ids are int32)",
+        )  # fmt: skip
+        check(_is_int(self.max_logprobs) and self.max_logprobs >= 0, "serve.max_logprobs", self.max_logprobs,
+              "an integer >= 0")  # fmt: skip
+        check(
+            self.quantize == "int8" or not self.quantize_embedding, "serve.quantize_embedding", self.quantize_embedding,
+            f"true only with serve.quantize=int8 (it is {self.quantize}): the embedding is quantized with the rest",
+        )  # fmt: skip
         for name in ("request_timeout_s", "shutdown_grace_s"):
             value = getattr(self, name)
             check(isinstance(value, int | float) and 0 <= value < float("inf"), f"serve.{name}", value, "a number >= 0")
@@ -85,11 +108,13 @@ class HttpConfig:
     host: str = "127.0.0.1"  # the address to bind; 127.0.0.1 = this machine only
     port: int = 8000
     model_name: str | None = None  # the model id clients send; None = the checkpoint folder's name
+    metrics_need_key: bool = False  # /metrics asks for the API key too (by default it is public, as /health is)
 
     def __post_init__(self):
         check(bool(self.host), "http.host", self.host, "an address such as 127.0.0.1 or 0.0.0.0")
         check(0 <= self.port <= 65535, "http.port", self.port, "an integer in [0, 65535] (0 = any free port)")
         check(self.model_name is None or bool(self.model_name), "http.model_name", self.model_name, "null or a name")
+        check(isinstance(self.metrics_need_key, bool), "http.metrics_need_key", self.metrics_need_key, "true or false")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,6 +4,8 @@ lm-eval (0.4.13) finds models only in its own package, with no plugin entry poin
 --model jaxgen` cannot see jaxgen's. This runs the same command line after importing jaxgen's model:
 
     python -m jaxgen.evaluation --model jaxgen --model_args checkpoint=runs/tiny --tasks TASK ...
+
+A model that does not load (no such folder, no checkpoint yet, a broken config) ends it with one line.
 """
 
 import sys
@@ -12,6 +14,16 @@ from lm_eval.__main__ import cli_evaluate
 
 import jaxgen.evaluation.harness  # noqa: F401  (registers the model "jaxgen")
 
-if __name__ == "__main__":
+
+def main() -> int:
     sys.argv[0] = "python -m jaxgen.evaluation"
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except (FileNotFoundError, ValueError) as e:  # what load_model raises for a folder it cannot use
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,6 +9,7 @@ beam.py        beam search
 speculative.py speculative decoding, n-gram or draft-model drafts (the speculating loop of Generator and engine)
 scoring.py     log-probabilities of known tokens (score, prompt logprobs), the head run in blocks
 engine.py      the serving engine: its API, thread and queues; runs each step's plan on the device
+budget.py      the settings checked against the model and the memory before the engine allocates anything
 scheduler.py   the engine's decisions, no JAX: admission, chunked prefill, pages, preemption (StepPlan)
 steps.py       the engine's device steps: pure jitted functions of the decode state, donated
 requests.py    a sequence in the engine (Request), its Status, the engine's errors

@@ -29,6 +29,7 @@ import numpy as np
 from jaxgen import model
 from jaxgen.config import ModelConfig, ServeConfig
 from jaxgen.inference import decode, speculative, steps
+from jaxgen.inference.budget import check_serving
 from jaxgen.inference.decode import Completion, HostRows
 from jaxgen.inference.pages import PagePolicy, PagePool
 from jaxgen.inference.requests import LIVE, EngineClosed, Request, RequestFailed, Status, check_limits
@@ -49,12 +50,14 @@ class Engine:
         self, params, cfg: ModelConfig, tokenizer: Tokenizer, serve: ServeConfig = ServeConfig(), mesh=None,
         draft: tuple | None = None,
     ):  # fmt: skip
-        self.params = model.decode_params(params, serve.slots)  # see model.decode_params
-        self.cfg, self.tokenizer, self.serve = cfg, tokenizer, serve
         # draft=(params, cfg): a smaller model with the same tokenizer drafts for speculating requests
         self.draft_params, self.draft_cfg = None, None
         if draft is not None:
             self.draft_cfg = speculative.check_draft(draft[1], cfg)
+        check_serving(cfg, serve, self.draft_cfg, mesh)  # ConfigError before anything is allocated or compiled
+        self.params = model.decode_params(params, serve.slots)  # see model.decode_params
+        self.cfg, self.tokenizer, self.serve = cfg, tokenizer, serve
+        if draft is not None:
             self.draft_params = model.decode_params(draft[0], serve.slots)
         num_pages, z = steps.pool_pages(cfg, serve, self.draft_cfg), serve.page_size
         policy = PagePolicy(num_pages, z, serve.slots, cfg.max_seq_len, serve.chunk_steps, serve.prefix_caching)

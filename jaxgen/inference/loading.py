@@ -5,6 +5,7 @@ draft model, the one way serve.py, `LLM` and `generate` get theirs.
     load_model(path)                       -> (ModelConfig, Tokenizer, params) a run or Hugging Face folder
     load_draft(path, tokenizer)            -> (params, ModelConfig)           a draft for speculative decoding
     load_for_serving(source, serve, mesh)  -> Loaded                          the above as `ServeConfig` says
+    model_config(path)                     -> ModelConfig | None              read from the folder's config alone
 
 Kept outside `jaxgen.training` so that serving imports no trainer, data pipeline or optimizer: only the
 checkpoint reader (`jaxgen.training.checkpoint`, orbax) comes with it.
@@ -18,6 +19,7 @@ from pathlib import Path
 from jaxgen import hf
 from jaxgen.config import Config, MeshConfig, ModelConfig, ServeConfig, load_config
 from jaxgen.hf.load import inference_dtype
+from jaxgen.inference.budget import check_serving
 from jaxgen.model import quant
 from jaxgen.sharding import make_mesh
 from jaxgen.tokenizer import Tokenizer
@@ -39,6 +41,9 @@ def load_for_serving(source, serve: ServeConfig, mesh=None, *, cfg=None, tokeniz
     serve.param_dtype) or params given with their `cfg` and `tokenizer`; int8 weights with serve.quantize
     (a no-op on weights already int8); the draft model of serve.draft unless `draft` is given."""
     if isinstance(source, str | Path):
+        found = model_config(source)
+        if found is not None:  # checked before the weights load (and by the engine again, with the draft model)
+            check_serving(found, serve, mesh=mesh)
         cfg, tokenizer, source = load_model(source, mesh, param_dtype=serve.param_dtype)
     if cfg is None or tokenizer is None:
         raise ValueError("params need cfg= and tokenizer= (or pass a run or Hugging Face folder)")
@@ -48,6 +53,15 @@ def load_for_serving(source, serve: ServeConfig, mesh=None, *, cfg=None, tokeniz
         draft = load_draft(serve.draft, tokenizer, mesh, param_dtype=serve.param_dtype, quantize=serve.quantize,
                            quantize_embedding=serve.quantize_embedding)  # fmt: skip
     return Loaded(cfg, tokenizer, source, draft)
+
+
+def model_config(path: str | Path) -> ModelConfig | None:
+    """The ModelConfig of a run or Hugging Face folder, read from its config file alone (no weights); None
+    for a folder that is neither (`load_model` says why)."""
+    path = Path(path)
+    if (path / "config.yaml").exists():
+        return load_config(path / "config.yaml").model
+    return hf.read_config(path)[1] if hf.is_hf_folder(path) else None
 
 
 def load_run(run_dir: str | Path, mesh=None, step: int | None = None, param_dtype: str = "float32"):

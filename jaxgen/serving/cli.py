@@ -44,11 +44,13 @@ HTTP_FLAGS = {
     "--max-queue": ("serve.max_queue", "queued requests beyond get 429"),
     "--request-timeout": ("serve.request_timeout_s", "cancel requests running longer, in s (0 = off)"),
     "--shutdown-grace": ("serve.shutdown_grace_s", "on SIGTERM, seconds running requests get to finish"),
+    "--metrics-need-key": ("http.metrics_need_key", "/metrics asks for the API key too"),
 }
 # argparse dest -> the config field it sets
 FLAG_FIELDS = {flag[2:].replace("-", "_"): key for flag, (key, _) in (ENGINE_FLAGS | HTTP_FLAGS).items()} | {
     "prefix_caching": "serve.prefix_caching"
 }
+LOOPBACK = ("localhost", "127.0.0.1", "::1")
 
 
 def _add_field_flag(p, flag: str, key: str, what: str) -> None:
@@ -58,7 +60,9 @@ def _add_field_flag(p, flag: str, key: str, what: str) -> None:
     tp = typing.get_type_hints(cls)[name]
     default = next(f.default for f in dataclasses.fields(cls) if f.name == name)
     kwargs = {}
-    if typing.get_origin(tp) is Literal:
+    if tp is bool:  # a switch: given, it sets the field true
+        kwargs["action"], kwargs["default"] = "store_true", None
+    elif typing.get_origin(tp) is Literal:
         kwargs["choices"] = typing.get_args(tp)
     else:
         base = next((t for t in typing.get_args(tp) if t is not type(None)), tp)  # X | None -> X
@@ -131,6 +135,26 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """(the parser, its arguments): key=value overrides may stand anywhere among the flags (argparse alone
+    takes one run of positionals); anything else it does not know is an error."""
+    p = parser()
+    args, extra = p.parse_known_args(argv)
+    stray = [a for a in extra if a.startswith("-") or "=" not in a]
+    if stray:
+        p.error(f"unrecognized arguments: {' '.join(stray)}")
+    args.overrides = args.overrides + extra
+    return p, args
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """A warning when the server answers other machines without an API key."""
+    if api_key or host in LOOPBACK or host.startswith("127."):
+        return None
+    return (f"warning: http.host={host} answers other machines and no API key is set: anyone who reaches this "
+            "port can use the model (pass --api-key or set JAXGEN_API_KEY)")  # fmt: skip
+
+
 def command_config(args):
     """The ServeCommandConfig of parsed arguments: --config, then the overrides, then explicit flags."""
     from jaxgen.config import load_serve_config
@@ -140,8 +164,7 @@ def command_config(args):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = parser()
-    args = p.parse_args(argv)
+    p, args = parse_args(argv)
     if args.command == "generate" and args.input is not None and args.output is None:
         p.error("--input needs --output")
     from jaxgen.config import ConfigError
@@ -156,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if joined:
         print(describe(joined), file=sys.stderr)
+    warning = exposure_warning(settings.http.host, args.api_key) if args.command == "http" else None
+    if warning:
+        print(warning, file=sys.stderr)
     from jaxgen.inference.sampling import SamplingConfig, SamplingError
 
     if args.command == "generate":
@@ -217,11 +243,17 @@ def _engine_mesh(settings):
     from jaxgen.config import ConfigError
     from jaxgen.sharding import check_spans_processes, make_mesh
 
-    shared = settings.serve.processes == "shared"
-    mesh = make_mesh(settings.serve.mesh, jax.devices() if shared else jax.local_devices())
+    s = settings.serve
+    shared = s.processes == "shared"
+    try:
+        mesh = make_mesh(s.mesh, jax.devices() if shared else jax.local_devices())
+    except ConfigError as e:  # it names the mesh: say which settings made it
+        raise ConfigError(
+            f"serve.data_parallel={s.data_parallel}, serve.tensor_parallel={s.tensor_parallel}: {e}"
+        ) from None
     if shared and jax.process_count() > 1:
         try:
-            what = f"serve.processes=shared with serve.tensor_parallel={settings.serve.tensor_parallel}: the engine"
+            what = f"serve.processes=shared with serve.tensor_parallel={s.tensor_parallel}: the engine"
             check_spans_processes(mesh, what)
         except ValueError as e:
             raise ConfigError(f"{e}; e.g. serve.tensor_parallel=-1") from None
@@ -265,6 +297,6 @@ def _http(engine, args, http) -> int:
     from jaxgen.serving.server import create_app, serve_forever
 
     name = http.model_name or Path(args.checkpoint).resolve().name
-    app = create_app(engine, name, args.api_key)
+    app = create_app(engine, name, args.api_key, metrics_need_key=http.metrics_need_key)
     serve_forever(engine, app, http.host, http.port, grace_s=engine.serve.shutdown_grace_s)
     return 0

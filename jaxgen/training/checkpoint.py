@@ -201,6 +201,11 @@ class Checkpointer:
 
     def close(self) -> None:
         self.manager.wait_until_finished()
+        # orbax's close() does not wait for the thread that clears temporary folders, started with the manager:
+        # still running at interpreter exit, it fails ("cannot schedule new futures after interpreter shutdown")
+        cleanup = getattr(self.manager, "_cleanup_tmp_directory_future", None)
+        if cleanup is not None:
+            cleanup.result()
         self.manager.close()
 
 
