@@ -77,7 +77,7 @@ def test_overrides_are_typed():
         (["model.num_layers"], "is not of the form key=value"),
         (["model.qk_norm=layer"], "model.qk_norm='layer' is not allowed: none, head, full"),
         (["model.global_every=2"], "model.global_every=2 is not allowed: only with model.sliding_window set"),
-        (["model.attn_softcap=0"], "model.attn_softcap=0.0 is not allowed: null or a number > 0"),
+        (["model.attn_softcap=0"], "model.attn_softcap=0.0 is not allowed: null or a finite number > 0"),
         (
             ["model.num_experts=4", "model.experts_per_token=5"],
             "model.experts_per_token=5 is not allowed: 1..num_experts=4",
