@@ -228,3 +228,133 @@ def test_unknown_dtype_and_malformed_header(saved, tmp_path):
     path.write_bytes(raw[:8] + b"{" * 2 + raw[10:])
     with pytest.raises(hf.HFError, match=re.escape(f"{path}: header is not valid JSON")):
         _load(path.parent)
+
+
+# --- hostile config.json, generation_config.json, tokenizer_config.json and tokenizer.json -----------
+
+MISSING = object()
+
+
+def _edited(single: Path, dst: Path, name: str, edits: dict) -> Path:
+    """A copy of the folder with the JSON file `name` edited (a MISSING value drops the key)."""
+    folder = _copy(single, dst)
+    data = json.loads((folder / name).read_text())
+    for key, value in edits.items():
+        data.pop(key, None) if value is MISSING else data.__setitem__(key, value)
+    (folder / name).write_text(json.dumps(data))
+    return folder
+
+
+NO_ROPE = {"rope_parameters": MISSING}
+GEMMA2 = {"model_type": "gemma2", "hidden_act": "gelu_pytorch_tanh"}
+CONFIG_CASES = [  # (edits to config.json, what the one-line error says after "config.json: ")
+    ({"eos_token_id": 10**12}, "eos_token_id=1000000000000 is not allowed: a token id in [0, 257)"),
+    ({"eos_token_id": -1}, "eos_token_id=-1 is not allowed: a token id in [0, 257)"),
+    ({"eos_token_id": [[1, 2]]}, "eos_token_id=[[1, 2]] is not allowed"),
+    ({"eos_token_id": True}, "eos_token_id=True is not allowed"),
+    ({"eos_token_id": []}, "eos_token_id=[] is not allowed"),
+    ({"rms_norm_eps": "abc"}, "rms_norm_eps='abc' is not allowed: a finite number > 0"),
+    ({"rms_norm_eps": -1}, "rms_norm_eps=-1 is not allowed: a finite number > 0"),
+    ({"rms_norm_eps": 0}, "rms_norm_eps=0 is not allowed: a finite number > 0"),
+    ({"rope_theta": 0}, "rope_theta=0 is not allowed: a finite number > 0"),
+    ({"rope_parameters": {"rope_theta": -10000}}, "rope_parameters.rope_theta=-10000 is not allowed"),
+    ({"vocab_size": 10**12}, "vocab_size=1000000000000 is not allowed: an integer in [1, 2147483647]"),
+    ({"vocab_size": True}, "vocab_size=True is not allowed: an integer"),
+    ({"vocab_size": "257"}, "vocab_size='257' is not allowed: an integer"),
+    ({"vocab_size": 257.0}, "vocab_size=257.0 is not allowed: an integer"),
+    ({"num_hidden_layers": 10**8}, "num_hidden_layers=100000000"),  # the weights outgrow any memory
+    ({"max_position_embeddings": 10**12}, "max_position_embeddings=1000000000000 is not allowed: an integer in"),
+    ({"num_attention_heads": 0, "head_dim": None}, "num_attention_heads=0 is not allowed: an integer in [1,"),
+    ({"num_key_value_heads": "2"}, "num_key_value_heads='2' is not allowed: an integer"),
+    ({"num_key_value_heads": 3}, "num_kv_heads=3 is not allowed: a divisor of num_heads=4 (1 = multi-query, "),
+    ({"hidden_size": MISSING}, "hidden_size is missing or null; it is required: an integer"),
+    ({"intermediate_size": None}, "intermediate_size is missing or null"),
+    ({"rope_scaling": [1, 2]} | NO_ROPE, "rope_scaling=[1, 2] is not allowed: an object"),
+    ({"rope_scaling": "llama3"} | NO_ROPE, "rope_scaling='llama3' is not allowed: an object"),
+    ({"rope_scaling": {"rope_type": "linear"}} | NO_ROPE, "rope_scaling.factor is missing or null"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 0}} | NO_ROPE, "rope_scaling.factor=0 is not allowed"),
+    ({"rope_scaling": {"type": "llama3", "factor": 8, "low_freq_factor": "x"}} | NO_ROPE, "low_freq_factor='x'"),
+    ({"model_type": "mistral", "sliding_window": "x"}, "sliding_window='x' is not allowed: an integer"),
+    ({"model_type": "mistral", "sliding_window": 0}, "sliding_window=0 is not allowed: an integer"),
+    (GEMMA2 | {"attn_logit_softcapping": "x"}, "attn_logit_softcapping='x' is not allowed: a finite number > 0"),
+    (GEMMA2 | {"final_logit_softcapping": -30}, "final_logit_softcapping=-30 is not allowed"),
+    (GEMMA2 | {"query_pre_attn_scalar": 0}, "query_pre_attn_scalar=0 is not allowed"),
+    ({"model_type": "mixtral"}, "num_local_experts is missing or null; it is required"),
+    ({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 8}, "num_experts_per_tok)"),
+    ({"tie_word_embeddings": "yes"}, "tie_word_embeddings='yes' is not allowed: true or false"),
+    ({"vocab_size": 100}, "vocab_size=100 is smaller than the tokenizer's 257 tokens: ids 100..256 have no embedding"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("edits, message", CONFIG_CASES, ids=lambda x: str(x)[:60] if isinstance(x, str) else None)
+def test_hostile_config_json_is_refused_naming_file_field_and_value(saved, tmp_path, edits, message):
+    """Each bad entry: one line naming config.json, the key and the value, before any weight is read
+    (before: tracebacks naming nothing, MemoryError, or a model that loaded and failed every request)."""
+    _, single, _ = saved
+    folder = _edited(single, tmp_path / "model", "config.json", edits)
+    with pytest.raises(ValueError, match=re.escape(f"{folder}/config.json: ") + ".*" + re.escape(message)) as e:
+        _load(folder)
+    assert "\n" not in str(e.value)
+
+
+def test_config_json_that_is_not_an_object(saved, tmp_path):
+    _, single, _ = saved
+    folder = _copy(single, tmp_path / "model")
+    (folder / "config.json").write_text("[1, 2]")
+    with pytest.raises(hf.HFError, match=re.escape(f"{folder}/config.json: holds a JSON list, expected an object")):
+        _load(folder)
+    (folder / "config.json").write_bytes(b"{\xff}")
+    with pytest.raises(hf.HFError, match=re.escape(f"{folder}/config.json: not a readable JSON file")):
+        _load(folder)
+
+
+@pytest.mark.parametrize("value", [10**12, -1, [[1, 2]], "256"])
+def test_hostile_generation_config_eos_is_refused(saved, tmp_path, value):
+    _, single, _ = saved
+    folder = _edited(single, tmp_path / "model", "generation_config.json", {"eos_token_id": value})
+    want = f"{folder}/generation_config.json: eos_token_id={value!r} is not allowed: a token id in [0, 257)"
+    with pytest.raises(ValueError, match=re.escape(want)):
+        _load(folder)
+
+
+def _tokenizer_config_only(single: Path, dst: Path, eos_token) -> Path:
+    """A folder whose end-of-sequence token comes from tokenizer_config.json's eos_token alone."""
+    folder = _edited(single, dst, "config.json", {"eos_token_id": MISSING})
+    (folder / "generation_config.json").unlink()
+    data = json.loads((folder / "tokenizer_config.json").read_text()) | {"eos_token": eos_token}
+    (folder / "tokenizer_config.json").write_text(json.dumps(data))
+    return folder
+
+
+def test_eos_token_as_an_added_token_dict_is_read(saved, tmp_path):
+    """transformers writes eos_token as an AddedToken dict ({"content": ..., "lstrip": ...}) too."""
+    _, single, _ = saved
+    folder = _tokenizer_config_only(single, tmp_path / "model", {"content": "<|endoftext|>", "special": True})
+    assert Tokenizer.from_folder(folder).eos_ids == (256,)
+
+
+@pytest.mark.parametrize("eos_token", [{"special": True}, {"content": 5}, 5, ["<|endoftext|>"], "<|nope|>"])
+def test_bad_eos_token_is_refused(saved, tmp_path, eos_token):
+    _, single, _ = saved
+    folder = _tokenizer_config_only(single, tmp_path / "model", eos_token)
+    want = f"{folder}/tokenizer_config.json: eos_token={eos_token!r} is not allowed: a token of tokenizer.json"
+    with pytest.raises(ValueError, match=re.escape(want)):
+        Tokenizer.from_folder(folder)
+
+
+@pytest.mark.parametrize("text", ["{nope", "{}", "[1]", "\xff"])
+def test_broken_tokenizer_json_is_refused_naming_the_file(saved, tmp_path, text):
+    _, single, _ = saved
+    folder = _copy(single, tmp_path / "model")
+    (folder / "tokenizer.json").write_text(text)
+    with pytest.raises(ValueError, match=re.escape(f"{folder}/tokenizer.json: not a tokenizer")):
+        _load(folder)
+
+
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "generation_config.json"])
+def test_side_json_that_is_not_an_object_is_refused(saved, tmp_path, name):
+    _, single, _ = saved
+    folder = _copy(single, tmp_path / "model")
+    (folder / name).write_text('"eos"')
+    with pytest.raises(ValueError, match=re.escape(f"{folder / name} holds a JSON str, expected an object")):
+        _load(folder)

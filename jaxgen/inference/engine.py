@@ -57,7 +57,8 @@ class Engine:
             self.draft_cfg = speculative.check_draft(draft[1], cfg)
             self.draft_params = model.decode_params(draft[0], serve.slots)
         num_pages, z = steps.pool_pages(cfg, serve, self.draft_cfg), serve.page_size
-        policy = PagePolicy(num_pages, z, serve.slots, cfg.max_seq_len, serve.chunk_steps, serve.prefix_caching)
+        context = min(cfg.max_seq_len, num_pages * z)  # no sequence outgrows the pool: tables sized by it
+        policy = PagePolicy(num_pages, z, serve.slots, context, serve.chunk_steps, serve.prefix_caching)
         self.scheduler, self.max_pages = Scheduler(policy, serve.prefill_chunk), policy.max_pages
         self.compilations = 0
         self._jit_steps(mesh)
@@ -296,7 +297,8 @@ class Engine:
         row = steps.slot_row(logits, r.prompt, r.tokens, r.sampling, self._stops(r.sampling), self.cfg)
         self.state = self._activate(self.state, slot, row)
         n = np.int32(r.sampling.num_speculative_tokens)  # a slot with 0 drafts never reads its history
-        self.spec = self._activate_spec(self.spec, slot, *steps.spec_history(self.cfg, r.sequence), n)
+        history = steps.spec_history(self.max_pages * self.serve.page_size, r.sequence)
+        self.spec = self._activate_spec(self.spec, slot, *history, n)
 
     def _retire_preempted(self, plan: StepPlan) -> None:
         for p in plan.preemptions:
