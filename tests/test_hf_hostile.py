@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 
 from jaxgen import hf, model
-from jaxgen.config import ModelConfig
+from jaxgen.config import ModelConfig, ServeConfig
+from jaxgen.inference.engine import Engine
+from jaxgen.inference.sampling import SamplingConfig
 from jaxgen.tokenizer import Tokenizer
 
 CFG = ModelConfig(vocab_size=257, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64, max_seq_len=64)
@@ -358,3 +360,17 @@ def test_side_json_that_is_not_an_object_is_refused(saved, tmp_path, name):
     (folder / name).write_text('"eos"')
     with pytest.raises(ValueError, match=re.escape(f"{folder / name} holds a JSON str, expected an object")):
         _load(folder)
+
+
+def test_a_huge_max_position_embeddings_serves_without_allocating_for_it(saved, tmp_path):
+    """Real configs say 10**6 and more; the engine's page tables and n-gram histories were (slots,
+    max_seq_len) arrays, a MemoryError at start-up for 10**12 (now refused: positions are int32) and
+    gigabytes for 10**9. They are sized by the page pool now, which no sequence can outgrow."""
+    _, single, _ = saved
+    folder = _edited(single, tmp_path / "model", "config.json", {"max_position_embeddings": 10**7})
+    cfg, tokenizer, params = _load(folder)
+    serve = ServeConfig(slots=2, page_size=8, num_pages=16, chunk_steps=4, prefill_chunk=16)
+    engine = Engine(params, cfg, tokenizer, serve)
+    assert cfg.max_seq_len == 10**7 and engine.max_pages <= 16 and engine.spec.history.shape[1] < 16 * 8 + 16
+    (done,) = engine.generate(["hello"], SamplingConfig(max_new_tokens=3))
+    assert 1 <= len(done.tokens) <= 3 and np.isfinite(done.logprobs).all()
