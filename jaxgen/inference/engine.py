@@ -57,8 +57,7 @@ class Engine:
             self.draft_cfg = speculative.check_draft(draft[1], cfg)
             self.draft_params = model.decode_params(draft[0], serve.slots)
         num_pages, z = steps.pool_pages(cfg, serve, self.draft_cfg), serve.page_size
-        context = min(cfg.max_seq_len, num_pages * z)  # no sequence outgrows the pool: tables sized by it
-        policy = PagePolicy(num_pages, z, serve.slots, context, serve.chunk_steps, serve.prefix_caching)
+        policy = PagePolicy(num_pages, z, serve.slots, cfg.max_seq_len, serve.chunk_steps, serve.prefix_caching)
         self.scheduler, self.max_pages = Scheduler(policy, serve.prefill_chunk), policy.max_pages
         self.compilations = 0
         self._jit_steps(mesh)
