@@ -10,10 +10,13 @@ import json
 import re
 import shutil
 from pathlib import Path
+from unittest import mock
 
 import jax
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, event, given, note, settings
+from hypothesis import strategies as st
 
 from jaxgen import hf, model
 from jaxgen.config import ModelConfig, ServeConfig
@@ -374,3 +377,66 @@ def test_a_huge_max_position_embeddings_serves_without_allocating_for_it(saved, 
     assert cfg.max_seq_len == 10**7 and engine.max_pages <= 16 and engine.spec.history.shape[1] < 16 * 8 + 16
     (done,) = engine.generate(["hello"], SamplingConfig(max_new_tokens=3))
     assert 1 <= len(done.tokens) <= 3 and np.isfinite(done.logprobs).all()
+
+
+# --- fuzz: hostile values anywhere in the folder's JSON files ---------------------------------------
+
+HOSTILE = st.sampled_from(
+    [0, -1, 10**12, 2**40, 1.5, 1e-300, "x", "8", True, False, None, [1, 2], [[1]], {"a": 1}, MISSING]
+)
+CONFIG_KEYS = [
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "intermediate_size", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling",
+    "tie_word_embeddings", "eos_token_id", "attention_bias", "mlp_bias", "hidden_act", "sliding_window",
+]  # fmt: skip
+EOS_TOKENS = st.sampled_from(["<|endoftext|>", {"content": "<|endoftext|>"}, {"x": 1}, 5, None, "<|nope|>", ""])
+TEMPLATES = st.sampled_from([None, "{{ messages }}", 5, [{"name": "default", "template": "x"}], {"a": 1}])
+TOKENIZER_JSON = st.sampled_from([None] * 6 + ["{nope", "{}", "[]"])  # None: the folder's own
+_forward = jax.jit(model.forward, static_argnames="cfg")
+
+
+@st.composite
+def _hostile_folders(draw):
+    """Edits to config.json, generation_config.json, tokenizer_config.json and tokenizer.json."""
+    config = draw(st.dictionaries(st.sampled_from(CONFIG_KEYS), HOSTILE, max_size=2))
+    generation = draw(st.dictionaries(st.just("eos_token_id"), HOSTILE, max_size=1))
+    tokenizer = {"eos_token": draw(EOS_TOKENS), "chat_template": draw(TEMPLATES)}
+    return config, generation, tokenizer, draw(TOKENIZER_JSON)
+
+
+@settings(derandomize=True, max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@given(edits=_hostile_folders())
+def test_fuzz_hostile_folder_is_refused_naming_the_field_or_runs(saved, tmp_path_factory, edits):
+    """Either one line naming a field (or file) that was edited, raised before any weight is read, or a
+    model whose forward pass on a few tokens gives finite logits, with end-of-sequence ids it can emit."""
+    config, generation, tokenizer, tokenizer_json = edits
+    note(f"edits: {edits}")
+    _, single, _ = saved
+    folder = _copy(single, tmp_path_factory.mktemp("fuzz") / "model")
+    for name, changes in [("config.json", config), ("generation_config.json", generation)]:
+        data = json.loads((folder / name).read_text())
+        for key, value in changes.items():
+            data.pop(key, None) if value is MISSING else data.__setitem__(key, value)
+        (folder / name).write_text(json.dumps(data))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "x"} | tokenizer))
+    if tokenizer_json is not None:
+        (folder / "tokenizer.json").write_text(tokenizer_json)
+    read = []
+    with mock.patch.object(hf.load, "load_params", lambda *a, **k: read.append(1) or real_load_params(*a, **k)):
+        try:
+            cfg, tok, params = _load(folder)
+        except ValueError as e:
+            named = [*config, *generation, *tokenizer, "tokenizer.json"]
+            message = str(e)
+            assert "\n" not in message and any(name in message for name in named), message
+            assert not read or "config.json implies" in message, message  # only a shape differs past the config
+            event(f"refused: {message.split(': ')[1][:30]}")
+            return
+    event("loaded and ran")
+    assert all(0 <= i < cfg.vocab_size for i in tok.eos_ids) and tok.vocab_size <= cfg.vocab_size
+    tokens = np.array([tok.encode("hi there")], np.int32)
+    logits, _ = _forward(params, tokens, np.arange(tokens.shape[1], dtype=np.int32)[None], cfg=cfg)
+    assert np.isfinite(np.asarray(logits)).all()
+
+
+real_load_params = hf.load.load_params
