@@ -120,16 +120,27 @@ _HF_NAMES = {
 }  # fmt: skip
 
 
-def size_fields(cfg: ModelConfig, family: str) -> str:
-    """The config.json fields that size the weights, as `name=value, ...`."""
-    names = _HF_NAMES["gpt2" if family == "gpt2" else "llama"]
+_AXIS_FIELDS = {
+    "vocab": "vocab_size", "embed": "d_model", "act_embed": "d_model", "heads": "num_heads",
+    "kv_heads": "num_kv_heads", "head_dim": "head_dim", "mlp": "d_ff", "layers": "num_layers", "expert": "num_experts",
+    "positions": "max_seq_len",
+}  # fmt: skip
+
+
+def size_fields(cfg: ModelConfig, family: str, axes: tuple | None = None) -> str:
+    """The config.json fields that size one parameter with logical `axes` (None: all the weights), as
+    `name=value, ...`: what an error about sizes points the reader to."""
+    names = _HF_NAMES["gpt2" if family == "gpt2" else "llama"] | {
+        "num_experts": "num_local_experts" if family == "mixtral" else "num_experts"
+    }
     if family == "qwen3_moe":
-        names = names | {"d_ff": "moe_intermediate_size"}
-    keys = ["vocab_size", "d_model", "num_layers", "d_ff"] + ["max_seq_len"] * (cfg.position == "learned")
-    sizes = [f"{names.get(k, k)}={getattr(cfg, k)}" for k in keys]
-    if cfg.num_experts:
-        sizes.append(f"{'num_local_experts' if family == 'mixtral' else 'num_experts'}={cfg.num_experts}")
-    return ", ".join(sizes)
+        names["d_ff"] = "moe_intermediate_size"
+    if axes is None:
+        axes = ("vocab", "embed", "layers", "mlp") + ("expert",) * bool(cfg.num_experts)
+        axes += ("positions",) * (cfg.position == "learned")
+    value = {"head_dim": cfg.head_size, "num_kv_heads": cfg.kv_heads}
+    fields = dict.fromkeys(_AXIS_FIELDS[a] for a in axes if a in _AXIS_FIELDS)
+    return ", ".join(f"{names.get(k, k)}={value.get(k, getattr(cfg, k))}" for k in fields)
 
 
 def _gpt2_fields(f: Fields, folder) -> dict:

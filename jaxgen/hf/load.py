@@ -34,8 +34,14 @@ def load_params(folder: str | Path, cfg: ModelConfig, family: str, mesh=None, dt
     ckpt = _Checkpoint(folder, family)
     specs = _param_paths(cfg)
     shardings = dict(zip(specs, jax.tree.leaves(model.param_shardings(cfg, mesh)), strict=True))
+    table = tensor_map(family, cfg)
+    for path, t in table.items():  # every tensor's shape against config.json, before anything is allocated
+        expected = _hf_shape(t, _per_tensor_shape(t, path, specs[path].shape))
+        sized_by = size_fields(cfg, family, tuple(a or "positions" for a in specs[path].names))
+        for name, _ in t.names(cfg, path):
+            ckpt.check(name, expected, path, sized_by)
     placed = {}
-    for path, t in tensor_map(family, cfg).items():
+    for path, t in table.items():
         spec = specs[path]
         shape = _per_tensor_shape(t, path, spec.shape)
         expected = _hf_shape(t, shape)
