@@ -10,6 +10,7 @@ token per byte, plus an end-of-text token), so every tokenizer saves to and load
 from __future__ import annotations
 
 import json
+import numbers
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -36,6 +37,9 @@ class Tokenizer:
             if found is None:
                 raise ValueError(f"tokenizer has none of the end-of-sequence tokens {_EOS_CANDIDATES}")
             eos_ids = (found,)
+        n = tok.get_vocab_size(with_added_tokens=True)
+        if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and 0 <= i < n for i in eos_ids):
+            raise ValueError(f"eos_ids={eos_ids!r} is not allowed: token ids in [0, {n}) of this tokenizer")
         self.eos_ids = tuple(int(i) for i in eos_ids)
         self.chat_template = chat_template
 

@@ -452,3 +452,10 @@ def test_fuzz_hostile_folder_is_refused_naming_the_field_or_runs(saved, tmp_path
     tokens = np.array([tok.encode("hi there")], np.int32)
     logits, _ = _forward(params, tokens, np.arange(tokens.shape[1], dtype=np.int32)[None], cfg=cfg)
     assert np.isfinite(np.asarray(logits)).all()
+
+
+@pytest.mark.parametrize("eos_ids", [257, -1, [256, 10**12], [True]])
+def test_a_tokenizer_built_in_code_refuses_end_ids_outside_its_vocabulary(eos_ids):
+    """Before: accepted, then every completion failed (OverflowError) or never ended."""
+    with pytest.raises(ValueError, match=re.escape("is not allowed: token ids in [0, 257) of this tokenizer")):
+        Tokenizer(Tokenizer.byte_level().tok, eos_ids)
