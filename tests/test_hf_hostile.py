@@ -459,3 +459,17 @@ def test_a_tokenizer_built_in_code_refuses_end_ids_outside_its_vocabulary(eos_id
     """Before: accepted, then every completion failed (OverflowError) or never ended."""
     with pytest.raises(ValueError, match=re.escape("is not allowed: token ids in [0, 257) of this tokenizer")):
         Tokenizer(Tokenizer.byte_level().tok, eos_ids)
+
+
+@pytest.mark.parametrize("memory", ["small", "huge"])
+def test_a_million_layers_is_refused_naming_num_hidden_layers(saved, tmp_path, memory):
+    """Refused by the memory check where the weights (35 GiB) outgrow the memory, else by the shape check
+    (the checkpoint has 2 layers): either way before any parameter is allocated (before: MemoryError)."""
+    _, single, _ = saved
+    folder = _edited(single, tmp_path / "model", "config.json", {"num_hidden_layers": 10**6})
+    no_allocation = mock.patch.object(np, "empty", side_effect=AssertionError("allocated"))
+    have = mock.patch.object(hf.load, "_memory_bytes", return_value=2**30 if memory == "small" else 2**50)
+    want = "the weights would take" if memory == "small" else "is missing from the llama checkpoint"
+    with no_allocation, have, pytest.raises(hf.HFError, match=want) as e:
+        _load(folder)
+    assert "num_hidden_layers=1000000" in str(e.value)

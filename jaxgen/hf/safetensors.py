@@ -151,7 +151,8 @@ class _Checkpoint:
         (`sized_by`: the config.json fields that set that shape, for the message)."""
         stored = self.resolve(name)
         if stored is None:
-            raise _fail(self.folder, f"tensor {name!r} (jaxgen {path}) is missing from the {self.family} checkpoint")
+            why = f"jaxgen {path}; {sized_by}" if sized_by else f"jaxgen {path}"
+            raise _fail(self.folder, f"tensor {name!r} ({why}) is missing from the {self.family} checkpoint")
         shape = self.where[stored].shape(stored)
         if shape != expected:
             raise _fail(
