@@ -403,6 +403,7 @@ CONFIG_KEYS = [
     "intermediate_size", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling",
     "tie_word_embeddings", "eos_token_id", "attention_bias", "mlp_bias", "hidden_act", "sliding_window",
 ]  # fmt: skip
+ROPE_KEYS = ["rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"]
 EOS_TOKENS = st.sampled_from(["<|endoftext|>", {"content": "<|endoftext|>"}, {"x": 1}, 5, None, "<|nope|>", ""])
 TEMPLATES = st.sampled_from([None, "{{ messages }}", 5, [{"name": "default", "template": "x"}], {"a": 1}])
 TOKENIZER_JSON = st.sampled_from([None] * 6 + ["{nope", "{}", "[]"])  # None: the folder's own
@@ -413,6 +414,10 @@ _forward = jax.jit(model.forward, static_argnames="cfg")
 def _hostile_folders(draw):
     """Edits to config.json, generation_config.json, tokenizer_config.json and tokenizer.json."""
     config = draw(st.dictionaries(st.sampled_from(CONFIG_KEYS), HOSTILE, max_size=2))
+    if draw(st.booleans()):  # hostile values inside the RoPE settings
+        kind = draw(st.sampled_from(["default", "linear", "llama3", "yarn", 5, None]))
+        rope = {"rope_type": kind} | draw(st.dictionaries(st.sampled_from(ROPE_KEYS), HOSTILE, max_size=2))
+        config["rope_parameters"] = {k: v for k, v in rope.items() if v is not MISSING}
     generation = draw(st.dictionaries(st.just("eos_token_id"), HOSTILE, max_size=1))
     tokenizer = {"eos_token": draw(EOS_TOKENS), "chat_template": draw(TEMPLATES)}
     return config, generation, tokenizer, draw(TOKENIZER_JSON)

@@ -171,7 +171,7 @@ def _rope_fields(f: Fields, family: str, folder) -> dict:
         local = rope.section("sliding_attention")
         fields["rope_local_theta"] = local.number("rope_theta", f.number("rope_local_base_freq", 10000.0))
         if local.text("rope_type", "default") != "default":
-            raise _fail(folder, f"sliding-window rope type {local.data['rope_type']!r}; allowed: default")
+            raise _fail(folder, f"{local.prefix}rope_type={local.data['rope_type']!r}; allowed: default")
         rope = rope.section("full_attention")
     elif family == "gemma3_text":
         fields["rope_local_theta"] = f.number("rope_local_base_freq", 10000.0)
@@ -192,7 +192,7 @@ def _rope_fields(f: Fields, family: str, folder) -> dict:
             "rope_high_freq_factor": rope.number("high_freq_factor", 4.0),
             "rope_original_max_len": rope.integer("original_max_position_embeddings", 8192),
         }
-    raise _fail(folder, f"rope type {kind!r} is not supported; allowed: default, linear, llama3")
+    raise _fail(folder, f"{rope.prefix}rope_type={kind!r} is not supported; allowed: default, linear, llama3")
 
 
 def _window_fields(f: Fields, family: str, folder) -> dict:
