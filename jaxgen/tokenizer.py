@@ -10,6 +10,7 @@ token per byte, plus an end-of-text token), so every tokenizer saves to and load
 from __future__ import annotations
 
 import json
+import numbers
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -36,6 +37,9 @@ class Tokenizer:
             if found is None:
                 raise ValueError(f"tokenizer has none of the end-of-sequence tokens {_EOS_CANDIDATES}")
             eos_ids = (found,)
+        n = tok.get_vocab_size(with_added_tokens=True)
+        if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and 0 <= i < n for i in eos_ids):
+            raise ValueError(f"eos_ids={eos_ids!r} is not allowed: token ids in [0, {n}) of this tokenizer")
         self.eos_ids = tuple(int(i) for i in eos_ids)
         self.chat_template = chat_template
 
@@ -60,7 +64,11 @@ class Tokenizer:
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"tokenizer file {str(path)!r} does not exist (expected a tokenizer.json)")
-        return cls(tokenizers.Tokenizer.from_file(str(path)))
+        try:
+            tok = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception for bad JSON or a missing entry
+            raise ValueError(f"{path}: not a tokenizer that the tokenizers library reads ({e})") from None
+        return cls(tok)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> Tokenizer:
@@ -73,16 +81,8 @@ class Tokenizer:
         folder = Path(folder)
         tok = cls.from_file(folder / "tokenizer.json").tok
         configs = {name: _read_json(folder / name) for name in _CONFIG_FILES}
-        eos_ids = None
-        for name in ("generation_config.json", "config.json"):
-            if configs[name].get("eos_token_id") is not None:
-                eos_ids = configs[name]["eos_token_id"]
-                break
         tok_cfg = configs["tokenizer_config.json"]
-        if eos_ids is None and tok_cfg.get("eos_token"):
-            token = tok_cfg["eos_token"]
-            token = token.get("content") if isinstance(token, dict) else token
-            eos_ids = tok.token_to_id(token)
+        eos_ids = _eos_ids(tok, folder, configs)
         template = tok_cfg.get("chat_template")
         if template is None and (folder / "chat_template.jinja").exists():
             template = (folder / "chat_template.jinja").read_text()
@@ -98,6 +98,15 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def check_model_vocab(self, model_vocab: int, where: str) -> None:
+        """ValueError when this tokenizer has ids the model cannot embed (a model's vocabulary may be
+        larger, padded for speed, but not smaller); `where` names the model's config."""
+        if self.vocab_size > model_vocab:
+            raise ValueError(
+                f"{where}: vocab_size={model_vocab} is smaller than the tokenizer's {self.vocab_size} tokens: ids "
+                f"{model_vocab}..{self.vocab_size - 1} have no embedding (is tokenizer.json the model's own?)"
+            )
 
     def info(self) -> dict:
         """What a client needs to tokenize as the server does (vLLM's /tokenizer_info): special tokens by
@@ -148,9 +157,39 @@ def _read_json(path: Path) -> dict:
     if not path.exists():
         return {}
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a JSON {type(data).__name__}, expected an object of settings")
+    return data
+
+
+def _eos_ids(tok: tokenizers.Tokenizer, folder: Path, configs: dict) -> tuple[int, ...] | None:
+    """The end-of-sequence ids: generation_config.json's eos_token_id, else config.json's, else the id of
+    tokenizer_config.json's eos_token; None when none says. Each value given is checked, used or not."""
+    n = tok.get_vocab_size(with_added_tokens=True)
+    found = []
+    for name in ("generation_config.json", "config.json"):
+        value = configs[name].get("eos_token_id")
+        ids = [value] if isinstance(value, int) else value
+        ok = isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+        if value is not None and not (ok and all(0 <= i < n for i in ids)):
+            raise ValueError(
+                f"{folder / name}: eos_token_id={value!r} is not allowed: a token id in [0, {n}) of tokenizer.json "
+                "or a non-empty list of them"
+            )
+        found += [tuple(ids)] if value is not None else []
+    token = configs["tokenizer_config.json"].get("eos_token")
+    if found or not token:
+        return found[0] if found else None
+    text = token.get("content") if isinstance(token, dict) else token  # transformers' AddedToken form
+    if not isinstance(text, str) or tok.token_to_id(text) is None:
+        raise ValueError(
+            f"{folder / 'tokenizer_config.json'}: eos_token={token!r} is not allowed: a token of tokenizer.json, "
+            'as a string or {"content": "..."}'
+        )
+    return (tok.token_to_id(text),)
 
 
 def _bytes_to_unicode() -> dict[int, str]:

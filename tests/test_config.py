@@ -1,4 +1,5 @@
 import dataclasses
+import re
 import subprocess
 import sys
 
@@ -77,19 +78,48 @@ def test_overrides_are_typed():
         (["model.num_layers"], "is not of the form key=value"),
         (["model.qk_norm=layer"], "model.qk_norm='layer' is not allowed: none, head, full"),
         (["model.global_every=2"], "model.global_every=2 is not allowed: only with model.sliding_window set"),
-        (["model.attn_softcap=0"], "model.attn_softcap=0.0 is not allowed: null or a number > 0"),
+        (["model.attn_softcap=0"], "model.attn_softcap=0.0 is not allowed: null or a finite number > 0"),
         (
             ["model.num_experts=4", "model.experts_per_token=5"],
             "model.experts_per_token=5 is not allowed: 1..num_experts=4",
         ),
         (["model.num_experts=4", "model.mlp=gelu"], "model.mlp='gelu' is not allowed: swiglu or geglu with experts"),
         (["model.num_experts=4", "model.moe_impl=gmm"], "model.moe_impl='gmm' is not allowed"),
+        # values that gave NaN or inf silently (issue 31): norm eps, RoPE bases and factors, caps, scales
+        (["model.rope_theta=0"], "model.rope_theta=0.0 is not allowed: a finite number > 0"),
+        (["model.rope_theta=-10000"], "model.rope_theta=-10000.0 is not allowed: a finite number > 0"),
+        (["model.norm_eps=-1"], "model.norm_eps=-1.0 is not allowed: a finite number > 0"),
+        (["model.norm_eps=.nan"], "model.norm_eps=nan is not allowed: a finite number > 0"),
+        (["model.rope_factor=0"], "model.rope_factor=0.0 is not allowed: a finite number >= 1"),
+        (["model.rope_low_freq_factor=0"], "model.rope_low_freq_factor=0.0 is not allowed: a finite number > 0"),
+        (["model.final_softcap=-1"], "model.final_softcap=-1.0 is not allowed: null or a finite number > 0"),
+        (["model.query_scale=.inf"], "model.query_scale=inf is not allowed: null or a finite number > 0"),
+        (["model.head_dim=0"], "model.head_dim=0 is not allowed: null or a positive integer"),
+        (["model.num_kv_heads=0"], "model.num_kv_heads=0 is not allowed: null or a positive integer"),
+        (["model.vocab_size=1000000000000"], "model.vocab_size=1000000000000 is not allowed: a positive integer below"),
+        (["model.init_std=-1"], "model.init_std=-1.0 is not allowed: a finite number >= 0"),
     ],
 )
 def test_config_errors_name_key_value_and_allowed(overrides, fragment):
     with pytest.raises(ConfigError) as e:
         load_config(ROOT / "configs" / "tiny.yaml", overrides)
     assert fragment in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "field, value, allowed",
+    [
+        ("norm_eps", "abc", "a finite number > 0"), ("rope_theta", None, "a finite number > 0"),
+        ("vocab_size", True, "a positive integer below 2**31"), ("num_heads", 4.0, "a positive integer"),
+        ("num_experts", -1, "an integer >= 0"), ("tie_embeddings", 1, "true or false"),
+        ("attn_softcap", "x", "null or a finite number > 0"), ("sliding_window", "x", "null or a positive integer"),
+    ],
+)  # fmt: skip
+def test_model_config_built_in_code_checks_types_too(field, value, allowed):
+    """Not only YAML values: a ModelConfig built from code or config.json names a wrong type (before: a
+    TypeError from a comparison, or a model that failed inside a traced function)."""
+    with pytest.raises(ConfigError, match=re.escape(f"model.{field}={value!r} is not allowed: {allowed}")):
+        ModelConfig(**{field: value})
 
 
 def test_missing_config_file_lists_shipped_configs():

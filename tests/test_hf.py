@@ -394,7 +394,7 @@ def test_hugging_face_tokenizer_adds_its_special_tokens_like_transformers(tmp_pa
     "family, edit, message",
     [
         ("gemma3_text", {"layer_types": ["full_attention", "sliding_attention"]}, r"layer_types=\['full_attention'"),
-        ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, r"rope type 'longrope'"),
+        ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, r"rope_type='longrope' is not"),
         ("phi3", {"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}, r"partial_rotary_factor=0.5"),
         ("qwen3_moe", {"mlp_only_layers": [0]}, r"qwen3_moe with dense layers"),
         ("qwen3", {"use_sliding_window": True}, r"qwen3 with use_sliding_window=true"),

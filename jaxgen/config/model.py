@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Literal
 
 from jaxgen.config.base import check, check_literals
@@ -74,11 +76,8 @@ class ModelConfig:
     init_std: float = 0.02
 
     def __post_init__(self):
-        for name in ("vocab_size", "num_layers", "d_model", "num_heads", "d_ff", "max_seq_len"):
-            value = getattr(self, name)
-            check(isinstance(value, int) and value > 0, f"model.{name}", value, "a positive integer")
+        self._check_types()
         check_literals(self, "model")
-        check(self.rope_factor >= 1, "model.rope_factor", self.rope_factor, "a number >= 1")
         if self.rope_scaling == "llama3":
             check(
                 self.rope_high_freq_factor > self.rope_low_freq_factor,
@@ -86,9 +85,8 @@ class ModelConfig:
                 self.rope_high_freq_factor,
                 f"a number > rope_low_freq_factor={self.rope_low_freq_factor}",
             )
-        k = self.kv_heads
         check(
-            k > 0 and self.num_heads % k == 0,
+            self.num_heads % self.kv_heads == 0,
             "model.num_kv_heads",
             self.num_kv_heads,
             f"a divisor of num_heads={self.num_heads} (1 = multi-query, num_heads = multi-head)",
@@ -102,14 +100,35 @@ class ModelConfig:
             )
         if self.position == "rope":
             check(self.head_size % 2 == 0, "model.head_dim", self.head_size, "an even number with rope")
-        if self.sliding_window is not None:
-            check(self.sliding_window > 0, "model.sliding_window", self.sliding_window, "null or > 0")
         self._check_layer_pattern()
         self._check_attention_extras()
         self._check_experts()
 
+    def _check_types(self):
+        """Every number of the right type and in the range where the model computes finite values (a norm
+        eps or RoPE base <= 0, a cap or scale <= 0 gives NaN or inf, silently): for configs from YAML,
+        config.json or code alike."""
+        for name in ("vocab_size", "max_seq_len"):  # token ids and positions are int32
+            _integer(self, name, 1, "a positive integer below 2**31 (ids and positions are int32)", 2**31 - 1)
+        for name in ("num_layers", "d_model", "num_heads", "d_ff", "rope_original_max_len"):
+            _integer(self, name, 1, "a positive integer")
+        for name in ("num_kv_heads", "head_dim", "sliding_window"):
+            _integer(self, name, 1, "null or a positive integer", optional=True)
+        for name in ("global_every", "num_experts"):
+            _integer(self, name, 0, "an integer >= 0")
+        _integer(self, "experts_per_token", 1, "a positive integer")
+        for name in ("rope_theta", "norm_eps", "rope_low_freq_factor", "rope_high_freq_factor"):
+            _number(self, name, "a finite number > 0", lambda x: x > 0)
+        _number(self, "rope_factor", "a finite number >= 1", lambda x: x >= 1)
+        for name in ("rope_local_theta", "query_scale", "attn_softcap", "final_softcap"):
+            _number(self, name, "null or a finite number > 0", lambda x: x > 0, optional=True)
+        for name in ("router_aux_coef", "router_z_coef", "init_std"):
+            _number(self, name, "a finite number >= 0", lambda x: x >= 0)
+        for name in ("norm_unit_offset", "use_bias", "qkv_bias", "embed_scale", "tie_embeddings", "router_renormalize"):
+            check(isinstance(getattr(self, name), bool), f"model.{name}", getattr(self, name), "true or false")
+        check(self.family is None or isinstance(self.family, str), "model.family", self.family, "null or a string")
+
     def _check_layer_pattern(self):
-        check(self.global_every >= 0, "model.global_every", self.global_every, "an integer >= 0")
         for name in ("global_every", "rope_local_theta"):
             if getattr(self, name) and self.sliding_window is None:
                 check(False, f"model.{name}", getattr(self, name), "only with model.sliding_window set")
@@ -117,14 +136,10 @@ class ModelConfig:
             check(self.position == "rope", "model.rope_local_theta", self.rope_local_theta, "only with rope")
 
     def _check_attention_extras(self):
-        for name in ("query_scale", "attn_softcap", "final_softcap"):
-            value = getattr(self, name)
-            check(value is None or value > 0, f"model.{name}", value, "null or a number > 0")
         block = self.attention_block
         check(isinstance(block, int) and block >= 8, "model.attention_block", block, "an integer >= 8")
 
     def _check_experts(self):
-        check(self.num_experts >= 0, "model.num_experts", self.num_experts, "0 (dense MLP) or a positive integer")
         if not self.num_experts:
             return
         check(
@@ -135,8 +150,6 @@ class ModelConfig:
         )
         check(self.mlp in ("swiglu", "geglu"), "model.mlp", self.mlp, "swiglu or geglu with experts")
         check(not self.use_bias, "model.use_bias", self.use_bias, "false with experts")
-        for name in ("router_aux_coef", "router_z_coef"):
-            check(getattr(self, name) >= 0, f"model.{name}", getattr(self, name), "a number >= 0")
 
     @property
     def kv_heads(self) -> int:
@@ -156,3 +169,19 @@ class ModelConfig:
     def groups(self) -> int:
         """Query heads per kv head (G); 1 for multi-head attention."""
         return self.num_heads // self.kv_heads
+
+
+def _integer(cfg, name: str, lo: int, allowed: str, hi: int | None = None, optional: bool = False) -> None:
+    value = getattr(cfg, name)
+    if optional and value is None:
+        return
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and lo <= value <= (hi or value)
+    check(ok, f"model.{name}", value, allowed)
+
+
+def _number(cfg, name: str, allowed: str, in_range, optional: bool = False) -> None:
+    value = getattr(cfg, name)
+    if optional and value is None:
+        return
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and in_range(value)
+    check(ok, f"model.{name}", value, allowed)

@@ -15,13 +15,17 @@ Weights are read tensor by tensor from memory-mapped safetensors files (single o
 model.safetensors.index.json) and each jaxgen parameter is placed straight into its sharding, so
 beside the placed model the host holds one stacked parameter (and briefly device_put's copy of it).
 
+Every entry of config.json is read typed and range-checked (`fields`): a bad one is an HFError naming the
+file, the key and the value, raised before any weight is read; so are weights larger than the memory.
+
 Modules (imports point down the list; safetensors needs only HFError from config):
+    fields       typed reading of a JSON file's entries (HFError naming file, key, value, what is allowed)
     config       config.json <-> ModelConfig: FAMILIES, read_config, family_of, hf_config, HFError
     safetensors  memory-mapped .safetensors reader with header checks; a folder's single or sharded
                  files, each kept inside the folder
     weights      jaxgen parameter path <-> Hugging Face tensor name (tensor_map, Tensor), shape and
                  transpose conversions
-    load         is_hf_folder, load_params, load_pretrained
+    load         is_hf_folder, load_params, load_pretrained, check_memory
     export       save_pretrained (sharded safetensors, config.json, generation_config.json, tokenizer)
 """
 

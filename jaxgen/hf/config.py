@@ -8,10 +8,11 @@ table each way, and `family_of` checks a candidate by writing the config and rea
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 from jaxgen.config import ModelConfig
+from jaxgen.config.base import ConfigError
+from jaxgen.hf.fields import Fields, HFError, read_object
 from jaxgen.tokenizer import Tokenizer
 
 _ARCHITECTURES = {
@@ -75,20 +76,17 @@ _NOT_ARCHITECTURE = (
 )  # fmt: skip
 
 
-class HFError(ValueError):
-    """A Hugging Face folder (or a jaxgen model) that cannot be converted; the message says why."""
-
-
 def _fail(folder, what: str) -> HFError:
     return HFError(f"{folder}: {what} (supported families: {', '.join(FAMILIES)})")
 
 
 def read_config(folder: str | Path) -> tuple[str, ModelConfig]:
-    """The family and jaxgen model config of a folder's config.json (params float32, compute float32)."""
+    """The family and jaxgen model config of a folder's config.json (params float32, compute float32);
+    HFError naming the file, the key and the value for any entry jaxgen cannot use."""
     folder = Path(folder)
     if not (folder / "config.json").exists():
         raise _fail(folder, "no config.json: not a Hugging Face model folder")
-    hf = json.loads((folder / "config.json").read_text())
+    hf = read_object(folder / "config.json")
     family = hf.get("model_type")
     if family not in FAMILIES:
         raise _fail(folder, f"unsupported architecture model_type={family!r} ({hf.get('architectures')})")
@@ -96,72 +94,123 @@ def read_config(folder: str | Path) -> tuple[str, ModelConfig]:
 
 
 def _from_hf(hf: dict, family: str, folder) -> ModelConfig:
-    hf = _DEFAULTS.get(family, {}) | hf
-    return _gpt2_config(hf, folder) if family == "gpt2" else _llama_like_config(hf, family, folder)
+    f = Fields(_DEFAULTS.get(family, {}) | hf, f"{folder}/config.json")
+    fields = _gpt2_fields(f, folder) if family == "gpt2" else _llama_like_fields(f, family, folder)
+    try:
+        return ModelConfig(**fields)
+    except ConfigError as e:  # a check across fields (e.g. heads and kv-heads): name the file and its keys
+        names = _HF_NAMES["gpt2" if family == "gpt2" else "llama"]
+        key = str(e).split("=", 1)[0].removeprefix("model.")
+        raise HFError(f"{f.where}: {e} (config.json's {names.get(key, key)})") from None
 
 
-def _gpt2_config(hf: dict, folder) -> ModelConfig:
-    act = hf.get("activation_function", "gelu_new")
+# config.json's names of the ModelConfig fields a cross-field check can refuse
+_HF_NAMES = {
+    "gpt2": {
+        "num_heads": "n_head", "d_model": "n_embd", "num_layers": "n_layer", "max_seq_len": "n_positions",
+        "d_ff": "n_inner", "norm_eps": "layer_norm_epsilon",
+    },
+    "llama": {
+        "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads", "d_model": "hidden_size",
+        "num_layers": "num_hidden_layers", "max_seq_len": "max_position_embeddings", "d_ff": "intermediate_size",
+        "rope_high_freq_factor": "rope_scaling.high_freq_factor", "experts_per_token": "num_experts_per_tok",
+        "norm_eps": "rms_norm_eps", "query_scale": "query_pre_attn_scalar",
+        "attn_softcap": "attn_logit_softcapping", "final_softcap": "final_logit_softcapping",
+    },
+}  # fmt: skip
+
+
+_AXIS_FIELDS = {
+    "vocab": "vocab_size", "embed": "d_model", "act_embed": "d_model", "heads": "num_heads",
+    "kv_heads": "num_kv_heads", "head_dim": "head_dim", "mlp": "d_ff", "layers": "num_layers", "expert": "num_experts",
+    "positions": "max_seq_len",
+}  # fmt: skip
+
+
+def size_fields(cfg: ModelConfig, family: str, axes: tuple | None = None) -> str:
+    """The config.json fields that size one parameter with logical `axes` (None: all the weights), as
+    `name=value, ...`: what an error about sizes points the reader to."""
+    names = _HF_NAMES["gpt2" if family == "gpt2" else "llama"] | {
+        "num_experts": "num_local_experts" if family == "mixtral" else "num_experts"
+    }
+    if family == "qwen3_moe":
+        names["d_ff"] = "moe_intermediate_size"
+    if axes is None:
+        axes = ("vocab", "embed", "layers", "mlp") + ("expert",) * bool(cfg.num_experts)
+        axes += ("positions",) * (cfg.position == "learned")
+    value = {"head_dim": cfg.head_size, "num_kv_heads": cfg.kv_heads}
+    fields = dict.fromkeys(_AXIS_FIELDS[a] for a in axes if a in _AXIS_FIELDS)
+    return ", ".join(f"{names.get(k, k)}={value.get(k, getattr(cfg, k))}" for k in fields)
+
+
+def _gpt2_fields(f: Fields, folder) -> dict:
+    act = f.text("activation_function", "gelu_new")
     if act not in _TANH_GELU:
         raise _fail(folder, f"gpt2 activation_function={act!r} is not supported; allowed: {', '.join(_TANH_GELU)}")
-    if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("scale_attn_weights") is False:
+    if f.flag("scale_attn_by_inverse_layer_idx", False) or not f.flag("scale_attn_weights", True):
         raise _fail(folder, "gpt2 with scale_attn_by_inverse_layer_idx or without scale_attn_weights")
-    d = hf["n_embd"]
-    return ModelConfig(
-        vocab_size=hf["vocab_size"], num_layers=hf["n_layer"], d_model=d, num_heads=hf["n_head"],
-        d_ff=hf.get("n_inner") or 4 * d, max_seq_len=hf.get("n_positions", 1024), position="learned",
-        norm="layernorm", norm_eps=hf.get("layer_norm_epsilon", 1e-5), mlp="gelu", use_bias=True,
-        tie_embeddings=hf.get("tie_word_embeddings", True), family="gpt2",
+    d = f.integer("n_embd")
+    return dict(
+        vocab_size=f.integer("vocab_size"), num_layers=f.integer("n_layer"), d_model=d, num_heads=f.integer("n_head"),
+        d_ff=f.integer("n_inner", 4 * d), max_seq_len=f.integer("n_positions", 1024), position="learned",
+        norm="layernorm", norm_eps=f.number("layer_norm_epsilon", 1e-5), mlp="gelu", use_bias=True,
+        tie_embeddings=f.flag("tie_word_embeddings", True), family="gpt2",
     )  # fmt: skip
 
 
-def _rope_fields(hf: dict, family: str, folder) -> dict:
+def _rope_section(f: Fields) -> Fields:
+    """transformers 5's rope_parameters, else the older rope_scaling (either may be absent)."""
+    return f.section("rope_parameters") if f.has("rope_parameters") else f.section("rope_scaling")
+
+
+def _rope_fields(f: Fields, family: str, folder) -> dict:
     """RoPE settings from transformers 5's rope_parameters (per layer type for Gemma 3) or the older
     rope_theta + rope_scaling."""
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    fields = {}
-    if "full_attention" in rope:  # per layer type: the global layers' settings, the local layers' base
-        local = rope.get("sliding_attention", {})
-        fields["rope_local_theta"] = float(local.get("rope_theta", hf.get("rope_local_base_freq", 10000.0)))
-        if local.get("rope_type", "default") != "default":
-            raise _fail(folder, f"sliding-window rope type {local['rope_type']!r}; allowed: default")
-        rope = rope["full_attention"]
+    rope, fields = _rope_section(f), {}
+    if rope.has("full_attention"):  # per layer type: the global layers' settings, the local layers' base
+        local = rope.section("sliding_attention")
+        fields["rope_local_theta"] = local.number("rope_theta", f.number("rope_local_base_freq", 10000.0))
+        if local.text("rope_type", "default") != "default":
+            raise _fail(folder, f"{local.prefix}rope_type={local.data['rope_type']!r}; allowed: default")
+        rope = rope.section("full_attention")
     elif family == "gemma3_text":
-        fields["rope_local_theta"] = float(hf.get("rope_local_base_freq", 10000.0))
-    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        fields["rope_local_theta"] = f.number("rope_local_base_freq", 10000.0)
+    partial = rope.number("partial_rotary_factor", f.number("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise _fail(folder, f"partial_rotary_factor={partial} is not supported; allowed: 1.0")
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    fields["rope_theta"] = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = rope.text("rope_type", rope.text("type", "default"))
+    fields["rope_theta"] = rope.number("rope_theta", f.number("rope_theta", 10000.0))
     if kind == "default":
         return fields
     if kind == "linear":
-        return fields | {"rope_scaling": "linear", "rope_factor": float(rope["factor"])}
+        return fields | {"rope_scaling": "linear", "rope_factor": rope.number("factor", lo=1.0, closed=True)}
     if kind == "llama3":
         return fields | {
             "rope_scaling": "llama3",
-            "rope_factor": float(rope["factor"]),
-            "rope_low_freq_factor": float(rope.get("low_freq_factor", 1.0)),
-            "rope_high_freq_factor": float(rope.get("high_freq_factor", 4.0)),
-            "rope_original_max_len": int(rope.get("original_max_position_embeddings", 8192)),
+            "rope_factor": rope.number("factor", lo=1.0, closed=True),
+            "rope_low_freq_factor": rope.number("low_freq_factor", 1.0),
+            "rope_high_freq_factor": rope.number("high_freq_factor", 4.0),
+            "rope_original_max_len": rope.integer("original_max_position_embeddings", 8192),
         }
-    raise _fail(folder, f"rope type {kind!r} is not supported; allowed: default, linear, llama3")
+    raise _fail(folder, f"{rope.prefix}rope_type={kind!r} is not supported; allowed: default, linear, llama3")
 
 
-def _window_fields(hf: dict, family: str, folder) -> dict:
+def _window_fields(f: Fields, family: str, folder) -> dict:
     """The sliding window, and for Gemma 2/3 which layers are global (`global_every`)."""
-    if family in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window"):
+    if family in ("qwen2", "qwen3", "qwen3_moe") and f.flag("use_sliding_window", False):
         raise _fail(folder, f"{family} with use_sliding_window=true (per-layer windows) is not supported")
-    window = hf.get("sliding_window") if family in _WINDOWED else None
+    window = f.integer("sliding_window", None) if family in _WINDOWED else None
     if window is None:
         return {}
     if family not in ("gemma2", "gemma3_text"):
         return {"sliding_window": window}
-    n = hf["num_hidden_layers"]
-    types = hf.get("layer_types")
+    n = f.integer("num_hidden_layers")
+    types = f.raw("layer_types", None, "a list of full_attention / sliding_attention")
     if types is None:  # older configs: Gemma 2 alternates, Gemma 3 has a period
-        period = 2 if family == "gemma2" else hf.get("sliding_window_pattern", 6)
+        period = 2 if family == "gemma2" else f.integer("sliding_window_pattern", 6)
         types = ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n)]
+    if not isinstance(types, list) or len(types) != n:
+        raise f.error("layer_types", types, f"a list of num_hidden_layers={n} layer types")
     is_global = [t == "full_attention" for t in types]
     every = is_global.index(True) + 1 if any(is_global) else 0
     if is_global != [every > 0 and (i + 1) % every == 0 for i in range(n)]:
@@ -169,54 +218,55 @@ def _window_fields(hf: dict, family: str, folder) -> dict:
     return {"sliding_window": window, "global_every": every}
 
 
-def _expert_fields(hf: dict, family: str, folder) -> dict:
+def _expert_fields(f: Fields, family: str, folder) -> dict:
     if family == "mixtral":
         return {
-            "num_experts": hf["num_local_experts"], "experts_per_token": hf["num_experts_per_tok"],
-            "router_renormalize": True, "router_aux_coef": float(hf.get("router_aux_loss_coef", 0.02)),
+            "num_experts": f.integer("num_local_experts"), "experts_per_token": f.integer("num_experts_per_tok"),
+            "router_renormalize": True, "router_aux_coef": f.number("router_aux_loss_coef", 0.02, closed=True),
         }  # fmt: skip
     if family == "qwen3_moe":
-        if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+        if f.integer("decoder_sparse_step", 1) != 1 or f.raw("mlp_only_layers", None, "a list"):
             raise _fail(folder, "qwen3_moe with dense layers (decoder_sparse_step != 1 or mlp_only_layers)")
+        # transformers 5 writes num_local_experts
+        experts = f.integer("num_experts") if f.has("num_experts") else f.integer("num_local_experts")
         return {
-            "num_experts": hf.get("num_experts") or hf["num_local_experts"],  # transformers 5 writes the latter
-            "experts_per_token": hf["num_experts_per_tok"],
-            "d_ff": hf["moe_intermediate_size"], "router_renormalize": bool(hf.get("norm_topk_prob", False)),
-            "router_aux_coef": float(hf.get("router_aux_loss_coef", 0.001)),
+            "num_experts": experts, "experts_per_token": f.integer("num_experts_per_tok"),
+            "d_ff": f.integer("moe_intermediate_size"), "router_renormalize": f.flag("norm_topk_prob", False),
+            "router_aux_coef": f.number("router_aux_loss_coef", 0.001, closed=True),
         }  # fmt: skip
     return {}
 
 
-def _gemma_fields(hf: dict, family: str) -> dict:
+def _gemma_fields(f: Fields, family: str) -> dict:
     if family not in ("gemma2", "gemma3_text"):
         return {}
+    scale = f.number("query_pre_attn_scalar") if f.has("query_pre_attn_scalar") else f.number("head_dim", 256.0)
     return {
-        "query_scale": float(hf.get("query_pre_attn_scalar") or hf.get("head_dim") or 256),
-        "attn_softcap": hf.get("attn_logit_softcapping"), "final_softcap": hf.get("final_logit_softcapping"),
+        "query_scale": scale, "attn_softcap": f.number("attn_logit_softcapping", None),
+        "final_softcap": f.number("final_logit_softcapping", None),
     }  # fmt: skip
 
 
-def _llama_like_config(hf: dict, family: str, folder) -> ModelConfig:
-    act = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
+def _llama_like_fields(f: Fields, family: str, folder) -> dict:
+    act = f.text("hidden_activation") if f.has("hidden_activation") else f.text("hidden_act", "silu")
     want = _TANH_GELU if family in _GEMMAS else ("silu",)
     if act not in want:
         raise _fail(folder, f"{family} hidden_act={act!r} is not supported; allowed: {', '.join(want)}")
-    attn_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
+    attn_bias, mlp_bias = f.flag("attention_bias", False), f.flag("mlp_bias", False)
     if attn_bias != mlp_bias:
         raise _fail(folder, f"attention_bias={attn_bias} with mlp_bias={mlp_bias}: jaxgen biases both or neither")
     if attn_bias and family != "llama":
         raise _fail(folder, f"{family} with attention_bias=true is not supported")
-    d, n = hf["hidden_size"], hf["num_attention_heads"]
+    d, n = f.integer("hidden_size"), f.integer("num_attention_heads")
     fields = dict(
-        vocab_size=hf["vocab_size"], num_layers=hf["num_hidden_layers"], d_model=d, num_heads=n,
-        num_kv_heads=hf.get("num_key_value_heads") or n, head_dim=hf.get("head_dim") or d // n,
-        d_ff=hf["intermediate_size"], max_seq_len=hf.get("max_position_embeddings", 2048), position="rope",
-        norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6), mlp="swiglu", use_bias=attn_bias,
-        tie_embeddings=hf.get("tie_word_embeddings", family in _GEMMAS), family=family,
+        vocab_size=f.integer("vocab_size"), num_layers=f.integer("num_hidden_layers"), d_model=d, num_heads=n,
+        num_kv_heads=f.integer("num_key_value_heads", n), head_dim=f.integer("head_dim", d // n),
+        d_ff=f.integer("intermediate_size"), max_seq_len=f.integer("max_position_embeddings", 2048),
+        position="rope", norm="rmsnorm", norm_eps=f.number("rms_norm_eps", 1e-6), mlp="swiglu",
+        use_bias=attn_bias, tie_embeddings=f.flag("tie_word_embeddings", family in _GEMMAS), family=family,
     )  # fmt: skip
-    fields |= _FAMILY_FIELDS[family] | _rope_fields(hf, family, folder) | _window_fields(hf, family, folder)
-    fields |= _gemma_fields(hf, family) | _expert_fields(hf, family, folder)
-    return ModelConfig(**fields)
+    fields |= _FAMILY_FIELDS[family] | _rope_fields(f, family, folder) | _window_fields(f, family, folder)
+    return fields | _gemma_fields(f, family) | _expert_fields(f, family, folder)
 
 
 # --- export ----------------------------------------------------------------------------------------

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
 from pathlib import Path
 
 import jax
@@ -12,7 +14,7 @@ import numpy as np
 
 from jaxgen import model
 from jaxgen.config import MeshConfig, ModelConfig
-from jaxgen.hf.config import read_config
+from jaxgen.hf.config import HFError, read_config, size_fields
 from jaxgen.hf.safetensors import _Checkpoint
 from jaxgen.hf.weights import _hf_shape, _param_paths, _per_tensor_shape, _to_jaxgen, tensor_map
 from jaxgen.sharding import make_mesh
@@ -32,8 +34,14 @@ def load_params(folder: str | Path, cfg: ModelConfig, family: str, mesh=None, dt
     ckpt = _Checkpoint(folder, family)
     specs = _param_paths(cfg)
     shardings = dict(zip(specs, jax.tree.leaves(model.param_shardings(cfg, mesh)), strict=True))
+    table = tensor_map(family, cfg)
+    for path, t in table.items():  # every tensor's shape against config.json, before anything is allocated
+        expected = _hf_shape(t, _per_tensor_shape(t, path, specs[path].shape))
+        sized_by = size_fields(cfg, family, tuple(a or "positions" for a in specs[path].names))
+        for name, _ in t.names(cfg, path):
+            ckpt.check(name, expected, path, sized_by)
     placed = {}
-    for path, t in tensor_map(family, cfg).items():
+    for path, t in table.items():
         spec = specs[path]
         shape = _per_tensor_shape(t, path, spec.shape)
         expected = _hf_shape(t, shape)
@@ -68,7 +76,32 @@ def load_pretrained(folder: str | Path, mesh=None, dtype: str = "float32", param
         dtype = "bfloat16"
     cfg = dataclasses.replace(cfg, dtype=dtype)
     tokenizer = Tokenizer.from_folder(folder) if (folder / "tokenizer.json").exists() else None
+    if tokenizer is not None:
+        tokenizer.check_model_vocab(cfg.vocab_size, f"{folder}/config.json")
+    check_memory(cfg, family, param_dtype, f"{folder}/config.json", mesh)
     return cfg, tokenizer, load_params(folder, cfg, family, mesh, param_dtype)
+
+
+def check_memory(cfg: ModelConfig, family: str, dtype: str, where: str, mesh=None) -> None:
+    """HFError naming the size fields when the weights alone would not fit in the memory they go to
+    (the devices', else the host's): checked before anything is allocated, since a config.json with
+    vocab_size 10**12 or 10**6 layers otherwise ends in a MemoryError, or an hour of swapping."""
+    count = sum(math.prod(spec.shape) for spec in _param_paths(cfg).values())
+    need = count * np.dtype(jax.numpy.dtype(dtype)).itemsize
+    have = _memory_bytes(mesh.devices.flat if mesh is not None else jax.devices())
+    if need > have:
+        raise HFError(
+            f"{where}: the weights would take {need / 2**30:,.1f} GiB ({count:,} parameters in {dtype}; "
+            f"{size_fields(cfg, family)}), more than the {have / 2**30:,.1f} GiB of memory here"
+        )
+
+
+def _memory_bytes(devices) -> int:
+    """The memory the devices report (GPU, TPU), else the host's physical memory (CPU)."""
+    limits = [(d.memory_stats() or {}).get("bytes_limit", 0) for d in devices if d.platform != "cpu"]
+    if limits and all(limits):
+        return sum(limits)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def checkpoint_dtype(folder: str | Path) -> str:

@@ -146,15 +146,24 @@ class _Checkpoint:
         short = name.removeprefix("transformer.")
         return short if short in self.where else None
 
-    def get(self, name: str, expected: tuple[int, ...], path: str) -> np.ndarray:
+    def check(self, name: str, expected: tuple[int, ...], path: str, sized_by: str = "") -> str:
+        """The stored name of tensor `name`, HFError when it is missing or not of the `expected` shape
+        (`sized_by`: the config.json fields that set that shape, for the message)."""
         stored = self.resolve(name)
         if stored is None:
-            raise _fail(self.folder, f"tensor {name!r} (jaxgen {path}) is missing from the {self.family} checkpoint")
+            why = f"jaxgen {path}; {sized_by}" if sized_by else f"jaxgen {path}"
+            raise _fail(self.folder, f"tensor {name!r} ({why}) is missing from the {self.family} checkpoint")
         shape = self.where[stored].shape(stored)
         if shape != expected:
             raise _fail(
-                self.folder, f"tensor {name!r} has shape {shape}, but config.json implies {expected} (jaxgen {path})"
+                self.folder,
+                f"tensor {name!r} has shape {shape}, but config.json implies {expected} (jaxgen {path}"
+                + (f"; {sized_by})" if sized_by else ")"),
             )
+        return stored
+
+    def get(self, name: str, expected: tuple[int, ...], path: str) -> np.ndarray:
+        stored = self.check(name, expected, path)
         return self.where[stored].get(stored)
 
 

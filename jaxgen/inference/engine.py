@@ -299,7 +299,8 @@ class Engine:
         row = steps.slot_row(logits, r.prompt, r.tokens, r.sampling, self._stops(r.sampling), self.cfg)
         self.state = self._activate(self.state, slot, row)
         n = np.int32(r.sampling.num_speculative_tokens)  # a slot with 0 drafts never reads its history
-        self.spec = self._activate_spec(self.spec, slot, *steps.spec_history(self.cfg, r.sequence), n)
+        history = steps.spec_history(self.max_pages * self.serve.page_size, r.sequence)
+        self.spec = self._activate_spec(self.spec, slot, *history, n)
 
     def _retire_preempted(self, plan: StepPlan) -> None:
         for p in plan.preemptions:

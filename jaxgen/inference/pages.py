@@ -183,7 +183,8 @@ class PagePolicy:
         self.page_size, self.slots, self.context, self.chunk_steps, self.prefix = (
             page_size, slots, context, chunk_steps, prefix
         )  # fmt: skip
-        self.max_pages = -(-context // page_size)  # pages one sequence may need at most
+        # pages one sequence may hold at most: bounded by the pool too, as the context may be 10**9 tokens
+        self.max_pages = min(-(-context // page_size), num_pages)
         self.pool = PagePool(num_pages, page_size)
         self.tables = PageTables(slots, self.max_pages, page_size)
         self.held: dict[Request, list[int]] = {}  # each sequence's pages, in position order

@@ -159,13 +159,15 @@ def decode_chunk(params, state: DecodeState, limit, cfg: ModelConfig) -> DecodeS
     return state.replace(cache=state.cache.constrain())
 
 
-def history_size(cfg: ModelConfig) -> int:
-    return cfg.max_seq_len + MAX_SPECULATIVE + 1
+def history_size(context: int) -> int:
+    """History columns for sequences of at most `context` tokens (the pages a slot can hold, not the
+    model's max_seq_len, which config.json may set to 10**9)."""
+    return context + MAX_SPECULATIVE + 1
 
 
-def spec_history(cfg: ModelConfig, sequence: list[int]) -> tuple[np.ndarray, np.int32]:
+def spec_history(context: int, sequence: list[int]) -> tuple[np.ndarray, np.int32]:
     """A slot's n-gram lookup history (S,) int32, -1 padded, and its length: the prompt and output so far."""
-    history = np.full(history_size(cfg), -1, np.int32)
+    history = np.full(history_size(context), -1, np.int32)
     history[: len(sequence)] = sequence
     return history, np.int32(len(sequence))
 
@@ -187,7 +189,8 @@ def init_spec(cfg: ModelConfig, serve: ServeConfig, draft_cfg: ModelConfig | Non
     if draft_cfg is not None:
         draft_cache = PagedCache.init(draft_cfg, num_pages, serve.page_size, serve.slots, max_pages, serve.cache_dtype)
         draft_cache = draft_cache.constrain()
-    return speculative.SpecState.init([[0]] * serve.slots, [0] * serve.slots, history_size(cfg), draft_cache)
+    size = history_size(max_pages * serve.page_size)
+    return speculative.SpecState.init([[0]] * serve.slots, [0] * serve.slots, size, draft_cache)
 
 
 def activate_spec(spec: speculative.SpecState, slot, history, length, num_spec) -> speculative.SpecState:
