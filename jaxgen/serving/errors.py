@@ -4,6 +4,7 @@ before anything parses a request)."""
 
 from __future__ import annotations
 
+import re
 import secrets
 
 from fastapi import FastAPI
@@ -52,8 +53,13 @@ def install_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             detail = first.get("ctx", {}).get("error", first["msg"])
             return APIError(400, f"the body is not valid JSON: {shown(detail)}", code="json_invalid").response()
-        field = ".".join(str(p) for p in first["loc"] if p != "body") or None
-        message = f"invalid field {field!r}: {first['msg']} (got {shown(first.get('input'))})"
+        field, tag = _field_of(first["loc"])
+        if tag is None:
+            message = f"invalid field {field!r}: {first['msg']} (got {shown(first.get('input'))})"
+        else:  # a union (prompt: text or ids): each of its types refused the value; name them all
+            tags = dict.fromkeys(t for f, t in map(_field_of, (e["loc"] for e in exc.errors())) if f == field and t)
+            got = first["input"] if first["loc"][-1] == tag else "?"
+            message = f"invalid field {field!r}: not any of the allowed types {', '.join(tags)} (got {shown(got)})"
         return APIError(400, message, field).response()
 
     @app.exception_handler(APIError)
@@ -72,6 +78,18 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def server_error(_, exc: Exception):
         return APIError(500, f"internal error: {type(exc).__name__}: {str(exc)[:200]}", kind="server_error").response()
+
+
+_UNION_TAG = re.compile(r"(str|int|float|bool|list\[.*\]|dict\[.*\])")  # how pydantic names a union's members
+
+
+def _field_of(loc) -> tuple[str | None, str | None]:
+    """A validation error's field ("messages.0.content") and the union member it was tried as, if any."""
+    parts = [str(p) for p in loc if p != "body"]
+    i = next((i for i, p in enumerate(parts) if _UNION_TAG.fullmatch(p)), None)
+    if i is None:
+        return ".".join(parts) or None, None
+    return ".".join(parts[:i]) or None, parts[i]
 
 
 class BodyLimit:

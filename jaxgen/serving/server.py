@@ -36,13 +36,15 @@ import logging
 import secrets
 import threading
 import time
+from typing import Annotated
 
 import jinja2
 import jinja2.sandbox
 import prometheus_client
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SkipValidation, TypeAdapter, ValidationError
 
 from jaxgen.config import ServeConfig
 from jaxgen.inference.decode import encode_prompt
@@ -118,7 +120,8 @@ class DetokenizeRequest(BaseModel):
 
 
 class ChatRequest(_Common):
-    messages: list[Message] = Field(min_length=1)
+    # validated in a worker thread (`_messages`): 125,000 small messages take most of a second to validate
+    messages: Annotated[list[Message], SkipValidation]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -185,8 +188,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, serv
         job = Job(engine, serve, ids, sampling, body, "text_completion", model_name, body.echo, want)
         return await job.respond(request)
 
-    def chat_ids(messages: list[Message]) -> list[int]:  # (in a worker thread: 4 MB of messages take a while)
-        text = chat_template.render([_message(i, m) for i, m in enumerate(messages)])
+    def chat_ids(messages) -> list[int]:  # (in a worker thread: 4 MB of messages take a while)
+        text = chat_template.render([_message(i, m) for i, m in enumerate(_messages(messages))])
         return tokens_of(text, "messages")
 
     @app.post("/v1/chat/completions")
@@ -268,6 +271,18 @@ def _prompt_list(prompt, most: int) -> list:
     if len(prompts) > most:
         raise APIError(400, f"{len(prompts)} prompts in one request; at most {most} (serve.max_queue)", "prompt")
     return prompts
+
+
+_MESSAGES = TypeAdapter(Annotated[list[Message], Field(min_length=1)])
+
+
+def _messages(raw) -> list[Message]:
+    """The chat request's messages, validated (off the event loop); errors as any other field's."""
+    try:
+        return _MESSAGES.validate_python(raw)
+    except ValidationError as e:
+        errors = [{**x, "loc": ("body", "messages", *x["loc"])} for x in e.errors(include_url=False)]
+        raise RequestValidationError(errors) from None
 
 
 def _message(i: int, m: Message) -> dict:
