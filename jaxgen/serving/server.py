@@ -205,7 +205,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, serv
         job = Job(engine, serve, [ids], sampling, body, "chat.completion", model_name, False, body.logprobs)
         return await job.respond(request)
 
-    _tokenizer_routes(app, engine, check_model, most_chars)
+    _tokenizer_routes(app, engine, check_model)
     guarded = ApiKey(BodyLimit(app, serve.max_body_bytes), api_key, PUBLIC if metrics_need_key else PUBLIC_METRICS)
     if chat_template.error:
         log.warning("%s: chat requests will get 500 with this reason; completions work", chat_template.error)
@@ -230,15 +230,14 @@ def _check_length(text: str, most: int, context: int, field: str) -> None:
                        f"{context} tokens can hold", field)  # fmt: skip
 
 
-def _tokenizer_routes(app: FastAPI, engine: Engine, check_model, most_chars: int) -> None:
+def _tokenizer_routes(app: FastAPI, engine: Engine, check_model) -> None:
     """POST /tokenize, POST /detokenize and GET /tokenizer_info (vLLM's shapes): a client, such as
-    lm-evaluation-harness's remote tokenizer, uses the server's own tokenizer. Bounded as completions
-    are (text the context can hold, ids no longer than it) and worked in a thread, answers serialized there."""
+    lm-evaluation-harness's remote tokenizer, uses the server's own tokenizer. Worked in a thread, answers
+    serialized there (a 4 MB text takes seconds; /health stays quick); /detokenize takes ids up to the context."""
     tokenizer, cfg = engine.tokenizer, engine.cfg
 
-    def tokenize_json(body: TokenizeRequest) -> bytes:
-        check_text("prompt", body.prompt)
-        _check_length(body.prompt, most_chars, cfg.max_seq_len, "prompt")
+    def tokenize_json(body: TokenizeRequest) -> bytes:  # text of any length the body limit lets in: a client
+        check_text("prompt", body.prompt)  # (lm-eval's rolling loglikelihood) tokenizes whole documents, then splits
         ids = tokenizer.encode(body.prompt, body.add_special_tokens)
         return json.dumps({"tokens": ids, "count": len(ids), "max_model_len": cfg.max_seq_len}).encode()
 
