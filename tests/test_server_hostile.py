@@ -309,13 +309,13 @@ def _health_while(url, path, raw: bytes) -> tuple[float, httpx.Response]:
 
 
 def test_health_answers_while_the_heaviest_requests_are_handled(stack):
-    """The heaviest requests of each kind the default limits allow (4 MB bodies; an echo-with-logprobs
-    answer of 6.6 MB, an eighth of the largest the limits allow for this model, to keep the test short):
-    /health answers within 2 s throughout. The issue's bound is 1 s (measured here: under 0.3 s); the test
-    allows 2 s because the suite runs on 2 shared cores beside other test processes."""
+    """The heaviest requests of each kind the default limits allow (4 MB bodies; an echo-with-logprobs answer
+    of 13 MB, a quarter of the largest the limits allow for this model, to keep the test short): /health
+    answers within the issue's 1 s throughout. Measured on 2 cores shared with other test processes: under
+    0.45 s with the work off the event loop; 1.2 s (chat) and 1.6 s (echo) when it was on it."""
     url = stack[0]
     _post(url, "/v1/completions", {"prompt": [[1, 2, 3]], "echo": True, "logprobs": 5, "max_tokens": 0})  # compiled
-    heavy = {"prompt": [[(i * 7 + j) % 256 for j in range(255)] for i in range(128)], "echo": True, "logprobs": 5,
+    heavy = {"prompt": [[(i * 7 + j) % 256 for j in range(255)] for i in range(256)], "echo": True, "logprobs": 5,
              "max_tokens": 0}  # fmt: skip
     cases = [
         ("/v1/completions", heavy, 200),
@@ -326,4 +326,4 @@ def test_health_answers_while_the_heaviest_requests_are_handled(stack):
     for path, body, status in cases:
         worst, r = _health_while(url, path, json.dumps(body, separators=(",", ":")).encode())
         assert r.status_code == status, r.text[:300]
-        assert worst < 2.0, f"/health took {worst:.2f} s during {path}"
+        assert worst < 1.0, f"/health took {worst:.2f} s during {path}"
