@@ -76,9 +76,12 @@ class Job:
                              list(seq.top_logprobs), seq.finish_reason, seq.error)  # fmt: skip
             loop.call_soon_threadsafe(self.updates.put_nowait, snap)
 
-        try:
+        def submit_all():  # (in a thread: each prompt's ids are checked again, 1024 prompts take a while)
             for i, ids in enumerate(self.prompts):
                 self.seqs += self.engine.submit(ids, self.sampling, prompt_index=i, on_update=on_update)
+
+        try:
+            await asyncio.to_thread(submit_all)
         except (SamplingError, PageError, EngineClosed) as e:
             self._cancel_unfinished()  # the prompts before the bad one
             raise api_error_for(e, self.max_field) from None

@@ -159,7 +159,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, serv
     def tokens_of(text: str, field: str) -> list[int]:  # (in a worker thread: long text takes a while)
         check_text(field, text)
         _check_length(text, most_chars, engine.cfg.max_seq_len, field)
-        return encode_prompt(engine.tokenizer, text, engine.cfg, field)
+        return encode_prompt(engine.tokenizer, _encode(engine.tokenizer, text), engine.cfg, field)
 
     def check_model(name: str | None):
         if name is not None and name != model_name:
@@ -238,8 +238,8 @@ def _tokenizer_routes(app: FastAPI, engine: Engine, check_model) -> None:
 
     def tokenize_json(body: TokenizeRequest) -> bytes:  # text of any length the body limit lets in: a client
         check_text("prompt", body.prompt)  # (lm-eval's rolling loglikelihood) tokenizes whole documents, then splits
-        ids = tokenizer.encode(body.prompt, body.add_special_tokens)
-        return json.dumps({"tokens": ids, "count": len(ids), "max_model_len": cfg.max_seq_len}).encode()
+        ids = _encode(tokenizer, body.prompt, body.add_special_tokens)
+        return b'{"tokens": [%s], "count": %d, "max_model_len": %d}' % (_joined_ints(ids), len(ids), cfg.max_seq_len)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -262,6 +262,18 @@ def _tokenizer_routes(app: FastAPI, engine: Engine, check_model) -> None:
     @app.get("/tokenizer_info")
     async def tokenizer_info():
         return tokenizer.info() | {"model_max_length": cfg.max_seq_len}
+
+
+def _encode(tokenizer, text: str, special: bool = True) -> list[int]:
+    """Tokenizer.encode, through encode_batch: that one lets go of the interpreter while it works (encode holds
+    it: a 4 MB text stalled the event loop for 4 s, even from a worker thread)."""
+    return tokenizer.tok.encode_batch([text], add_special_tokens=special)[0].ids
+
+
+def _joined_ints(ids: list[int], piece: int = 65536) -> bytes:
+    """The text "1, 2, 3" for a JSON list, a piece at a time: one json.dumps of millions of ids holds the interpreter
+    (and so the event loop) for most of a second; between pieces the loop gets its turn."""
+    return b", ".join(json.dumps(ids[i : i + piece])[1:-1].encode() for i in range(0, len(ids), piece))
 
 
 def _prompt_list(prompt, most: int) -> list:
