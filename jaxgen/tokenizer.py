@@ -83,7 +83,7 @@ class Tokenizer:
         configs = {name: _read_json(folder / name) for name in _CONFIG_FILES}
         tok_cfg = configs["tokenizer_config.json"]
         eos_ids = _eos_ids(tok, folder, configs)
-        template = tok_cfg.get("chat_template")
+        template = _chosen_template(tok_cfg.get("chat_template"))
         if template is None and (folder / "chat_template.jinja").exists():
             template = (folder / "chat_template.jinja").read_text()
         return cls(tok, eos_ids, template if isinstance(template, str) else None)
@@ -151,6 +151,15 @@ class Tokenizer:
 
 
 _CONFIG_FILES = ("generation_config.json", "config.json", "tokenizer_config.json")
+
+
+def _chosen_template(value):
+    """tokenizer_config.json's chat_template: a string, or (Hugging Face's format for several) a list of
+    {"name", "template"}: the one named "default", else the first."""
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default", next(iter(named.values()), None))
+    return value
 
 
 def _read_json(path: Path) -> dict:

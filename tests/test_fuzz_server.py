@@ -97,6 +97,10 @@ COMMON = {
     "n": (st.integers(1, 3), ANY),
     "stop": (STOP, st.one_of(BAD_STOP, ANY)),
     "stream": (st.booleans(), ANY),
+    "stream_options": (
+        st.one_of(st.none(), st.fixed_dictionaries({}, optional={"include_usage": st.booleans()})),
+        st.one_of(st.sampled_from([{"include_usage": 1}, {"x": True}, []]), ANY),
+    ),
     "presence_penalty": (st.floats(-2, 2), ANY),
     "frequency_penalty": (st.floats(-2, 2), ANY),
     "repetition_penalty": (st.one_of(st.floats(0.5, 2), st.just(1e-300), st.just(100.0)), ANY),
@@ -120,13 +124,20 @@ COMPLETION = {
     "max_tokens": (st.one_of(LENGTH, st.just(0)), st.one_of(st.sampled_from([-1, 2**31 - 1, 2**31, 255]), ANY)),
     "logprobs": (st.one_of(st.none(), st.integers(0, 5)), ANY),
     "echo": (st.booleans(), ANY),
+    "best_of": (st.none(), st.one_of(st.sampled_from([0, 2, 5, -1]), ANY)),  # (valid_body sets it equal to n)
 }
 ROLE = st.sampled_from(["system", "user", "assistant"])
-MESSAGE = st.fixed_dictionaries({"role": ROLE, "content": st.text(max_size=12)}, optional={"name": st.text(max_size=8)})
+TEXT_PARTS = st.lists(
+    st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=5)}), min_size=1, max_size=2
+)
+MESSAGE = st.fixed_dictionaries(
+    {"role": ROLE, "content": st.one_of(st.text(max_size=12), TEXT_PARTS)}, optional={"name": st.text(max_size=8)}
+)
 BAD_MESSAGES = st.one_of(
     st.sampled_from([[], [{}], [{"role": "user"}], [{"content": "x"}], [{"role": "user", "content": None}],
                      [{"role": LONE, "content": "x"}], [{"role": "user", "content": LONE}],
-                     [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "hi", [None],
+                     [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], "hi", [None],
+                     [{"role": "user", "content": [{"type": "text"}]}], [{"role": "user", "content": []}],
                      [{"role": "user", "content": "x"}] * 100, [{"role": "user", "content": h} for h in HUGE[:1]]]),
     ANY,
 )  # fmt: skip
@@ -152,6 +163,8 @@ def valid_body(draw, chat: bool) -> dict:
         body.setdefault("max_tokens", draw(LENGTH))  # else up to the whole context
         if body.get("top_logprobs") and not body.get("logprobs"):
             del body["top_logprobs"]
+    elif "best_of" in body and draw(st.booleans()):
+        body["best_of"] = body.get("n", 1)  # the one value besides null that is accepted
     return body
 
 
@@ -296,6 +309,10 @@ def check_event(call: Call, line: str) -> tuple[int, str | None]:
     chat = call.path == CHAT
     assert data["object"] == ("chat.completion.chunk" if chat else "text_completion"), data
     assert isinstance(data["id"], str) and data["model"] == NAME, data
+    if data["choices"] == []:  # stream_options.include_usage: the usage, last
+        assert (call.body.get("stream_options") or {}).get("include_usage") is True, data
+        assert all(type(data["usage"][k]) is int for k in ("prompt_tokens", "completion_tokens", "total_tokens"))
+        return -1, None
     (choice,) = data["choices"]
     assert choice["finish_reason"] in (None, "stop", "length"), choice
     if chat:
@@ -311,8 +328,11 @@ def check_stream(call: Call, lines) -> None:
     assert events and events[-1] == "data: [DONE]", f"the stream did not end with [DONE]: {events[-3:]}"
     ends = []
     indices = set()
-    for line in events[:-1]:
+    for i, line in enumerate(events[:-1]):
         index, finish = check_event(call, line)
+        if index == -1:
+            assert i == len(events) - 2, "the usage chunk is not the last event"
+            continue
         indices.add(index)
         if finish:
             ends.append(index)

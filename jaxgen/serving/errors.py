@@ -1,7 +1,11 @@
 """The HTTP server's errors, all in OpenAI's shape `{"error": {"message", "type", "param", "code"}}`, and
-the body limit that answers 413 before anything parses a request."""
+the two gates in front of the routes: the API key (401 before anything else) and the body limit (413
+before anything parses a request)."""
 
 from __future__ import annotations
+
+import re
+import secrets
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -28,12 +32,13 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def api_error_for(e: Exception) -> APIError:
-    """The API error for an exception from validation or the engine's submit."""
+def api_error_for(e: Exception, max_field: str = "max_tokens") -> APIError:
+    """The API error for an exception from validation or the engine's submit. `max_field`: the request's name
+    for the engine's max_new_tokens (max_tokens, or max_completion_tokens in chat)."""
+    if isinstance(e, PageError):  # (a SamplingError too)
+        return APIError(400, str(e).replace("max_new_tokens", max_field), max_field)
     if isinstance(e, SamplingError):
         return APIError(400, str(e), e.field)
-    if isinstance(e, PageError):
-        return APIError(400, str(e), "max_tokens")
     if isinstance(e, EngineClosed):
         return APIError(503, str(e), kind="service_unavailable")
     raise e
@@ -48,8 +53,13 @@ def install_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             detail = first.get("ctx", {}).get("error", first["msg"])
             return APIError(400, f"the body is not valid JSON: {shown(detail)}", code="json_invalid").response()
-        field = ".".join(str(p) for p in first["loc"] if p != "body") or None
-        message = f"invalid field {field!r}: {first['msg']} (got {shown(first.get('input'))})"
+        field, tag = _field_of(first["loc"])
+        if tag is None:
+            message = f"invalid field {field!r}: {first['msg']} (got {shown(first.get('input'))})"
+        else:  # a union (prompt: text or ids): each of its types refused the value; name them all
+            tags = dict.fromkeys(t for f, t in map(_field_of, (e["loc"] for e in exc.errors())) if f == field and t)
+            got = first["input"] if first["loc"][-1] == tag else "?"
+            message = f"invalid field {field!r}: not any of the allowed types {', '.join(tags)} (got {shown(got)})"
         return APIError(400, message, field).response()
 
     @app.exception_handler(APIError)
@@ -68,6 +78,18 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def server_error(_, exc: Exception):
         return APIError(500, f"internal error: {type(exc).__name__}: {str(exc)[:200]}", kind="server_error").response()
+
+
+_UNION_TAG = re.compile(r"(str|int|float|bool|list\[.*\]|dict\[.*\])")  # how pydantic names a union's members
+
+
+def _field_of(loc) -> tuple[str | None, str | None]:
+    """A validation error's field ("messages.0.content") and the union member it was tried as, if any."""
+    parts = [str(p) for p in loc if p != "body"]
+    i = next((i for i, p in enumerate(parts) if _UNION_TAG.fullmatch(p)), None)
+    if i is None:
+        return ".".join(parts) or None, None
+    return ".".join(parts[:i]) or None, parts[i]
 
 
 class BodyLimit:
@@ -107,3 +129,25 @@ class BodyLimit:
     async def _too_large(self, scope, receive, send):
         error = APIError(413, f"the request body is larger than serve.max_body_bytes={self.limit}")
         await error.response()(scope, receive, send)
+
+
+class ApiKey:
+    """ASGI middleware: with a key set, every path but `public` needs `Authorization: Bearer KEY` (the scheme
+    in any case, RFC 7235), checked before the body is read or validated: 401 comes before 400 or 413."""
+
+    def __init__(self, app, key: str | None, public: frozenset[str]):
+        self.app, self.key, self.public = app, key, public
+
+    def __getattr__(self, name):  # the wrapped app's attributes (routes, state, ...)
+        return getattr(self.app, name)
+
+    async def __call__(self, scope, receive, send):
+        if self.key is None or scope["type"] != "http" or scope["path"] in self.public or self._allowed(scope):
+            return await self.app(scope, receive, send)
+        error = APIError(401, "missing or wrong API key (Authorization: Bearer ...)", code="invalid_api_key")
+        await error.response()(scope, receive, send)
+
+    def _allowed(self, scope) -> bool:
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = given.strip().partition(b" ")
+        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.key.encode())

@@ -4,19 +4,20 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import secrets
 import time
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxgen.inference.engine import EngineClosed
 from jaxgen.inference.engine import Request as Sequence
 from jaxgen.inference.pages import PageError
 from jaxgen.inference.sampling import SamplingError
-from jaxgen.inference.textstream import TextDeltas
+from jaxgen.inference.textstream import REPLACEMENT, TextDeltas
 from jaxgen.serving.errors import APIError, api_error_for
 
 
@@ -29,18 +30,45 @@ class Job:
 
     def __init__(self, engine, serve, prompts, sampling, body, kind, model_name, echo: bool, want_logprobs):
         self.engine, self.serve, self.prompts, self.sampling, self.body = engine, serve, prompts, sampling, body
-        self.kind, self.model_name, self.want_logprobs = kind, model_name, want_logprobs
-        self.prefixes = [engine.tokenizer.decode(ids) if echo else "" for ids in prompts]
+        self.kind, self.model_name, self.want_logprobs, self.echo = kind, model_name, want_logprobs, echo
+        self.max_field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None \
+            else "max_tokens"  # fmt: skip
+        self.prefixes: list[str] = []  # each prompt's text with echo (decoded in a thread, in `respond`)
         self.rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
         self.updates: asyncio.Queue = asyncio.Queue()
         self.seqs: list[Sequence] = []
 
-    async def respond(self, request: Request):
-        if self.engine.queue_length() >= self.serve.max_queue:
-            raise APIError(429, f"the server is busy: {self.engine.queue_length()} requests are queued "
-                           f"(serve.max_queue={self.serve.max_queue}); retry shortly", kind="rate_limit_error",
+    def check_size(self) -> None:
+        """Refuses a request whose answer could not be built without stalling the server: its sequences
+        (prompts x n) against serve.max_queue, its log-probability entries against MAX_LOGPROB_ENTRIES."""
+        sequences, limit = len(self.prompts) * self.sampling.n, self.serve.max_queue
+        if sequences > limit:
+            raise APIError(400, f"the request asks for {sequences} sequences (prompts x n = {len(self.prompts)} x "
+                           f"{self.sampling.n}); at most serve.max_queue={limit}", "n")  # fmt: skip
+        queued = self.engine.queue_length()
+        if queued + sequences > limit:
+            raise APIError(429, f"the server is busy: {queued} sequences are queued and this request adds "
+                           f"{sequences} (serve.max_queue={limit}); retry shortly", kind="rate_limit_error",
                            headers={"Retry-After": "1"})  # fmt: skip
+        if not self.want_logprobs:
+            return
+        context, top = self.engine.cfg.max_seq_len, self.sampling.logprobs
+        tokens = sum((len(p) if self.echo else 0) + min(self.sampling.max_new_tokens, context - len(p))
+                     for p in self.prompts)  # fmt: skip
+        entries = tokens * self.sampling.n * (top + 1)
+        if entries > MAX_LOGPROB_ENTRIES:
+            what = "top_logprobs" if self.kind == "chat.completion" else "logprobs"
+            raise APIError(400, f"the answer would hold up to {entries} log-probabilities (prompts x n x (prompt "
+                           f"with echo + {self.max_field}) tokens x ({what} + 1)); at most {MAX_LOGPROB_ENTRIES}: "
+                           f"lower n, {self.max_field} or {what}, or send fewer prompts", what)  # fmt: skip
+
+    async def respond(self, request: Request):
+        self.check_size()
+        if self.echo:
+            self.prefixes = await asyncio.to_thread(lambda: [self.engine.tokenizer.decode(p) for p in self.prompts])
+        else:
+            self.prefixes = [""] * len(self.prompts)
         loop = asyncio.get_running_loop()
 
         def on_update(seq: Sequence):  # engine thread -> event loop: a snapshot, not the live object
@@ -48,12 +76,15 @@ class Job:
                              list(seq.top_logprobs), seq.finish_reason, seq.error)  # fmt: skip
             loop.call_soon_threadsafe(self.updates.put_nowait, snap)
 
-        try:
+        def submit_all():  # (in a thread: each prompt's ids are checked again, 1024 prompts take a while)
             for i, ids in enumerate(self.prompts):
                 self.seqs += self.engine.submit(ids, self.sampling, prompt_index=i, on_update=on_update)
+
+        try:
+            await asyncio.to_thread(submit_all)
         except (SamplingError, PageError, EngineClosed) as e:
             self._cancel_unfinished()  # the prompts before the bad one
-            raise api_error_for(e) from None
+            raise api_error_for(e, self.max_field) from None
         if self.body.stream:
             return StreamingResponse(self._stream(request), media_type="text/event-stream")
         try:
@@ -94,23 +125,35 @@ class Job:
 
     async def _whole(self, request: Request):
         deadline = self._deadline()
+        pending = set(range(len(self.seqs)))  # choice indices not yet ended (counted, not rescanned per update)
         try:
-            while not all(s.done_event.is_set() for s in self.seqs):
-                await self._next_update(request, deadline)
+            while pending:
+                snap = await self._next_update(request, deadline)
+                if snap is None:  # a quiet moment: look at the sequences themselves
+                    pending = {self._index(s) for s in self.seqs if not s.done_event.is_set()}
+                elif snap.finish:
+                    pending.discard(snap.index)
         except ClientGone:
             return JSONResponse({}, status_code=499)
         except TimeoutError:
             return self._timeout_error().response()
+        if not all(s.done_event.is_set() for s in self.seqs):  # (set right after each one's last update)
+            await asyncio.to_thread(lambda: [s.done_event.wait() for s in self.seqs])
         failed = next((s for s in self.seqs if s.finish_reason in ("error", "cancelled")), None)
         if failed is not None:
             return _ended_error(failed.error or "the request was cancelled").response()
-        choices = [self._choice(s) for s in self.seqs]
+        return Response(await asyncio.to_thread(self._answer), media_type="application/json")
+
+    def _answer(self) -> bytes:
+        """The whole answer's JSON (in a worker thread: with logprobs it can be tens of MB). One json.dumps per
+        choice, so that the event loop gets the interpreter between them."""
         completion_tokens = sum(len(s.tokens) for s in self.seqs)
         prompt_tokens = sum(len(ids) for ids in self.prompts)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                  "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
-        return {"id": self.rid, "object": self.kind, "created": self.created, "model": self.model_name,
-                "choices": choices, "usage": usage}  # fmt: skip
+        head = {"id": self.rid, "object": self.kind, "created": self.created, "model": self.model_name}
+        choices = ",".join(json.dumps(self._choice(s)) for s in self.seqs)
+        return f'{json.dumps(head)[:-1]}, "choices": [{choices}], "usage": {json.dumps(usage)}}}'.encode()
 
     def _choice(self, s: Sequence) -> dict:
         logprobs, index = None, self._index(s)
@@ -121,7 +164,7 @@ class Job:
             return {"index": index, "message": message, "finish_reason": s.finish_reason, "logprobs": logprobs}
         prefix = self.prefixes[s.prompt_index]
         if self.want_logprobs:
-            logprobs = _completion_logprobs(self.engine, s.tokens, s.logprobs, s.top_logprobs, len(prefix))
+            logprobs = _completion_logprobs(self.engine, s.tokens, s.logprobs, s.top_logprobs, len(prefix))[0]
             if self.sampling.prompt_logprobs is not None:  # echo: the prompt's tokens first
                 logprobs = _joined(_prompt_logprobs(self.engine, s), logprobs)
         return {"index": index, "text": prefix + s.text, "finish_reason": s.finish_reason, "logprobs": logprobs}
@@ -133,6 +176,7 @@ class Job:
         streams = {self._index(s): TextDeltas(self.engine.tokenizer, hold) for s in self.seqs}
         offsets = {self._index(s): len(self.prefixes[s.prompt_index]) for s in self.seqs}
         finished: set[int] = set()
+        generated: dict[int, int] = {}  # tokens of each sequence that finished
         deadline = self._deadline()
         try:
             for s in self.seqs:  # with echo, the prompt's text (a stream does not carry the prompt's logprobs)
@@ -160,6 +204,9 @@ class Job:
                     yield self._event(snap.index, delta, snap.finish or None, logprobs)
                 if final:
                     finished.add(snap.index)
+                    generated[snap.index] = len(snap.tokens)
+            if len(generated) == len(self.seqs) and self.body.stream_options and self.body.stream_options.include_usage:
+                yield self._usage_event(sum(generated.values()))
             yield "data: [DONE]\n\n"
         except ClientGone:
             return
@@ -172,8 +219,16 @@ class Job:
         toks, lps, tops = snap.tokens[start:end], snap.logprobs[start:end], snap.top_logprobs[start:end]
         if self.kind == "chat.completion":
             return _chat_logprobs(self.engine, toks, lps, tops), offset
-        out = _completion_logprobs(self.engine, toks, lps, tops, offset)
-        return out, offset + sum(len(t) for t in out["tokens"])
+        return _completion_logprobs(self.engine, toks, lps, tops, offset, snap.tokens[max(0, start - 4) : start])
+
+    def _usage_event(self, completion_tokens: int) -> str:
+        """stream_options.include_usage: a last chunk with no choices and the request's usage (OpenAI's)."""
+        prompt_tokens = sum(len(ids) for ids in self.prompts)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+        kind = "chat.completion.chunk" if self.kind == "chat.completion" else "text_completion"
+        return _sse({"id": self.rid, "object": kind, "created": self.created, "model": self.model_name,
+                     "choices": [], "usage": usage})  # fmt: skip
 
     def _event(self, index: int, text: str, finish: str | None, logprobs, first: bool = False) -> str:
         if self.kind == "chat.completion":
@@ -212,27 +267,57 @@ def _sse(data: dict) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
 
-def _completion_logprobs(engine, tokens, logprobs, top_logprobs, offset: int) -> dict:
-    strings = [engine.tokenizer.decode([t]) for t in tokens]
-    offsets = []
-    for t in strings:
-        offsets.append(offset)
-        offset += len(t)
+MAX_LOGPROB_ENTRIES = 2_000_000  # in one answer (each about 25 bytes of JSON): a bigger one is refused up front
+
+
+@functools.lru_cache(maxsize=1 << 18)
+def _token_text(tokenizer, token: int) -> str:
+    """One token's text (U+FFFD for part of a character), cached: an answer with logprobs names each token
+    and its alternatives, the same few thousand over and over."""
+    return tokenizer.decode([token])
+
+
+def _char_offsets(tokenizer, ids, offset: int = 0, before=()) -> tuple[list[int], int]:
+    """Where each token starts in the text, in characters (OpenAI's text_offset indexes the text), and where
+    the text ends. A token inside a character (a byte-level tokenizer splits "é" over two) starts where that
+    character does. Decoded in short windows, each with a few tokens of context before it (a decoder may
+    treat the first token apart: SentencePiece drops its leading space), so a long prompt stays linear.
+    `before`: the tokens ahead of `ids` (a stream's earlier chunks), whose text is already in `offset`."""
+    ids = list(before) + list(ids)
+    done = len(before)  # tokens whose characters are counted in `offset`
+    lo = max(0, done - 4)
+    base = len(tokenizer.decode(ids[lo:done]))
+    out = []
+    for k in range(len(before), len(ids)):
+        out.append(offset)
+        text = tokenizer.decode(ids[lo : k + 1])
+        if text.endswith(REPLACEMENT) and k + 1 - done < 8 and k + 1 < len(ids):
+            continue  # an unfinished character: the next tokens complete it (8: a real U+FFFD token moves on)
+        offset += len(text) - base
+        done, lo = k + 1, max(0, k + 1 - 4)
+        base = len(tokenizer.decode(ids[lo:done]))
+    return out, offset
+
+
+def _completion_logprobs(engine, tokens, logprobs, top_logprobs, offset: int, before=()) -> tuple[dict, int]:
+    """The completions format for generated tokens from character `offset` on, and the offset after them."""
+    tok = engine.tokenizer
+    offsets, end = _char_offsets(tok, tokens, offset, before)
     top = [_by_string(engine, alts) for alts in top_logprobs] if top_logprobs else None
-    return {"tokens": strings, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": offsets}
+    strings = [_token_text(tok, t) for t in tokens]
+    return {"tokens": strings, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": offsets}, end
 
 
 def _prompt_logprobs(engine, s: Sequence) -> dict:
     """The completions format for a sequence's prompt tokens: their logprobs (null for the first) and top
     alternatives with the prompt's own token added (as vLLM); offsets count from the start of the echo."""
-    strings = [engine.tokenizer.decode([t]) for t in s.prompt]
-    offsets = [0]
-    for t in strings[:-1]:
-        offsets.append(offsets[-1] + len(t))
+    tok = engine.tokenizer
     tops = [None] + [
-        _by_string(engine, {**alts, tok: lp})
-        for tok, lp, alts in zip(s.prompt[1:], s.prompt_logprobs[1:], s.prompt_top_logprobs[1:], strict=True)
+        _by_string(engine, {**alts, t: lp})
+        for t, lp, alts in zip(s.prompt[1:], s.prompt_logprobs[1:], s.prompt_top_logprobs[1:], strict=True)
     ]
+    strings = [_token_text(tok, t) for t in s.prompt]
+    offsets = _char_offsets(tok, s.prompt)[0]
     return {"tokens": strings, "token_logprobs": s.prompt_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
@@ -246,15 +331,15 @@ def _by_string(engine, alts: dict[int, float]) -> dict[str, float]:
     both shown as U+FFFD) keep apart under the vocabulary's own token names."""
     out: dict[str, float] = {}
     for i, lp in alts.items():
-        text = engine.tokenizer.decode([i])
+        text = _token_text(engine.tokenizer, i)
         out[text if text not in out else engine.tokenizer.tok.id_to_token(i)] = lp
     return out
 
 
 def _chat_logprobs(engine, tokens, logprobs, top_logprobs) -> dict:
-    content = []
+    tok, content = engine.tokenizer, []
     for i, (t, lp) in enumerate(zip(tokens, logprobs, strict=True)):
         alts = top_logprobs[i] if top_logprobs else {}
-        top = [{"token": engine.tokenizer.decode([a]), "logprob": v, "bytes": None} for a, v in alts.items()]
-        content.append({"token": engine.tokenizer.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": top})
+        top = [{"token": _token_text(tok, a), "logprob": v, "bytes": None} for a, v in alts.items()]
+        content.append({"token": _token_text(tok, t), "logprob": lp, "bytes": None, "top_logprobs": top})
     return {"content": content}

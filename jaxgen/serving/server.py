@@ -8,13 +8,21 @@ logprobs the prompt's tokens are scored too, as lm-evaluation-harness asks), POS
 it has none), GET /v1/models, GET /health, GET /metrics (the engine's statistics in the Prometheus
 format, `jaxgen.inference.stats`), and the tokenizer: POST /tokenize, POST /detokenize, GET /tokenizer_info.
 Request fields: max_tokens, temperature, top_p, top_k, min_p, seed, n, stop, logprobs, echo, stream
-(server-sent events), presence_penalty, frequency_penalty, repetition_penalty, logit_bias, and the
-extensions ignore_eos (as in vLLM) and num_speculative_tokens (n-gram speculative decoding, 0..8).
-Every field is checked by `jaxgen.inference.sampling` (the same bounds and messages as the Python API
-and the batch job); every error has OpenAI's shape `{"error": {"message", "type", "param", "code"}}`.
+(server-sent events) and stream_options.include_usage, presence_penalty, frequency_penalty,
+repetition_penalty, logit_bias, best_of (only equal to n: not supported otherwise), chat content as text
+or a list of text parts, and the extensions ignore_eos (as in vLLM) and num_speculative_tokens (n-gram
+speculative decoding, 0..8). Types are strict (`true` or `4.0` is not an integer). Every field is
+checked by `jaxgen.inference.sampling` (the same bounds and messages as the Python API and the batch
+job); every error has OpenAI's shape `{"error": {"message", "type", "param", "code"}}`.
 
-What a public endpoint needs (ServeConfig): a body limit (413 before parsing), a queue limit (429
-with Retry-After), an optional per-request timeout, tokenization off the event loop, and on SIGTERM
+With an API key (--api-key), every route needs `Authorization: Bearer KEY`, checked before the body is
+read, except the public ones: GET /health always, GET /metrics unless create_app(metrics_need_key=True).
+/docs, /redoc and /openapi.json need the key too.
+
+What a public endpoint needs (ServeConfig): a body limit (413 before parsing), a queue limit in sequences
+(prompts x n; 429 with Retry-After), an optional per-request timeout, no request's work on the event
+loop (tokenizing, rendering, building and serializing answers run in threads; an answer's size is bounded
+up front, so /health stays quick whatever one request asks), and on SIGTERM
 a drain that admits nothing new and ends every stream with a final event and [DONE]. A request that
 fails fails alone; a client that goes away (streaming or not) cancels its sequences.
 """
@@ -23,31 +31,43 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import logging
 import secrets
 import threading
 import time
+from typing import Annotated
 
 import jinja2
 import jinja2.sandbox
 import prometheus_client
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SkipValidation, TypeAdapter, ValidationError
 
 from jaxgen.config import ServeConfig
 from jaxgen.inference.decode import encode_prompt
 from jaxgen.inference.engine import Engine
 from jaxgen.inference.sampling import SamplingConfig, SamplingError, check_prompt, check_text, shown
-from jaxgen.serving.errors import APIError, BodyLimit, install_error_handlers
+from jaxgen.serving.errors import APIError, ApiKey, BodyLimit, install_error_handlers
 from jaxgen.serving.responses import Job
 
 PLAIN_CHAT = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+log = logging.getLogger(__name__)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    include_usage: bool = False  # a last chunk with no choices and the request's usage (as OpenAI sends it)
 
 
 class _Common(BaseModel):
-    """Types only: every bound is checked once, by SamplingConfig (see `_sampling`)."""
+    """Types only: every bound is checked once, by SamplingConfig (see `_sampling`). Strict: `true`, `4.0` or
+    `"4"` for an integer is refused, as SamplingConfig refuses it (a float field takes an integer: 1 is 1.0)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     temperature: float = 1.0
@@ -58,6 +78,7 @@ class _Common(BaseModel):
     n: int = 1
     stop: str | list[str] | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -72,15 +93,19 @@ class CompletionRequest(_Common):
     max_tokens: int = 16  # 0 with echo: the prompt's log-probabilities only
     logprobs: int | None = None
     echo: bool = False
+    best_of: int | None = None  # not supported: accepted only equal to n (clients send best_of=1)
 
 
 class Message(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     role: str
-    content: str
+    content: str | list[dict]  # text, or OpenAI's content parts: [{"type": "text", "text": ...}, ...]
+    name: str | None = None
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     prompt: str
@@ -88,36 +113,32 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     tokens: list[int]
 
 
 class ChatRequest(_Common):
-    messages: list[Message] = Field(min_length=1)
+    # validated in a worker thread (`_messages`): 125,000 small messages take most of a second to validate
+    messages: Annotated[list[Message], SkipValidation]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
 
 
-def create_app(engine: Engine, model_name: str, api_key: str | None = None, serve: ServeConfig | None = None):
-    """The ASGI app: FastAPI routes wrapped in the body limit. `serve` defaults to the engine's config.
-    (Long on purpose: the routes are closures over this app's engine, model name and chat template, the
-    way FastAPI apps are written; each route's work is in `responses` and `errors`.)"""
+def create_app(engine: Engine, model_name: str, api_key: str | None = None, serve: ServeConfig | None = None,
+               metrics_need_key: bool = False):  # fmt: skip
+    """The ASGI app: FastAPI routes wrapped in the API key check and the body limit. `serve` defaults to the
+    engine's config. (Long on purpose: the routes are closures over this app's engine, model name and chat
+    template, the way FastAPI apps are written; each route's work is in `responses` and `errors`.)"""
     serve = serve or engine.serve
     app = FastAPI(title="jaxgen", description="OpenAI-compatible text generation with jaxgen")
     created = int(time.time())
-    chat_template = _sandboxed_template(engine.tokenizer.chat_template or PLAIN_CHAT)
+    chat_template = ChatTemplate(engine.tokenizer.chat_template)
     longest_token = max(len(t) for t in engine.tokenizer.tok.get_vocab())  # chars one token covers, at most
-
-    async def check_key(request: Request):
-        if api_key is not None:
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                raise APIError(401, "missing or wrong API key (Authorization: Bearer ...)", code="invalid_api_key")
-
+    most_chars = longest_token * engine.cfg.max_seq_len  # longer text is too long whatever it tokenizes to
     install_error_handlers(app)
 
     @app.get("/health")
@@ -126,7 +147,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, serv
             return JSONResponse({"status": "unavailable: the engine is not running"}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/v1/models", dependencies=[Depends(check_key)])
+    @app.get("/v1/models")
     async def models():
         data = [{"id": model_name, "object": "model", "created": created, "owned_by": "jaxgen"}]
         return {"object": "list", "data": data}
@@ -135,30 +156,30 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, serv
     async def metrics():
         return Response(prometheus(engine), media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
-    async def tokens_of(text: str, field: str) -> list[int]:
+    def tokens_of(text: str, field: str) -> list[int]:  # (in a worker thread: long text takes a while)
         check_text(field, text)
-        if len(text) > longest_token * engine.cfg.max_seq_len:  # too long whatever it tokenizes to
-            raise APIError(400, f"{field} has {len(text)} characters, far more than the model's context of "
-                           f"{engine.cfg.max_seq_len} tokens can hold", field)  # fmt: skip
-        return await asyncio.to_thread(encode_prompt, engine.tokenizer, text, engine.cfg, field)
+        _check_length(text, most_chars, engine.cfg.max_seq_len, field)
+        return encode_prompt(engine.tokenizer, _encode(engine.tokenizer, text), engine.cfg, field)
 
     def check_model(name: str | None):
         if name is not None and name != model_name:
             raise APIError(404, f"the model {shown(name)} does not exist; this server serves {model_name!r}",
                            "model", code="model_not_found")  # fmt: skip
 
-    @app.post("/v1/completions", dependencies=[Depends(check_key)])
+    def prompt_ids(prompts: list) -> list[list[int]]:
+        fields = ["prompt" if len(prompts) == 1 else f"prompt.{i}" for i in range(len(prompts))]
+        return [
+            tokens_of(p, f) if isinstance(p, str) else encode_prompt(engine.tokenizer, p, engine.cfg, f)
+            for p, f in zip(prompts, fields, strict=True)
+        ]
+
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
-        prompts = _prompt_list(body.prompt, serve.max_queue)
-        ids = []
-        for i, p in enumerate(prompts):
-            field = "prompt" if len(prompts) == 1 else f"prompt.{i}"
-            ids.append(
-                await tokens_of(p, field)
-                if isinstance(p, str)
-                else encode_prompt(engine.tokenizer, p, engine.cfg, field)
-            )
+        if body.best_of is not None and body.best_of != body.n:
+            raise APIError(400, f"best_of={shown(body.best_of)} is not supported: use n (best_of may only equal n, "
+                           f"here {body.n})", "best_of")  # fmt: skip
+        ids = await asyncio.to_thread(prompt_ids, _prompt_list(body.prompt, serve.max_queue))
         sampling = _sampling(body, body.max_tokens, body.logprobs or 0)
         if body.echo and body.logprobs is not None:  # scores of the prompt too, with the most likely token
             top = max(body.logprobs, 1)
@@ -167,49 +188,84 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, serv
         job = Job(engine, serve, ids, sampling, body, "text_completion", model_name, body.echo, want)
         return await job.respond(request)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
+    def chat_ids(messages) -> list[int]:  # (in a worker thread: 4 MB of messages take a while)
+        text = chat_template.render([_message(i, m) for i, m in enumerate(_messages(messages))])
+        return tokens_of(text, "messages")
+
+    @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         check_model(body.model)
-        for i, m in enumerate(body.messages):
-            check_text(f"messages.{i}.role", m.role)
-            check_text(f"messages.{i}.content", m.content)
-        text = _render_chat(chat_template, [m.model_dump() for m in body.messages])
-        ids = await tokens_of(text, "messages")
         top = body.top_logprobs or 0
         if top and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = body.max_completion_tokens if field == "max_completion_tokens" else body.max_tokens
         sampling = _sampling(body, 256 if max_tokens is None else max_tokens, top, field)
+        ids = await asyncio.to_thread(chat_ids, body.messages)
         job = Job(engine, serve, [ids], sampling, body, "chat.completion", model_name, False, body.logprobs)
         return await job.respond(request)
 
-    _tokenizer_routes(app, engine, check_key, check_model, tokens_of)
-    return BodyLimit(app, serve.max_body_bytes)
+    _tokenizer_routes(app, engine, check_model)
+    guarded = ApiKey(BodyLimit(app, serve.max_body_bytes), api_key, PUBLIC if metrics_need_key else PUBLIC_METRICS)
+    if chat_template.error:
+        log.warning("%s: chat requests will get 500 with this reason; completions work", chat_template.error)
+    return guarded
 
 
-def _tokenizer_routes(app: FastAPI, engine: Engine, check_key, check_model, tokens_of) -> None:
+PUBLIC = frozenset({"/health"})  # answered without the API key: a load balancer's probe
+PUBLIC_METRICS = PUBLIC | {"/metrics"}  # and, unless create_app(metrics_need_key=True), the scraper's
+
+
+def _check_length(text: str, most: int, context: int, field: str) -> None:
+    if len(text) > most:
+        raise APIError(400, f"{field} has {len(text)} characters, far more than the model's context of "
+                       f"{context} tokens can hold", field)  # fmt: skip
+
+
+def _tokenizer_routes(app: FastAPI, engine: Engine, check_model) -> None:
     """POST /tokenize, POST /detokenize and GET /tokenizer_info (vLLM's shapes): a client, such as
-    lm-evaluation-harness's remote tokenizer, uses the server's own tokenizer."""
+    lm-evaluation-harness's remote tokenizer, uses the server's own tokenizer. Worked in a thread, answers
+    serialized there (a 4 MB text takes seconds; /health stays quick); /detokenize takes ids up to the context."""
     tokenizer, cfg = engine.tokenizer, engine.cfg
 
-    @app.post("/tokenize", dependencies=[Depends(check_key)])
+    def tokenize_json(body: TokenizeRequest) -> bytes:  # text of any length the body limit lets in: a client
+        check_text("prompt", body.prompt)  # (lm-eval's rolling loglikelihood) tokenizes whole documents, then splits
+        ids = _encode(tokenizer, body.prompt, body.add_special_tokens)
+        return b'{"tokens": [%s], "count": %d, "max_model_len": %d}' % (_joined_ints(ids), len(ids), cfg.max_seq_len)
+
+    @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         check_model(body.model)
-        check_text("prompt", body.prompt)
-        ids = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": cfg.max_seq_len}
+        return Response(await asyncio.to_thread(tokenize_json, body), media_type="application/json")
 
-    @app.post("/detokenize", dependencies=[Depends(check_key)])
+    def detokenize_json(tokens: list[int]) -> bytes:
+        if len(tokens) > cfg.max_seq_len:
+            raise APIError(400, f"tokens has {len(tokens)} ids; at most the model's context, {cfg.max_seq_len}",
+                           "tokens")  # fmt: skip
+        if tokens:  # (an empty list decodes to "")
+            check_prompt(tokens, cfg.vocab_size, 2**31 - 1, "tokens")
+        return json.dumps({"prompt": tokenizer.decode(tokens)}).encode()
+
+    @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         check_model(body.model)
-        if body.tokens:  # (an empty list decodes to "")
-            check_prompt(body.tokens, cfg.vocab_size, 2**31 - 1, "tokens")
-        return {"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens)}
+        return Response(await asyncio.to_thread(detokenize_json, body.tokens), media_type="application/json")
 
-    @app.get("/tokenizer_info", dependencies=[Depends(check_key)])
+    @app.get("/tokenizer_info")
     async def tokenizer_info():
         return tokenizer.info() | {"model_max_length": cfg.max_seq_len}
+
+
+def _encode(tokenizer, text: str, special: bool = True) -> list[int]:
+    """Tokenizer.encode, through encode_batch: that one lets go of the interpreter while it works (encode holds
+    it: a 4 MB text stalled the event loop for 4 s, even from a worker thread)."""
+    return tokenizer.tok.encode_batch([text], add_special_tokens=special)[0].ids
+
+
+def _joined_ints(ids: list[int], piece: int = 65536) -> bytes:
+    """The text "1, 2, 3" for a JSON list, a piece at a time: one json.dumps of millions of ids holds the interpreter
+    (and so the event loop) for most of a second; between pieces the loop gets its turn."""
+    return b", ".join(json.dumps(ids[i : i + piece])[1:-1].encode() for i in range(0, len(ids), piece))
 
 
 def _prompt_list(prompt, most: int) -> list:
@@ -220,26 +276,70 @@ def _prompt_list(prompt, most: int) -> list:
     return prompts
 
 
-def _sandboxed_template(source: str) -> jinja2.Template:
-    """The chat template in jinja2's immutable sandbox (as transformers renders it): a template from a
-    model folder can format messages but cannot reach Python's internals (no code runs)."""
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-    def raise_exception(message):  # templates call this to refuse a conversation
-        raise jinja2.TemplateError(message)
-
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(source)
+_MESSAGES = TypeAdapter(Annotated[list[Message], Field(min_length=1)])
 
 
-def _render_chat(template: jinja2.Template, messages: list[dict]) -> str:
+def _messages(raw) -> list[Message]:
+    """The chat request's messages, validated (off the event loop); errors as any other field's."""
     try:
-        return template.render(messages=messages, add_generation_prompt=True)
-    except jinja2.sandbox.SecurityError as e:
-        raise APIError(500, f"the model's chat template tried something unsafe and was stopped: {e}",
-                       kind="server_error") from None  # fmt: skip
-    except jinja2.TemplateError as e:
-        raise APIError(400, f"the chat template refused these messages: {e}", "messages") from None
+        return _MESSAGES.validate_python(raw)
+    except ValidationError as e:
+        errors = [{**x, "loc": ("body", "messages", *x["loc"])} for x in e.errors(include_url=False)]
+        raise RequestValidationError(errors) from None
+
+
+def _message(i: int, m: Message) -> dict:
+    """A message as the template sees it: checked text; content parts joined (text parts only, as vLLM)."""
+    check_text(f"messages.{i}.role", m.role)
+    content = m.content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                field = f"messages.{i}.content.{j}"
+                raise APIError(400, f"{field} is {shown(part)}: only text parts "
+                               '({"type": "text", "text": ...}) are supported', field)  # fmt: skip
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    check_text(f"messages.{i}.content", content)
+    return {"role": m.role, "content": content} | ({"name": m.name} if m.name is not None else {})
+
+
+class _Refused(jinja2.TemplateError):
+    """raise_exception() in a template: it refuses these messages (the client's fault)."""
+
+
+class ChatTemplate:
+    """The chat template in jinja2's immutable sandbox (as transformers renders it): a template from a
+    model folder can format messages but cannot reach Python's internals (no code runs). A template that
+    does not compile leaves `error` set: the server starts, completions work, chat requests get 500."""
+
+    def __init__(self, source: str | None):
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message):  # templates call this to refuse a conversation
+            raise _Refused(message)
+
+        env.globals["raise_exception"] = raise_exception
+        self.template, self.error = None, None
+        try:
+            self.template = env.from_string(source or PLAIN_CHAT)
+        except jinja2.TemplateSyntaxError as e:
+            self.error = f"the model's chat template does not compile: {e} (line {e.lineno})"
+
+    def render(self, messages: list[dict]) -> str:
+        if self.error:
+            raise APIError(500, self.error, kind="server_error")
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=True)
+        except _Refused as e:
+            raise APIError(400, f"the chat template refused these messages: {e}", "messages") from None
+        except jinja2.sandbox.SecurityError as e:
+            raise APIError(500, f"the model's chat template tried something unsafe and was stopped: {e}",
+                           kind="server_error") from None  # fmt: skip
+        except Exception as e:  # an undefined variable, a type error: the template's fault, not the messages'
+            raise APIError(500, f"the model's chat template failed: {type(e).__name__}: {shown(str(e))}",
+                           kind="server_error") from None  # fmt: skip
 
 
 def _sampling(body: _Common, max_tokens: int, logprobs: int, max_field: str = "max_tokens") -> SamplingConfig:
