@@ -5,7 +5,26 @@ import socket
 import threading
 import time
 
+import jax
 import uvicorn
+
+from jaxgen import model
+from jaxgen.config import ModelConfig, ServeConfig
+from jaxgen.inference.engine import Engine
+from jaxgen.tokenizer import Tokenizer
+
+CFG = ModelConfig(vocab_size=257, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, max_seq_len=256)
+TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
+
+
+def tiny_engine():
+    """(an unstarted Engine over a random byte-level model of CFG with TEMPLATE, its params). The weights are
+    scaled up so that sampled text is not near-uniform."""
+    params = model.init_params(CFG, jax.random.key(1))
+    params = jax.tree.map(lambda w: w * 5 if w.ndim > 1 else w, params)
+    tok = Tokenizer.byte_level()
+    tok.chat_template = TEMPLATE
+    return Engine(params, CFG, tok, ServeConfig(slots=8, num_pages=128, chunk_steps=4, prefill_chunk=64)), params
 
 
 @contextlib.contextmanager

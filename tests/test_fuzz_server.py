@@ -30,22 +30,17 @@ import os
 import time
 
 import httpx
-import jax
 import pytest
 import uvicorn
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from jaxgen import model
-from jaxgen.config import ModelConfig, ServeConfig
+from jaxgen.config import ServeConfig
 from jaxgen.inference.engine import Engine
 from jaxgen.serving.responses import ClientGone, Job
 from jaxgen.serving.server import create_app
-from jaxgen.tokenizer import Tokenizer
-from tests.live import live_server
+from tests.live import live_server, tiny_engine
 
-CFG = ModelConfig(vocab_size=257, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, max_seq_len=256)
-TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
 NAME = "tiny"
 TIMEOUT = 120.0  # a slow machine never reaches it; a hung request does
 GIVE_UP = 0.05  # the impatient client's timeout
@@ -56,11 +51,7 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 @pytest.fixture(scope="module")
 def server():
     """A live server on 127.0.0.1: uvicorn in a thread, the engine in another."""
-    params = model.init_params(CFG, jax.random.key(1))
-    params = jax.tree.map(lambda w: w * 5 if w.ndim > 1 else w, params)
-    tok = Tokenizer.byte_level()
-    tok.chat_template = TEMPLATE
-    engine = Engine(params, CFG, tok, ServeConfig(slots=8, num_pages=128, chunk_steps=4, prefill_chunk=64))
+    engine, _ = tiny_engine()
     with live_server(engine, create_app(engine, NAME)) as (url, uv):
         yield url, engine, uv
 

@@ -221,7 +221,10 @@ def test_missing_wrong_shaped_and_unsupported_are_clear_errors(family_model, tmp
     _family, _, folder, _ = family_model
     name = "model.layers.1.self_attn.k_proj.bias"
     missing = _rewrite(folder, tmp_path / "missing", lambda t: {k: v for k, v in t.items() if k != name})
-    with pytest.raises(hf.HFError, match=rf"tensor '{name}' \(jaxgen layers/b_k_kh\) is missing.*supported families"):
+    sized_by = "num_hidden_layers=2, num_key_value_heads=2, head_dim=8"  # the config.json fields that set its shape
+    with pytest.raises(
+        hf.HFError, match=rf"'{name}' \(jaxgen layers/b_k_kh; {sized_by}\) is missing.*supported families"
+    ):
         hf.load_pretrained(missing, mesh=_one_device())
     up = "model.layers.0.mlp.up_proj.weight"
     wrong = _rewrite(folder, tmp_path / "wrong", lambda t: t | {up: np.zeros((64, 31), np.float32)})

@@ -16,31 +16,21 @@ import numpy as np
 import openai
 import pytest
 
-from jaxgen import model
-from jaxgen.config import ModelConfig, ServeConfig
-from jaxgen.inference.engine import Engine
 from jaxgen.inference.generator import Generator
 from jaxgen.inference.sampling import SamplingConfig
 from jaxgen.serving.server import create_app
-from jaxgen.tokenizer import Tokenizer
-from tests.live import live_server
+from tests.live import CFG, TEMPLATE, live_server, tiny_engine
 
-CFG = ModelConfig(vocab_size=257, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, max_seq_len=256)
-TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
 NAME = "tiny"
 
 
 @pytest.fixture(scope="module")
 def stack():
     """A live server on 127.0.0.1 (uvicorn in a thread, the engine in another) and a Generator."""
-    params = model.init_params(CFG, jax.random.key(1))
-    params = jax.tree.map(lambda w: w * 5 if w.ndim > 1 else w, params)
-    tok = Tokenizer.byte_level()
-    tok.chat_template = TEMPLATE
-    engine = Engine(params, CFG, tok, ServeConfig(slots=8, num_pages=128, chunk_steps=4, prefill_chunk=64))
+    engine, params = tiny_engine()
     with live_server(engine, create_app(engine, NAME)) as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-        yield client, url, engine, Generator(params, CFG, tok, max_batch=64, chunk_steps=16)
+        yield client, url, engine, Generator(params, CFG, engine.tokenizer, max_batch=64, chunk_steps=16)
 
 
 @contextlib.contextmanager

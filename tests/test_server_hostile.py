@@ -13,21 +13,17 @@ import threading
 import time
 
 import httpx
-import jax
 import pytest
 from fastapi.testclient import TestClient
 
-from jaxgen import model
-from jaxgen.config import ModelConfig, ServeConfig
+from jaxgen.config import ServeConfig
 from jaxgen.inference.engine import Engine
 from jaxgen.serving import responses
 from jaxgen.serving.cli import exposure_warning
 from jaxgen.serving.server import create_app
 from jaxgen.tokenizer import Tokenizer
-from tests.live import live_server
+from tests.live import CFG, live_server, tiny_engine
 
-CFG = ModelConfig(vocab_size=257, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, max_seq_len=256)
-TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
 NAME = "tiny"
 HI = [{"role": "user", "content": "hi"}]
 
@@ -35,11 +31,7 @@ HI = [{"role": "user", "content": "hi"}]
 @pytest.fixture(scope="module")
 def stack():
     """A live server on 127.0.0.1 with the default HTTP limits (uvicorn in a thread, the engine in another)."""
-    params = model.init_params(CFG, jax.random.key(1))
-    params = jax.tree.map(lambda w: w * 5 if w.ndim > 1 else w, params)
-    tok = Tokenizer.byte_level()
-    tok.chat_template = TEMPLATE
-    engine = Engine(params, CFG, tok, ServeConfig(slots=8, num_pages=128, chunk_steps=4, prefill_chunk=64))
+    engine, params = tiny_engine()
     with live_server(engine, create_app(engine, NAME)) as (url, _):
         yield url, engine, params
 
