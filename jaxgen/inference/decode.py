@@ -66,6 +66,8 @@ class DecodeState:
     recent: jax.Array  # (B, Ls) int32, the last Ls generated tokens (-1 before any)
     seen: jax.Array  # (B, V) bool, tokens in prompt or output (repetition penalty)
     counts: jax.Array  # (B, V) int32, occurrences in the output (presence / frequency penalties)
+    grammar: jax.Array  # (B,) int32, each row's state in grammar_table (0: unconstrained)
+    grammar_table: jax.Array  # (S, V) int32, the state after each token, -1 where not allowed (grammar.py)
     sampling: SamplingArrays
     cache: KVCache
 
@@ -167,7 +169,7 @@ def decode_loop(params, state: DecodeState, cfg: ModelConfig) -> DecodeState:
         return (s.step < s.limit) & ~jnp.all(s.done)
 
     def body(s: DecodeState):
-        tok = sample(s.logits, s.sampling, s.generated, s.seen, s.counts)  # keyed by (seed, token index)
+        tok = sample(s.logits, s.sampling, s.generated, s.seen, s.counts, allowed(s))  # keyed by (seed, index)
         tok = jnp.where(s.done, 0, tok)
         s = record(s, tok, s.logits, ~s.done, cfg, base, full=s.cache.is_full(s.positions))
         # Finished rows run as padding (position -1): they write nothing anyone reads. (Skipping the
@@ -177,6 +179,11 @@ def decode_loop(params, state: DecodeState, cfg: ModelConfig) -> DecodeState:
         return s.replace(step=s.step + 1, logits=logits[:, 0], positions=s.positions + 1, cache=cache)
 
     return jax.lax.while_loop(cond, body, state)
+
+
+def allowed(s: DecodeState):
+    """(B, V) bool: the tokens each row's constraint allows next (every token for a free row)."""
+    return s.grammar_table[s.grammar] >= 0
 
 
 def record(s: DecodeState, tok, logits, active, cfg: ModelConfig, base, full=False) -> DecodeState:
@@ -189,6 +196,7 @@ def record(s: DecodeState, tok, logits, active, cfg: ModelConfig, base, full=Fal
     generated = s.generated + active
     too_long = (generated >= s.max_new) | full | (s.positions + 1 >= cfg.max_seq_len)
     finish = finish_code(s.finish, active, stop_hit(s.stop_seqs, recent), too_long)
+    s = s.replace(grammar=jnp.where(active, s.grammar_table[s.grammar, tok], s.grammar))
     return append(s, jnp.arange(tok.shape[0]), column, tok, logits, active, generated, finish, recent)
 
 

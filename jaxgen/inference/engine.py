@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxgen import model
 from jaxgen.config import ModelConfig, ServeConfig
-from jaxgen.inference import decode, speculative, steps
+from jaxgen.inference import decode, grammar, speculative, steps
 from jaxgen.inference.budget import check_serving
 from jaxgen.inference.decode import Completion, HostRows
 from jaxgen.inference.pages import PagePolicy, PagePool
@@ -63,6 +63,8 @@ class Engine:
         policy = PagePolicy(num_pages, z, serve.slots, cfg.max_seq_len, serve.chunk_steps, serve.prefix_caching)
         self.scheduler, self.max_pages = Scheduler(policy, serve.prefill_chunk), policy.max_pages
         self.compilations = 0
+        self.grammars = grammar.GrammarPool(cfg.vocab_size)  # the slots' constraints (the device has a copy)
+        self._vocab = None  # each token's bytes, for constraints (built at the first constrained request)
         self._jit_steps(mesh)
         init = jax.jit(steps.init_state, static_argnums=(0, 1, 2, 3))  # jitted: the pool is made in its shardings
         self.state = with_mesh(init, mesh)(cfg, serve, num_pages, self.max_pages)
@@ -99,6 +101,7 @@ class Engine:
 
         self._set_tables, self._activate = jit(steps.set_tables), jit(steps.activate)
         self._retire, self._activate_spec = jit(steps.retire), jit(steps.activate_spec)
+        self._set_grammar = jit(steps.set_grammar_table)
         self._prefill, self._chunk = jit(steps.prefill_chunk, 1, "cfg"), jit(steps.decode_chunk, 1, "cfg")
         self._prefill_scored = jit(steps.prefill_chunk_scored, 1, ("cfg", "top"))
         self._spec_chunk = jit(steps.decode_chunk_speculative, (1, 2), ("cfg", "w", "draft_cfg"))
@@ -112,6 +115,15 @@ class Engine:
         c.check_for_model(self.cfg.vocab_size)
         check_limits(c, self._stops(c), self.serve.max_logprobs)
         self.scheduler.check(len(prompt), c.max_new_tokens)  # PageError
+        self.automaton(c)  # a constraint that does not compile fails here (then it is cached)
+
+    def automaton(self, c: SamplingConfig) -> grammar.Automaton | None:
+        """The token automaton of `c.structured` (None when free), compiled once per constraint."""
+        if c.structured is None:
+            return None
+        if self._vocab is None:
+            self._vocab = grammar.Vocabulary.of(self.tokenizer, self.cfg.vocab_size)
+        return grammar.compile_automaton(c.structured, self._vocab)
 
     def encode_prompts(self, prompts: list[str | list[int]]) -> list[list[int]]:
         """Token ids of each prompt, checked as Generator.encode_prompts checks them."""
@@ -296,7 +308,13 @@ class Engine:
 
     def _activate_slot(self, r: Request, slot: int, logits) -> None:
         """The slot's decode row from the prompt and the tokens so far (none, or those kept by a preemption)."""
-        row = steps.slot_row(logits, r.prompt, r.tokens, r.sampling, self._stops(r.sampling), self.cfg)
+        automaton = self.automaton(r.sampling)
+        offset = self.grammars.assign(slot, automaton)
+        if self.grammars.changed:
+            self.state = self._set_grammar(self.state, self.grammars.table)
+            self.grammars.changed = False
+        start = 0 if automaton is None else offset + automaton.walk(r.tokens)  # where a preempted row was
+        row = steps.slot_row(logits, r.prompt, r.tokens, r.sampling, self._stops(r.sampling), self.cfg, start)
         self.state = self._activate(self.state, slot, row)
         n = np.int32(r.sampling.num_speculative_tokens)  # a slot with 0 drafts never reads its history
         history = steps.spec_history(self.max_pages * self.serve.page_size, r.sequence)
@@ -394,6 +412,7 @@ class Engine:
         with self.lock:
             in_flight = self.scheduler.reset(message)
         self.state = steps.init_state(self.cfg, self.serve, self.pool.num_pages, self.max_pages)
+        self.grammars = grammar.GrammarPool(self.cfg.vocab_size)
         self.spec = self._new_spec()
         for r in in_flight:
             self.stats.ended(Status.FAILED)

@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxgen import model
 from jaxgen.config import ModelConfig
-from jaxgen.inference import scoring, speculative
+from jaxgen.inference import grammar, scoring, speculative
 from jaxgen.inference.decode import (
     FINISH_LENGTH,
     FINISH_NAMES,
@@ -102,6 +102,7 @@ class Generator:
         self.max_batch, self.chunk_steps, self.cache_dtype = config.max_batch, config.chunk_steps, config.cache_dtype
         self.min_cache_len = config.min_cache_len
         self.compilations = 0  # programs traced (each trace is one XLA compilation)
+        self._vocab = None  # each token's bytes, for constraints (built at the first constrained request)
         # With a mesh, place params with `model.param_shardings`; batch rows and the cache's kv heads
         # follow the sharding rules (jaxgen.sharding) through the constraints in the model and cache.
         jitted_prefill = jax.jit(counted(self, prefill), static_argnames=("cfg", "cache_len", "cache_dtype"))
@@ -154,9 +155,18 @@ class Generator:
         for c in configs:
             c.check_for_model(self.cfg.vocab_size)
             self._stops(c)
+        automata = [self.automaton(c) for c in configs]  # a bad constraint fails before anything runs
         rows = [(p, s) for p in range(len(ids)) for s in range(configs[p].n)]
         for start in range(0, len(rows), self.max_batch):
-            yield from self._stream_group(ids, configs, rows[start : start + self.max_batch])
+            yield from self._stream_group(ids, configs, automata, rows[start : start + self.max_batch])
+
+    def automaton(self, c: SamplingConfig) -> grammar.Automaton | None:
+        """The token automaton of `c.structured` (None when free), compiled once per constraint."""
+        if c.structured is None:
+            return None
+        if self._vocab is None:
+            self._vocab = grammar.Vocabulary.of(self.tokenizer, self.cfg.vocab_size)
+        return grammar.compile_automaton(c.structured, self._vocab)
 
     def _sizes(self, ids, configs, group, prompt_idx) -> tuple[int, int, int, int]:
         """A group's static sizes: prompt bucket T, new tokens, cache slots and draft window W."""
@@ -172,7 +182,7 @@ class Generator:
             cache_len = max(bucket(speculative.cache_len_needed(t, longest_new, w)), self.min_cache_len)
         return t, longest_new, cache_len, w
 
-    def _stream_group(self, ids, configs, group):
+    def _stream_group(self, ids, configs, automata, group):
         cfg = self.cfg
         prompt_idx = sorted({p for p, _ in group})
         b = bucket(len(group), minimum=1)
@@ -183,7 +193,7 @@ class Generator:
         batch_rows = group + [group[0]] * (b - len(group))  # filler rows, finished from the start
         rows = np.asarray([where[p] for p, _ in batch_rows], np.int32)
         cache, logits = self.prefill(tokens, positions, rows, lengths, cache_len)
-        state = self._init_state(ids, configs, batch_rows, len(group), cache, logits, longest_new)
+        state = self._init_state(ids, configs, automata, batch_rows, len(group), cache, logits, longest_new)
         prompt_scores = self.scorer.prompt_scores(self.params, ids, configs, prompt_idx)
         stop_at: list[int | None] = [None] * len(group)
         spec = None
@@ -238,7 +248,7 @@ class Generator:
             "tokens_per_step": c["tokens"] / c["target_steps"] if c["target_steps"] else 0.0,
         }
 
-    def _init_state(self, ids, configs, batch_rows, live, cache, logits, longest_new) -> DecodeState:
+    def _init_state(self, ids, configs, automata, batch_rows, live, cache, logits, longest_new) -> DecodeState:
         b, v = len(batch_rows), self.cfg.vocab_size
         alternatives = max(configs[p].logprobs for p, _ in batch_rows)
         stops = [self._stops(configs[p]) for p, _ in batch_rows]
@@ -247,6 +257,7 @@ class Generator:
         stop_seqs, recent, seen, counts = (np.stack(x) for x in zip(*rows, strict=True))
         row_configs = [sample_config(configs[p], s) for p, s in batch_rows]
         done = (np.arange(b) >= live) | np.asarray([configs[p].max_new_tokens == 0 for p, _ in batch_rows])
+        table, starts = grammar.stack([automata[p] for p, _ in batch_rows], v)
         host = dict(  # built here and sent in one transfer: each eager jnp op would dispatch on its own
             step=np.int32(0), limit=np.int32(0),
             tokens=np.zeros((b, longest_new), np.int32), logprobs=np.zeros((b, longest_new), np.float32),
@@ -256,7 +267,7 @@ class Generator:
             done=done, generated=np.zeros((b,), np.int32),
             finish=np.where(done, FINISH_LENGTH, RUNNING).astype(np.int32),
             max_new=np.asarray([configs[p].max_new_tokens for p, _ in batch_rows], np.int32),
-            stop_seqs=stop_seqs, recent=recent, seen=seen, counts=counts,
+            stop_seqs=stop_seqs, recent=recent, seen=seen, counts=counts, grammar=starts, grammar_table=table,
             sampling=SamplingArrays.stack(row_configs, v),
         )  # fmt: skip
         return DecodeState(**upload(host), logits=logits, cache=cache)

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+if TYPE_CHECKING:
+    from jaxgen.inference.grammar import Structured
 
 INT32_MAX = 2**31 - 1  # every count and token id ends up in an int32 device array
 MAX_N = 128  # samples per prompt
@@ -108,6 +112,8 @@ class SamplingConfig:
     prompt_logprobs: int | None = None  # per prompt token: its logprob and top-N alternatives (None = off)
     # draft tokens checked per target step by n-gram lookup (Generator; 0 = off): the output is unchanged
     num_speculative_tokens: int = 0
+    # what the output must be: a JSON schema, a regular expression or a choice (jaxgen.inference.grammar)
+    structured: Structured | None = None
 
     def __post_init__(self):
         """Bounds that hold for every model; `check_for_model` adds those that need the vocabulary."""
@@ -146,6 +152,7 @@ class SamplingConfig:
             _require(_is_real(value) and math.isfinite(value) and ok(value), name, value, f"a number in {allowed}")
         _require(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "true or false")
         self._check_lists()
+        self._check_structured()
 
     def _check_lists(self) -> None:
         bias = self.logit_bias
@@ -170,6 +177,17 @@ class SamplingConfig:
         ok = ok and all(_is_int(t) and 0 <= t <= INT32_MAX for q in seqs for t in q)
         allowed = f"non-empty sequences of at most {MAX_STOP_SEQUENCE} token ids in [0, {INT32_MAX}]"
         _require(ok, "stop_token_sequences", seqs, allowed)
+
+    def _check_structured(self) -> None:
+        from jaxgen.inference.grammar import Structured
+
+        if isinstance(self.structured, dict):
+            object.__setattr__(self, "structured", Structured.from_dict(self.structured))
+        ok = self.structured is None or isinstance(self.structured, Structured)
+        _require(ok, "structured", self.structured, "a Structured (json, regex or choice) or None")
+        if self.structured is not None and self.ignore_eos:
+            raise SamplingError("ignore_eos=true cannot be combined with structured: a constrained output ends "
+                                "with the end-of-sequence token once it is complete", "ignore_eos")  # fmt: skip
 
     def check_for_model(self, vocab_size: int) -> None:
         """The bounds that depend on the model: token ids in [0, vocab_size), top_k <= vocab_size."""
@@ -217,6 +235,10 @@ def _from_json(k: str, v):
         return (v,) if isinstance(v, str | int) else tuple(v)
     if k == "stop_token_sequences":
         return tuple(tuple(q) for q in v)
+    if k == "structured" and v is not None:
+        from jaxgen.inference.grammar import Structured
+
+        return Structured.from_dict(v)
     return v
 
 
@@ -303,12 +325,15 @@ def truncated_logits(logits_bv, sp: SamplingArrays):
     return jnp.where(keep, sorted_logits, -jnp.inf), order
 
 
-def sample(logits_bv, sp: SamplingArrays, step, seen_bv, counts_bv):
+def sample(logits_bv, sp: SamplingArrays, step, seen_bv, counts_bv, allowed_bv=None):
     """Next token per row: (B,) int32. Greedy rows (temperature 0) take the processed argmax.
 
     step: () or (B,) int32, the index of the token being drawn; with the row's seed it keys the draw,
-    so a request's samples do not depend on its batch or on when it started.
+    so a request's samples do not depend on its batch or on when it started. allowed_bv: (B, V) bool,
+    the tokens each row's constraint allows (None: all).
     """
+    if allowed_bv is not None:
+        logits_bv = jnp.where(allowed_bv, logits_bv, -jnp.inf)
     logits = process_logits(logits_bv, sp, seen_bv, counts_bv)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 

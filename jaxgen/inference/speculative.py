@@ -31,7 +31,7 @@ import numpy as np
 
 from jaxgen import model
 from jaxgen.config import ModelConfig
-from jaxgen.inference.decode import DecodeState, append, finish_code, record, stop_hit, upload
+from jaxgen.inference.decode import DecodeState, allowed, append, finish_code, record, stop_hit, upload
 from jaxgen.inference.sampling import sample
 from jaxgen.model.cache import Cache
 
@@ -170,7 +170,7 @@ def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConf
     def body(carry):
         s, sp = carry
         live = ~s.done
-        x0 = jnp.where(live, sample(s.logits, s.sampling, s.generated, s.seen, s.counts), 0)
+        x0 = jnp.where(live, sample(s.logits, s.sampling, s.generated, s.seen, s.counts, allowed(s)), 0)
         prev = jnp.take_along_axis(sp.history, jnp.maximum(sp.length - 1, 0)[:, None], axis=1)[:, 0]
         history = sp.history.at[rows, jnp.where(live, sp.length, sp.history.shape[1])].set(x0, mode="drop")
         length = sp.length + live
@@ -179,6 +179,7 @@ def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConf
         else:
             drafts, draft_cache = model_drafts(draft_params, draft_cfg, sp, prev, x0, s.positions, live, w)
             real = jnp.full_like(sp.num_spec, w)
+        drafts, real = _forced_first(s, x0, drafts, real, w)
         real = jnp.clip(jnp.minimum(real, sp.num_spec), 0, room(s.cache, s.positions) - 1) * live
         offsets = jnp.arange(w + 1)[None]
         positions = s.positions[:, None] + offsets  # (B, W + 1)
@@ -210,6 +211,26 @@ def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConf
     return jax.lax.while_loop(cond, body, (state, spec))
 
 
+def _forced_first(s: DecodeState, x0, drafts_bw, real_b, w: int):
+    """Jump-forward: where a constrained row's automaton allows one token only after `x0` (a JSON key, a
+    closing brace), those tokens are its drafts. Verification keeps them all (the masked draw can only pick
+    them), so a run of forced tokens costs one model step, and the output is the one plain decoding gives.
+    Rows with no forced token keep their n-gram or draft-model drafts. Returns (drafts (B, W), real (B,))."""
+    state = s.grammar_table[s.grammar, x0]
+    ok = s.grammar > 0
+    forced, count = [], jnp.zeros_like(real_b)
+    for _ in range(w):
+        row = s.grammar_table[jnp.maximum(state, 0)]  # (B, V)
+        allowed = row >= 0
+        tok = jnp.argmax(allowed, axis=-1).astype(jnp.int32)
+        ok = ok & (state > 0) & (allowed.sum(-1) == 1)
+        forced.append(tok)
+        count = count + ok
+        state = jnp.take_along_axis(row, tok[:, None], axis=1)[:, 0]
+    jump = count > 0
+    return jnp.where(jump[:, None], jnp.stack(forced, axis=1), drafts_bw), jnp.where(jump, count, real_b)
+
+
 def room(cache, positions_b):
     """(B,) tokens each row's cache can take from `positions_b` on (`Cache.room`)."""
     return cache.room(positions_b)
@@ -236,9 +257,12 @@ def _verify(s: DecodeState, drafts_bw, real_b, logits_bwv, cfg: ModelConfig, bas
     index = s.generated[:, None] + jnp.arange(w)[None]
     repeat = jax.tree.map(lambda a: jnp.repeat(a, w, axis=0), s.sampling)
     flat = (b * w, v)
+    states = _grammar_states(s, drafts_bw)  # (B, W + 1): before draft i, and after the last
+    allowed_bwv = s.grammar_table[jnp.maximum(states[:, :w], 0)] >= 0  # a forbidden draft is never drawn
     drawn = sample(
-        logits_bwv.reshape(flat), repeat, index.reshape(-1), seen.reshape(flat), counts.reshape(flat)
-    ).reshape(b, w)
+        logits_bwv.reshape(flat), repeat, index.reshape(-1), seen.reshape(flat), counts.reshape(flat),
+        allowed_bwv.reshape(flat),
+    ).reshape(b, w)  # fmt: skip
     guessed = jnp.cumprod((drawn == drafts_bw) & (jnp.arange(w)[None] < real_b[:, None]), axis=1).astype(bool)
 
     # where the row would end: the recent window after each draft, max_new, the context
@@ -260,5 +284,17 @@ def _verify(s: DecodeState, drafts_bw, real_b, logits_bwv, cfg: ModelConfig, bas
     rows = jnp.arange(b)[:, None]
     column = jnp.where(kept_bw, index - base[:, None], s.tokens.shape[1])  # past the end: dropped
     recent = jnp.take_along_axis(seq, kept[:, None] + jnp.arange(ls)[None], axis=1)
+    s = s.replace(grammar=jnp.where(live, jnp.take_along_axis(states, kept[:, None], axis=1)[:, 0], s.grammar))
     s = append(s, rows, column, drafts_bw, logits_bwv, kept_bw, s.generated + kept, finish, recent)
     return s, kept
+
+
+def _grammar_states(s: DecodeState, drafts_bw):
+    """Each row's constraint state before each draft and after the last (B, W + 1); -1 past a forbidden one."""
+
+    def step(state, tok):
+        after = jnp.where(state < 0, -1, s.grammar_table[jnp.maximum(state, 0), tok])
+        return after, after
+
+    _, after = jax.lax.scan(step, s.grammar, drafts_bw.T)
+    return jnp.concatenate([s.grammar[:, None], after.T], axis=1)

@@ -5,6 +5,7 @@
     prefill_chunk(params, state, slot, tokens, positions, last, cfg) -> (state, logits)   (`prefill_inputs`)
     prefill_chunk_scored(..., targets, cfg, top) -> (state, logits, TokenScores)        prompt log-probabilities
     activate(state, slot, row: SlotRow) -> state               a slot starts (or resumes) decoding
+    set_grammar_table(state, table) -> state                   the constraints of the slots (grammar.py)
     retire(state, slot) -> state                               a slot stops
     decode_chunk(params, state, limit, cfg) -> state           up to `limit` decode steps, every active slot
     init_spec(cfg, serve, draft_cfg=None, num_pages=0, max_pages=0) -> spec   speculative decoding's state
@@ -48,19 +49,21 @@ class SlotRow:
     recent: jax.Array  # (MAX_STOP_SEQUENCE,) int32, the last generated tokens (-1 before any)
     seen: jax.Array  # (V,) bool, tokens in the prompt or the output
     counts: jax.Array  # (V,) int32, occurrences in the output
+    grammar: jax.Array  # () int32, its state in the engine's grammar table (0: unconstrained)
     sampling: SamplingArrays  # rows of one
 
 
-def slot_row(logits, prompt: list[int], tokens: list[int], c: SamplingConfig, stops, cfg: ModelConfig) -> SlotRow:
+def slot_row(logits, prompt: list[int], tokens: list[int], c: SamplingConfig, stops, cfg: ModelConfig,
+             grammar_state: int = 0) -> SlotRow:  # fmt: skip
     """The row of a sequence that has its prompt and `tokens` in the cache (none yet, or those it had
     when it was preempted): the penalties' state, the stop window and the draw index as if it had
-    decoded without a break."""
+    decoded without a break; `grammar_state`, its constraint's state after `tokens`."""
     v = cfg.vocab_size
     stop_seqs, recent, seen, counts = row_history(prompt, tokens, stops, MAX_STOP_SEQUENCE, v)
     return SlotRow(
         logits=logits, position=np.int32(len(prompt) + len(tokens)), generated=np.int32(len(tokens)),
         max_new=np.int32(min(c.max_new_tokens, cfg.max_seq_len)),  # the context ends it first anyway
-        stop_seqs=stop_seqs, recent=recent, seen=seen, counts=counts,
+        stop_seqs=stop_seqs, recent=recent, seen=seen, counts=counts, grammar=np.int32(grammar_state),
         sampling=jax.tree.map(jnp.asarray, SamplingArrays.stack([c], v)),
     )  # fmt: skip
 
@@ -84,6 +87,7 @@ def init_state(cfg: ModelConfig, serve: ServeConfig, num_pages: int, max_pages: 
         stop_seqs=jnp.full((b, MAX_STOPS, MAX_STOP_SEQUENCE), -1, jnp.int32),
         recent=jnp.full((b, MAX_STOP_SEQUENCE), -1, jnp.int32),
         seen=jnp.zeros((b, v), bool), counts=jnp.zeros((b, v), jnp.int32),
+        grammar=jnp.zeros((b,), jnp.int32), grammar_table=jnp.zeros((1, v), jnp.int32),
         sampling=jax.tree.map(jnp.asarray, SamplingArrays.stack([idle] * b, v)), cache=cache,
     )  # fmt: skip
 
@@ -144,8 +148,14 @@ def activate(state: DecodeState, slot, row: SlotRow) -> DecodeState:
         generated=state.generated.at[slot].set(row.generated), max_new=state.max_new.at[slot].set(row.max_new),
         stop_seqs=state.stop_seqs.at[slot].set(row.stop_seqs), recent=state.recent.at[slot].set(row.recent),
         seen=state.seen.at[slot].set(row.seen), counts=state.counts.at[slot].set(row.counts),
+        grammar=state.grammar.at[slot].set(row.grammar),
         sampling=jax.tree.map(lambda a, r: a.at[slot].set(r[0]), state.sampling, row.sampling),
     )  # fmt: skip
+
+
+def set_grammar_table(state: DecodeState, table) -> DecodeState:
+    """The engine's grammar table (S, V) int32 (`grammar.GrammarPool`): every slot's constraint at once."""
+    return state.replace(grammar_table=table)
 
 
 def retire(state: DecodeState, slot) -> DecodeState:

@@ -1,0 +1,171 @@
+"""Structured output (jaxgen.inference.grammar): constraints compiled to token automata and enforced in the
+decode loop of Generator and the engine, with and without speculative decoding."""
+
+import json
+import re
+
+import jax
+import jsonschema
+import numpy as np
+import pytest
+
+from jaxgen import model
+from jaxgen.config import ModelConfig, ServeConfig
+from jaxgen.inference import grammar
+from jaxgen.inference.engine import Engine
+from jaxgen.inference.generator import Generator
+from jaxgen.inference.grammar import Structured
+from jaxgen.inference.sampling import SamplingConfig, SamplingError
+from jaxgen.tokenizer import Tokenizer, train_bpe
+
+CFG = ModelConfig(vocab_size=260, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, max_seq_len=512)
+
+# bounded schemas: a random-weight model completes each within max_tokens
+SCHEMAS = [
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 6},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["name", "age", "tags"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "point": {
+                "type": "object",
+                "properties": {"x": {"type": "integer", "minimum": -50, "maximum": 50}, "y": {"enum": [1, 2]}},
+                "required": ["x", "y"],
+            },
+            "label": {"anyOf": [{"type": "string", "pattern": "^[a-z]{1,4}$"}, {"type": "null"}]},
+        },
+        "required": ["point", "label"],
+    },
+]
+REGEX = r"(19|20)\d{2}-(0[1-9]|1[0-2])-[0-3]\d"
+CHOICES = ("positive", "negative", "neutral", "ünïcode ✓")
+PROMPTS = ["Give me JSON: ", "x", "The answer is"]
+
+
+@pytest.fixture(scope="module")
+def parts():
+    params = model.init_params(CFG, jax.random.key(3))
+    params = jax.tree.map(lambda w: w * 3 if w.ndim > 1 else w, params)  # peaked: the mask has work to do
+    tok = Tokenizer.byte_level()
+    return params, tok, Generator(params, CFG, tok, max_batch=16, chunk_steps=16)
+
+
+def _configs(**kw):
+    base = dict(max_new_tokens=160, temperature=1.0)
+    out = [SamplingConfig(structured=Structured(json=s), seed=i, **base, **kw) for i, s in enumerate(SCHEMAS * 2)]
+    out += [SamplingConfig(structured=Structured(regex=REGEX), seed=7, **base, **kw)]
+    out += [SamplingConfig(structured=Structured(choice=CHOICES), seed=8, **base, **kw)]
+    return out
+
+
+def _check(outs, configs):
+    for o, c in zip(outs, configs, strict=True):
+        s = c.structured
+        assert o.finish_reason == "stop", (o.text, s)
+        if s.json is not None:
+            jsonschema.validate(json.loads(o.text), json.loads(s.json))
+        elif s.regex is not None:
+            assert re.fullmatch(s.regex, o.text), o.text
+        else:
+            assert o.text in s.choice
+
+
+def test_integer_ranges_are_exact():
+    for lo, hi in [(0, 120), (5, None), (None, -3), (-15, 7), (None, None), (100, 100), (7, 2345)]:
+        rx = grammar.integer_regex(lo, hi)
+        got = [n for n in range(-3000, 3000) if re.fullmatch(rx, str(n))]
+        assert got == [n for n in range(-3000, 3000) if (lo is None or n >= lo) and (hi is None or n <= hi)]
+        assert not re.fullmatch(rx, "007") and not re.fullmatch(rx, "-0")
+
+
+def test_bad_constraints_are_named_before_anything_runs(parts):
+    _, _, gen = parts
+    bad = [
+        ({"json": {"type": "object", "patternProperties": {}}}, "keyword 'patternProperties' at #"),
+        ({"json": {"type": "number", "minimum": 1}}, "on integers only"),
+        ({"json": "{not json"}, "is not JSON"),
+        ({"regex": "(unclosed"}, "does not compile"),
+        ({"choice": []}, "1 to 1024 non-empty strings"),
+        ({"grammar": "start: 'a'"}, "grammar is not supported"),
+        ({"regex": "a", "choice": ["b"]}, "exactly one of"),
+        ({"json": {"type": "string", "maxLength": 3}, "colour": 1}, "unknown structured field 'colour'"),
+        ({"json": {"type": "foo"}}, "cannot be compiled: Unsupported type: foo"),
+        ({"regex": "x" * 100_001}, "at most 100000"),
+    ]  # fmt: skip
+    before = gen.compilations
+    for structured, message in bad:
+        with pytest.raises(SamplingError, match=re.escape(message)) as e:
+            gen.generate(["x"], SamplingConfig.from_dict({"structured": structured}))
+        assert e.value.field == "structured"
+    with pytest.raises(SamplingError, match="ignore_eos=true cannot be combined"):
+        SamplingConfig(structured=Structured(regex="a"), ignore_eos=True)
+    assert gen.compilations == before
+
+
+def test_token_bytes_of_a_bpe_tokenizer_rebuild_its_text():
+    text = 'naïve café ✓ 日本語 déjà vu, {"k": [1, 2]}\n' * 20
+    tok = train_bpe([text], 320)
+    pieces = grammar.token_bytes(tok)
+    ids = tok.encode(text)
+    assert any(len(pieces[i]) > 1 for i in ids)  # multi-byte tokens
+    assert b"".join(pieces[i] for i in ids).decode() == tok.decode(ids)
+    assert pieces[tok.eos_id] is None  # special tokens write nothing
+
+
+def test_generator_outputs_satisfy_their_constraints(parts):
+    _, _, gen = parts
+    configs = _configs()
+    outs = gen.generate([PROMPTS[i % 3] for i in range(len(configs))], configs)
+    _check(outs, configs)
+    greedy = [SamplingConfig(structured=c.structured, max_new_tokens=160, temperature=0) for c in configs]
+    _check(gen.generate(["x"] * len(greedy), greedy), greedy)
+
+
+def test_free_rows_beside_constrained_ones_are_unchanged(parts):
+    _, _, gen = parts
+    free = [SamplingConfig(max_new_tokens=24, temperature=0.8, seed=s) for s in range(3)]
+    alone = gen.generate(PROMPTS, free)
+    mixed = gen.generate(PROMPTS + PROMPTS, free + _configs()[:3])
+    assert [o.tokens for o in mixed[:3]] == [o.tokens for o in alone]
+
+
+def test_a_constraint_that_cannot_finish_in_time_ends_with_length(parts):
+    _, _, gen = parts
+    c = SamplingConfig(structured=Structured(regex="a{50}"), max_new_tokens=10)
+    (out,) = gen.generate(["x"], c)
+    assert out.finish_reason == "length" and out.text == "a" * 10
+
+
+def test_speculative_decoding_keeps_constrained_outputs_token_for_token(parts):
+    _, _, gen = parts
+    configs = [*_configs()[:4], _configs()[-2]]
+    for temperature in (0.0, 1.0):
+        plain = [SamplingConfig(structured=c.structured, seed=c.seed, max_new_tokens=120, temperature=temperature)
+                 for c in configs]  # fmt: skip
+        spec = [SamplingConfig(**{**c.__dict__, "num_speculative_tokens": 4}) for c in plain]
+        a, b = gen.generate(["ab" * 8] * 5, plain), gen.generate(["ab" * 8] * 5, spec)
+        assert [o.tokens for o in a] == [o.tokens for o in b]
+        _check(b, plain)
+
+
+def test_engine_enforces_constraints_under_preemption_and_equals_the_generator(parts):
+    params, tok, gen = parts
+    configs = _configs()
+    free = SamplingConfig(max_new_tokens=60, temperature=0.7, seed=5)
+    prompts = [PROMPTS[i % 3] for i in range(len(configs))] + ["free row"]
+    expected = gen.generate(prompts, [*configs, free])
+    # a pool too small for every sequence at once: sequences are preempted and resume mid-constraint
+    tight = Engine(params, CFG, tok, ServeConfig(slots=4, num_pages=14, page_size=16, chunk_steps=8))
+    got = tight.generate(prompts, [*configs, free])
+    assert tight.metrics()["requests_preempted"] > 0
+    assert [o.tokens for o in got] == [o.tokens for o in expected]
+    _check(got[:-1], configs)
+    assert tight.grammars.table.shape[0] >= 2 and np.all(tight.grammars.table[0] == 0)
