@@ -385,10 +385,11 @@ atexit.register(_COMPILER.close)  # before the interpreter tears down what the p
 
 
 @functools.lru_cache(maxsize=256)
-def compile_automaton(structured: Structured, vocab: Vocabulary, timeout: float = COMPILE_TIMEOUT_S) -> Automaton:
+def compile_automaton(structured: Structured, vocab: Vocabulary, timeout: float | None = None) -> Automaton:
     """The automaton of `structured` over `vocab` (cached: a schema every request repeats compiles once).
-    SamplingError (field `structured`) for a constraint that cannot be compiled or allows no output."""
-    table = _COMPILER.build(structured.pattern(), vocab, timeout)
+    SamplingError (field `structured`) for a constraint that cannot be compiled or allows no output.
+    timeout: seconds, COMPILE_TIMEOUT_S (read at the call, so a test can lower it) when None."""
+    table = _COMPILER.build(structured.pattern(), vocab, COMPILE_TIMEOUT_S if timeout is None else timeout)
     automaton = Automaton(table)
     if not (table[0] >= 0).any():
         raise SamplingError(f"{FIELD}: no output satisfies the constraint with this tokenizer", FIELD)

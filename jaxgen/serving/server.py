@@ -36,7 +36,7 @@ import logging
 import secrets
 import threading
 import time
-from typing import Annotated
+from typing import Annotated, Any
 
 import jinja2
 import jinja2.sandbox
@@ -50,6 +50,7 @@ from jaxgen.config import ServeConfig
 from jaxgen.inference.decode import encode_prompt
 from jaxgen.inference.engine import Engine
 from jaxgen.inference.sampling import SamplingConfig, SamplingError, check_prompt, check_text, shown
+from jaxgen.serving.constraints import ConstraintError, ResponseFormat, requested
 from jaxgen.serving.errors import APIError, ApiKey, BodyLimit, install_error_handlers
 from jaxgen.serving.responses import Job
 
@@ -86,6 +87,13 @@ class _Common(BaseModel):
     ignore_eos: bool = False  # an extension (as in vLLM): generate max_tokens whatever the model says
     num_speculative_tokens: int = 0  # an extension: n-gram drafts checked per step (0..8; the output is the same)
     user: str | None = None
+    # what the output must be (`constraints`): at most one of these
+    response_format: ResponseFormat | None = None  # OpenAI's
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: {json | json_object | regex | choice | grammar}
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older fields
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Common):
@@ -173,6 +181,14 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, serv
             for p, f in zip(prompts, fields, strict=True)
         ]
 
+    async def compiled(sampling: SamplingConfig, field: str | None) -> None:
+        """Compiles the request's constraint (in a thread: a schema takes milliseconds, a hostile regex up to the
+        compile time limit), so that a bad one is a 400 naming the client's field before anything is queued."""
+        try:
+            await asyncio.to_thread(engine.automaton, sampling)
+        except SamplingError as e:
+            raise APIError(400, f"{field}: {e}", field) from None
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
@@ -180,7 +196,9 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, serv
             raise APIError(400, f"best_of={shown(body.best_of)} is not supported: use n (best_of may only equal n, "
                            f"here {body.n})", "best_of")  # fmt: skip
         ids = await asyncio.to_thread(prompt_ids, _prompt_list(body.prompt, serve.max_queue))
-        sampling = _sampling(body, body.max_tokens, body.logprobs or 0)
+        structured, field = _constraint(body)
+        sampling = _sampling(body, body.max_tokens, body.logprobs or 0, structured=structured)
+        await compiled(sampling, field)
         if body.echo and body.logprobs is not None:  # scores of the prompt too, with the most likely token
             top = max(body.logprobs, 1)
             sampling = dataclasses.replace(sampling, logprobs=top, prompt_logprobs=top)
@@ -200,7 +218,9 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, serv
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = body.max_completion_tokens if field == "max_completion_tokens" else body.max_tokens
-        sampling = _sampling(body, 256 if max_tokens is None else max_tokens, top, field)
+        structured, constraint_field = _constraint(body)
+        sampling = _sampling(body, 256 if max_tokens is None else max_tokens, top, field, structured)
+        await compiled(sampling, constraint_field)
         ids = await asyncio.to_thread(chat_ids, body.messages)
         job = Job(engine, serve, [ids], sampling, body, "chat.completion", model_name, False, body.logprobs)
         return await job.respond(request)
@@ -214,6 +234,14 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, serv
 
 PUBLIC = frozenset({"/health"})  # answered without the API key: a load balancer's probe
 PUBLIC_METRICS = PUBLIC | {"/metrics"}  # and, unless create_app(metrics_need_key=True), the scraper's
+
+
+def _constraint(body: _Common):
+    """(the request's Structured or None, the field that carried it); a bad one is a 400 naming that field."""
+    try:
+        return requested(body)
+    except ConstraintError as e:
+        raise APIError(400, str(e), e.field) from None
 
 
 def _check_length(text: str, most: int, context: int, field: str) -> None:
@@ -342,7 +370,8 @@ class ChatTemplate:
                            kind="server_error") from None  # fmt: skip
 
 
-def _sampling(body: _Common, max_tokens: int, logprobs: int, max_field: str = "max_tokens") -> SamplingConfig:
+def _sampling(body: _Common, max_tokens: int, logprobs: int, max_field: str = "max_tokens",
+              structured=None) -> SamplingConfig:  # fmt: skip
     """The request's SamplingConfig: the one validation (bounds and messages) every door shares."""
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
@@ -351,7 +380,7 @@ def _sampling(body: _Common, max_tokens: int, logprobs: int, max_field: str = "m
         min_p=body.min_p, seed=seed, n=body.n, stop=stop, logprobs=logprobs, logit_bias=body.logit_bias or {},
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, ignore_eos=body.ignore_eos,
-        num_speculative_tokens=body.num_speculative_tokens,
+        num_speculative_tokens=body.num_speculative_tokens, structured=structured,
     )  # fmt: skip
     try:
         return SamplingConfig.from_dict(data)

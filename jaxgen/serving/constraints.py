@@ -1,0 +1,97 @@
+"""The structured-output fields of an HTTP request or a batch line, turned into one `Structured`.
+
+Every door reads the same constraint (`jaxgen.inference.grammar.Structured`), whatever the client sent:
+    response_format      OpenAI: {"type": "json_schema", "json_schema": {"name", "schema", "strict"}},
+                         {"type": "json_object"}, or {"type": "text"} (no constraint)
+    structured_outputs   vLLM: {"json" | "json_object" | "regex" | "choice" | "grammar": ...}
+    guided_json, guided_regex, guided_choice, guided_grammar   vLLM's older fields, still sent by clients
+At most one of them; an error names the field the client used (its `param`), with what grammar.py said.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from jaxgen.inference.grammar import JSON_OBJECT, Structured
+from jaxgen.inference.sampling import SamplingError, shown
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+FIELDS = ("response_format", "structured_outputs", *GUIDED)
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's response_format.json_schema (`schema` is a pydantic name: kept under an alias)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    name: str
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class ConstraintError(Exception):
+    """A constraint the client sent that cannot be used: `field` is the request's own name for it."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+def requested(body) -> tuple[Structured | None, str | None]:
+    """(the constraint of a request, the field that carried it); (None, None) when free. `body` has any of
+    FIELDS as attributes (a pydantic request) or keys (a dict: a batch line). ConstraintError when two are
+    given, or one is malformed or refused."""
+    get = body.get if isinstance(body, dict) else lambda k: getattr(body, k, None)
+    given = [f for f in FIELDS if get(f) is not None]
+    if len(given) > 1:
+        raise ConstraintError(f"{given[0]} and {given[1]} both constrain the output; send at most one of "
+                              f"{', '.join(FIELDS)}", given[1])  # fmt: skip
+    if not given:
+        return None, None
+    field = given[0]
+    try:
+        return _structured(field, get(field)), field
+    except SamplingError as e:
+        raise ConstraintError(f"{field}: {e}", field) from None
+
+
+def _structured(field: str, value) -> Structured | None:
+    if field == "response_format":
+        return _from_response_format(value)
+    if field == "structured_outputs":
+        data = value.model_dump(exclude_none=True) if isinstance(value, BaseModel) else value
+        return Structured.from_dict(data)
+    return Structured.from_dict({GUIDED[field]: value})
+
+
+def _from_response_format(value) -> Structured | None:
+    if isinstance(value, dict):  # a batch line: the same model checks it
+        try:
+            value = ResponseFormat.model_validate(value)
+        except Exception as e:
+            raise SamplingError(f"{shown(value)} is not an OpenAI response_format: {_first_error(e)}") from None
+    if value.type == "text":
+        return None
+    if value.type == "json_object":
+        return Structured(json=JSON_OBJECT)
+    if value.json_schema is None or value.json_schema.schema_ is None:
+        raise SamplingError('type "json_schema" needs json_schema.schema (the JSON schema of the output)')
+    return Structured.from_dict({"json": value.json_schema.schema_})
+
+
+def _first_error(e: Exception) -> str:
+    errors = getattr(e, "errors", None)
+    if not callable(errors):
+        return str(e)
+    first = errors(include_url=False)[0]
+    return f"{'.'.join(map(str, first['loc'])) or 'the object'}: {first['msg']}"
