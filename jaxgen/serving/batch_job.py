@@ -1,6 +1,7 @@
 """The JSONL batch generation job behind `serve.py generate --input ... --output ...`.
 
-Input: one JSON object per line, `{"id": ..., "prompt": "...", <any SamplingConfig field>}`, read as a
+Input: one JSON object per line, `{"id": ..., "prompt": "...", <any SamplingConfig field>}` (a constraint as
+`structured`, or as the HTTP server takes it: response_format, structured_outputs, guided_*), read as a
 stream of bytes split at b"\\n" only (U+2028 and the like inside a JSON string are text, not line ends).
 Output: one JSON object per line, appended as each is known:
     {"id", "choices": [{"text", "finish_reason", "tokens", "logprobs"}], "prompt_tokens"}
@@ -30,6 +31,7 @@ from tqdm import tqdm
 from jaxgen.distributed import barrier, is_main
 from jaxgen.inference.engine import Engine
 from jaxgen.inference.sampling import SamplingConfig, SamplingError
+from jaxgen.serving import constraints
 
 log = logging.getLogger(__name__)
 COMPLETE = ("stop", "length")  # finish reasons of a sample that completed
@@ -131,11 +133,32 @@ def parse_line(raw: bytes | str, lineno: int, engine: Engine, defaults: Sampling
         raise SamplingError(f"line {lineno}: missing field 'id'")
     if not isinstance(record.get("prompt"), str):
         raise SamplingError("field 'prompt' is missing or not a string")
-    settings = {k: v for k, v in record.items() if k not in ("id", "prompt")}
+    settings = {k: v for k, v in record.items() if k not in ("id", "prompt", *constraints.FIELDS)}
+    field = _constraint(record, settings)
     sampling = _sampling(settings, defaults)
     (ids,) = engine.encode_prompts([record["prompt"]])
-    engine.check(ids, sampling)  # a request that can never run is this line's error
+    try:
+        engine.check(ids, sampling)  # a request that can never run is this line's error
+    except SamplingError as e:
+        if e.field == "structured" and field != "structured":  # named as the line named it
+            raise SamplingError(f"{field}: {e}", field) from None
+        raise
     return Request(str(record["id"]), ids, sampling)
+
+
+def _constraint(record: dict, settings: dict) -> str:
+    """Puts the line's constraint into `settings` as `structured`, from whichever field carried it
+    (`structured`, or OpenAI's response_format, or vLLM's structured_outputs / guided_*); returns that field."""
+    try:
+        structured, field = constraints.requested(record)
+    except constraints.ConstraintError as e:
+        raise SamplingError(str(e), e.field) from None
+    if field is None:
+        return "structured"
+    if "structured" in record:
+        raise SamplingError(f"structured and {field} both constrain the output; give at most one", field)
+    settings["structured"] = structured
+    return field
 
 
 def _decode(raw: bytes, lineno: int) -> str:
