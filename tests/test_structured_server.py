@@ -1,0 +1,161 @@
+"""Structured output and tool calls through the doors: the HTTP server (the official `openai` client and raw
+HTTP) and the batch job. One live server over a random-weight byte-level model; bounded schemas, so that the
+model completes each within max_tokens."""
+
+import json
+import re
+import time
+from typing import Literal
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from jaxgen.inference import grammar
+from jaxgen.inference.sampling import SamplingConfig
+from jaxgen.serving.batch_job import run_job
+from jaxgen.serving.server import create_app
+from tests.live import live_server, tiny_engine
+
+NAME = "tiny"
+DATE = r"(19|20)\d{2}-(0[1-9]|1[0-2])"
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 5}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["name", "n"],
+}
+
+
+class Pet(BaseModel):
+    name: str = Field(max_length=6)
+    kind: Literal["cat", "dog"]
+    age: int = Field(ge=0, le=30)
+
+
+@pytest.fixture(scope="module")
+def stack():
+    engine, _ = tiny_engine()
+    with live_server(engine, create_app(engine, NAME)) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        yield client, url, engine
+
+
+def _format(schema) -> dict:
+    """OpenAI's response_format for a JSON schema."""
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+
+
+def _post(url, path, body) -> httpx.Response:
+    return httpx.post(f"{url}{path}", json=body, timeout=120)
+
+
+def test_openai_parse_returns_the_pydantic_object(stack):
+    client, _, _ = stack
+    messages = [{"role": "user", "content": "a pet"}]
+    out = client.chat.completions.parse(model=NAME, messages=messages, response_format=Pet, max_tokens=200, seed=1)
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, Pet), choice.message.content
+
+
+def test_completions_regex_choice_and_guided_json(stack):
+    client, _, _ = stack
+    out = client.completions.create(model=NAME, prompt="when: ", max_tokens=20, seed=2,
+                                    extra_body={"structured_outputs": {"regex": DATE}})  # fmt: skip
+    assert re.fullmatch(DATE, out.choices[0].text) and out.choices[0].finish_reason == "stop"
+    choices = ["yes", "no", "peut-être"]
+    out = client.completions.create(model=NAME, prompt="ok? ", max_tokens=20, n=3, seed=3,
+                                    extra_body={"structured_outputs": {"choice": choices}})  # fmt: skip
+    assert all(c.text in choices for c in out.choices)
+    out = client.completions.create(model=NAME, prompt="{", max_tokens=60, seed=4, extra_body={"guided_json": SCHEMA})
+    jsonschema.validate(json.loads(out.choices[0].text), SCHEMA)
+
+
+def test_streamed_schema_reassembles_to_valid_json(stack):
+    client, _, _ = stack
+    fmt = _format(SCHEMA)
+    chunks = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "go"}], seed=5,
+                                            max_tokens=60, response_format=fmt, stream=True)  # fmt: skip
+    text, finish = "", None
+    for c in chunks:
+        text += c.choices[0].delta.content or ""
+        finish = c.choices[0].finish_reason or finish
+    assert finish == "stop"
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+@pytest.mark.parametrize(
+    "body, param, says",
+    [
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "guided_regex and guided_choice both"),
+        (
+            {"response_format": _format({"type": "array", "uniqueItems": True})},
+            "response_format",
+            "'uniqueItems' at # is not supported",
+        ),
+        ({"structured_outputs": {"grammar": "start: 'a'"}}, "structured_outputs", "grammar is not supported"),
+        ({"structured_outputs": {"regx": "a"}}, "structured_outputs", "unknown structured field 'regx'"),
+        ({"guided_regex": "(a"}, "guided_regex", "does not compile"),
+        ({"guided_json": "{not json"}, "guided_json", "is not JSON"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "needs"),
+        ({"guided_json": {"type": "object", "x": 1}}, "guided_json", "'x' at # is not supported"),
+    ],
+)
+def test_a_bad_constraint_is_a_400_naming_the_clients_field(stack, body, param, says):
+    _, url, _ = stack
+    r = _post(url, "/v1/completions", {"prompt": "x", "max_tokens": 4} | body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and says in error["message"], error
+
+
+def test_response_format_text_is_free(stack):
+    _, url, _ = stack
+    r = _post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                                            "response_format": {"type": "text"}})  # fmt: skip
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_hostile_constraints_are_refused_or_bounded(stack, monkeypatch):
+    _, url, engine = stack
+    huge = {"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(40_000)}}  # over 1 MB
+    r = _post(url, "/v1/completions", {"prompt": "x", "guided_json": huge})
+    assert r.status_code == 400 and "at most 100000" in r.json()["error"]["message"]
+    for rx in ("(a|aa)*b", "(x+x+)+y"):  # backtracking regexes: a DFA does not backtrack
+        r = _post(url, "/v1/completions", {"prompt": "x", "max_tokens": 30, "guided_regex": rx, "seed": 1})
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "length" or re.fullmatch(rx, choice["text"]), r.text
+    many = [f"v{i}" for i in range(10_000)]
+    r = _post(url, "/v1/completions", {"prompt": "x", "max_tokens": 12, "guided_json": {"enum": many}})
+    assert json.loads(r.json()["choices"][0]["text"]) in many
+    digits = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 30}
+    r = _post(url, "/v1/completions", {"prompt": "x", "max_tokens": 5, "guided_json": digits})  # needs 61 tokens
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    monkeypatch.setattr(grammar, "COMPILE_TIMEOUT_S", 2.0)
+    start = time.monotonic()
+    r = _post(url, "/v1/completions", {"prompt": "x", "guided_regex": "(a|b)*a(a|b){24}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex", r.text
+    assert time.monotonic() - start < 20
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert engine.pool.in_use() == 0 and engine.idle()
+
+
+def test_batch_job_takes_a_constraint_per_line(tmp_path):
+    engine, _ = tiny_engine()
+    lines = [
+        {"id": "good", "prompt": "x", "response_format": _format(SCHEMA)},
+        {"id": "choice", "prompt": "y", "structured": {"choice": ["up", "down"]}},
+        {"id": "bad", "prompt": "x", "response_format": _format({"type": "object", "patternProperties": {}})},
+        {"id": "both", "prompt": "x", "structured": {"regex": "a"}, "guided_regex": "b"},
+    ]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    summary = run_job(engine, inp, out, SamplingConfig(max_new_tokens=60, seed=1))
+    records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert summary["requests"] == 2 and summary["errors"] == 2
+    jsonschema.validate(json.loads(records["good"]["choices"][0]["text"]), SCHEMA)
+    assert records["choice"]["choices"][0]["text"] in ("up", "down")
+    assert records["bad"]["error"].startswith("response_format: ") and "patternProperties" in records["bad"]["error"]
+    assert "both constrain the output" in records["both"]["error"]
