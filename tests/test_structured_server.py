@@ -159,3 +159,105 @@ def test_batch_job_takes_a_constraint_per_line(tmp_path):
     assert records["choice"]["choices"][0]["text"] in ("up", "down")
     assert records["bad"]["error"].startswith("response_format: ") and "patternProperties" in records["bad"]["error"]
     assert "both constrain the output" in records["both"]["error"]
+
+
+# --- tool calls -------------------------------------------------------------------------------------------
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}},
+            "required": ["zone"],
+        },
+    },
+}
+TOOLS = [WEATHER, CLOCK]
+ASK = [{"role": "user", "content": "weather in Paris?"}]
+
+
+def _validate_call(call):
+    schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call.function.name)
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    assert re.fullmatch(r"call_[0-9a-f]+", call.id) and call.type == "function"
+
+
+def test_tool_choice_required_and_named_return_valid_calls(stack):
+    client, _, _ = stack
+    out = client.chat.completions.create(model=NAME, messages=ASK, tools=TOOLS, tool_choice="required", seed=1,
+                                         max_tokens=200)  # fmt: skip
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert len(choice.message.tool_calls) == 1
+    _validate_call(choice.message.tool_calls[0])
+    named = {"type": "function", "function": {"name": "get_time"}}
+    out = client.chat.completions.create(model=NAME, messages=ASK, tools=TOOLS, tool_choice=named, seed=2,
+                                         max_tokens=200)  # fmt: skip
+    (call,) = out.choices[0].message.tool_calls
+    assert call.function.name == "get_time"
+    _validate_call(call)
+
+
+def test_streamed_tool_call_reassembles_to_the_same_call(stack):
+    client, _, _ = stack
+    kw = dict(model=NAME, messages=ASK, tools=TOOLS, tool_choice="required", seed=3, max_tokens=200)
+    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls[0]
+    calls: dict[int, dict] = {}
+    finish, content = None, ""
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for c in delta.tool_calls or []:
+            got = calls.setdefault(c.index, {"name": "", "arguments": ""})
+            got["name"] += c.function.name or ""
+            got["arguments"] += c.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and content == ""
+    assert calls == {0: {"name": whole.function.name, "arguments": whole.function.arguments}}
+
+
+def test_tool_choice_none_gives_text_and_history_with_calls_renders(stack):
+    client, _, _ = stack
+    out = client.chat.completions.create(model=NAME, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=8)
+    assert out.choices[0].message.tool_calls is None and out.choices[0].finish_reason in ("stop", "length")
+    assert isinstance(out.choices[0].message.content, str)
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": 1}'}}
+    answer = {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]}, answer]
+    out = client.chat.completions.create(model=NAME, messages=history, tools=TOOLS, max_tokens=4)
+    assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools.0.function.name"),
+        ({"tools": [{"type": "retrieval"}]}, "tools.0.type"),
+        ({"tools": [WEATHER, WEATHER]}, "tools"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+          "patternProperties": {}}}}], "tool_choice": "required"}, "tools"),
+        ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "guided_regex"),
+    ],
+)  # fmt: skip
+def test_a_bad_tools_request_is_a_400_naming_the_field(stack, body, param):
+    _, url, _ = stack
+    r = _post(url, "/v1/chat/completions", {"messages": ASK, "max_tokens": 4} | body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()

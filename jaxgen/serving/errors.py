@@ -80,7 +80,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return APIError(500, f"internal error: {type(exc).__name__}: {str(exc)[:200]}", kind="server_error").response()
 
 
-_UNION_TAG = re.compile(r"(str|int|float|bool|list\[.*\]|dict\[.*\])")  # how pydantic names a union's members
+# how pydantic names a union's members: types, literals, models (CamelCase: no request field is named so)
+_UNION_TAG = re.compile(r"(str|int|float|bool|list\[.*\]|dict\[.*\]|literal\[.*\]|[A-Z]\w*)")
 
 
 def _field_of(loc) -> tuple[str | None, str | None]:

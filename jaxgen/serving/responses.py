@@ -28,8 +28,10 @@ class Job:
     starts with its prompt, and with logprobs too (sampling.prompt_logprobs set) its logprobs cover the
     prompt's tokens first (null for the first), as scoring harnesses such as lm-evaluation-harness read them."""
 
-    def __init__(self, engine, serve, prompts, sampling, body, kind, model_name, echo: bool, want_logprobs):
+    def __init__(self, engine, serve, prompts, sampling, body, kind, model_name, echo: bool, want_logprobs,
+                 tools=None):  # fmt: skip
         self.engine, self.serve, self.prompts, self.sampling, self.body = engine, serve, prompts, sampling, body
+        self.tools = tools  # a chat request's `tools.Tools` whose answer may hold calls, else None
         self.kind, self.model_name, self.want_logprobs, self.echo = kind, model_name, want_logprobs, echo
         self.max_field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None \
             else "max_tokens"  # fmt: skip
@@ -160,8 +162,10 @@ class Job:
         if self.kind == "chat.completion":
             if self.want_logprobs:
                 logprobs = _chat_logprobs(self.engine, s.tokens, s.logprobs, s.top_logprobs)
-            message = {"role": "assistant", "content": s.text}
-            return {"index": index, "message": message, "finish_reason": s.finish_reason, "logprobs": logprobs}
+            message, finish = {"role": "assistant", "content": s.text}, s.finish_reason
+            if self.tools is not None:
+                message, finish = self.tools.answer(s.text, finish)
+            return {"index": index, "message": message, "finish_reason": finish, "logprobs": logprobs}
         prefix = self.prefixes[s.prompt_index]
         if self.want_logprobs:
             logprobs = _completion_logprobs(self.engine, s.tokens, s.logprobs, s.top_logprobs, len(prefix))[0]
@@ -175,6 +179,7 @@ class Job:
         hold = max((len(x) for x in self.sampling.stop), default=1) - 1  # a stop string may be half-decoded
         streams = {self._index(s): TextDeltas(self.engine.tokenizer, hold) for s in self.seqs}
         offsets = {self._index(s): len(self.prefixes[s.prompt_index]) for s in self.seqs}
+        held = {i: self.tools.streamer() for i in streams} if self.tools is not None else {}  # calls held back
         finished: set[int] = set()
         generated: dict[int, int] = {}  # tokens of each sequence that finished
         deadline = self._deadline()
@@ -200,8 +205,17 @@ class Job:
                 delta = streams[snap.index].update(snap.text, final)
                 start, end = streams[snap.index].new_tokens(snap.tokens, final)
                 logprobs, offsets[snap.index] = self._stream_logprobs(snap, start, end, offsets[snap.index])
+                finish = snap.finish or None
+                if snap.index in held:
+                    delta = held[snap.index].feed(delta)
+                    if final:
+                        tail, calls, finish = held[snap.index].end(finish)
+                        delta += tail
+                        if calls:
+                            yield self._event(snap.index, delta, None, logprobs, calls=calls)
+                            delta, logprobs = "", None
                 if delta or final or end > start:
-                    yield self._event(snap.index, delta, snap.finish or None, logprobs)
+                    yield self._event(snap.index, delta, finish, logprobs)
                 if final:
                     finished.add(snap.index)
                     generated[snap.index] = len(snap.tokens)
@@ -230,11 +244,13 @@ class Job:
         return _sse({"id": self.rid, "object": kind, "created": self.created, "model": self.model_name,
                      "choices": [], "usage": usage})  # fmt: skip
 
-    def _event(self, index: int, text: str, finish: str | None, logprobs, first: bool = False) -> str:
+    def _event(self, index: int, text: str, finish: str | None, logprobs, first: bool = False, calls=None) -> str:
         if self.kind == "chat.completion":
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
             if text and not first:
                 delta = {"content": text}
+            if calls:  # OpenAI's delta shape: each call whole, with its index among the choice's calls
+                delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
             choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
             kind = "chat.completion.chunk"
         else:

@@ -36,7 +36,7 @@ import logging
 import secrets
 import threading
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import jinja2
 import jinja2.sandbox
@@ -53,6 +53,7 @@ from jaxgen.inference.sampling import SamplingConfig, SamplingError, check_promp
 from jaxgen.serving.constraints import ConstraintError, ResponseFormat, requested
 from jaxgen.serving.errors import APIError, ApiKey, BodyLimit, install_error_handlers
 from jaxgen.serving.responses import Job
+from jaxgen.serving.tools import NamedChoice, Tool, ToolError, message_for_template, tools_of
 
 PLAIN_CHAT = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
 log = logging.getLogger(__name__)
@@ -108,8 +109,10 @@ class Message(BaseModel):
     model_config = ConfigDict(strict=True)
 
     role: str
-    content: str | list[dict]  # text, or OpenAI's content parts: [{"type": "text", "text": ...}, ...]
+    content: str | list[dict] | None = None  # text, or OpenAI's content parts: [{"type": "text", "text": ...}, ...]
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls (`tools.message_for_template`)
+    tool_call_id: str | None = None  # a tool's answer: the call it answers
 
 
 class TokenizeRequest(BaseModel):
@@ -134,6 +137,9 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None  # functions the model may call (`jaxgen.serving.tools`)
+    tool_choice: Literal["none", "auto", "required"] | NamedChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; a constrained answer holds one call
 
 
 def create_app(engine: Engine, model_name: str, api_key: str | None = None, serve: ServeConfig | None = None,
@@ -206,8 +212,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, serv
         job = Job(engine, serve, ids, sampling, body, "text_completion", model_name, body.echo, want)
         return await job.respond(request)
 
-    def chat_ids(messages) -> list[int]:  # (in a worker thread: 4 MB of messages take a while)
-        text = chat_template.render([_message(i, m) for i, m in enumerate(_messages(messages))])
+    def chat_ids(messages, tools: list[dict] | None) -> list[int]:  # (in a worker thread: 4 MB of messages)
+        text = chat_template.render([_message(i, m) for i, m in enumerate(_messages(messages))], tools)
         return tokens_of(text, "messages")
 
     @app.post("/v1/chat/completions")
@@ -218,11 +224,17 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, serv
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = body.max_completion_tokens if field == "max_completion_tokens" else body.max_tokens
-        structured, constraint_field = _constraint(body)
+        (tools, call), (structured, constraint_field) = _tools(body, engine.tokenizer.chat_template), _constraint(body)
+        if call is not None:
+            if structured is not None:
+                raise APIError(400, "tool_choice (required, or a named function) constrains the output to a call; "
+                               f"{constraint_field} cannot constrain it too", constraint_field)  # fmt: skip
+            structured, constraint_field = call, "tools"
         sampling = _sampling(body, 256 if max_tokens is None else max_tokens, top, field, structured)
         await compiled(sampling, constraint_field)
-        ids = await asyncio.to_thread(chat_ids, body.messages)
-        job = Job(engine, serve, [ids], sampling, body, "chat.completion", model_name, False, body.logprobs)
+        ids = await asyncio.to_thread(chat_ids, body.messages, tools.for_template() if tools else None)
+        job = Job(engine, serve, [ids], sampling, body, "chat.completion", model_name, False, body.logprobs,
+                  tools if tools is not None and tools.active else None)  # fmt: skip
         return await job.respond(request)
 
     _tokenizer_routes(app, engine, check_model)
@@ -241,6 +253,16 @@ def _constraint(body: _Common):
     try:
         return requested(body)
     except ConstraintError as e:
+        raise APIError(400, str(e), e.field) from None
+
+
+def _tools(body: ChatRequest, template: str | None):
+    """(the request's `tools.Tools`, the constraint its tool_choice puts on the output): (None, None) without
+    tools; a bad tools or tool_choice is a 400 naming it."""
+    try:
+        tools = tools_of(body.tools, body.tool_choice, template)
+        return tools, tools.constraint() if tools is not None else None
+    except ToolError as e:
         raise APIError(400, str(e), e.field) from None
 
 
@@ -320,6 +342,9 @@ def _message(i: int, m: Message) -> dict:
     """A message as the template sees it: checked text; content parts joined (text parts only, as vLLM)."""
     check_text(f"messages.{i}.role", m.role)
     content = m.content
+    if content is None and m.tool_calls is None:
+        raise APIError(400, f"messages.{i}.content is missing (only an assistant's tool_calls message may omit it)",
+                       f"messages.{i}.content")  # fmt: skip
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
@@ -329,8 +354,10 @@ def _message(i: int, m: Message) -> dict:
                                '({"type": "text", "text": ...}) are supported', field)  # fmt: skip
             texts.append(part["text"])
         content = "\n".join(texts)
-    check_text(f"messages.{i}.content", content)
-    return {"role": m.role, "content": content} | ({"name": m.name} if m.name is not None else {})
+    if content is not None:
+        check_text(f"messages.{i}.content", content)
+    message = {"role": m.role, "content": content} | ({"name": m.name} if m.name is not None else {})
+    return message_for_template(message, m.tool_calls, m.tool_call_id)
 
 
 class _Refused(jinja2.TemplateError):
@@ -355,11 +382,13 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as e:
             self.error = f"the model's chat template does not compile: {e} (line {e.lineno})"
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The prompt; `tools` (OpenAI's tool dicts) as transformers passes them, only when the request has some."""
         if self.error:
             raise APIError(500, self.error, kind="server_error")
+        extra = {"tools": tools} if tools else {}
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True)
+            return self.template.render(messages=messages, add_generation_prompt=True, **extra)
         except _Refused as e:
             raise APIError(400, f"the chat template refused these messages: {e}", "messages") from None
         except jinja2.sandbox.SecurityError as e:

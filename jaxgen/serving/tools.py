@@ -1,0 +1,266 @@
+"""Tool calls in /v1/chat/completions: OpenAI's `tools` and `tool_choice`, the constraint that makes a model
+call one, and the calls parsed out of its text.
+
+    tools        [{"type": "function", "function": {"name", "description", "parameters": JSON schema}}]
+    tool_choice  "none" | "auto" (the default with tools) | "required" | {"type": "function", "function": {"name"}}
+
+The chat template gets the tools as given (transformers' `tools=` convention) and writes them into the prompt
+its own way. What a model writes back depends on its family; the format is chosen from the template's text:
+    - it mentions "<tool_call>"                       -> Hermes/Qwen: `<tool_call>\\n{"name": ..., "arguments":
+                                                         {...}}\\n</tool_call>`, possibly several
+    - else it mentions "<|python_tag|>" or "parameters" -> Llama 3: the whole message is `{"name": ...,
+                                                         "parameters": {...}}` (several joined by ";")
+    - else                                             -> Hermes (the default)
+With "required" or a named function the output is constrained (`grammar.Structured`) to one call whose
+arguments satisfy the function's schema; with "auto" the text is parsed after generation, and holds calls
+only when all of it parses (else it stays text). Calls carry ids `call_<hex>`, arguments as JSON text, and
+finish_reason "tool_calls". A stream holds text back from where a call may start, and sends the calls at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import secrets
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from jaxgen.inference import grammar
+from jaxgen.inference.grammar import Structured
+from jaxgen.inference.sampling import SamplingError
+
+HERMES, LLAMA3 = "hermes", "llama3"
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+NAME = r"[A-Za-z0-9_-]{1,64}"  # OpenAI's rule for a function's name
+
+
+class Function(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(pattern=f"^{NAME}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments (an object); none: no arguments
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    function: Function
+
+
+class _Named(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+
+
+class NamedChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    function: _Named
+
+
+class ToolError(Exception):
+    """A tools request that cannot be served: `field` is the request's name for what is wrong."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+def format_of(template: str | None) -> str:
+    """The tool-call format of a model family, from its chat template's text (see the module docstring)."""
+    text = template or ""
+    if OPEN in text:
+        return HERMES
+    if PYTHON_TAG in text or "parameters" in text:
+        return LLAMA3
+    return HERMES
+
+
+class Tools:
+    """One request's tools and tool_choice: what the template gets, the constraint, and the answer's calls."""
+
+    def __init__(self, tools: list[Tool], choice, fmt: str):
+        self.tools, self.fmt = tools, fmt
+        self.names = [t.function.name for t in tools]
+        self.choice = choice if choice is not None else "auto"
+        if isinstance(self.choice, NamedChoice) and self.choice.function.name not in self.names:
+            raise ToolError(f"tool_choice names the function {self.choice.function.name!r}, which is not in tools "
+                            f"({', '.join(self.names)})", "tool_choice")  # fmt: skip
+        if len(set(self.names)) != len(self.names):
+            raise ToolError(f"tools has two functions named {_duplicate(self.names)!r}; names must differ", "tools")
+
+    @property
+    def active(self) -> bool:
+        """Whether the answer may hold calls ("none": plain text, the tools only shown to the model)."""
+        return self.choice != "none"
+
+    def for_template(self) -> list[dict]:
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def constraint(self) -> Structured | None:
+        """The output's constraint: one call ("required": of any tool; named: of that one); None otherwise."""
+        if self.choice in ("auto", "none"):
+            return None
+        named = self.choice.function.name if isinstance(self.choice, NamedChoice) else None
+        key = "parameters" if self.fmt == LLAMA3 else "arguments"
+        calls = [
+            {"type": "object", "properties": {"name": {"const": t.function.name}, key: _params(t)},
+             "required": ["name", key]}
+            for t in self.tools if named in (None, t.function.name)
+        ]  # fmt: skip
+        try:
+            call = grammar.schema_regex(calls[0] if len(calls) == 1 else {"anyOf": calls})
+        except SamplingError as e:
+            raise ToolError(f"tools: a function's parameters cannot be enforced: {e}", "tools") from None
+        if self.fmt == LLAMA3:
+            return Structured(regex=call)
+        return Structured(regex=re.escape(OPEN + "\n") + call + re.escape("\n" + CLOSE))
+
+    def answer(self, text: str, finish: str | None) -> tuple[dict, str | None]:
+        """The chat message for generated `text`, and the finish reason ("tool_calls" when it holds calls)."""
+        calls = self.parse(text) if self.active and finish == "stop" else None
+        if not calls:
+            return {"role": "assistant", "content": text}, finish
+        before = text.split(OPEN, 1)[0].strip() if self.fmt == HERMES else ""
+        return {"role": "assistant", "content": before or None, "tool_calls": calls}, "tool_calls"
+
+    def parse(self, text: str) -> list[dict] | None:
+        """The calls in `text` (OpenAI's shape), None when it holds none or does not parse whole."""
+        found = _hermes(text) if self.fmt == HERMES else _llama3(text)
+        if not found or any(name not in self.names for name, _ in found):
+            return None
+        return [
+            {"id": "call_" + secrets.token_hex(12), "type": "function",
+             "function": {"name": name, "arguments": json.dumps(args)}}
+            for name, args in found
+        ]  # fmt: skip
+
+    def streamer(self) -> ToolStream:
+        return ToolStream(self)
+
+
+class ToolStream:
+    """A streamed choice's text with calls held back: text goes out until a call may have started (from
+    "<tool_call>", or a prefix of it at the end; Llama 3: a message that starts with "{"), then waits for the end."""
+
+    def __init__(self, tools: Tools):
+        self.tools, self.text, self.sent = tools, "", 0
+
+    def feed(self, delta: str) -> str:
+        """The part of the text so far that can go out now."""
+        self.text += delta
+        safe = self._safe_end()
+        out, self.sent = self.text[self.sent : max(safe, self.sent)], max(safe, self.sent)
+        return out
+
+    def end(self, finish: str | None) -> tuple[str, list[dict] | None, str | None]:
+        """(the text still held, the calls or None, the finish reason) once the output ended."""
+        message, finish = self.tools.answer(self.text, finish)
+        if "tool_calls" in message:
+            return "", message["tool_calls"], finish
+        rest, self.sent = self.text[self.sent :], len(self.text)
+        return rest, None, finish
+
+    def _safe_end(self) -> int:
+        if not self.tools.active:
+            return len(self.text)
+        if self.tools.fmt == LLAMA3:  # a call is the whole message: hold all while it may be one
+            head = self.text.lstrip()
+            maybe_call = head.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(head)
+            return 0 if maybe_call else len(self.text)
+        at = self.text.find(OPEN)
+        if at >= 0:
+            return at
+        for k in range(min(len(OPEN) - 1, len(self.text)), 0, -1):  # a tag cut in two by the stream
+            if OPEN.startswith(self.text[-k:]):
+                return len(self.text) - k
+        return len(self.text)
+
+
+def tools_of(tools: list[Tool] | None, choice, template: str | None) -> Tools | None:
+    """The request's Tools (None without tools); ToolError for tool_choice without tools, or a bad one."""
+    if not tools:
+        if choice not in (None, "none"):
+            raise ToolError("tool_choice needs tools (the functions the model may call)", "tool_choice")
+        return None
+    return Tools(tools, choice, format_of(template))
+
+
+def message_for_template(message: dict, tool_calls: list | None, tool_call_id: str | None) -> dict:
+    """A chat message as transformers' templates read it: an assistant's calls with their arguments as objects
+    (templates write them with `tojson`), a tool's answer with its call's id."""
+    if tool_calls is not None:
+        message["tool_calls"] = [_call_for_template(c) for c in tool_calls]
+    if tool_call_id is not None:
+        message["tool_call_id"] = tool_call_id
+    return message
+
+
+def _call_for_template(call: dict) -> dict:
+    function = dict(call.get("function") or {})
+    if isinstance(function.get("arguments"), str):
+        with contextlib.suppress(json.JSONDecodeError):  # else kept as text: the template shows what was sent
+            function["arguments"] = json.loads(function["arguments"])
+    return {**call, "function": function}
+
+
+def _params(tool: Tool) -> dict:
+    return tool.function.parameters if tool.function.parameters is not None else {"type": "object", "properties": {}}
+
+
+def _hermes(text: str) -> list[tuple[str, dict]] | None:
+    if OPEN not in text:
+        return None
+    rest = text[text.index(OPEN) :]
+    bodies = re.findall(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), rest, re.DOTALL)
+    leftover = re.sub(re.escape(OPEN) + r".*?" + re.escape(CLOSE), "", rest, flags=re.DOTALL)
+    if not bodies or leftover.strip():
+        return None  # an unclosed call, or text between calls: not a clean set of calls
+    calls = [_call(b, "arguments") for b in bodies]
+    return None if None in calls else calls
+
+
+def _llama3(text: str) -> list[tuple[str, dict]] | None:
+    body = text.strip().removeprefix(PYTHON_TAG).strip()
+    if not body.startswith("{"):
+        return None
+    calls = [_call(part, "parameters") for part in _split_calls(body)]
+    return None if not calls or None in calls else calls
+
+
+def _split_calls(body: str) -> list[str]:
+    """Llama 3's calls joined by ";" (a ";" inside a JSON string stays: split only where JSON objects end)."""
+    decoder, parts, at = json.JSONDecoder(), [], 0
+    while at < len(body):
+        try:
+            _, end = decoder.raw_decode(body, at)
+        except json.JSONDecodeError:
+            return [body]  # not JSON objects: `_call` says so
+        parts.append(body[at:end])
+        at = end
+        while at < len(body) and body[at] in "; \n\t":
+            at += 1
+    return parts
+
+
+def _call(body: str, key: str) -> tuple[str, dict] | None:
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        return None
+    args = data.get(key, data.get("arguments", data.get("parameters", {})))
+    return (data["name"], args) if isinstance(args, dict) else None
+
+
+def _duplicate(names: list[str]) -> str:
+    return next(n for i, n in enumerate(names) if n in names[:i])
