@@ -372,7 +372,6 @@ class _Compiler:
             except Exception as e:  # outlines-core's own errors: a pattern it cannot read
                 raise SamplingError(f"{FIELD}: the constraint cannot be compiled: {e}", FIELD) from None
 
-
     def close(self) -> None:
         with self._lock:
             if self._pool is not None:
