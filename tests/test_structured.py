@@ -193,3 +193,11 @@ def test_grammar_pool_shares_reuses_and_grows():
     pool.assign(1, None)  # a's range is free again: the next automaton of its size or less goes there
     assert pool.assign(3, grammar.compile_automaton(Structured(regex="y"), vocab)) == 1
     assert np.all(pool.table[0] == 0)  # the free row
+
+
+def test_json_object_takes_objects_of_scalars_arrays_and_objects(parts):
+    _, tok, gen = parts
+    a = gen.automaton(SamplingConfig.from_dict({"structured": {"json_object": True}}))
+    for text in ['{"a": [1, "x"], "b": {"c": null}, "d": -2.5e3}', "{}", '{"k": true}']:
+        assert tok.eos_id in a.allowed(a.walk(tok.encode(text))), text  # complete: it may end here
+    assert a.walk(tok.encode('{"a": ]')) == -1
