@@ -26,13 +26,16 @@ costs a 400, not the server.
 from __future__ import annotations
 
 import atexit
-import concurrent.futures
 import dataclasses
 import functools
 import json
-import multiprocessing
+import pickle
 import re
+import select
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 
@@ -321,32 +324,6 @@ def token_bytes(tokenizer) -> tuple[bytes | None, ...]:
     return tuple(out)
 
 
-def _edges(pattern: str, vocab: Vocabulary):
-    """The automaton of `pattern` over `vocab` as edges (run in the compile worker; edges, not the dense
-    table, cross back: a few KB where the table can be a hundred MB). Returns (states, src, token, dst,
-    final states), numbered from 0 = the start."""
-    from outlines_core import Index
-    from outlines_core import Vocabulary as OVocabulary
-
-    by_bytes: dict[bytes, list[int]] = {}
-    for i, b in enumerate(vocab.tokens):
-        if b and i not in vocab.eos_ids:
-            by_bytes.setdefault(b, []).append(i)
-    index = Index(pattern, OVocabulary(vocab.eos_ids[0], by_bytes))
-    transitions = index.get_transitions()
-    finals = set(index.get_final_states())
-    names = [index.get_initial_state()]
-    names += sorted((set(transitions) | finals) - {names[0]})
-    local = {s: k for k, s in enumerate(names)}
-    src, tok, dst = [], [], []
-    for s, moves in transitions.items():
-        for t, n in moves.items():
-            if t not in vocab.eos_ids and t < vocab.size:
-                src.append(local[s]), tok.append(t), dst.append(local[n])
-    edges = (np.asarray(x, np.int32) for x in (src, tok, dst))
-    return len(names), *edges, np.asarray(sorted(local[f] for f in finals), np.int32)
-
-
 def _table(states: int, src, tok, dst, finals, vocab: Vocabulary) -> np.ndarray:
     """The dense table (states, V) int32 of an automaton's edges; end-of-sequence ids stay put in final states."""
     if states * vocab.size * 4 > MAX_TABLE_BYTES:
@@ -361,44 +338,49 @@ def _table(states: int, src, tok, dst, finals, vocab: Vocabulary) -> np.ndarray:
 
 
 class _Compiler:
-    """One worker process that builds tables, restarted when a build runs past its time limit."""
+    """One worker process (`automaton_worker.py`) that builds automata, restarted when a build runs past its
+    time limit or dies."""
 
     def __init__(self):
-        self._pool = None
+        self._proc = None
         self._lock = threading.Lock()
 
     def build(self, pattern: str, vocab: Vocabulary, timeout: float) -> tuple:
         with self._lock:
-            if self._pool is None:
-                context = multiprocessing.get_context("spawn")  # not fork: the parent runs JAX's threads
-                self._pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=context)
-            future = self._pool.submit(_edges, pattern, vocab)
+            if self._proc is None or self._proc.poll() is not None:
+                worker = Path(__file__).with_name("automaton_worker.py")
+                self._proc = subprocess.Popen([sys.executable, str(worker)], stdin=subprocess.PIPE,
+                                              stdout=subprocess.PIPE)  # fmt: skip
             try:
-                return future.result(timeout=timeout)
-            except concurrent.futures.TimeoutError:
-                for p in list(self._pool._processes.values()):  # the only way to stop a runaway build
-                    p.kill()
-                self._pool.shutdown(wait=False, cancel_futures=True)
-                self._pool = None
-                raise SamplingError(f"{FIELD}: the constraint's automaton did not compile in {timeout:.0f} s "
-                                    "(a regular expression whose automaton explodes?)", FIELD) from None  # fmt: skip
-            except SamplingError:
-                raise
-            except concurrent.futures.process.BrokenProcessPool:
-                self._pool = None
-                raise SamplingError(f"{FIELD}: compiling the constraint ran out of memory", FIELD) from None
-            except Exception as e:  # outlines-core's own errors: a pattern it cannot read
-                raise SamplingError(f"{FIELD}: the constraint cannot be compiled: {e}", FIELD) from None
+                pickle.dump((pattern, vocab.tokens, vocab.eos_ids, vocab.size), self._proc.stdin)
+                self._proc.stdin.flush()
+                ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
+                if not ready:
+                    self._stop()
+                    raise SamplingError(f"{FIELD}: the constraint's automaton did not compile in {timeout:.0f} s "
+                                        "(a regular expression whose automaton explodes?)", FIELD)  # fmt: skip
+                status, value = pickle.load(self._proc.stdout)
+            except (OSError, EOFError, pickle.UnpicklingError):
+                self._stop()
+                raise SamplingError(f"{FIELD}: the compile worker died building the constraint's automaton (out "
+                                    "of memory?)", FIELD) from None  # fmt: skip
+        if status != "ok":
+            raise SamplingError(f"{FIELD}: the constraint cannot be compiled: {value}", FIELD)
+        return value
+
+    def _stop(self) -> None:
+        self._proc.kill()
+        self._proc.wait()
+        self._proc = None
 
     def close(self) -> None:
         with self._lock:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True, cancel_futures=True)
-                self._pool = None
+            if self._proc is not None:
+                self._stop()
 
 
 _COMPILER = _Compiler()
-atexit.register(_COMPILER.close)  # before the interpreter tears down what the pool's thread uses
+atexit.register(_COMPILER.close)
 
 
 @functools.lru_cache(maxsize=256)
@@ -415,24 +397,32 @@ def compile_automaton(structured: Structured, vocab: Vocabulary, timeout: float 
 # --- a batch's table ----------------------------------------------------------------------------------
 
 
-def stack(automata: list[Automaton | None], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """One table for a batch: state 0 the free row's (every token allowed, staying at 0), then each distinct
-    automaton's states shifted past those before it; rows padded to a power of two (a handful of shapes).
-    Returns (table (S, V) int32, each row's start state (B,) int32)."""
-    table, starts, offsets = [np.zeros((1, vocab_size), np.int32)], [], {}
-    size = 1
+def layout(automata: list[Automaton | None]) -> tuple[tuple[Automaton, ...], np.ndarray]:
+    """Where a batch's automata go in its table: the distinct ones in order of first use, and each row's
+    start state (B,) int32 (0 for a free row; state 0 is the free row's, then each automaton's states
+    follow those before it)."""
+    distinct, offsets, starts, size = [], {}, [], 1
     for a in automata:
-        if a is None:
-            starts.append(0)
-            continue
-        if id(a) not in offsets:
+        if a is not None and id(a) not in offsets:
             offsets[id(a)] = size
-            table.append(np.where(a.next_state >= 0, a.next_state + size, -1).astype(np.int32))
+            distinct.append(a)
             size += a.num_states
-        starts.append(offsets[id(a)])
-    rows = 1 << (size - 1).bit_length()
-    table.append(np.full((rows - size, vocab_size), -1, np.int32))
-    return np.concatenate(table), np.asarray(starts, np.int32)
+        starts.append(0 if a is None else offsets[id(a)])
+    return tuple(distinct), np.asarray(starts, np.int32)
+
+
+def stack(distinct: tuple[Automaton, ...], vocab_size: int) -> np.ndarray:
+    """The table (S, V) int32 of `layout`'s distinct automata, rows padded to a power of two (a handful of
+    shapes): row 0 allows every token and stays at 0, each automaton's states shifted past those before."""
+    size = 1 + sum(a.num_states for a in distinct)
+    table = np.full((1 << (size - 1).bit_length(), vocab_size), -1, np.int32)
+    table[0] = 0
+    offset = 1
+    for a in distinct:
+        block = table[offset : offset + a.num_states]
+        np.add(a.next_state, offset, out=block, where=a.next_state >= 0)
+        offset += a.num_states
+    return table
 
 
 class GrammarPool:
