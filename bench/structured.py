@@ -6,9 +6,12 @@ Decode tokens/s through Generator (random weights, float32, byte-level tokenizer
 vocabulary) with every row free, every row JSON-schema constrained, and a quarter of the rows constrained
 (the free rows' own tokens/s then: what sharing a batch with constrained rows costs them). The schema
 forces a long output (a string of exactly N characters) so every row runs the same number of steps; rows
-sample at temperature 1. The mask is computed on the device from the automaton's table, so there is no
-host time per mask; jump-forward is not implemented (every token is a model step). Compile times are for
-the schemas of tests/test_structured.py and a few common shapes, through the warm compile worker.
+are greedy (the mask's own cost) and sample at temperature 1 (where a masked row's sort over the
+vocabulary, mostly -inf, is cheaper than a free row's). The mask is computed on the device from the
+automaton's table, so there is no host time per mask. Jump-forward (forced tokens as drafts, with
+num_speculative_tokens) is measured on a schema with keys: tokens per target step and the share of
+tokens that were forced. Compile times are for schemas like those of tests/test_structured.py, through
+the warm compile worker.
 """
 
 from __future__ import annotations
@@ -92,28 +95,53 @@ def main(argv=None):
     # the forced string leaves room for the braces and the key: every constrained row runs to max_new_tokens
     schema = long_schema(args.new_tokens)
     rng = np.random.default_rng(0)
-    print(f"{'batch':>6}{'free tok/s':>12}{'all JSON':>10}{'ratio':>7}{'1/4 JSON: free rows':>21}{'ratio':>7}")
+    print(f"{'batch':>6}{'temp':>6}{'free tok/s':>12}{'all JSON':>10}{'ratio':>7}{'1/4 JSON: free rows':>21}"
+          f"{'ratio':>7}")  # fmt: skip
     for b in args.batches:
         gen = Generator(params, cfg, tok, max_batch=b, chunk_steps=32)
         prompts = [rng.integers(32, 127, 16).tolist() for _ in range(b)]
-        free = [SamplingConfig(max_new_tokens=args.new_tokens, seed=i, ignore_eos=True) for i in range(b)]
-        json_rows = [SamplingConfig(max_new_tokens=args.new_tokens, seed=i, structured=Structured(json=schema))
-                     for i in range(b)]  # fmt: skip
-        quarter = [json_rows[i] if i % 4 == 3 else free[i] for i in range(b)]
-        t_free, outs = run(gen, prompts, free)
-        t_json, j_outs = run(gen, prompts, json_rows)
-        t_quarter, _ = run(gen, prompts, quarter)
-        n_free = sum(len(o.tokens) for o in outs)
-        n_json = sum(len(o.tokens) for o in j_outs)
-        for o in j_outs:
-            assert o.finish_reason == "length" or len(json.loads(o.text)["text"]) == args.new_tokens
-        free_rows = sum(1 for i in range(b) if i % 4 != 3) * args.new_tokens
-        r_free, r_json, r_quarter = n_free / t_free, n_json / t_json, free_rows / t_quarter
-        # the free rows' tokens/s beside constrained rows against the same rows' in the all-free batch
-        print(f"{b:>6}{r_free:>12.1f}{r_json:>10.1f}{r_json / r_free:>7.2f}{r_quarter:>21.1f}"
-              f"{t_free / t_quarter:>7.2f}")  # fmt: skip
+        for temperature in (0.0, 1.0):  # greedy skips the sort over the vocabulary: the mask's own cost shows
+            row = dict(max_new_tokens=args.new_tokens, temperature=temperature)
+            free = [SamplingConfig(seed=i, ignore_eos=True, **row) for i in range(b)]
+            json_rows = [SamplingConfig(seed=i, structured=Structured(json=schema), **row) for i in range(b)]
+            quarter = [json_rows[i] if i % 4 == 3 else free[i] for i in range(b)]
+            t_free, outs = run(gen, prompts, free)
+            t_json, j_outs = run(gen, prompts, json_rows)
+            t_quarter, _ = run(gen, prompts, quarter)
+            for o in j_outs:
+                assert o.finish_reason == "length" or len(json.loads(o.text)["text"]) == args.new_tokens
+            n_free, n_json = sum(len(o.tokens) for o in outs), sum(len(o.tokens) for o in j_outs)
+            r_free, r_json = n_free / t_free, n_json / t_json
+            r_quarter = sum(1 for i in range(b) if i % 4 != 3) * args.new_tokens / t_quarter
+            # the free rows' tokens/s beside constrained rows against the same rows' in the all-free batch
+            print(f"{b:>6}{temperature:>6.0f}{r_free:>12.1f}{r_json:>10.1f}{r_json / r_free:>7.2f}{r_quarter:>21.1f}"
+                  f"{t_free / t_quarter:>7.2f}")  # fmt: skip
     print("host time per mask: none (the mask is read from the automaton's table on the device)")
-    print("tokens by jump-forward: 0% (not implemented: every token is a model step)")
+    jump_forward(params, cfg, tok, vocab, max(args.batches))
+
+
+def jump_forward(params, cfg, tok, vocab, b: int) -> None:
+    """The person schema at temperature 1 with and without num_speculative_tokens=4: forced tokens (one
+    allowed) become drafts that verification keeps, so a run of them costs one model step."""
+    schema = COMPILE_SCHEMAS["person (string, bounded int, enum array, bool)"]
+    automaton = grammar.compile_automaton(Structured(json=schema), vocab)
+    prompts = [f"person {i}: " for i in range(b)]
+    print(f"jump-forward, batch {b}, the person schema:")
+    print(f"{'num_speculative_tokens':>24}{'tok/s':>8}{'tokens/target step':>20}{'forced tokens':>15}")
+    for w in (0, 4):
+        gen = Generator(params, cfg, tok, max_batch=b, chunk_steps=32)
+        configs = [SamplingConfig(max_new_tokens=128, seed=i, structured=Structured(json=schema),
+                                  num_speculative_tokens=w) for i in range(b)]  # fmt: skip
+        t, outs = run(gen, prompts, configs)
+        tokens = sum(len(o.tokens) for o in outs)
+        forced = 0
+        for o in outs:
+            state = 0
+            for token in o.tokens:
+                forced += len(automaton.allowed(state)) == 1
+                state = automaton.walk([token], state)
+        per_step = gen.speculation_stats()["tokens_per_step"] if w else 1.0
+        print(f"{w:>24}{tokens / t:>8.1f}{per_step:>20.2f}{forced / tokens:>15.0%}")
 
 
 if __name__ == "__main__":

@@ -169,3 +169,35 @@ def test_engine_enforces_constraints_under_preemption_and_equals_the_generator(p
     assert [o.tokens for o in got] == [o.tokens for o in expected]
     _check(got[:-1], configs)
     assert tight.grammars.table.shape[0] >= 2 and np.all(tight.grammars.table[0] == 0)
+
+
+def test_an_exploding_automaton_is_stopped_by_the_time_limit():
+    vocab = grammar.Vocabulary.of(Tokenizer.byte_level(), CFG.vocab_size)
+    with pytest.raises(SamplingError, match="did not compile in 2 s"):
+        grammar.compile_automaton(Structured(regex="(a|b)*a(a|b){40}"), vocab, timeout=2.0)
+    a = grammar.compile_automaton(Structured(regex="ok|no"), vocab)  # a fresh worker takes over
+    assert a.walk(b"ok") > 0 and a.walk(b"x") == -1
+
+
+def test_grammar_pool_shares_reuses_and_grows():
+    vocab = grammar.Vocabulary.of(Tokenizer.byte_level(), CFG.vocab_size)
+    a, b = (grammar.compile_automaton(Structured(regex=r), vocab) for r in ("yes|no", "[0-9]{3}"))
+    pool = grammar.GrammarPool(CFG.vocab_size)
+    assert pool.assign(0, a) == 1 and pool.assign(1, a) == 1  # one range for both slots
+    off_b = pool.assign(2, b)
+    assert off_b == 1 + a.num_states and pool.table.shape[0] >= off_b + b.num_states
+    assert pool.table.shape[0] & (pool.table.shape[0] - 1) == 0  # a power of two
+    np.testing.assert_array_equal(pool.table[off_b : off_b + b.num_states] - off_b, np.where(
+        b.next_state >= 0, b.next_state, -1 - off_b))  # fmt: skip
+    pool.assign(0, None)
+    pool.assign(1, None)  # a's range is free again: the next automaton of its size or less goes there
+    assert pool.assign(3, grammar.compile_automaton(Structured(regex="y"), vocab)) == 1
+    assert np.all(pool.table[0] == 0)  # the free row
+
+
+def test_json_object_takes_objects_of_scalars_arrays_and_objects(parts):
+    _, tok, gen = parts
+    a = gen.automaton(SamplingConfig.from_dict({"structured": {"json_object": True}}))
+    for text in ['{"a": [1, "x"], "b": {"c": null}, "d": -2.5e+3}', "{}", '{"k": true}']:
+        assert tok.eos_id in a.allowed(a.walk(tok.encode(text))), text  # complete: it may end here
+    assert a.walk(tok.encode('{"a": ]')) == -1

@@ -103,6 +103,7 @@ class Generator:
         self.min_cache_len = config.min_cache_len
         self.compilations = 0  # programs traced (each trace is one XLA compilation)
         self._vocab = None  # each token's bytes, for constraints (built at the first constrained request)
+        self._table = None  # (automata ids, device table, automata) of the last batch
         # With a mesh, place params with `model.param_shardings`; batch rows and the cache's kv heads
         # follow the sharding rules (jaxgen.sharding) through the constraints in the model and cache.
         jitted_prefill = jax.jit(counted(self, prefill), static_argnames=("cfg", "cache_len", "cache_dtype"))
@@ -216,6 +217,8 @@ class Generator:
             if done.any():
                 state = state.replace(done=state.done | done)
             yield self._completions(host, configs, group, stop_at, prompt_scores)
+            if self._table is not None:  # the donated table lives on in the state
+                self._table = (*self._table[:1], state.grammar_table, *self._table[2:])
             if np.all(host.done | done):
                 if spec is not None:
                     self._count_speculation(spec, host, len(group))
@@ -257,7 +260,7 @@ class Generator:
         stop_seqs, recent, seen, counts = (np.stack(x) for x in zip(*rows, strict=True))
         row_configs = [sample_config(configs[p], s) for p, s in batch_rows]
         done = (np.arange(b) >= live) | np.asarray([configs[p].max_new_tokens == 0 for p, _ in batch_rows])
-        table, starts = grammar.stack([automata[p] for p, _ in batch_rows], v)
+        distinct, starts = grammar.layout([automata[p] for p, _ in batch_rows])
         host = dict(  # built here and sent in one transfer: each eager jnp op would dispatch on its own
             step=np.int32(0), limit=np.int32(0),
             tokens=np.zeros((b, longest_new), np.int32), logprobs=np.zeros((b, longest_new), np.float32),
@@ -267,10 +270,20 @@ class Generator:
             done=done, generated=np.zeros((b,), np.int32),
             finish=np.where(done, FINISH_LENGTH, RUNNING).astype(np.int32),
             max_new=np.asarray([configs[p].max_new_tokens for p, _ in batch_rows], np.int32),
-            stop_seqs=stop_seqs, recent=recent, seen=seen, counts=counts, grammar=starts, grammar_table=table,
+            stop_seqs=stop_seqs, recent=recent, seen=seen, counts=counts, grammar=starts,
             sampling=SamplingArrays.stack(row_configs, v),
         )  # fmt: skip
-        return DecodeState(**upload(host), logits=logits, cache=cache)
+        return DecodeState(**upload(host), grammar_table=self._grammar_table(distinct), logits=logits, cache=cache)
+
+    def _grammar_table(self, distinct):
+        """The device table of a batch's automata: the last batch's again when it had the same ones (a job with
+        one schema builds and uploads it once; the loop hands the donated table back in its state)."""
+        kept = self._table
+        if kept is not None and kept[0] == tuple(map(id, distinct)) and not kept[1].is_deleted():
+            return kept[1]
+        table = upload(grammar.stack(distinct, self.cfg.vocab_size))
+        self._table = (tuple(map(id, distinct)), table, distinct)  # the automata kept alive: ids stay theirs
+        return table
 
     def _check_stop_strings(self, host: HostRows, configs, group, stop_at) -> np.ndarray:
         """Stop strings, on decoded text after each chunk: the output is cut before the string."""
