@@ -15,8 +15,9 @@ from pydantic import BaseModel, Field
 
 from jaxgen.inference import grammar
 from jaxgen.inference.sampling import SamplingConfig
+from jaxgen.serving import tools
 from jaxgen.serving.batch_job import run_job
-from jaxgen.serving.server import create_app
+from jaxgen.serving.server import ChatTemplate, create_app
 from tests.live import live_server, tiny_engine
 
 NAME = "tiny"
@@ -261,3 +262,65 @@ def test_a_bad_tools_request_is_a_400_naming_the_field(stack, body, param):
     r = _post(url, "/v1/chat/completions", {"messages": ASK, "max_tokens": 4} | body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_auto_parses_calls_out_of_the_text_whole_and_streamed(stack):
+    client, _, _ = stack
+    said = '<tool_call>\n{"name": "get_time", "arguments": {"zone": 3}}\n</tool_call>'
+    kw = dict(model=NAME, messages=ASK, tools=TOOLS, max_tokens=80, extra_body={"guided_regex": re.escape(said)})
+    message = client.chat.completions.create(**kw).choices[0].message
+    assert message.content is None and json.loads(message.tool_calls[0].function.arguments) == {"zone": 3}
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert not any(c.choices[0].delta.content for c in chunks if c.choices)  # the call's text is held back
+    (call,) = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+    assert call.function.name == "get_time" and chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def _tools(fmt):
+    return tools.Tools([tools.Tool.model_validate(t) for t in TOOLS], "auto", fmt)
+
+
+@pytest.mark.parametrize(
+    "text, calls",
+    [
+        ('<tool_call>\n{"name": "get_time", "arguments": {"zone": 1}}\n</tool_call>', [("get_time", {"zone": 1})]),
+        ('Let me look.<tool_call>{"name": "get_time", "arguments": {"zone": 1}}</tool_call>\n<tool_call>{"name": '
+         '"get_weather", "arguments": {"city": "Oslo", "unit": "c"}}</tool_call>',
+         [("get_time", {"zone": 1}), ("get_weather", {"city": "Oslo", "unit": "c"})]),
+        ('<tool_call>{"name": "get_time", "arguments": {"zone": 1}}', None),  # unclosed: cut at max_tokens
+        ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', None),  # not one of the tools
+        ("<tool_call>not json</tool_call>", None),
+        ("just text", None),
+    ],
+)  # fmt: skip
+def test_hermes_calls_parse_only_when_whole(text, calls):
+    got = _tools(tools.HERMES).parse(text)
+    assert (got and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got]) == calls
+
+
+def test_llama3_calls_and_the_format_rule():
+    t = _tools(tools.LLAMA3)
+    got = t.parse('<|python_tag|>{"name": "get_time", "parameters": {"zone": -2}}; {"name": "get_weather", '
+                  '"parameters": {"city": "a;b", "unit": "f"}}')  # fmt: skip
+    assert [json.loads(c["function"]["arguments"]) for c in got] == [{"zone": -2}, {"city": "a;b", "unit": "f"}]
+    assert t.parse('The answer is {"name": "get_time"}') is None
+    assert tools.format_of("{{ '<tool_call>' }}{{ tools | tojson }}") == tools.HERMES
+    assert tools.format_of('{"name": function name, "parameters": ...}') == tools.LLAMA3
+    assert tools.format_of(None) == tools.HERMES
+    regex = tools.Tools(t.tools, "required", tools.LLAMA3).constraint().regex
+    assert re.fullmatch(regex, '{"name":"get_time","parameters":{"zone":12}}')
+
+
+def test_a_stream_holds_back_text_from_where_a_call_may_start():
+    s = _tools(tools.HERMES).streamer()
+    pieces = ["Sure", ". <tool", "_ca", 'll>{"name": "get_time", "arguments": {"zone": 0}}</tool_call>']
+    assert [s.feed(p) for p in pieces] == ["Sure", ". ", "", ""]
+    rest, calls, finish = s.end("stop")
+    assert rest == "" and calls[0]["function"]["name"] == "get_time" and finish == "tool_calls"
+    s = _tools(tools.HERMES).streamer()
+    assert s.feed("a <tool") == "a " and s.end("length") == ("<tool", None, "length")  # no call: the text goes out
+
+
+def test_the_template_gets_the_tools():
+    template = ChatTemplate("{% for t in tools %}{{ t.function.name }};{% endfor %}{{ messages[0].content }}")
+    assert template.render([{"role": "user", "content": "hi"}], TOOLS) == "get_weather;get_time;hi"
