@@ -139,6 +139,10 @@ def test_hostile_constraints_are_refused_or_bounded(stack, monkeypatch):
     r = _post(url, "/v1/completions", {"prompt": "x", "guided_regex": "(a|b)*a(a|b){24}"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex", r.text
     assert time.monotonic() - start < 20
+    start = time.monotonic()  # the same again: refused at once, the compile worker not held a second time
+    r = _post(url, "/v1/completions", {"prompt": "y", "guided_regex": "(a|b)*a(a|b){24}"})
+    assert r.status_code == 400 and "did not compile" in r.json()["error"]["message"]
+    assert time.monotonic() - start < 1.5
     assert httpx.get(f"{url}/health").status_code == 200
     assert engine.pool.in_use() == 0 and engine.idle()
 

@@ -10,6 +10,9 @@ At most one of them; an error names the field the client used (its `param`), wit
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import concurrent.futures
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -63,6 +66,33 @@ def requested(body) -> tuple[Structured | None, str | None]:
         return _structured(field, get(field)), field
     except SamplingError as e:
         raise ConstraintError(f"{field}: {e}", field) from None
+
+
+class Compiles:
+    """Compiles requests' constraints before they are queued, on a thread of its own: a hostile regex holds the
+    compile worker up to its time limit, and must not hold the threads that tokenize every other request. The
+    last failures are remembered, so the same bad constraint sent again is refused at once."""
+
+    def __init__(self, automaton, remember: int = 256):
+        self._automaton = automaton  # Engine.automaton: SamplingConfig -> Automaton | None (cached by grammar.py)
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxgen-compile")
+        self._failed: collections.OrderedDict[Structured, str] = collections.OrderedDict()
+        self._remember = remember
+
+    async def check(self, sampling, field: str | None) -> None:
+        """ConstraintError naming `field` (the client's name for it) when `sampling.structured` cannot compile."""
+        structured = sampling.structured
+        if structured is None:
+            return
+        if structured in self._failed:
+            raise ConstraintError(f"{field}: {self._failed[structured]}", field)
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._pool, self._automaton, sampling)
+        except SamplingError as e:
+            self._failed[structured] = str(e)
+            while len(self._failed) > self._remember:
+                self._failed.popitem(last=False)
+            raise ConstraintError(f"{field}: {e}", field) from None
 
 
 def _structured(field: str, value) -> Structured | None:

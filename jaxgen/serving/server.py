@@ -50,7 +50,7 @@ from jaxgen.config import ServeConfig
 from jaxgen.inference.decode import encode_prompt
 from jaxgen.inference.engine import Engine
 from jaxgen.inference.sampling import SamplingConfig, SamplingError, check_prompt, check_text, shown
-from jaxgen.serving.constraints import ConstraintError, ResponseFormat, requested
+from jaxgen.serving.constraints import Compiles, ConstraintError, ResponseFormat, requested
 from jaxgen.serving.errors import APIError, ApiKey, BodyLimit, install_error_handlers
 from jaxgen.serving.responses import Job
 from jaxgen.serving.tools import NamedChoice, Tool, ToolError, message_for_template, tools_of
@@ -187,13 +187,15 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, serv
             for p, f in zip(prompts, fields, strict=True)
         ]
 
+    compiles = Compiles(engine.automaton)
+
     async def compiled(sampling: SamplingConfig, field: str | None) -> None:
-        """Compiles the request's constraint (in a thread: a schema takes milliseconds, a hostile regex up to the
-        compile time limit), so that a bad one is a 400 naming the client's field before anything is queued."""
+        """Compiles the request's constraint (a schema takes milliseconds, a hostile regex up to the compile time
+        limit), so that a bad one is a 400 naming the client's field before anything is queued."""
         try:
-            await asyncio.to_thread(engine.automaton, sampling)
-        except SamplingError as e:
-            raise APIError(400, f"{field}: {e}", field) from None
+            await compiles.check(sampling, field)
+        except ConstraintError as e:
+            raise APIError(400, str(e), e.field) from None
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
