@@ -112,11 +112,16 @@ def test_a_bad_constraint_is_a_400_naming_the_clients_field(stack, body, param, 
     assert error["param"] == param and says in error["message"], error
 
 
-def test_response_format_text_is_free(stack):
+def test_response_format_text_is_free_and_json_object_is_an_object(stack):
     _, url, _ = stack
     r = _post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
                                             "response_format": {"type": "text"}})  # fmt: skip
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    r = _post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40,
+                                            "response_format": {"type": "json_object"}, "seed": 3})  # fmt: skip
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length" or isinstance(json.loads(choice["message"]["content"]), dict)
+    assert choice["message"]["content"].startswith("{")
 
 
 def test_hostile_constraints_are_refused_or_bounded(stack, monkeypatch):
@@ -328,3 +333,22 @@ def test_a_stream_holds_back_text_from_where_a_call_may_start():
 def test_the_template_gets_the_tools():
     template = ChatTemplate("{% for t in tools %}{{ t.function.name }};{% endfor %}{{ messages[0].content }}")
     assert template.render([{"role": "user", "content": "hi"}], TOOLS) == "get_weather;get_time;hi"
+
+
+class GetPet(BaseModel):
+    """Looks a pet up."""
+
+    kind: Literal["cat", "dog"]
+    age: int = Field(ge=0, le=30)
+
+
+def test_the_clients_stream_helpers_parse_the_output_and_the_call(stack):
+    client, _, _ = stack
+    with client.chat.completions.stream(model=NAME, messages=ASK, response_format=Pet, max_tokens=200, seed=6) as s:
+        assert isinstance(s.get_final_completion().choices[0].message.parsed, Pet)
+    tool = openai.pydantic_function_tool(GetPet)
+    with client.chat.completions.stream(model=NAME, messages=ASK, tools=[tool], tool_choice="required",
+                                        max_tokens=200, seed=7) as s:  # fmt: skip
+        final = s.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls"
+    assert isinstance(final.message.tool_calls[0].function.parsed_arguments, GetPet)
