@@ -204,7 +204,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, serv
             raise APIError(400, f"best_of={shown(body.best_of)} is not supported: use n (best_of may only equal n, "
                            f"here {body.n})", "best_of")  # fmt: skip
         ids = await asyncio.to_thread(prompt_ids, _prompt_list(body.prompt, serve.max_queue))
-        structured, field = _constraint(body)
+        structured, field = await asyncio.to_thread(_constraint, body)  # (a schema of 1 MB takes a while)
         sampling = _sampling(body, body.max_tokens, body.logprobs or 0, structured=structured)
         await compiled(sampling, field)
         if body.echo and body.logprobs is not None:  # scores of the prompt too, with the most likely token
@@ -226,7 +226,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, serv
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = body.max_completion_tokens if field == "max_completion_tokens" else body.max_tokens
-        (tools, call), (structured, constraint_field) = _tools(body, engine.tokenizer.chat_template), _constraint(body)
+        (tools, call), (structured, constraint_field) = await asyncio.to_thread(_constraints, body, chat_template)
         if call is not None:
             if structured is not None:
                 raise APIError(400, "tool_choice (required, or a named function) constrains the output to a call; "
@@ -256,6 +256,11 @@ def _constraint(body: _Common):
         return requested(body)
     except ConstraintError as e:
         raise APIError(400, str(e), e.field) from None
+
+
+def _constraints(body: ChatRequest, template: ChatTemplate):
+    """A chat request's ((tools, the call they constrain to), (its own constraint, the field that carried it))."""
+    return _tools(body, template.source), _constraint(body)
 
 
 def _tools(body: ChatRequest, template: str | None):
@@ -378,7 +383,7 @@ class ChatTemplate:
             raise _Refused(message)
 
         env.globals["raise_exception"] = raise_exception
-        self.template, self.error = None, None
+        self.template, self.error, self.source = None, None, source
         try:
             self.template = env.from_string(source or PLAIN_CHAT)
         except jinja2.TemplateSyntaxError as e:
