@@ -1,6 +1,7 @@
 """Structured output (jaxgen.inference.grammar): constraints compiled to token automata and enforced in the
 decode loop of Generator and the engine, with and without speculative decoding."""
 
+import dataclasses
 import json
 import re
 
@@ -156,9 +157,9 @@ def test_speculative_decoding_keeps_constrained_outputs_token_for_token(parts):
         _check(b, plain)
 
 
-def test_engine_enforces_constraints_under_preemption_and_equals_the_generator(parts):
+def test_engine_enforces_constraints_under_preemption_and_speculation_and_equals_the_generator(parts):
     params, tok, gen = parts
-    configs = _configs()
+    configs = [dataclasses.replace(c, num_speculative_tokens=4 * (i % 2)) for i, c in enumerate(_configs())]
     free = SamplingConfig(max_new_tokens=60, temperature=0.7, seed=5)
     prompts = [PROMPTS[i % 3] for i in range(len(configs))] + ["free row"]
     expected = gen.generate(prompts, [*configs, free])
