@@ -117,7 +117,33 @@ def main(argv=None):
             print(f"{b:>6}{temperature:>6.0f}{r_free:>12.1f}{r_json:>10.1f}{r_json / r_free:>7.2f}{r_quarter:>21.1f}"
                   f"{t_free / t_quarter:>7.2f}")  # fmt: skip
     print("host time per mask: none (the mask is read from the automaton's table on the device)")
+    llguidance_row(tok)
     jump_forward(params, cfg, tok, vocab, max(args.batches))
+
+
+def llguidance_row(tok) -> None:
+    """What the road not taken costs: llguidance computes each row's mask on the host, token by token
+    (compile time and host time per mask for the person schema, over the same tokenizer), when installed."""
+    try:
+        import llguidance
+        import llguidance.hf
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        print("llguidance: not installed (pip install llguidance transformers) for the comparison row")
+        return
+    schema = COMPILE_SCHEMAS["person (string, bounded int, enum array, bool)"]
+    lt = llguidance.hf.from_tokenizer(PreTrainedTokenizerFast(tokenizer_object=tok.tok, eos_token="<|endoftext|>"))
+    t0 = time.perf_counter()
+    matcher = llguidance.LLMatcher(lt, llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema)))
+    compile_ms = (time.perf_counter() - t0) * 1e3
+    text = tok.encode(json.dumps({"name": "bob", "age": 33, "tags": ["a", "b"], "ok": True}))
+    t0 = time.perf_counter()
+    for token in text:
+        matcher.compute_bitmask()
+        matcher.consume_token(token)
+    per_mask = (time.perf_counter() - t0) / len(text) * 1e6
+    print(f"llguidance, for comparison (person schema): compile {compile_ms:.1f} ms, host time per mask "
+          f"{per_mask:.0f} us per row per token (and a host round trip every step)")  # fmt: skip
 
 
 def jump_forward(params, cfg, tok, vocab, b: int) -> None:

@@ -1,6 +1,7 @@
 """Structured output (jaxgen.inference.grammar): constraints compiled to token automata and enforced in the
 decode loop of Generator and the engine, with and without speculative decoding."""
 
+import dataclasses
 import json
 import re
 
@@ -156,9 +157,9 @@ def test_speculative_decoding_keeps_constrained_outputs_token_for_token(parts):
         _check(b, plain)
 
 
-def test_engine_enforces_constraints_under_preemption_and_equals_the_generator(parts):
+def test_engine_enforces_constraints_under_preemption_and_speculation_and_equals_the_generator(parts):
     params, tok, gen = parts
-    configs = _configs()
+    configs = [dataclasses.replace(c, num_speculative_tokens=4 * (i % 2)) for i, c in enumerate(_configs())]
     free = SamplingConfig(max_new_tokens=60, temperature=0.7, seed=5)
     prompts = [PROMPTS[i % 3] for i in range(len(configs))] + ["free row"]
     expected = gen.generate(prompts, [*configs, free])
@@ -201,3 +202,37 @@ def test_json_object_takes_objects_of_scalars_arrays_and_objects(parts):
     for text in ['{"a": [1, "x"], "b": {"c": null}, "d": -2.5e+3}', "{}", '{"k": true}']:
         assert tok.eos_id in a.allowed(a.walk(tok.encode(text))), text  # complete: it may end here
     assert a.walk(tok.encode('{"a": ]')) == -1
+
+
+def _sentencepiece_like() -> Tokenizer:
+    """A Llama-style tokenizer.json: "▁" for spaces, byte fallback (<0xNN>) for what the vocabulary lacks."""
+    import tokenizers
+    from tokenizers import decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    for piece in ["▁", "a", "b", "c", "▁a", "▁b", "é", "ab", "▁ab", "{", "}", '"', ":"]:
+        vocab[piece] = len(vocab)
+    merges = [("▁", "a"), ("▁", "b"), ("a", "b"), ("▁a", "b")]
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])  # fmt: skip
+    tok.add_special_tokens(["</s>"])
+    return Tokenizer(tok, eos_ids=2)
+
+
+def test_byte_fallback_tokenizer_outputs_whole_characters():
+    tok = _sentencepiece_like()
+    text = 'ab abc é ✓ {"a": 1}'
+    ids = tok.encode(text)
+    pieces = grammar.token_bytes(tok)
+    assert b"".join(pieces[i] for i in ids).decode() == " " + tok.decode(ids)  # the decoder strips one space
+    cfg = dataclasses.replace(CFG, vocab_size=tok.vocab_size)
+    params = jax.tree.map(lambda w: w * 3 if w.ndim > 1 else w, model.init_params(cfg, jax.random.key(4)))
+    gen = Generator(params, cfg, tok, max_batch=8, chunk_steps=16)
+    choices = ("✓ yes", "é", "ab ✓✓")
+    configs = [SamplingConfig(structured=Structured(choice=choices), seed=s, max_new_tokens=40) for s in range(4)]
+    configs += [SamplingConfig(structured=Structured(regex="(✓|é){2,4}"), seed=s, max_new_tokens=40) for s in range(4)]
+    outs = gen.generate(["ab"] * 8, configs)
+    assert all(o.finish_reason == "stop" for o in outs)
+    assert all(o.text in choices for o in outs[:4]) and all(re.fullmatch("(✓|é){2,4}", o.text) for o in outs[4:])

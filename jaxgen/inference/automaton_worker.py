@@ -35,7 +35,16 @@ def edges(pattern: str, tokens, eos_ids, size: int):
     return len(names), *arrays, np.asarray(sorted(local[f] for f in finals), np.int32)
 
 
+MEMORY_LIMIT = 4 * 2**30  # address space: a pattern whose automaton explodes fails here, not the machine
+
+
 def main() -> None:
+    try:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+    except (ImportError, ValueError, OSError):  # not on this platform: the time limit still holds
+        pass
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     while True:
         try:
@@ -44,6 +53,8 @@ def main() -> None:
             return
         try:
             answer = ("ok", edges(*request))
+        except MemoryError:
+            answer = ("error", f"the automaton needs more than {MEMORY_LIMIT / 2**30:.0f} GB to build")
         except Exception as e:  # outlines-core's errors for a pattern it cannot read, said back to the caller
             answer = ("error", f"{type(e).__name__}: {e}")
         pickle.dump(answer, stdout)

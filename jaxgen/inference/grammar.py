@@ -44,7 +44,7 @@ from jaxgen.inference.sampling import SamplingError, shown
 MAX_TEXT = 100_000  # characters of a schema, a regular expression or all choices together
 MAX_CHOICES = 1024
 MAX_TABLE_BYTES = 2**28  # one automaton's dense table (S x V int32)
-COMPILE_TIMEOUT_S = 30.0
+COMPILE_TIMEOUT_S = 10.0  # one worker builds one automaton at a time: a hostile one holds the others this long
 RECURSION_DEPTH = 2  # how deep recursive schemas ($ref to themselves) are unrolled
 FIELD = "structured"
 
