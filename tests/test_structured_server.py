@@ -2,6 +2,7 @@
 HTTP) and the batch job. One live server over a random-weight byte-level model; bounded schemas, so that the
 model completes each within max_tokens."""
 
+import concurrent.futures
 import json
 import re
 import time
@@ -139,9 +140,14 @@ def test_hostile_constraints_are_refused_or_bounded(stack, monkeypatch):
     digits = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 30}
     r = _post(url, "/v1/completions", {"prompt": "x", "max_tokens": 5, "guided_json": digits})  # needs 61 tokens
     assert r.json()["choices"][0]["finish_reason"] == "length"
-    monkeypatch.setattr(grammar, "COMPILE_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(grammar, "COMPILE_TIMEOUT_S", 3.0)
     start = time.monotonic()
-    r = _post(url, "/v1/completions", {"prompt": "x", "guided_regex": "(a|b)*a(a|b){24}"})
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # while it compiles, free requests are served
+        exploding = pool.submit(_post, url, "/v1/completions", {"prompt": "x", "guided_regex": "(a|b)*a(a|b){24}"})
+        time.sleep(0.3)
+        free = _post(url, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert free.status_code == 200 and not exploding.done()
+        r = exploding.result()
     assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex", r.text
     assert time.monotonic() - start < 20
     start = time.monotonic()  # the same again: refused at once, the compile worker not held a second time
