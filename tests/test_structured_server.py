@@ -339,6 +339,8 @@ def test_a_stream_holds_back_text_from_where_a_call_may_start():
 def test_the_template_gets_the_tools():
     template = ChatTemplate("{% for t in tools %}{{ t.function.name }};{% endfor %}{{ messages[0].content }}")
     assert template.render([{"role": "user", "content": "hi"}], TOOLS) == "get_weather;get_time;hi"
+    said = ChatTemplate("{{ tools[0] | tojson }}").render([], [{"function": {"description": "it's <b> & é"}}])
+    assert said == '{"function": {"description": "it\'s <b> & é"}}'  # as transformers writes it, not HTML-escaped
 
 
 class GetPet(BaseModel):

@@ -367,6 +367,11 @@ def _message(i: int, m: Message) -> dict:
     return message_for_template(message, m.tool_calls, m.tool_call_id)
 
 
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """JSON as transformers' templates get it (tools are written with it: `{{ tool | tojson }}`)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 class _Refused(jinja2.TemplateError):
     """raise_exception() in a template: it refuses these messages (the client's fault)."""
 
@@ -383,6 +388,7 @@ class ChatTemplate:
             raise _Refused(message)
 
         env.globals["raise_exception"] = raise_exception
+        env.filters["tojson"] = _tojson  # transformers' own: jinja2's escapes <, >, & and ' for HTML
         self.template, self.error, self.source = None, None, source
         try:
             self.template = env.from_string(source or PLAIN_CHAT)
