@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 
 from jaxgen.inference import grammar
 from jaxgen.inference.sampling import SamplingConfig
-from jaxgen.serving import tools
+from jaxgen.serving import server, tools
 from jaxgen.serving.batch_job import run_job
 from jaxgen.serving.server import ChatTemplate, create_app
 from tests.live import live_server, tiny_engine
@@ -360,3 +360,37 @@ def test_the_clients_stream_helpers_parse_the_output_and_the_call(stack):
         final = s.get_final_completion().choices[0]
     assert final.finish_reason == "tool_calls"
     assert isinstance(final.message.tool_calls[0].function.parsed_arguments, GetPet)
+
+
+QWEN_LIKE = """
+{%- if tools %}{{- '<|im_start|>system\n# Tools\n<tools>' }}
+    {%- for tool in tools %}{{- '\n' }}{{- tool | tojson }}{%- endfor %}
+    {{- '\n</tools>\nReturn each call as <tool_call>\n{"name": <function-name>, "arguments": <args>}\n</tool_call>' }}
+    {{- '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == "assistant" and message.tool_calls %}{{- '<|im_start|>assistant' }}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
+            {{- '\n<tool_call>\n{"name": "' + tool_call.name + '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}{{- '}\n</tool_call>' }}
+        {%- endfor %}{{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {{- '<|im_start|>user\n<tool_response>' + message.content + '</tool_response><|im_end|>\n' }}
+    {%- else %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}{{- '<|im_start|>assistant\n' }}
+"""  # the shape of Qwen2.5's template, which writes calls as it reads them back
+
+
+def test_a_qwen_like_template_renders_tools_and_earlier_calls_as_hermes():
+    assert tools.format_of(QWEN_LIKE) == tools.HERMES
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": 1}'}}
+    assistant = server.Message.model_validate({"role": "assistant", "tool_calls": [call]})
+    answer = server.Message.model_validate({"role": "tool", "tool_call_id": "call_1", "content": "12:00"})
+    messages = [server._message(0, server.Message.model_validate(ASK[0])), server._message(1, assistant),
+                server._message(2, answer)]  # fmt: skip
+    text = ChatTemplate(QWEN_LIKE).render(messages, TOOLS)
+    assert json.dumps(WEATHER) in text and "<tool_response>12:00</tool_response>" in text
+    written = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    assert _tools(tools.HERMES).parse(written)[0]["function"]["arguments"] == '{"zone": 1}'
