@@ -31,6 +31,16 @@ def tiny_engine():
 def live_server(engine, app):
     """Starts `engine` and serves `app`; yields (base url, the uvicorn server); stops both after."""
     engine.start()
+    try:
+        with serving(app) as (url, server):
+            yield url, server
+    finally:
+        engine.stop()
+
+
+@contextlib.contextmanager
+def serving(app):
+    """Serves `app` (over an engine already started) on a free port; yields (base url, the uvicorn server)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -44,4 +54,3 @@ def live_server(engine, app):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
-        engine.stop()

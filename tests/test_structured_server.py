@@ -19,7 +19,7 @@ from jaxgen.inference.sampling import SamplingConfig
 from jaxgen.serving import server, tools
 from jaxgen.serving.batch_job import run_job
 from jaxgen.serving.server import ChatTemplate, create_app
-from tests.live import live_server, tiny_engine
+from tests.live import live_server, serving, tiny_engine
 
 NAME = "tiny"
 DATE = r"(19|20)\d{2}-(0[1-9]|1[0-2])"
@@ -394,3 +394,33 @@ def test_a_qwen_like_template_renders_tools_and_earlier_calls_as_hermes():
     assert json.dumps(WEATHER) in text and "<tool_response>12:00</tool_response>" in text
     written = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
     assert _tools(tools.HERMES).parse(written)[0]["function"]["arguments"] == '{"zone": 1}'
+
+
+LLAMA_LIKE = """{{- bos_token if bos_token is defined else '' }}
+{%- if tools %}{{- 'Answer {"name": ..., "parameters": {...}} or <|python_tag|>:\\n' }}
+    {%- for t in tools %}{{- t.function.name + '\\n' }}{%- endfor %}
+{%- endif %}
+{%- for m in messages %}{{- '<' + m.role + '>' + (m.content or '') + '\\n' }}{%- endfor %}<assistant>"""
+
+
+def test_a_llama3_family_gets_and_parses_llama3_calls(stack):
+    _, _, engine = stack
+    tok = engine.tokenizer
+    template, tok.chat_template = tok.chat_template, LLAMA_LIKE
+    try:
+        app = create_app(engine, NAME)  # a second app over the same engine, with a Llama-3-like template
+    finally:
+        tok.chat_template = template
+    with serving(app) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        kw = dict(model=NAME, messages=ASK, tools=TOOLS, max_tokens=200, seed=8)
+        (call,) = client.chat.completions.create(**kw, tool_choice="required").choices[0].message.tool_calls
+        _validate_call(call)
+        said = '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "c"}}'
+        forced = kw | {"extra_body": {"guided_regex": re.escape(said)}}
+        message = client.chat.completions.create(**forced).choices[0].message
+        assert message.content is None and json.loads(message.tool_calls[0].function.arguments)["city"] == "Rome"
+        chunks = list(client.chat.completions.create(**forced, stream=True))
+        assert not any(c.choices[0].delta.content for c in chunks if c.choices)
+        (streamed,) = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+        assert streamed.function.arguments == message.tool_calls[0].function.arguments
