@@ -2,7 +2,9 @@
 only, the base bitwise unchanged, int8 base, resume) on tiny models."""
 
 import dataclasses
+import json
 import re
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -102,7 +104,9 @@ def test_untrained_adapters_change_nothing(tiny_cfg):
 def _lora_cfg(tiny_cfg, **lora_fields):
     m = dataclasses.replace(tiny_cfg.model, lora=LoraConfig(rank=RANK, targets=ALL, **lora_fields))
     opt = dataclasses.replace(tiny_cfg.optimizer, warmup_steps=2, learning_rate=1e-2)
-    return dataclasses.replace(tiny_cfg, model=m, optimizer=opt)
+    data = dataclasses.replace(tiny_cfg.data, seq_len=32)
+    training = dataclasses.replace(tiny_cfg.training, batch_size=4)
+    return dataclasses.replace(tiny_cfg, model=m, optimizer=opt, data=data, training=training)
 
 
 def _batch(cfg):
@@ -149,8 +153,8 @@ def test_lora_trains_adapters_only(tiny_cfg, base_dtype):
 
 
 def test_lora_run_from_hugging_face_resumes_exactly(hf_model, token_cache, tmp_path):
-    """train() from an HF folder with LoRA, stopped after 2 steps and continued, equals one run of 4 steps;
-    the checkpoints hold the adapters (no base weights)."""
+    """train() from an HF folder with LoRA for 4 steps; a copy of its folder as a kill after step 2 leaves it
+    (checkpoint 4 gone) continues to the same losses and bitwise the same adapters."""
     family, _, _, _, hf_folder = hf_model
     if family != "llama":
         pytest.skip("one family: the code path is shared")
@@ -159,27 +163,30 @@ def test_lora_run_from_hugging_face_resumes_exactly(hf_model, token_cache, tmp_p
     from jaxgen.training.trainer import resolve_init_from, train
     from tests.conftest import ROOT
 
+    texts = tmp_path / "texts.jsonl"  # a small corpus: the folder's tokenizer has its own token cache
+    texts.write_text("".join(json.dumps({"text": f"{i} + {i} = {2 * i}. " * 4}) + "\n" for i in range(200)))
     overrides = [
-        f"data.cache_dir={token_cache}", "mesh.data=1", f"training.init_from={hf_folder}", "model.lora.rank=4",
-        "training.steps=4", "training.batch_size=2", "data.seq_len=32", "training.eval_every=100",
-        "training.peak_flops=1e12", "checkpoint.every=2",
+        f"data.cache_dir={token_cache}", "data.source=jsonl", f"data.paths=[{texts}]", "data.eval_batches=1",
+        "mesh.data=1", f"training.init_from={hf_folder}", "model.lora.rank=4", "training.steps=4",
+        "training.batch_size=2", "data.seq_len=32", "training.eval_every=100", "training.peak_flops=1e12",
+        "checkpoint.every=2", "checkpoint.keep=5",
     ]  # fmt: skip
     cfg = load_config(ROOT / "configs" / "tiny.yaml", overrides)
     once = train(cfg, tmp_path / "once", progress=False)
-    sliced = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, steps_per_run=2))
-    first = train(sliced, tmp_path / "twice", progress=False)
-    second = train(sliced, tmp_path / "twice", progress=False)
-    assert (first.step, second.step) == (2, 4)
-    assert once.losses == first.losses + second.losses
+    assert once.losses[-1] < once.losses[0]
+    shutil.copytree(tmp_path / "once", tmp_path / "killed")
+    shutil.rmtree(tmp_path / "killed" / "checkpoints" / "4")
+    resumed = train(cfg, tmp_path / "killed", progress=False)
+    assert resumed.step == 4 and resumed.losses == once.losses[2:]
     resolved, _ = resolve_init_from(cfg)
 
     def adapters_of(run):
         ckpt = Checkpointer(run)
-        target = create_train_state(resolved, _one_device())
-        state, _ = ckpt.restore(4, target, with_data=False)
+        state, _ = ckpt.restore(4, create_train_state(resolved, _one_device()), with_data=False)
         ckpt.close()
         return state.params
 
-    a, b = adapters_of(tmp_path / "once"), adapters_of(tmp_path / "twice")
+    a, b = adapters_of(tmp_path / "once"), adapters_of(tmp_path / "killed")
+    assert jax.tree.structure(a) == jax.tree.structure(lora.init_lora(resolved.model, jax.random.key(0)))
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
