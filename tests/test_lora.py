@@ -183,3 +183,7 @@ def test_lora_run_from_hugging_face_resumes_exactly(hf_model, token_cache, tmp_p
     assert jax.tree.structure(a) == jax.tree.structure(lora.init_lora(resolved.model, jax.random.key(0)))
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    from jaxgen.inference.loading import load_run
+
+    with pytest.raises(ConfigError, match="LoRA run"):  # serving and converting adapters: not yet
+        load_run(tmp_path / "once")
