@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgen.config import ModelConfig
-from jaxgen.model.params import ParamSpec
+from jaxgen.model.params import ParamSpec, flops_per_token
 from jaxgen.sharding import named_sharding
 
 
@@ -76,6 +76,13 @@ def init_lora(cfg: ModelConfig, rng: jax.Array) -> dict:
 
 def count_lora(cfg: ModelConfig) -> int:
     return sum(math.prod(s.shape) for s in jax.tree.leaves(lora_specs(cfg), is_leaf=_is_spec))
+
+
+def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """`params.flops_per_token` for a LoRA step (for MFU): the frozen weights' products run forward and
+    backward to their inputs (4 FLOPs per weight, not 6: no weight gradient), the adapters' all three ways."""
+    weights = flops_per_token(cfg, 0)  # 6 per matrix weight, attention's scores left out (seq_len 0)
+    return flops_per_token(cfg, seq_len) - weights / 3 + 6.0 * count_lora(cfg)
 
 
 def attach(base: dict, adapters: dict) -> dict:

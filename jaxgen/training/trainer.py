@@ -26,6 +26,7 @@ from tqdm import tqdm
 from jaxgen import model
 from jaxgen.config import Config, ConfigError, load_config, save_config
 from jaxgen.distributed import any_process, barrier, is_main
+from jaxgen.model import lora
 from jaxgen.sharding import check_spans_processes, make_mesh, process_rows
 from jaxgen.tokenizer import Tokenizer
 from jaxgen.training.checkpoint import Checkpointer, has_checkpoint, quiet_background_errors, restore_newest
@@ -326,7 +327,8 @@ class _Rates:
 
     def __init__(self, cfg: Config):
         self.tokens_per_step = cfg.training.batch_size * cfg.data.seq_len
-        self.flops_per_step = model.flops_per_token(cfg.model, cfg.data.seq_len) * self.tokens_per_step
+        flops = lora.train_flops_per_token if cfg.model.lora.rank else model.flops_per_token
+        self.flops_per_step = flops(cfg.model, cfg.data.seq_len) * self.tokens_per_step
         self.peak = cfg.training.peak_flops or measure_matmul_flops()
 
     def record(self, step: int, m: dict, dt: float, batch: dict) -> dict:
