@@ -94,6 +94,28 @@ def test_adapted_logits_equal_peft(hf_model):
     np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.lora.rank=-1", "model.lora.rank=-1 is not allowed"),
+        ("model.lora.targets=[q, x]", "model.lora.targets='x' is not allowed: q, k, v, o, gate, up, down"),
+        ("model.lora.targets=[q, q]", "model.lora.targets=('q', 'q') is not allowed: distinct"),
+        ("model.lora.dropout=0.1", "model.lora.dropout=0.1 is not allowed: 0 (adapter dropout is not implemented)"),
+        ("model.lora.alpha=0", "model.lora.alpha=0.0 is not allowed"),
+        ("model.lora.ranks=4", "unknown config key model.lora.ranks; allowed keys under model.lora: rank"),
+    ],
+)
+def test_lora_settings_are_checked(override, message):
+    from jaxgen.config import load_config
+    from tests.conftest import ROOT
+
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", ["model.lora.rank=16", "model.lora.targets=[q, v, up]"])
+    assert cfg.model.lora == LoraConfig(rank=16, targets=("q", "v", "up"))
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "configs" / "tiny.yaml", [override])
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
 def _lora_cfg(tiny_cfg, **lora_fields):
     m = dataclasses.replace(tiny_cfg.model, lora=LoraConfig(rank=RANK, targets=ALL, **lora_fields))
     opt = dataclasses.replace(tiny_cfg.optimizer, warmup_steps=2, learning_rate=1e-2)
