@@ -203,7 +203,9 @@ def _accumulate_grads(params, batch, cfg: Config, base: dict | None = None):
     return total, count, grads, router
 
 
-def train_step(state: TrainState, batch: dict, base: dict | None = None, *, cfg: Config, tx):
+def train_step(
+    state: TrainState, batch: dict, base: dict | None = None, *, cfg: Config, tx: optax.GradientTransformation
+):
     """One optimizer step with teacher forcing; a non-finite loss or gradient skips the update.
     base: LoRA's frozen weights, read only (None: full training)."""
     total, count, grads, router = _accumulate_grads(state.params, batch, cfg, base)
@@ -252,17 +254,12 @@ def make_train_step(cfg: Config, mesh, state: TrainState, base: dict | None = No
     shape = (cfg.training.batch_size, cfg.data.seq_len)
     batch_sh = {k: batch_sharding(mesh, shape) for k in BATCH_KEYS}
     state_sh = state_shardings(state)
-    if base is None:
-        step = jax.jit(
-            functools.partial(train_step, cfg=cfg, tx=tx),
-            in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None), donate_argnums=0,
-        )  # fmt: skip
-        return with_mesh(step, mesh)
+    in_sh = (state_sh, batch_sh) if base is None else (state_sh, batch_sh, _shardings(base))
     step = jax.jit(
         functools.partial(train_step, cfg=cfg, tx=tx),
-        in_shardings=(state_sh, batch_sh, _shardings(base)), out_shardings=(state_sh, None), donate_argnums=0,
+        in_shardings=in_sh, out_shardings=(state_sh, None), donate_argnums=0,
     )  # fmt: skip
-    return _with_base(step, base, mesh)
+    return with_mesh(step, mesh) if base is None else _with_base(step, base, mesh)
 
 
 def make_eval_step(cfg: Config, mesh, state: TrainState, base: dict | None = None):
@@ -270,11 +267,9 @@ def make_eval_step(cfg: Config, mesh, state: TrainState, base: dict | None = Non
     shape = (cfg.training.batch_size, cfg.data.seq_len)
     batch_sh = {k: batch_sharding(mesh, shape) for k in BATCH_KEYS}
     params_sh = state_shardings(state).params
-    if base is None:
-        fn = jax.jit(functools.partial(eval_step, cfg=cfg), in_shardings=(params_sh, batch_sh))
-        return with_mesh(fn, mesh)
-    fn = jax.jit(functools.partial(eval_step, cfg=cfg), in_shardings=(params_sh, batch_sh, _shardings(base)))
-    return _with_base(fn, base, mesh)
+    in_sh = (params_sh, batch_sh) if base is None else (params_sh, batch_sh, _shardings(base))
+    fn = jax.jit(functools.partial(eval_step, cfg=cfg), in_shardings=in_sh)
+    return with_mesh(fn, mesh) if base is None else _with_base(fn, base, mesh)
 
 
 def _shardings(tree):

@@ -217,10 +217,10 @@ def _resume(
     lost), after setting the damaged ones aside so that their steps can be saved again.
     """
     steps = ckpt.all_steps()
-    lora = bool(cfg.model.lora.rank)
+    adapters_only = bool(cfg.model.lora.rank)  # LoRA: the state is the adapters', the base rebuilt
     if not steps:
         params = _init_from_params(cfg, mesh, family)
-        if lora:
+        if adapters_only:
             return create_train_state(cfg, mesh), 0, create_base(cfg, mesh, params)
         return create_train_state(cfg, mesh, params), 0, None
     target = None
@@ -228,7 +228,7 @@ def _resume(
     def restore(step):
         nonlocal target
         if step >= cfg.training.steps:
-            if lora:  # the adapters are the state's params; the whole (small) state is read to check them
+            if adapters_only:  # the adapters are the state's params; the whole (small) state is read to check them
                 ckpt.restore(step, create_train_state(cfg, mesh), with_data=False)
             else:
                 ckpt.restore_params(step, cfg.model, mesh)
@@ -249,7 +249,7 @@ def _resume(
     damaged = [s for s in steps if s > step]
     note = f" (checkpoints {damaged} did not restore: moved to {ckpt.set_aside(damaged)})" if damaged else ""
     _say(f"resuming {run_dir} from step {int(state.step)}{note}")
-    base = create_base(cfg, mesh, _init_from_params(cfg, mesh, family)) if lora else None
+    base = create_base(cfg, mesh, _init_from_params(cfg, mesh, family)) if adapters_only else None
     return state, int(state.step), base
 
 
