@@ -16,13 +16,13 @@ run.py      Config (a whole run) and the files: load_config, save_config, load_s
 
 from jaxgen.config.base import ConfigError, apply_overrides
 from jaxgen.config.devices import DistributedConfig, MeshConfig
-from jaxgen.config.model import ModelConfig
+from jaxgen.config.model import LoraConfig, ModelConfig
 from jaxgen.config.run import Config, config_from_dict, load_config, load_serve_config, save_config
 from jaxgen.config.serve import HttpConfig, ServeCommandConfig, ServeConfig
 from jaxgen.config.train import CheckpointConfig, DataConfig, OptimizerConfig, TrainingConfig
 
 __all__ = [
-    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistributedConfig", "HttpConfig", "MeshConfig",
-    "ModelConfig", "OptimizerConfig", "ServeCommandConfig", "ServeConfig", "TrainingConfig", "apply_overrides",
-    "config_from_dict", "load_config", "load_serve_config", "save_config",
+    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistributedConfig", "HttpConfig", "LoraConfig",
+    "MeshConfig", "ModelConfig", "OptimizerConfig", "ServeCommandConfig", "ServeConfig", "TrainingConfig",
+    "apply_overrides", "config_from_dict", "load_config", "load_serve_config", "save_config",
 ]  # fmt: skip

@@ -9,6 +9,53 @@ from typing import Literal
 
 from jaxgen.config.base import check, check_literals
 
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+_MLP_TARGETS = ("gate", "up", "down")
+
+
+def _integer(cfg, name: str, lo: int, allowed: str, hi=None, optional=False, section="model") -> None:
+    value = getattr(cfg, name)
+    if optional and value is None:
+        return
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and lo <= value <= (hi or value)
+    check(ok, f"{section}.{name}", value, allowed)
+
+
+def _number(cfg, name: str, allowed: str, in_range, optional: bool = False, section="model") -> None:
+    value = getattr(cfg, name)
+    if optional and value is None:
+        return
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and in_range(value)
+    check(ok, f"{section}.{name}", value, allowed)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters (LoRA, Hu et al. 2021) on the attention and MLP products: each targeted product
+    x @ W gains x @ A @ B * (alpha / rank), A (in, r) and B (r, out) trained, W frozen (see
+    jaxgen.model.lora). rank 0: no adapters, the model as it is."""
+
+    rank: int = 0  # r; 0 = off
+    alpha: float = 16.0  # the adapters' product is scaled by alpha / rank (PEFT's lora_alpha)
+    dropout: float = 0.0  # only 0 for now
+    targets: tuple[Literal["q", "k", "v", "o", "gate", "up", "down"], ...] = ("q", "k", "v", "o")
+    base_dtype: Literal["float32", "bfloat16", "int8"] = "float32"  # how the frozen base weights are held
+    #   in training: int8 is the QLoRA-style saving (jaxgen.model.quant, matrix products only)
+
+    def __post_init__(self):
+        check_literals(self, "model.lora")
+        _integer(self, "rank", 0, "an integer >= 0 (0 = no adapters)", section="model.lora")
+        _number(self, "alpha", "a finite number > 0", lambda x: x > 0, section="model.lora")
+        check(self.dropout == 0, "model.lora.dropout", self.dropout, "0 (adapter dropout is not implemented)")
+        targets = self.targets
+        ok = isinstance(targets, tuple) and len(targets) > 0 and len(set(targets)) == len(targets)
+        ok = ok and all(t in LORA_TARGETS for t in targets)
+        check(ok, "model.lora.targets", targets, "distinct names out of " + ", ".join(LORA_TARGETS))
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -74,6 +121,7 @@ class ModelConfig:
     #   input (recompute the rest); dots: matrix-product outputs; dots_no_batch: those without a batch
     #   axis (weights-only products); offload_dots: dots moved to host memory (GPU/TPU)
     init_std: float = 0.02
+    lora: LoraConfig = LoraConfig()  # low-rank adapters for fine-tuning (rank 0: none)
 
     def __post_init__(self):
         self._check_types()
@@ -103,6 +151,7 @@ class ModelConfig:
         self._check_layer_pattern()
         self._check_attention_extras()
         self._check_experts()
+        self._check_lora()
 
     def _check_types(self):
         """Every number of the right type and in the range where the model computes finite values (a norm
@@ -151,6 +200,20 @@ class ModelConfig:
         check(self.mlp in ("swiglu", "geglu"), "model.mlp", self.mlp, "swiglu or geglu with experts")
         check(not self.use_bias, "model.use_bias", self.use_bias, "false with experts")
 
+    def _check_lora(self):
+        check(isinstance(self.lora, LoraConfig), "model.lora", self.lora, "a LoraConfig (rank, alpha, targets)")
+        if self.lora.rank and self.num_experts:
+            mlp = [t for t in self.lora.targets if t in _MLP_TARGETS]
+            check(
+                not mlp,
+                "model.lora.targets",
+                self.lora.targets,
+                f"attention targets only (q, k, v, o) with experts (num_experts={self.num_experts}): "
+                "adapters on expert MLPs are not implemented",
+            )
+        if self.lora.rank and self.mlp == "gelu":
+            check("gate" not in self.lora.targets, "model.lora.targets", self.lora.targets, "no gate with mlp=gelu")
+
     @property
     def kv_heads(self) -> int:
         return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
@@ -169,19 +232,3 @@ class ModelConfig:
     def groups(self) -> int:
         """Query heads per kv head (G); 1 for multi-head attention."""
         return self.num_heads // self.kv_heads
-
-
-def _integer(cfg, name: str, lo: int, allowed: str, hi: int | None = None, optional: bool = False) -> None:
-    value = getattr(cfg, name)
-    if optional and value is None:
-        return
-    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and lo <= value <= (hi or value)
-    check(ok, f"model.{name}", value, allowed)
-
-
-def _number(cfg, name: str, allowed: str, in_range, optional: bool = False) -> None:
-    value = getattr(cfg, name)
-    if optional and value is None:
-        return
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and in_range(value)
-    check(ok, f"model.{name}", value, allowed)

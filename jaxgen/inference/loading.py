@@ -17,7 +17,7 @@ import dataclasses
 from pathlib import Path
 
 from jaxgen import hf
-from jaxgen.config import Config, MeshConfig, ModelConfig, ServeConfig, load_config
+from jaxgen.config import Config, ConfigError, MeshConfig, ModelConfig, ServeConfig, load_config
 from jaxgen.hf.load import inference_dtype
 from jaxgen.inference.budget import check_serving
 from jaxgen.model import quant
@@ -74,6 +74,11 @@ def load_run(run_dir: str | Path, mesh=None, step: int | None = None, param_dtyp
     if not (run_dir / "config.yaml").exists():
         raise FileNotFoundError(f"{run_dir} is not a jaxgen run folder (no config.yaml); train.py writes one")
     cfg: Config = load_config(run_dir / "config.yaml")
+    if cfg.model.lora.rank:  # its checkpoints hold adapters, no base (see docs/training.md, LoRA fine-tuning)
+        raise ConfigError(
+            f"{run_dir} is a LoRA run (model.lora.rank={cfg.model.lora.rank}): its checkpoints hold the adapters "
+            "only, and loading them onto their base (PEFT export, merging) is not implemented yet"
+        )
     tokenizer = Tokenizer.from_folder(run_dir)
     ckpt = Checkpointer(run_dir, cfg.checkpoint)
     try:

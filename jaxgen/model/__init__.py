@@ -7,6 +7,7 @@
     kernels/        kernels behind the attention seam and which runs where: cuDNN, Pallas splash, GPU Pallas
                     paged decode, XLA:CPU decode tuning (imports nothing else of this package)
     params.py       the parameter table (shapes, logical axes, initialisers), init, counts, FLOPs per token
+    lora.py         low-rank adapters (LoRA): their table, init, and the product added to targeted weights
     transformer.py  forward (cache=None for training), the layer stack, LM head
     cache.py        the cache contract (`Cache`): what the model and the decode core ask of a KV cache
     kvcache.py      the contiguous KV cache pytree, a buffer per layer and block (Generator, beam search)

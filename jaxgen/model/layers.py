@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen.config import ModelConfig
-from jaxgen.model import layout, quant
+from jaxgen.model import layout, lora, quant
 
 
 def dense(x, w, in_axes: int = 1):
@@ -116,19 +116,20 @@ def gelu(x):
     return jax.nn.gelu(x, approximate=True)
 
 
-def mlp(x_btd, p: dict, cfg: ModelConfig):
-    """GELU MLP (GPT-2), SwiGLU (Llama) or GeGLU (Gemma; tanh-approximated GELU gate)."""
-    up = dense(x_btd, p["w_up_df"])
+def mlp(x_btd, p: dict, cfg: ModelConfig, adapters: dict | None = None):
+    """GELU MLP (GPT-2), SwiGLU (Llama) or GeGLU (Gemma; tanh-approximated GELU gate). adapters: the
+    layer's low-rank adapters (jaxgen.model.lora), of which gate, up and down apply here."""
+    up = lora.add(dense(x_btd, p["w_up_df"]), x_btd, adapters, "up", cfg)
     if "b_up_f" in p:
         up = up + p["b_up_f"]
     if cfg.mlp in ("swiglu", "geglu"):
-        gate = dense(x_btd, p["w_gate_df"])
+        gate = lora.add(dense(x_btd, p["w_gate_df"]), x_btd, adapters, "gate", cfg)
         if "b_gate_f" in p:
             gate = gate + p["b_gate_f"]
         hidden = gated(gate, up, cfg.mlp)
     else:
         hidden = gelu(up)
-    out = dense(hidden, p["w_down_fd"])
+    out = lora.add(dense(hidden, p["w_down_fd"]), hidden, adapters, "down", cfg)
     if "b_down_d" in p:
         out = out + p["b_down_d"]
     return out

@@ -20,11 +20,13 @@ rule below are all this needs (about 100 lines), and they are tested against flo
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # contracted axes of each weight kind, by the name's axis letters (the glossary in jaxgen.sharding),
 # counted on one layer's weight (a stacked layer weight has a leading L axis on top)
@@ -151,12 +153,37 @@ def dense(x2, w: QArray, out_dtype):
     along I in memory: for one row by (768, 3072) that product took 0.27-0.30 ms against 0.53-0.56 ms in
     float32 and 0.60-0.72 ms with the (I, O) layout (`quantize_params` stores these weights so)."""
     if w.in_dims is None:
-        wq = w.q.reshape(x2.shape[-1], -1)
-        y = _int8_product(x2, lambda xq: jax.lax.dot(xq, wq, preferred_element_type=jnp.int32))
+        wq, out_major = w.q.reshape(x2.shape[-1], -1), False
     else:
-        contract = (((1,), (1,)), ((), ()))
-        y = _int8_product(x2, lambda xq: jax.lax.dot_general(xq, w.q, contract, preferred_element_type=jnp.int32))
-    return (y * w.scale.reshape(-1)).astype(out_dtype)  # (O,) scales: the contracted axes are 1s
+        wq, out_major = w.q, True
+    return _frozen_product(x2, wq, w.scale.reshape(-1), out_major).astype(out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _frozen_product(x2, wq, scale_o, out_major: bool):
+    """x2 (R, I) times int8 wq ((I, O), or (O, I) when out_major) times the (O,) scales: float32 (R, O).
+
+    The custom gradient is for LoRA on an int8 base (jaxgen.model.lora): rounding the activations has a
+    zero gradient, so x's is taken through the dequantized weight instead, as QLoRA does; the weight
+    itself is frozen (zero cotangents). Inference never differentiates and runs the forward alone."""
+    contract = (((1,), (1,)), ((), ())) if out_major else (((1,), (0,)), ((), ()))
+    y = _int8_product(x2, lambda xq: jax.lax.dot_general(xq, wq, contract, preferred_element_type=jnp.int32))
+    return y * scale_o  # (O,) scales: the contracted axes are 1s
+
+
+def _frozen_product_fwd(x2, wq, scale_o, out_major):
+    return _frozen_product(x2, wq, scale_o, out_major), (wq, scale_o, x2[:0])  # x2[:0]: its dtype
+
+
+def _frozen_product_bwd(out_major, res, g):
+    wq, scale_o, x_empty = res
+    w = wq.astype(jnp.float32)
+    contract = (((1,), (0,)), ((), ())) if out_major else (((1,), (1,)), ((), ()))
+    dx = jax.lax.dot_general(g.astype(jnp.float32) * scale_o, w, contract).astype(x_empty.dtype)
+    return dx, np.zeros(wq.shape, jax.dtypes.float0), jnp.zeros_like(scale_o)
+
+
+_frozen_product.defvjp(_frozen_product_fwd, _frozen_product_bwd)
 
 
 def head(x2, w: QArray, tied: bool):

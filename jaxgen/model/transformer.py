@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen.config import ModelConfig
-from jaxgen.model import attention, kernels, layers, layout, moe, quant
+from jaxgen.model import attention, kernels, layers, layout, lora, moe, quant
 from jaxgen.model.cache import Cache
 from jaxgen.sharding import constrain
 
@@ -208,9 +208,10 @@ def _qkv(x, p, positions, consts, cfg: ModelConfig):
     """Queries (B, T, N, H) and keys and values (B, T, K, H) of the (normed) input: biased, q and k
     normed (qk_norm), then rotated (RoPE, with this layer's frequencies)."""
     h = layers.norm(x, p["attn_norm"], cfg) if "attn_norm" in p else x
-    q = layers.dense(h, p["w_q_dnh"])  # (B, T, N, H)
-    k = layers.dense(h, p["w_k_dkh"])  # (B, T, K, H)
-    v = layers.dense(h, p["w_v_dkh"])
+    adapters = p.get("lora")  # low-rank adapters (jaxgen.model.lora); None: the products alone
+    q = lora.add(layers.dense(h, p["w_q_dnh"]), h, adapters, "q", cfg)  # (B, T, N, H)
+    k = lora.add(layers.dense(h, p["w_k_dkh"]), h, adapters, "k", cfg)  # (B, T, K, H)
+    v = lora.add(layers.dense(h, p["w_v_dkh"]), h, adapters, "v", cfg)
     if "b_q_nh" in p:
         q, k, v = q + p["b_q_nh"], k + p["b_k_kh"], v + p["b_v_kh"]
     if cfg.qk_norm != "none":
@@ -228,7 +229,8 @@ def _block(x, p, positions, consts, attend, cfg: ModelConfig):
     layer's written). Returns x, kv and the layer's auxiliary losses."""
     q, k, v = _qkv(x, p, positions, consts, cfg)
     out, kv = attend(q, k, v, consts)
-    out = layers.dense(out, p["w_o_nhd"], in_axes=2)  # (B, T, D)
+    adapters = p.get("lora")
+    out = lora.add(layers.dense(out, p["w_o_nhd"], in_axes=2), out, adapters, "o", cfg, in_axes=2)  # (B, T, D)
     if "b_o_d" in p:
         out = out + p["b_o_d"]
     if "post_attn_norm" in p:
@@ -238,7 +240,7 @@ def _block(x, p, positions, consts, attend, cfg: ModelConfig):
     if cfg.num_experts:
         out, aux = moe.mlp(h, p["mlp"], positions >= 0, cfg)
     else:
-        out, aux = layers.mlp(h, p["mlp"], cfg), _NO_ROUTER
+        out, aux = layers.mlp(h, p["mlp"], cfg, adapters), _NO_ROUTER
     if "post_mlp_norm" in p:
         out = layers.norm(out, p["post_mlp_norm"], cfg)
     return constrain(x + out, ("batch", "seq", "act_embed")), kv, aux

@@ -5,6 +5,14 @@
     state, metrics = step_fn(state, batch)     # state is donated
 
 A batch is a dict of (B, T) int32 arrays: inputs, targets, positions, segment_ids, loss_mask.
+
+LoRA fine-tuning (`model.lora.rank > 0`): the state's params are the adapters alone (jaxgen.model.lora),
+so the optimizer state and the checkpoints are the adapters' only; the frozen base weights are built by
+`create_base` and passed to the step beside the state, never donated, differentiated or changed:
+
+    base = create_base(cfg, mesh, params)      # params: starting weights (None: drawn from the seed)
+    state = create_train_state(cfg, mesh)      # adapters and their optimizer state
+    step_fn = make_train_step(cfg, mesh, state, base)
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import optax
 
 from jaxgen import model
 from jaxgen.config import Config, OptimizerConfig
-from jaxgen.model import param_shardings
+from jaxgen.model import lora, param_shardings, quant
 from jaxgen.sharding import batch_sharding, with_mesh
 from jaxgen.training.loss import head_cross_entropy
 
@@ -29,7 +37,7 @@ BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 @flax.struct.dataclass
 class TrainState:
     step: jax.Array  # () int32, optimizer steps taken (skipped ones included)
-    params: dict  # float32 master weights
+    params: dict  # float32 master weights (with LoRA: the adapters only)
     opt_state: optax.OptState
     rng: jax.Array  # for stochastic layers; folded with the step, never reused
     nonfinite_in_row: jax.Array  # () int32, consecutive skipped updates
@@ -73,11 +81,14 @@ def create_train_state(cfg: Config, mesh, params: dict | None = None) -> TrainSt
     """
     tx = make_optimizer(cfg.optimizer, cfg.training.steps)
 
-    def rng(which: int):  # 0: the key the params are drawn with, 1: the state's key
-        return jax.random.split(jax.random.key(cfg.training.seed))[which]
+    def rng(which: int):  # 0: the key the params are drawn with, 1: the state's key, 2: the adapters'
+        return _seed_key(cfg, which)
 
     with jax.set_mesh(mesh):
-        if params is None:
+        if cfg.model.lora.rank:  # the adapters are what trains; `params` is the base (see create_base)
+            shardings = lora.lora_shardings(cfg.model, mesh)
+            params = jax.jit(lambda: lora.init_lora(cfg.model, rng(2)), out_shardings=shardings)()
+        elif params is None:
             shardings = param_shardings(cfg.model, mesh)
             params = jax.jit(lambda: model.init_params(cfg.model, rng(0)), out_shardings=shardings)()
         opt_state = tx.init(params)  # eager, inside the mesh: moments take the params' shardings
@@ -86,6 +97,29 @@ def create_train_state(cfg: Config, mesh, params: dict | None = None) -> TrainSt
             step=_replicated(mesh, _zero), params=params, opt_state=opt_state, rng=_replicated(mesh, lambda: rng(1)),
             nonfinite_in_row=_replicated(mesh, _zero), nonfinite_total=_replicated(mesh, _zero),
         )  # fmt: skip
+
+
+def _seed_key(cfg: Config, which: int):
+    """Key `which` of the run's seed; 0 and 1 as before LoRA (so full training draws what it drew)."""
+    return jax.random.split(jax.random.key(cfg.training.seed), 3 if which == 2 else 2)[which]
+
+
+def create_base(cfg: Config, mesh, params: dict | None = None) -> dict | None:
+    """The frozen base weights of a LoRA run (None without LoRA), held as `model.lora.base_dtype` says:
+    `params` (fine-tuning, already in their shardings) or drawn from the seed as full training draws them
+    (so a resumed run rebuilds the same base). int8: every matrix product's weight (jaxgen.model.quant)."""
+    if not cfg.model.lora.rank:
+        return None
+    with jax.set_mesh(mesh):
+        if params is None:
+            shardings = param_shardings(cfg.model, mesh)
+            params = jax.jit(lambda: model.init_params(cfg.model, _seed_key(cfg, 0)), out_shardings=shardings)()
+        kind = cfg.model.lora.base_dtype
+        if kind == "bfloat16":
+            params = jax.tree.map(lambda w: w.astype(jnp.bfloat16), params)
+        elif kind == "int8":
+            params = quant.quantize_params(params)
+        return params
 
 
 def _zero():
@@ -143,11 +177,13 @@ def loss_sum(params, batch, cfg: Config, chunked: bool = True):
     return objective, (total, count, router)
 
 
-def _accumulate_grads(params, batch, cfg: Config):
+def _accumulate_grads(params, batch, cfg: Config, base: dict | None = None):
     """Gradient of the token-summed objective over `grad_accum` micro-batches (lax.scan); returns the
-    language-model loss sum, the token count, the gradients and the router losses (micro-batch mean)."""
+    language-model loss sum, the token count, the gradients and the router losses (micro-batch mean).
+    base: LoRA's frozen weights (`params` are then the adapters, the only thing differentiated)."""
     a = cfg.training.grad_accum
-    grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
+    objective = loss_sum if base is None else lambda adapters, b, c: loss_sum(lora.attach(base, adapters), b, c)
+    grad_fn = jax.value_and_grad(objective, has_aux=True)
     if a == 1:
         (_, (total, count, router)), grads = grad_fn(params, batch, cfg)
         return total, count, grads, router
@@ -167,9 +203,12 @@ def _accumulate_grads(params, batch, cfg: Config):
     return total, count, grads, router
 
 
-def train_step(state: TrainState, batch: dict, *, cfg: Config, tx: optax.GradientTransformation):
-    """One optimizer step with teacher forcing; a non-finite loss or gradient skips the update."""
-    total, count, grads, router = _accumulate_grads(state.params, batch, cfg)
+def train_step(
+    state: TrainState, batch: dict, base: dict | None = None, *, cfg: Config, tx: optax.GradientTransformation
+):
+    """One optimizer step with teacher forcing; a non-finite loss or gradient skips the update.
+    base: LoRA's frozen weights, read only (None: full training)."""
+    total, count, grads, router = _accumulate_grads(state.params, batch, cfg, base)
     count = jnp.maximum(count, 1.0)
     loss = total / count  # token-weighted mean over the whole batch
     grads = jax.tree.map(lambda g: g / count, grads)
@@ -198,7 +237,8 @@ def train_step(state: TrainState, batch: dict, *, cfg: Config, tx: optax.Gradien
     return state, metrics
 
 
-def eval_step(params, batch, *, cfg: Config):
+def eval_step(params, batch, base: dict | None = None, *, cfg: Config):
+    params = params if base is None else lora.attach(base, params)
     _, (total, count, _) = loss_sum(params, batch, cfg, chunked=False)  # no gradient: nothing to form on the way
     return total, count
 
@@ -207,24 +247,41 @@ def state_shardings(state: TrainState):
     return jax.tree.map(lambda x: x.sharding, state)
 
 
-def make_train_step(cfg: Config, mesh, state: TrainState):
-    """The jitted, state-donating step, with the state's and the batch's shardings fixed."""
+def make_train_step(cfg: Config, mesh, state: TrainState, base: dict | None = None):
+    """The jitted, state-donating step `step(state, batch)`, with the state's and the batch's shardings
+    fixed; with LoRA's `base` (see create_base), the step reads it (not donated) on every call."""
     tx = make_optimizer(cfg.optimizer, cfg.training.steps)
     shape = (cfg.training.batch_size, cfg.data.seq_len)
     batch_sh = {k: batch_sharding(mesh, shape) for k in BATCH_KEYS}
     state_sh = state_shardings(state)
+    in_sh = (state_sh, batch_sh) if base is None else (state_sh, batch_sh, _shardings(base))
     step = jax.jit(
         functools.partial(train_step, cfg=cfg, tx=tx),
-        in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None), donate_argnums=0,
+        in_shardings=in_sh, out_shardings=(state_sh, None), donate_argnums=0,
     )  # fmt: skip
-    return with_mesh(step, mesh)
+    return with_mesh(step, mesh) if base is None else _with_base(step, base, mesh)
 
 
-def make_eval_step(cfg: Config, mesh, state: TrainState):
+def make_eval_step(cfg: Config, mesh, state: TrainState, base: dict | None = None):
+    """The jitted `eval(params, batch) -> (loss sum, token count)`; with LoRA, params are the adapters."""
     shape = (cfg.training.batch_size, cfg.data.seq_len)
     batch_sh = {k: batch_sharding(mesh, shape) for k in BATCH_KEYS}
-    fn = jax.jit(functools.partial(eval_step, cfg=cfg), in_shardings=(state_shardings(state).params, batch_sh))
-    return with_mesh(fn, mesh)
+    params_sh = state_shardings(state).params
+    in_sh = (params_sh, batch_sh) if base is None else (params_sh, batch_sh, _shardings(base))
+    fn = jax.jit(functools.partial(eval_step, cfg=cfg), in_shardings=in_sh)
+    return with_mesh(fn, mesh) if base is None else _with_base(fn, base, mesh)
+
+
+def _shardings(tree):
+    return jax.tree.map(lambda x: x.sharding, tree)
+
+
+def _with_base(jitted, base: dict, mesh):
+    """fn(x, batch) calling jitted(x, batch, base) under the mesh; `.jitted` is the jitted function (for
+    `.lower()`, which then takes the base as its third argument)."""
+    call = with_mesh(lambda x, batch: jitted(x, batch, base), mesh)
+    call.jitted = jitted
+    return call
 
 
 def put_batch(batch: dict, mesh, global_batch: int | None = None) -> dict:

@@ -26,13 +26,21 @@ from tqdm import tqdm
 from jaxgen import model
 from jaxgen.config import Config, ConfigError, load_config, save_config
 from jaxgen.distributed import any_process, barrier, is_main
+from jaxgen.model import lora
 from jaxgen.sharding import check_spans_processes, make_mesh, process_rows
 from jaxgen.tokenizer import Tokenizer
 from jaxgen.training.checkpoint import Checkpointer, has_checkpoint, quiet_background_errors, restore_newest
 from jaxgen.training.data.pipeline import PackedSequences, eval_batches, train_iterator
 from jaxgen.training.data.tokens import load_splits
 from jaxgen.training.metrics import MetricsWriter, measure_matmul_flops, plot_loss
-from jaxgen.training.step import TrainState, create_train_state, make_eval_step, make_train_step, put_batch
+from jaxgen.training.step import (
+    TrainState,
+    create_base,
+    create_train_state,
+    make_eval_step,
+    make_train_step,
+    put_batch,
+)
 
 
 class NonFiniteError(RuntimeError):
@@ -158,7 +166,7 @@ def resolve_init_from(cfg: Config) -> tuple[Config, str | None]:
     if not (Path(folder) / "tokenizer.json").exists():
         raise ConfigError(f"training.init_from={folder!r} has no tokenizer.json; one is needed to read the data")
     family, model_cfg = hf.read_config(folder)
-    model_cfg = dataclasses.replace(model_cfg, dtype=cfg.model.dtype)
+    model_cfg = dataclasses.replace(model_cfg, dtype=cfg.model.dtype, lora=cfg.model.lora)
     data = dataclasses.replace(cfg.data, tokenizer=str(Path(folder).absolute()))
     return dataclasses.replace(cfg, model=model_cfg, data=data), family
 
@@ -180,11 +188,11 @@ def train(cfg: Config, run_dir: str | Path, progress: bool = True) -> TrainResul
         held_out = eval_batches(eval_src, cfg.training.batch_size, cfg.data.eval_batches, rows)
         ckpt = Checkpointer(run_dir, cfg.checkpoint)
         try:
-            state, step = _resume(cfg, run_dir, ckpt, mesh, data_iter, family)
+            state, step, base = _resume(cfg, run_dir, ckpt, mesh, data_iter, family)
             if state is None:
                 result = TrainResult(step=step, status="already finished")
             else:
-                run = _Run(cfg, run_dir, mesh, data_iter, held_out, ckpt)
+                run = _Run(cfg, run_dir, mesh, data_iter, held_out, ckpt, base)
                 result = _loop(run, state, step, progress)
         except BaseException:
             with contextlib.suppress(Exception):  # the error in flight is the one to report
@@ -197,8 +205,10 @@ def train(cfg: Config, run_dir: str | Path, progress: bool = True) -> TrainResul
 
 def _resume(
     cfg: Config, run_dir: Path, ckpt: Checkpointer, mesh, data_iter, family: str | None = None
-) -> tuple[TrainState | None, int]:
-    """(state, step) to train from: fresh, or the newest checkpoint that restores; state None: the run is finished.
+) -> tuple[TrainState | None, int, dict | None]:
+    """(state, step, base) to train from: fresh, or the newest checkpoint that restores; state None: the run
+    is finished. base: LoRA's frozen weights (None without LoRA), rebuilt on every start (the checkpoints
+    hold the adapters and their optimizer state only): training.init_from's weights or the seed's.
 
     Whether the run is finished is read from the step folder's name, and then only that checkpoint's params
     are restored to check it: they are what serve.py reads, and a rerun of a finished command need not read
@@ -207,14 +217,21 @@ def _resume(
     lost), after setting the damaged ones aside so that their steps can be saved again.
     """
     steps = ckpt.all_steps()
+    adapters_only = bool(cfg.model.lora.rank)  # LoRA: the state is the adapters', the base rebuilt
     if not steps:
-        return create_train_state(cfg, mesh, _init_from_params(cfg, mesh, family)), 0
+        params = _init_from_params(cfg, mesh, family)
+        if adapters_only:
+            return create_train_state(cfg, mesh), 0, create_base(cfg, mesh, params)
+        return create_train_state(cfg, mesh, params), 0, None
     target = None
 
     def restore(step):
         nonlocal target
         if step >= cfg.training.steps:
-            ckpt.restore_params(step, cfg.model, mesh)
+            if adapters_only:  # the adapters are the state's params; the whole (small) state is read to check them
+                ckpt.restore(step, create_train_state(cfg, mesh), with_data=False)
+            else:
+                ckpt.restore_params(step, cfg.model, mesh)
             return None
         target = create_train_state(cfg, mesh) if target is None else target
         return ckpt.restore(step, target)
@@ -225,14 +242,15 @@ def _resume(
             f"{run_dir} already finished: {step} of training.steps={cfg.training.steps} steps done. "
             f"To train further, run the same command with training.steps={step * 2} (or any number > {step})."
         )
-        return None, step
+        return None, step, None
     state, data_state = restored
     if data_state is not None:
         data_iter.set_state(data_state)
     damaged = [s for s in steps if s > step]
     note = f" (checkpoints {damaged} did not restore: moved to {ckpt.set_aside(damaged)})" if damaged else ""
     _say(f"resuming {run_dir} from step {int(state.step)}{note}")
-    return state, int(state.step)
+    base = create_base(cfg, mesh, _init_from_params(cfg, mesh, family)) if adapters_only else None
+    return state, int(state.step), base
 
 
 def _init_from_params(cfg: Config, mesh, family: str | None):
@@ -256,11 +274,12 @@ class _Run:
     data_iter: object
     held_out: list
     ckpt: Checkpointer
+    base: dict | None = None  # LoRA's frozen weights (see jaxgen.training.step.create_base)
 
 
 def _loop(run: _Run, state: TrainState, start: int, progress: bool) -> TrainResult:
     cfg = run.cfg
-    step_fn, eval_fn = make_train_step(cfg, run.mesh, state), make_eval_step(cfg, run.mesh, state)
+    step_fn, eval_fn = make_train_step(cfg, run.mesh, state, run.base), make_eval_step(cfg, run.mesh, state, run.base)
     rates = _Rates(cfg)
     result = TrainResult(step=start, status="finished")
     end = cfg.training.steps
@@ -308,7 +327,8 @@ class _Rates:
 
     def __init__(self, cfg: Config):
         self.tokens_per_step = cfg.training.batch_size * cfg.data.seq_len
-        self.flops_per_step = model.flops_per_token(cfg.model, cfg.data.seq_len) * self.tokens_per_step
+        flops = lora.train_flops_per_token if cfg.model.lora.rank else model.flops_per_token
+        self.flops_per_step = flops(cfg.model, cfg.data.seq_len) * self.tokens_per_step
         self.peak = cfg.training.peak_flops or measure_matmul_flops()
 
     def record(self, step: int, m: dict, dt: float, batch: dict) -> dict:
