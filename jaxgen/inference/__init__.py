@@ -1,5 +1,6 @@
 """Inference: sampling, the decode loop, Generator, beam search and the continuous-batching engine.
 
+errors.py      SamplingError, the error every request setting raises (a leaf: sampling and grammar share it)
 sampling.py    per-request settings (the one validation every door shares) and the sampling function
 decode.py      the decode core: DecodeState, prefill, the while_loop, recording tokens, finishing a row
 generator.py   Generator: static batches through the decode core, the tool beneath LLM

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxgen.inference.sampling import SamplingError, shown
+from jaxgen.inference.errors import SamplingError, shown
 
 MAX_TEXT = 100_000  # characters of a schema, a regular expression or all choices together
 MAX_CHOICES = 1024

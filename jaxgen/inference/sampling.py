@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgen.inference.errors import SamplingError, shown
+
 if TYPE_CHECKING:
     from jaxgen.inference.grammar import Structured
 
@@ -30,21 +32,6 @@ MAX_TEMPERATURE = 1e4
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_SEQUENCE = 8  # tokens in one stop token sequence (the decode loop's window)
-SHOWN = 100  # characters of a bad value quoted back in an error
-
-
-class SamplingError(ValueError):
-    """A request setting outside what is allowed. `field` names it (None when the request as a whole is wrong)."""
-
-    def __init__(self, message: str, field: str | None = None):
-        super().__init__(message)
-        self.field = field
-
-
-def shown(value) -> str:
-    """repr(value), cut to about SHOWN characters: a 20 MB bad value is not echoed back whole."""
-    text = repr(value)
-    return text if len(text) <= SHOWN else f"{text[:SHOWN]}... ({len(text)} characters)"
 
 
 def _require(ok: bool, field: str, value, allowed: str) -> None:
