@@ -64,7 +64,7 @@ class Engine:
         self.scheduler, self.max_pages = Scheduler(policy, serve.prefill_chunk), policy.max_pages
         self.compilations = 0
         self.grammars = grammar.GrammarPool(cfg.vocab_size)  # the slots' constraints (the device has a copy)
-        self._vocab = None  # each token's bytes, for constraints (built at the first constrained request)
+        self.constraints = grammar.Constraints(tokenizer, cfg.vocab_size)  # structured output's automata
         self._jit_steps(mesh)
         init = jax.jit(steps.init_state, static_argnums=(0, 1, 2, 3))  # jitted: the pool is made in its shardings
         self.state = with_mesh(init, mesh)(cfg, serve, num_pages, self.max_pages)
@@ -119,11 +119,7 @@ class Engine:
 
     def automaton(self, c: SamplingConfig) -> grammar.Automaton | None:
         """The token automaton of `c.structured` (None when free), compiled once per constraint."""
-        if c.structured is None:
-            return None
-        if self._vocab is None:
-            self._vocab = grammar.Vocabulary.of(self.tokenizer, self.cfg.vocab_size)
-        return grammar.compile_automaton(c.structured, self._vocab)
+        return self.constraints.automaton(c.structured)
 
     def encode_prompts(self, prompts: list[str | list[int]]) -> list[list[int]]:
         """Token ids of each prompt, checked as Generator.encode_prompts checks them."""

@@ -102,7 +102,7 @@ class Generator:
         self.max_batch, self.chunk_steps, self.cache_dtype = config.max_batch, config.chunk_steps, config.cache_dtype
         self.min_cache_len = config.min_cache_len
         self.compilations = 0  # programs traced (each trace is one XLA compilation)
-        self._vocab = None  # each token's bytes, for constraints (built at the first constrained request)
+        self.constraints = grammar.Constraints(tokenizer, cfg.vocab_size)  # structured output's automata
         self._table = None  # (automata ids, device table, automata) of the last batch
         # With a mesh, place params with `model.param_shardings`; batch rows and the cache's kv heads
         # follow the sharding rules (jaxgen.sharding) through the constraints in the model and cache.
@@ -163,11 +163,7 @@ class Generator:
 
     def automaton(self, c: SamplingConfig) -> grammar.Automaton | None:
         """The token automaton of `c.structured` (None when free), compiled once per constraint."""
-        if c.structured is None:
-            return None
-        if self._vocab is None:
-            self._vocab = grammar.Vocabulary.of(self.tokenizer, self.cfg.vocab_size)
-        return grammar.compile_automaton(c.structured, self._vocab)
+        return self.constraints.automaton(c.structured)
 
     def _sizes(self, ids, configs, group, prompt_idx) -> tuple[int, int, int, int]:
         """A group's static sizes: prompt bucket T, new tokens, cache slots and draft window W."""

@@ -301,6 +301,23 @@ class Vocabulary:
         return cls(token_bytes(tokenizer), tuple(tokenizer.eos_ids), model_vocab)
 
 
+class Constraints:
+    """The automata of one tokenizer and model: each token's bytes read once (at the first constrained
+    request), each constraint compiled once (`compile_automaton`'s cache). Generator and Engine hold one."""
+
+    def __init__(self, tokenizer, model_vocab: int):
+        self.tokenizer, self.model_vocab = tokenizer, model_vocab
+        self._vocab = None
+
+    def automaton(self, structured: Structured | None) -> Automaton | None:
+        """The token automaton of `structured` (None when free)."""
+        if structured is None:
+            return None
+        if self._vocab is None:
+            self._vocab = Vocabulary.of(self.tokenizer, self.model_vocab)
+        return compile_automaton(structured, self._vocab)
+
+
 def token_bytes(tokenizer) -> tuple[bytes | None, ...]:
     """What each token id writes, as bytes: byte-level BPE (GPT-2's character map), byte fallback (<0xNN>)
     and SentencePiece's "▁" for a space; None for special (added) tokens."""
