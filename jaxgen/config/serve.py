@@ -43,6 +43,11 @@ class ServeConfig:
     # a run or Hugging Face folder whose model (a smaller one, with the same tokenizer) drafts for requests with
     # num_speculative_tokens > 0; None = n-gram lookup over each request's prompt and output
     draft: str | None = None
+    # multi-LoRA serving (docs/serving.md): up to max_loras adapters of rank up to max_lora_rank held on the device
+    # at once, each request naming one (or none); 0 = off. lora_modules: "NAME=FOLDER" adapters loaded at start
+    max_loras: int = 0
+    max_lora_rank: int = 16
+    lora_modules: tuple[str, ...] = ()
     # several processes (`serve.py generate --input`): split = each serves its share of the lines on its own
     # devices (data parallel); shared = one engine on a mesh over every process's devices (model parallel)
     processes: Literal["split", "shared"] = "split"
@@ -83,6 +88,7 @@ class ServeConfig:
         check(isinstance(self.quantize_embedding, bool), "serve.quantize_embedding", self.quantize_embedding, "a bool")
         check(self.draft is None or (isinstance(self.draft, str) and bool(self.draft)), "serve.draft", self.draft,
                "null or the path of a run or Hugging Face folder")  # fmt: skip
+        self._check_loras()
         for name in ("data_parallel", "tensor_parallel"):
             value = getattr(self, name)
             check(value == -1 or value > 0, f"serve.{name}", value, "a positive integer, or -1 for the rest")
@@ -95,6 +101,17 @@ class ServeConfig:
             "1 with serve.processes=shared (one engine, tensor parallel over every process's devices); "
             "serve.processes=split is the data parallelism across processes",
         )  # fmt: skip
+
+    def _check_loras(self):
+        check(_is_int(self.max_loras) and 0 <= self.max_loras <= 1024, "serve.max_loras", self.max_loras,
+              "an integer from 0 (no adapters) to 1024")  # fmt: skip
+        check(_is_int(self.max_lora_rank) and 1 <= self.max_lora_rank <= 1024, "serve.max_lora_rank",
+              self.max_lora_rank, "an integer from 1 to 1024")  # fmt: skip
+        modules = self.lora_modules
+        ok = isinstance(modules, tuple) and all(isinstance(m, str) and "=" in m and m.index("=") > 0 for m in modules)
+        check(ok, "serve.lora_modules", modules, 'a list of "NAME=FOLDER" (PEFT adapter folders)')
+        check(len(modules) <= self.max_loras, "serve.lora_modules", modules,
+              f"at most serve.max_loras={self.max_loras} adapters")  # fmt: skip
 
     @property
     def mesh(self) -> MeshConfig:

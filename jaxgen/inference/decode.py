@@ -33,6 +33,7 @@ from jaxgen.inference.sampling import (
     sample,
     shown,
 )
+from jaxgen.model import lora
 from jaxgen.model.kvcache import KVCache
 from jaxgen.tokenizer import Tokenizer
 
@@ -70,6 +71,7 @@ class DecodeState:
     grammar_table: jax.Array  # (S, V) int32, the state after each token, -1 where not allowed (grammar.py)
     sampling: SamplingArrays
     cache: KVCache
+    adapter: jax.Array | None = None  # (B,) int32, each row's slot in the params' LoRA bank (engine; 0: none)
 
 
 @dataclasses.dataclass
@@ -164,6 +166,7 @@ def prefill(params, tokens, positions, rows, lengths, cfg: ModelConfig, cache_le
 def decode_loop(params, state: DecodeState, cfg: ModelConfig) -> DecodeState:
     """Decode until every row is done or `state.limit` steps; pure, cache updated in place."""
     base = state.generated - state.step  # a live row makes one token a step: its token goes to column `step`
+    params = lora.for_rows(params, state.adapter)  # each row's adapter, when the params hold a LoRA bank
 
     def cond(s: DecodeState):
         return (s.step < s.limit) & ~jnp.all(s.done)

@@ -13,6 +13,9 @@ rebuilds the device state. Outputs depend neither on what else runs nor on preem
 seeded draws keyed by (seed, token index) as in `Generator`, and a readmitted sequence resumes exactly.
 Speculating requests draft by n-gram lookup or with `Engine(..., draft=(params, cfg))`, a smaller model
 whose KV pages lie in a pool of their own on the target's page tables (`jaxgen.inference.speculative`).
+With `serve.max_loras` > 0 the params hold a bank of that many LoRA adapter slots (`jaxgen.model.lora.Bank`):
+`load_lora` writes one into a slot (no recompilation), `submit(..., lora=name)` runs a request with it, and
+rows with different adapters share every batch (`jaxgen.inference.adapters`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import numpy as np
 from jaxgen import model
 from jaxgen.config import ModelConfig, ServeConfig
 from jaxgen.inference import decode, grammar, speculative, steps
+from jaxgen.inference.adapters import LoraError, LoraRegistry, read_adapter_folder
 from jaxgen.inference.budget import check_serving
 from jaxgen.inference.decode import Completion, HostRows
 from jaxgen.inference.pages import PagePolicy, PagePool
@@ -36,6 +40,7 @@ from jaxgen.inference.requests import LIVE, EngineClosed, Request, RequestFailed
 from jaxgen.inference.sampling import SamplingConfig, check_prompt, per_prompt
 from jaxgen.inference.scheduler import PrefillChunk, Scheduler, StepOutput, StepPlan, Tables
 from jaxgen.inference.stats import EngineStats
+from jaxgen.model import lora
 from jaxgen.sharding import with_mesh
 from jaxgen.tokenizer import Tokenizer
 
@@ -57,6 +62,9 @@ class Engine:
         check_serving(cfg, serve, self.draft_cfg, mesh)  # ConfigError before anything is allocated or compiled
         self.params = model.decode_params(params, serve.slots)  # see model.decode_params
         self.cfg, self.tokenizer, self.serve = cfg, tokenizer, serve
+        self.loras = LoraRegistry(serve.max_loras)  # adapter names -> slots of the params' bank
+        if serve.max_loras:
+            self.params = _with_empty_bank(self.params, cfg, serve, mesh)
         if draft is not None:
             self.draft_params = model.decode_params(draft[0], serve.slots)
         num_pages, z = steps.pool_pages(cfg, serve, self.draft_cfg), serve.page_size
@@ -106,6 +114,8 @@ class Engine:
         self._prefill_scored = jit(steps.prefill_chunk_scored, 1, ("cfg", "top"))
         self._spec_chunk = jit(steps.decode_chunk_speculative, (1, 2), ("cfg", "w", "draft_cfg"))
         self._prefill_draft = jit(steps.prefill_draft_chunk, 1, "draft_cfg")
+        self._write_slot = jit(lora.write_slot)  # the bank donated: a slot is written in place
+        self.device_lock = threading.RLock()  # a step's device calls vs a load that donates the bank they read
 
     # --- requests ----------------------------------------------------------------------------------
 
@@ -121,6 +131,49 @@ class Engine:
         """The token automaton of `c.structured` (None when free), compiled once per constraint."""
         return self.constraints.automaton(c.structured)
 
+    # --- LoRA adapters (multi-LoRA serving) -----------------------------------------------------------
+
+    def load_lora(self, name: str, adapters: dict, scale: float = 1.0) -> None:
+        """Loads adapters ({target: {"a_..": (L, *in, r), "b_..": (L, r, *out)}}, `jaxgen.model.lora`'s layout)
+        as `name`, their product scaled by `scale` (alpha / rank), into a free slot of the bank: a jitted write,
+        nothing recompiles. LoraError (a ValueError) when it does not fit: no free slot (serve.max_loras), a
+        rank above serve.max_lora_rank, a target the bank lacks, shapes of another model, a name in use."""
+        bank = lora.bank_of(self.params)
+        if bank is None:
+            raise LoraError("this engine serves no LoRA adapters: start it with serve.max_loras > 0")
+        try:
+            entry = lora.bank_entry(adapters, scale, bank)
+        except ValueError as e:
+            raise LoraError(f"cannot load lora_name={name!r}: {e}") from None
+        with self.device_lock, self.lock:  # no step runs meanwhile: it would read the donated bank
+            ref = self.loras.reserve(name, self._lora_slots_in_use())
+            written = self._write_slot(bank, np.int32(ref.slot), decode.upload(entry))
+            self.params = lora.with_bank(self.params, written)
+            self.loras.add(ref)
+
+    def load_lora_folder(self, name: str, folder) -> None:
+        """`load_lora` of a PEFT adapter folder (`adapter_config.json` + `adapter_model.safetensors`)."""
+        with self.lock:
+            if name in self.loras.loaded:  # before reading the folder
+                raise LoraError(f"lora_name={name!r} is loaded already: unload it first")
+        adapters, scale = read_adapter_folder(folder, self.cfg)
+        self.load_lora(name, adapters, scale)
+
+    def unload_lora(self, name: str) -> None:
+        """New requests cannot name `name` any more (LoraNotFound if not loaded); requests already using it
+        finish with it, and its slot is reused only once they are done."""
+        with self.lock:
+            self.loras.remove(name)
+
+    def lora_names(self) -> list[str]:
+        """The adapters loaded, in load order."""
+        with self.lock:
+            return self.loras.names()
+
+    def _lora_slots_in_use(self) -> set[int]:
+        live = [*self.scheduler.waiting, *self.scheduler.prefilling, *self.scheduler.slots]
+        return {r.lora.slot for r in live if r is not None and r.lora is not None}
+
     def encode_prompts(self, prompts: list[str | list[int]]) -> list[list[int]]:
         """Token ids of each prompt, checked as Generator.encode_prompts checks them."""
         return [decode.encode_prompt(self.tokenizer, p, self.cfg, f"prompt {i}") for i, p in enumerate(prompts)]
@@ -130,14 +183,17 @@ class Engine:
 
     def submit(
         self, prompt: str | list[int], sampling: SamplingConfig = SamplingConfig(), *, prompt_index: int = 0,
-        on_update: Callable[[Request], None] | None = None,
+        on_update: Callable[[Request], None] | None = None, lora: str | None = None,
     ) -> list[Request]:  # fmt: skip
         """Queues sampling.n sequences for one prompt; returns their Requests (checked first).
 
         Raises SamplingError / PageError for a request that can never run, EngineClosed when the
-        engine is shutting down. `on_update` is called from the engine thread after each chunk and
-        once more when the sequence ends, however it ends (finished, cancelled or failed)."""
+        engine is shutting down, LoraNotFound when `lora` names no loaded adapter (None: the base model).
+        `on_update` is called from the engine thread after each chunk and once more when the sequence ends,
+        however it ends (finished, cancelled or failed)."""
         ids = decode.encode_prompt(self.tokenizer, prompt, self.cfg)
+        with self.lock:
+            self.loras.resolve(lora)  # an unknown name fails before any other check
         self.check(ids, sampling)
         requests = [
             Request(ids, decode.sample_config(sampling, s), prompt_index, s, on_update, t_submit=time.perf_counter())
@@ -146,6 +202,9 @@ class Engine:
         with self.wake:
             if not self.accepting:
                 raise EngineClosed("the engine is shutting down: no new requests are admitted")
+            ref = self.loras.resolve(lora)  # again, with the lock held until queued: an unload cannot slip between
+            for r in requests:
+                r.lora = ref
             self.scheduler.add(requests)
             self.stats.submitted(len(requests))
             self.wake.notify()
@@ -240,17 +299,18 @@ class Engine:
         chunk. A failure that concerns one request fails that request alone; a failed device step fails
         the sequences in flight (their cache is lost), rebuilds the device state and goes on with the queue."""
         t0 = time.perf_counter()
-        self._drop_ended()
-        with self.lock:
-            plan = self.scheduler.schedule()
-        prefilled = self._run_prefills(plan)
-        try:
-            self._retire_preempted(plan)
-            if prefilled and plan.decode:
-                self._decode_chunk(plan)
-        except Exception as e:
-            self._failed_step(None, "decode", e)
-        self._drop_ended()
+        with self.device_lock:
+            self._drop_ended()
+            with self.lock:
+                plan = self.scheduler.schedule()
+            prefilled = self._run_prefills(plan)
+            try:
+                self._retire_preempted(plan)
+                if prefilled and plan.decode:
+                    self._decode_chunk(plan)
+            except Exception as e:
+                self._failed_step(None, "decode", e)
+            self._drop_ended()
         self.stats.count("busy_seconds", time.perf_counter() - t0)
 
     def _admit(self) -> None:
@@ -289,11 +349,14 @@ class Engine:
             self.stats.prefix_lookup(c.looked_up, c.hits)
         tokens, positions, targets = steps.prefill_inputs(r.sequence, c.start, c.length)
         args = (self.params, self.state, c.slot, tokens, positions, c.length - 1)
+        adapter = self._adapter_of(r)
         if r.wants_prompt_scores:
-            self.state, logits, scores = self._prefill_scored(*args, targets, cfg=self.cfg, top=self.serve.max_logprobs)
+            self.state, logits, scores = self._prefill_scored(
+                *args, targets, cfg=self.cfg, top=self.serve.max_logprobs, adapter=adapter
+            )
             r.take_prompt_scores(jax.device_get(scores), c.start, c.length)
         else:
-            self.state, logits = self._prefill(*args, cfg=self.cfg)
+            self.state, logits = self._prefill(*args, cfg=self.cfg, adapter=adapter)
         if self.draft_cfg is not None:  # every sequence: a prefix page may later serve one that speculates
             self.spec = self._prefill_draft(
                 self.draft_params, self.spec, self.state.cache, c.slot, tokens, positions, draft_cfg=self.draft_cfg
@@ -311,10 +374,17 @@ class Engine:
             self.grammars.changed = False
         start = 0 if automaton is None else offset + automaton.walk(r.tokens)  # where a preempted row was
         row = steps.slot_row(logits, r.prompt, r.tokens, r.sampling, self._stops(r.sampling), self.cfg, start)
+        row = row.replace(adapter=self._adapter_of(r))
         self.state = self._activate(self.state, slot, row)
         n = np.int32(r.sampling.num_speculative_tokens)  # a slot with 0 drafts never reads its history
         history = steps.spec_history(self.max_pages * self.serve.page_size, r.sequence)
         self.spec = self._activate_spec(self.spec, slot, *history, n)
+
+    def _adapter_of(self, r: Request):
+        """The request's slot in the LoRA bank as a device argument (0: none); None when the engine has no bank."""
+        if not self.serve.max_loras:
+            return None
+        return np.int32(0 if r.lora is None else r.lora.slot)
 
     def _retire_preempted(self, plan: StepPlan) -> None:
         for p in plan.preemptions:
@@ -413,3 +483,19 @@ class Engine:
         for r in in_flight:
             self.stats.ended(Status.FAILED)
             self._end(r)
+
+
+def _with_empty_bank(params: dict, cfg: ModelConfig, serve: ServeConfig, mesh) -> dict:
+    """Decode params (per-layer) with an all-zero LoRA bank of serve.max_loras slots of rank serve.max_lora_rank
+    in each layer (replicated on a mesh: each row gathers its own slot)."""
+    if cfg.lora.rank or any("lora" in p for p in params["layers"]):
+        raise ValueError(
+            f"serve.max_loras={serve.max_loras} serves adapters over a base model; these params hold a trained "
+            "adapter of their own (model.lora.rank > 0): merge it into the base first (convert.py --merge-lora)"
+        )
+    dtype = jnp.dtype(cfg.dtype)
+    stacked = lora.init_bank(cfg, serve.max_loras, serve.max_lora_rank, dtype)
+    layers_ = [jax.tree.map(lambda w, i=i: w[i], stacked) for i in range(cfg.num_layers)]
+    if mesh is not None:
+        layers_ = jax.device_put(layers_, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    return lora.with_bank(params, layers_)

@@ -59,10 +59,11 @@ class PagePool:
     def _chain(prev: bytes, tokens) -> bytes:
         return hashlib.blake2b(prev + np.asarray(tokens, np.int32).tobytes(), digest_size=16).digest()
 
-    def match_prefix(self, prompt: list[int]) -> list[int]:
-        """Cached pages holding the prompt's leading whole pages, leaving at least its last token to run."""
+    def match_prefix(self, prompt: list[int], salt: bytes = b"") -> list[int]:
+        """Cached pages holding the prompt's leading whole pages, leaving at least its last token to run.
+        `salt` starts the hash chain: pages computed under another adapter (`Request.prefix_salt`) never match."""
         z = self.page_size
-        pages, h = [], b""
+        pages, h = [], salt
         for i in range((len(prompt) - 1) // z):
             h = self._chain(h, prompt[i * z : (i + 1) * z])
             page = self.cached.get(h)
@@ -71,12 +72,12 @@ class PagePool:
             pages.append(page)
         return pages
 
-    def allocate(self, prompt: list[int], total_tokens: int, reserve: int = 0) -> tuple[list[int], int]:
+    def allocate(self, prompt: list[int], total_tokens: int, reserve: int = 0, salt: bytes = b"") -> tuple[list[int], int]:
         """Pages for a sequence of `total_tokens` tokens starting with `prompt`: shared prefix pages
         first (reference counted), then fresh ones. Returns (pages, tokens already cached), or raises
         PagesExhausted when they are not available now, `reserve` pages kept back for others (the
         caller waits and retries)."""
-        shared = self.match_prefix(prompt)
+        shared = self.match_prefix(prompt, salt)
         needed = max(0, -(-total_tokens // self.page_size) - len(shared))
         reusable = sum(1 for p in shared if self.refs[p] == 0)  # cached, idle: not evictable for us
         if needed > self.available() - reusable - reserve:
@@ -110,9 +111,9 @@ class PagePool:
                 return p
         raise PagesExhausted("no page left")  # allocate() checked availability first: not reached
 
-    def register_prompt(self, prompt: list[int], pages: list[int]) -> None:
+    def register_prompt(self, prompt: list[int], pages: list[int], salt: bytes = b"") -> None:
         """After a prompt's prefill: its whole pages (all but one token must stay) become cache entries."""
-        z, h = self.page_size, b""
+        z, h = self.page_size, salt
         for i in range((len(prompt) - 1) // z):
             h = self._chain(h, prompt[i * z : (i + 1) * z])
             if h not in self.cached and pages[i] not in self.hash_of:
@@ -228,7 +229,7 @@ class PagePolicy:
         seq = r.sequence if self.prefix and not r.wants_prompt_scores else []
         need = min(len(r.sequence) + self.chunk_steps + spec_margin(r), r.limit(self.context))
         try:
-            pages, cached = self.pool.allocate(seq, need, reserve=sum(self.short(q) for q in running))
+            pages, cached = self.pool.allocate(seq, need, sum(self.short(q) for q in running), r.prefix_salt)
         except PagesExhausted:
             return None
         self.held[r] = pages
@@ -247,7 +248,7 @@ class PagePolicy:
     def register(self, r: Request) -> None:
         """A sequence whose prefill completes in the step being planned: its whole prompt pages become
         prefix-cache entries now, so a later chunk of the same step may share them (chunks run in order)."""
-        self.pool.register_prompt(r.sequence, self.held[r])
+        self.pool.register_prompt(r.sequence, self.held[r], r.prefix_salt)
 
     def forget(self, r: Request) -> None:
         """Drops the prefix-cache entries of a sequence's pages (a prefill that did not run)."""

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
+from jaxgen.inference.adapters import LoraRef
 from jaxgen.inference.decode import Completion, HostRows, finish_row
 from jaxgen.inference.sampling import MAX_STOP_SEQUENCE, SamplingConfig, SamplingError
 from jaxgen.inference.scoring import prompt_entries
@@ -66,6 +67,7 @@ class Request:
     prompt_index: int = 0
     sample_index: int = 0
     on_update: Callable[[Request], None] | None = None  # called from the engine thread after each chunk
+    lora: LoraRef | None = None  # the LoRA adapter it runs with (multi-LoRA serving), None: the base model
     # progress, written by the engine
     status: Status = Status.WAITING
     slot: int = -1
@@ -92,6 +94,11 @@ class Request:
     def pages(self) -> list[int]:
         """The KV-cache pages it holds now, in position order (a copy; [] when it holds none)."""
         return list(self.held.get(self, ()))
+
+    @property
+    def prefix_salt(self) -> bytes:
+        """What keys its prefix-cache pages beside their tokens: its adapter's load (b"" for the base model)."""
+        return b"" if self.lora is None else self.lora.key
 
     @property
     def sequence(self) -> list[int]:

@@ -33,6 +33,7 @@ from jaxgen import model
 from jaxgen.config import ModelConfig
 from jaxgen.inference.decode import DecodeState, allowed, append, finish_code, record, stop_hit, upload
 from jaxgen.inference.sampling import sample
+from jaxgen.model import lora
 from jaxgen.model.cache import Cache
 
 NGRAMS = (3, 2, 1)  # the longest match wins
@@ -161,6 +162,7 @@ def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConf
     as in `decode.decode_loop`; the body's parts that stand alone are `model_drafts` and `_verify`.)"""
     rows = jnp.arange(state.tokens.shape[0])
     base = jnp.zeros_like(state.generated) if base is None else base
+    params = lora.for_rows(params, state.adapter)  # verification runs each row's adapter (the draft model none)
 
     def cond(carry):
         s, _ = carry

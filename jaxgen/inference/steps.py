@@ -34,6 +34,7 @@ from jaxgen.config import ModelConfig, ServeConfig
 from jaxgen.inference import scoring, speculative
 from jaxgen.inference.decode import FINISH_LENGTH, MAX_STOPS, RUNNING, DecodeState, bucket, decode_loop, row_history
 from jaxgen.inference.sampling import MAX_SPECULATIVE, MAX_STOP_SEQUENCE, SamplingArrays, SamplingConfig
+from jaxgen.model import lora
 from jaxgen.model.paged import PagedCache, page_bytes
 
 
@@ -51,6 +52,7 @@ class SlotRow:
     counts: jax.Array  # (V,) int32, occurrences in the output
     grammar: jax.Array  # () int32, its state in the engine's grammar table (0: unconstrained)
     sampling: SamplingArrays  # rows of one
+    adapter: jax.Array | None = None  # () int32, its slot in the LoRA bank (0: none); None without a bank
 
 
 def slot_row(logits, prompt: list[int], tokens: list[int], c: SamplingConfig, stops, cfg: ModelConfig,
@@ -89,6 +91,7 @@ def init_state(cfg: ModelConfig, serve: ServeConfig, num_pages: int, max_pages: 
         seen=jnp.zeros((b, v), bool), counts=jnp.zeros((b, v), jnp.int32),
         grammar=jnp.zeros((b,), jnp.int32), grammar_table=jnp.zeros((1, v), jnp.int32),
         sampling=jax.tree.map(jnp.asarray, SamplingArrays.stack([idle] * b, v)), cache=cache,
+        adapter=jnp.zeros((b,), jnp.int32) if serve.max_loras else None,  # each slot's LoRA (multi-LoRA serving)
     )  # fmt: skip
 
 
@@ -111,23 +114,26 @@ def prefill_inputs(seq: list[int], start: int, n: int) -> tuple[np.ndarray, np.n
     return tokens, positions, targets
 
 
-def prefill_chunk(params, state: DecodeState, slot, tokens, positions, last, cfg: ModelConfig):
+def prefill_chunk(params, state: DecodeState, slot, tokens, positions, last, cfg: ModelConfig, adapter=None):
     """One chunk of one slot's sequence: tokens, positions (1, C), padding at -1. Returns the state and
-    the next-token logits (V,) after the token at index `last` of the chunk."""
-    state, x = _prefill_hidden(params, state, slot, tokens, positions, cfg)
+    the next-token logits (V,) after the token at index `last` of the chunk. `adapter`: () int32, the
+    sequence's slot in the params' LoRA bank (None without a bank)."""
+    state, x = _prefill_hidden(params, state, slot, tokens, positions, cfg, adapter)
     logits = model.lm_head(params, jax.lax.dynamic_slice_in_dim(x, last, 1, axis=1), cfg)[0, 0]
     return state, logits
 
 
-def prefill_chunk_scored(params, state: DecodeState, slot, tokens, positions, last, targets, cfg: ModelConfig, top):
+def prefill_chunk_scored(params, state: DecodeState, slot, tokens, positions, last, targets, cfg: ModelConfig, top,
+                         adapter=None):  # fmt: skip
     """`prefill_chunk`, and the scores (1, C) of `targets` (1, C): each chunk token's next token, for the
     prompt's log-probabilities (the head runs over the chunk in blocks, `jaxgen.inference.scoring`)."""
-    state, x = _prefill_hidden(params, state, slot, tokens, positions, cfg)
+    state, x = _prefill_hidden(params, state, slot, tokens, positions, cfg, adapter)
     logits = model.lm_head(params, jax.lax.dynamic_slice_in_dim(x, last, 1, axis=1), cfg)[0, 0]
     return state, logits, scoring.score_hidden(params, x, targets, cfg, top)
 
 
-def _prefill_hidden(params, state: DecodeState, slot, tokens, positions, cfg: ModelConfig):
+def _prefill_hidden(params, state: DecodeState, slot, tokens, positions, cfg: ModelConfig, adapter=None):
+    params = lora.for_rows(params, None if adapter is None else jnp.reshape(adapter, (1,)))
     cache, x = _prefill_pool(params, state.cache, state.cache, slot, tokens, positions, cfg)
     return state.replace(cache=cache), x
 
@@ -150,6 +156,7 @@ def activate(state: DecodeState, slot, row: SlotRow) -> DecodeState:
         seen=state.seen.at[slot].set(row.seen), counts=state.counts.at[slot].set(row.counts),
         grammar=state.grammar.at[slot].set(row.grammar),
         sampling=jax.tree.map(lambda a, r: a.at[slot].set(r[0]), state.sampling, row.sampling),
+        adapter=None if state.adapter is None else state.adapter.at[slot].set(row.adapter),
     )  # fmt: skip
 
 

@@ -12,16 +12,29 @@ and gate, up, down of a dense MLP (`ModelConfig.lora.targets`). A is (in, r), B 
 product's own axes (q's B is (r, N, H), o's A is (N, H, r)); PEFT stores lora_A as (r, in) and lora_B
 as (out, r). B starts at zero, as in PEFT, so an untrained adapter changes nothing. The rank axis is
 replicated (logical name None); the long side keeps the base weight's logical name.
+
+Serving many adapters at once (`Bank`, the engine's multi-LoRA): up to M adapters stacked on a slot axis,
+slot 0 all zeros (rows without an adapter), each row of the batch reading its own slot (Punica / S-LoRA's
+gathered low-rank product):
+
+    bank = init_bank(cfg, max_loras, max_rank)   # {target: {"a_..": (L, M + 1, *in, r), "b_..": (L, M + 1, r, *out)}}
+    params = attach(base, Bank(bank))            # then decode_params: one Bank per layer
+    logits, cache = forward(for_rows(params, slot_b), tokens, positions, cache, cfg=cfg)   # slot_b (B,) int32
+    bank = write_slot(bank, slot, bank_entry(adapters, scale, bank))   # jitted, donated: no recompilation
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxgen.config import ModelConfig
+from jaxgen.config.model import LORA_TARGETS
 from jaxgen.model.params import ParamSpec, flops_per_token
 from jaxgen.sharding import named_sharding
 
@@ -85,6 +98,132 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return flops_per_token(cfg, seq_len) - weights / 3 + 6.0 * count_lora(cfg)
 
 
+# --- serving many adapters: a bank of slots -------------------------------------------------------------
+
+
+@flax.struct.dataclass
+class Bank:
+    """Up to M adapters of rank up to r stacked on a slot axis, for serving rows with different adapters in
+    one batch. `weights`: {target: {"a_..": (M + 1, *in, r), "b_..": (M + 1, r, *out)}} for one layer (a
+    leading L when stacked); slot 0 is all zeros (a row without an adapter), a smaller rank is padded with
+    zeros, and B holds its scale (alpha / rank) already. `rows`: (B,) int32, each row's slot ((L, B) when
+    stacked); None until `for_rows` gives it (the weights alone then, as the engine holds them)."""
+
+    weights: dict
+    rows: jax.Array | None = None
+
+
+def bank_targets(cfg: ModelConfig) -> tuple[str, ...]:
+    """The products a bank serves adapters on: attention's four, and a dense MLP's (gate only when gated)."""
+    if cfg.num_experts:
+        return ("q", "k", "v", "o")
+    return tuple(t for t in LORA_TARGETS if not (t == "gate" and cfg.mlp == "gelu"))
+
+
+def init_bank(cfg: ModelConfig, max_loras: int, max_rank: int, dtype=jnp.float32) -> dict:
+    """Zeros {target: {"a_..": (L, M + 1, *in, r), "b_..": (L, M + 1, r, *out)}} over `bank_targets`: the
+    weights of a `Bank` of `max_loras` slots (and slot 0) of rank `max_rank`."""
+    return {
+        target: {name: jnp.zeros((s.shape[0], max_loras + 1, *s.shape[1:]), dtype) for name, s in pair.items()}
+        for target, pair in _specs_of_rank(cfg, max_rank).items()
+    }
+
+
+def _specs_of_rank(cfg: ModelConfig, rank: int) -> dict:
+    lora_cfg = dataclasses.replace(cfg.lora, rank=rank, targets=bank_targets(cfg))
+    return lora_specs(dataclasses.replace(cfg, lora=lora_cfg))
+
+
+def bank_entry(adapters: dict, scale: float, bank: dict) -> dict:
+    """One slot's weights (host arrays) for `bank` (`init_bank`'s structure, stacked or a list of layers'):
+    `adapters` ({target: {"a_..": (L, *in, r), "b_..": (L, r, *out)}}, `init_lora`'s layout) with B times
+    `scale`, the rank padded with zeros to the bank's, every target the adapters lack all zeros. ValueError
+    naming the target or the rank when they do not fit the bank."""
+    layers_ = bank if isinstance(bank, list) else None
+    ref = layers_[0] if layers_ is not None else jax.tree.map(lambda w: w[0], bank)  # one layer: (M + 1, ...)
+    num_layers = len(layers_) if layers_ is not None else jax.tree.leaves(bank)[0].shape[0]
+    unknown = sorted(set(adapters) - set(ref))
+    if unknown:
+        raise ValueError(f"adapter target {unknown[0]} is not served: the adapter bank holds {', '.join(ref)}")
+    entry = {}
+    for target, pair in ref.items():
+        (a_name, a_ref), (b_name, b_ref) = sorted(pair.items())
+        a_shape, b_shape = (num_layers, *a_ref.shape[1:]), (num_layers, *b_ref.shape[1:])
+        a, b = np.zeros(a_shape, np.float32), np.zeros(b_shape, np.float32)
+        if target in adapters:
+            got_a, got_b = (np.asarray(adapters[target][k], np.float32) for k in sorted(adapters[target]))
+            r = got_a.shape[-1]
+            if r > a_shape[-1]:
+                raise ValueError(f"adapter rank {r} is above serve.max_lora_rank={a_shape[-1]}")
+            if got_a.shape != (*a_shape[:-1], r) or got_b.shape != (num_layers, r, *b_shape[2:]):
+                raise ValueError(
+                    f"adapter target {target}: A {got_a.shape} and B {got_b.shape} do not fit this model "
+                    f"(A (L, *in, r) = {(*a_shape[:-1], r)}, B (L, r, *out) = {(num_layers, r, *b_shape[2:])})"
+                )
+            a[..., :r] = got_a
+            b[:, :r] = got_b * scale
+        entry[target] = {a_name: a, b_name: b}
+    return entry
+
+
+def write_slot(bank, slot, entry: dict):
+    """`bank` (stacked, or a list of layers' weights) with slot `slot` (() int32) holding `entry`
+    (`bank_entry`); jit it with the bank donated: the slot is written in place, nothing recompiles."""
+    if isinstance(bank, list):
+        return [
+            jax.tree.map(lambda w, e, i=i: w.at[slot].set(e[i].astype(w.dtype)), layer, entry)
+            for i, layer in enumerate(bank)
+        ]
+    return jax.tree.map(lambda w, e: w.at[:, slot].set(e.astype(w.dtype)), bank, entry)
+
+
+def bank_of(params: dict):
+    """The bank's weights in `params` (stacked, or a list of layers' when decoding), or None."""
+    layers_ = params["layers"]
+    if isinstance(layers_, list):
+        banks = [p.get("lora") for p in layers_]
+        return [b.weights for b in banks] if banks and isinstance(banks[0], Bank) else None
+    bank = layers_.get("lora")
+    return bank.weights if isinstance(bank, Bank) else None
+
+
+def with_bank(params: dict, weights) -> dict:
+    """`params` with the bank's weights replaced by `weights` (as `bank_of` gives them)."""
+    layers_ = params["layers"]
+    if isinstance(layers_, list):
+        return params | {"layers": [p | {"lora": Bank(w)} for p, w in zip(layers_, weights, strict=True)]}
+    return params | {"layers": layers_ | {"lora": Bank(weights)}}
+
+
+def for_rows(params: dict, rows):
+    """`params` whose bank reads slot `rows[b]` (B,) int32 for row b; `params` itself when `rows` is None
+    or there is no bank."""
+    if rows is None or bank_of(params) is None:
+        return params
+    layers_ = params["layers"]
+    if isinstance(layers_, list):
+        return params | {"layers": [p | {"lora": p["lora"].replace(rows=rows)} for p in layers_]}
+    num_layers = jax.tree.leaves(layers_["lora"].weights)[0].shape[0]
+    stacked_rows = jnp.broadcast_to(rows, (num_layers, *rows.shape))  # the layer scan slices it with the rest
+    return params | {"layers": layers_ | {"lora": layers_["lora"].replace(rows=stacked_rows)}}
+
+
+def _gathered_delta(x, bank: Bank, target: str, in_axes: int):
+    """What row b's adapter (slot `bank.rows[b]`) adds to its product of x (B, ..., *in): each row gathers
+    its A (*in, r) and B (r, *out), then two thin batched products; None when the bank lacks `target`."""
+    if target not in bank.weights:
+        return None
+    a, b = (bank.weights[target][k] for k in sorted(bank.weights[target]))  # (M + 1, *in, r), (M + 1, r, *out)
+    rows = bank.rows.astype(jnp.int32)
+    n, r = x.shape[0], a.shape[-1]
+    n_in = math.prod(a.shape[1 : 1 + in_axes])
+    a_rows = a[rows].reshape(n, n_in, r).astype(x.dtype)  # (B, in, r)
+    b_rows = b[rows].reshape(n, r, -1).astype(x.dtype)  # (B, r, out)
+    low = jnp.einsum("bti,bir->btr", x.reshape(n, -1, n_in), a_rows)
+    y = jnp.einsum("btr,bro->bto", low, b_rows)
+    return y.reshape(*x.shape[: x.ndim - in_axes], *b.shape[2:])
+
+
 def attach(base: dict, adapters: dict) -> dict:
     """The params with `adapters` (of `init_lora`'s structure) at params["layers"]["lora"]."""
     return base | {"layers": base["layers"] | {"lora": adapters}}
@@ -99,7 +238,9 @@ def detach(params: dict) -> tuple[dict, dict | None]:
 
 def delta(x, adapters: dict | None, target: str, cfg: ModelConfig, in_axes: int = 1):
     """What the adapter of `target` adds to its product of x (..., *in): (x @ A) @ B * alpha / rank, shaped
-    (..., *out), or None when this layer has no adapter there (nothing is computed)."""
+    (..., *out), or None when this layer has no adapter there (nothing is computed). A `Bank`: each row's own."""
+    if isinstance(adapters, Bank):
+        return _gathered_delta(x, adapters, target, in_axes)
     if adapters is None or target not in adapters:
         return None
     a, b = (adapters[target][k] for k in sorted(adapters[target]))  # "a_..." sorts before "b_..."

@@ -199,9 +199,14 @@ def lm_head(params, x_btd, cfg: ModelConfig):
 
 
 def _cast(params, cfg: ModelConfig):
-    """The params in the compute dtype; int8 weights (`jaxgen.model.quant`) stay int8."""
+    """The params in the compute dtype; int8 weights (`jaxgen.model.quant`) stay int8, and integer arrays
+    (a LoRA bank's row slots, `jaxgen.model.lora.Bank`) stay integers."""
     dtype = jnp.dtype(cfg.dtype)
-    return jax.tree.map(lambda p: p if quant.is_q(p) else p.astype(dtype), params, is_leaf=quant.is_q)
+
+    def cast(p):
+        return p if quant.is_q(p) or not jnp.issubdtype(p.dtype, jnp.floating) else p.astype(dtype)
+
+    return jax.tree.map(cast, params, is_leaf=quant.is_q)
 
 
 def _qkv(x, p, positions, consts, cfg: ModelConfig):
