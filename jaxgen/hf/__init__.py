@@ -27,6 +27,8 @@ Modules (imports point down the list; safetensors needs only HFError from config
                  transpose conversions
     load         is_hf_folder, load_params, load_pretrained, check_memory
     export       save_pretrained (sharded safetensors, config.json, generation_config.json, tokenizer)
+    peft         PEFT LoRA adapter folders in and out: write_peft_adapter, read_peft_adapter (the modules
+                 of `weights.tensor_map`; fused ones as one adapter of stacked rank)
 """
 
 from jaxgen.hf.config import FAMILIES, HFError, family_of, hf_config, read_config

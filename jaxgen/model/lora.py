@@ -255,3 +255,44 @@ def add(y, x, adapters: dict | None, target: str, cfg: ModelConfig, in_axes: int
     """y plus `delta` (y itself, untouched, without an adapter for `target`)."""
     d = delta(x, adapters, target, cfg, in_axes)
     return y if d is None else y + d.astype(y.dtype)
+
+
+TARGET_PARAMS = {  # target -> the path of the (layer-stacked) base weight it adapts
+    "q": ("layers", "w_q_dnh"), "k": ("layers", "w_k_dkh"), "v": ("layers", "w_v_dkh"), "o": ("layers", "w_o_nhd"),
+    "gate": ("layers", "mlp", "w_gate_df"), "up": ("layers", "mlp", "w_up_df"), "down": ("layers", "mlp", "w_down_fd"),
+}  # fmt: skip
+
+
+def merge(base: dict, adapters: dict, cfg: ModelConfig) -> dict:
+    """The base params (as trained: layers stacked, no adapters attached) with each target's weight
+    W (L, *in, *out) replaced by W + A @ B * alpha / rank, computed in float32 and cast back to W's dtype.
+
+    An int8 weight (`jaxgen.model.quant.QArray`) is dequantized and comes back as a float32 array:
+    quantizing again would round most of the (small) update away. Everything else is returned as it is."""
+    from jaxgen.model import quant
+
+    out = jax.tree.map(lambda x: x, base, is_leaf=quant.is_q)  # new dicts, the same leaves
+    for target, pair in adapters.items():
+        *parents, name = TARGET_PARAMS[target]
+        node = out
+        for key in parents:
+            node = node[key]
+        w = node[name]
+        a, b = (pair[k] for k in sorted(pair))  # A (L, *in, r), B (L, r, *out)
+        node[name] = _merged(w, jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32), cfg.lora.scale)
+    return out
+
+
+@jax.jit
+def _merged_f32(w, a, b, scale):
+    L, r = a.shape[0], a.shape[-1]
+    ab = jnp.einsum("lir,lro->lio", a.reshape(L, -1, r), b.reshape(L, r, -1), precision=jax.lax.Precision.HIGHEST)
+    return w + (ab * scale).reshape(w.shape)
+
+
+def _merged(w, a, b, scale: float):
+    from jaxgen.model import quant
+
+    if quant.is_q(w):
+        return _merged_f32(w.dequantize(jnp.float32), a, b, jnp.float32(scale))
+    return _merged_f32(w.astype(jnp.float32), a, b, jnp.float32(scale)).astype(w.dtype)

@@ -1,0 +1,197 @@
+"""PEFT adapters in and out (jaxgen.hf.peft), merging (lora.merge) and serving or converting a LoRA run,
+each against transformers + PEFT on the same tiny model."""
+
+import dataclasses
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jaxgen import hf, model
+from jaxgen.config import LoraConfig
+from jaxgen.hf.peft import read_peft_adapter, write_peft_adapter
+from jaxgen.model import lora
+from tests.test_hf import FAMILIES, _one_device, _randomise
+from tests.test_lora import ALL, ATTENTION, _adapters_from_peft, _peft_adapted
+
+RANK, ALPHA = 4, 8.0
+TOKENS = np.random.default_rng(3).integers(0, 257, (2, 12)).astype(np.int32)
+POSITIONS = np.tile(np.arange(12, dtype=np.int32), (2, 1))
+
+
+@dataclasses.dataclass
+class Case:
+    family: str
+    folder: object  # the saved transformers model (and tokenizer)
+    cfg: object  # jaxgen's ModelConfig with model.lora set
+    params: dict  # the base
+    adapters: dict  # random A and B (B nonzero)
+    forward: object  # jitted (params) -> logits of TOKENS
+
+    def reference(self):
+        """A fresh transformers model of the folder (PEFT wraps models in place)."""
+        return transformers.AutoModelForCausalLM.from_pretrained(self.folder, attn_implementation="eager").eval()
+
+
+# gpt2 and phi3: fused modules (c_attn; qkv_proj and gate_up_proj); mixtral: attention targets only
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mixtral", "gpt2", "phi3"])
+def case(request, tmp_path_factory):
+    from jaxgen.tokenizer import Tokenizer
+
+    family = request.param
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(FAMILIES[family](), attn_implementation="eager")
+    _randomise(ref, seed=len(family))
+    folder = tmp_path_factory.mktemp(f"peft_{family}")
+    ref.save_pretrained(folder)
+    Tokenizer.byte_level().save_folder(folder)
+    cfg, _, params = hf.load_pretrained(folder, mesh=_one_device())
+    targets = ATTENTION if cfg.num_experts else ALL
+    if cfg.mlp == "gelu":
+        targets = tuple(t for t in targets if t != "gate")
+    cfg = dataclasses.replace(cfg, lora=LoraConfig(rank=RANK, alpha=ALPHA, targets=targets))
+    rng = np.random.default_rng(len(family))
+    adapters = jax.tree.map(
+        lambda s: (rng.standard_normal(s.shape) * 0.1).astype(np.float32),
+        lora.lora_specs(cfg),
+        is_leaf=lambda x: isinstance(x, model.ParamSpec),
+    )
+    forward = jax.jit(lambda p: model.forward(p, TOKENS, POSITIONS, cfg=cfg)[0])
+    return Case(family, folder, cfg, params, adapters, forward)
+
+
+def _torch_logits(m) -> np.ndarray:
+    with torch.no_grad():
+        return m(input_ids=torch.from_numpy(TOKENS.astype(np.int64))).logits.numpy()
+
+
+def test_export_loads_in_peft_with_the_same_logits(case, tmp_path):
+    import peft
+
+    ours = np.asarray(case.forward(lora.attach(case.params, case.adapters)))
+    assert np.abs(ours - np.asarray(case.forward(case.params))).max() > 1e-2  # the adapters matter
+    write_peft_adapter(tmp_path, case.adapters, case.cfg, base_model_name_or_path=str(case.folder))
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (RANK, ALPHA, str(case.folder))
+    wrapped = peft.PeftModel.from_pretrained(case.reference(), tmp_path).eval()
+    np.testing.assert_allclose(ours, _torch_logits(wrapped), atol=1e-4, rtol=0)
+
+    back, lora_cfg = read_peft_adapter(tmp_path, case.cfg)  # import of that folder: the same jaxgen logits
+    adapted = dataclasses.replace(case.cfg, lora=lora_cfg)
+    if case.family not in ("gpt2", "phi3"):  # unfused modules come back as they went, bit for bit
+        assert lora_cfg == case.cfg.lora
+        for x, y in zip(jax.tree.leaves(case.adapters), jax.tree.leaves(back), strict=True):
+            np.testing.assert_array_equal(x, y)
+    again = model.forward(lora.attach(case.params, back), TOKENS, POSITIONS, cfg=adapted)[0]
+    np.testing.assert_allclose(np.asarray(again), ours, atol=1e-5, rtol=0)
+
+
+def test_import_of_a_folder_peft_saved(case, tmp_path):
+    """PEFT's own save_pretrained of random adapters reads as the adapters PEFT runs (logits within 1e-4)."""
+    if case.family in ("gpt2", "phi3"):
+        modules = {"gpt2": ["c_attn", "attn.c_proj", "c_fc"], "phi3": ["qkv_proj", "o_proj", "gate_up_proj"]}
+        import peft
+
+        wrapped = peft.get_peft_model(
+            case.reference(), peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=modules[case.family])
+        )
+        gen = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for name, p in wrapped.named_parameters():
+                if "lora_" in name:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+        wrapped.eval()
+    else:
+        wrapped = _peft_adapted(case.reference(), case.cfg.lora.targets, seed=7)
+    wrapped.save_pretrained(tmp_path)
+    adapters, lora_cfg = read_peft_adapter(tmp_path, case.cfg)
+    if case.family not in ("gpt2", "phi3"):
+        assert lora_cfg == case.cfg.lora
+        expected = _adapters_from_peft(wrapped, case.cfg)
+        for x, y in zip(jax.tree.leaves(expected), jax.tree.leaves(adapters), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), y)
+    adapted = dataclasses.replace(case.cfg, lora=lora_cfg)
+    ours = model.forward(lora.attach(case.params, adapters), TOKENS, POSITIONS, cfg=adapted)[0]
+    np.testing.assert_allclose(np.asarray(ours), _torch_logits(wrapped), atol=1e-4, rtol=0)
+
+
+def test_merged_export_equals_the_adapted_model(case, tmp_path):
+    adapted = np.asarray(case.forward(lora.attach(case.params, case.adapters)))
+    merged = lora.merge(case.params, case.adapters, case.cfg)
+    np.testing.assert_allclose(np.asarray(case.forward(merged)), adapted, atol=1e-5, rtol=0)
+    if case.family != "llama":
+        return  # the export itself is hf.save_pretrained's, tested per family in test_hf.py
+    hf.save_pretrained(tmp_path, merged, dataclasses.replace(case.cfg, lora=LoraConfig()))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    np.testing.assert_allclose(_torch_logits(theirs), adapted, atol=1e-4, rtol=0)
+
+
+def test_merge_of_bfloat16_and_int8_bases(case):
+    """bfloat16 stays bfloat16 (float32 math); int8 weights come back float32: dequantized plus the update."""
+    if case.family != "llama":
+        pytest.skip("one family: merge does not depend on it")
+    from jaxgen.model import quant
+
+    bf16 = jax.tree.map(lambda w: w.astype(jax.numpy.bfloat16), case.params)
+    merged = lora.merge(bf16, case.adapters, case.cfg)
+    w32 = lora.merge(case.params, case.adapters, case.cfg)["layers"]["w_q_dnh"]
+    assert merged["layers"]["w_q_dnh"].dtype == jax.numpy.bfloat16
+    np.testing.assert_allclose(np.asarray(merged["layers"]["w_q_dnh"], np.float32), w32, atol=2e-2)
+    q8 = quant.quantize_params(case.params)
+    merged = lora.merge(q8, case.adapters, case.cfg)
+    w = merged["layers"]["w_q_dnh"]
+    assert not quant.is_q(w) and w.dtype == np.float32
+    delta = w32 - case.params["layers"]["w_q_dnh"]
+    np.testing.assert_allclose(w, q8["layers"]["w_q_dnh"].dequantize() + delta, atol=1e-6)
+    assert quant.is_q(merged["layers"]["mlp"]["w_gate_df"]) is False  # a target too
+    assert quant.is_q(merged["head_dv"]) == quant.is_q(q8["head_dv"])  # not a target: as it was
+
+
+def _edit(folder, tmp_path, **changes):
+    out = tmp_path / "edited"
+    shutil.copytree(folder, out)
+    config = json.loads((out / "adapter_config.json").read_text())
+    (out / "adapter_config.json").write_text(json.dumps(config | changes))
+    return out
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"use_dora": True}, "use_dora=True is not allowed: false"),
+        ({"bias": "all"}, "bias='all' is not allowed: none"),
+        ({"fan_in_fan_out": True}, "fan_in_fan_out=True is not allowed: false for llama"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save=['lm_head'] is not allowed"),
+        ({"peft_type": "IA3"}, "peft_type='IA3' is not allowed: LORA"),
+        ({"r": 8}, "lora_A has rank 4, but adapter_config.json says r=8"),
+        ({"rank_pattern": {"q_proj": 2}}, "lora_A has rank 4, but adapter_config.json says r=2"),
+    ],
+)
+def test_unsupported_adapters_are_refused(case, tmp_path, changes, message):
+    if case.family != "llama":
+        pytest.skip("one family")
+    write_peft_adapter(tmp_path / "a", case.adapters, case.cfg)
+    with pytest.raises(hf.HFError) as e:
+        read_peft_adapter(_edit(tmp_path / "a", tmp_path, **changes), case.cfg)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_adapters_that_do_not_fit_the_model_are_refused(case, tmp_path):
+    if case.family != "mixtral":
+        pytest.skip("one family with experts")
+    from safetensors.numpy import load_file, save_file
+
+    write_peft_adapter(tmp_path, case.adapters, case.cfg)
+    tensors = load_file(tmp_path / "adapter_model.safetensors")
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    for bad, message in [
+        ({name: np.zeros((RANK, 7), np.float32)}, "lora_A (4, 7) and lora_B (32, 4) do not fit this model"),
+        ({name.replace("self_attn.q_proj", "mlp.experts.0.w1"): tensors[name]}, "is not an adapter jaxgen runs"),
+    ]:
+        save_file(tensors | bad, tmp_path / "adapter_model.safetensors")
+        with pytest.raises(hf.HFError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            read_peft_adapter(tmp_path, case.cfg)
