@@ -87,6 +87,8 @@ class Engine:
         )  # fmt: skip
         self._thread, self._stop = None, False  # the background thread, if started
         self.accepting = True  # False once drain() began: submit raises EngineClosed
+        for module in serve.lora_modules:  # "NAME=FOLDER"
+            self.load_lora_folder(*module.split("=", 1))
 
     @property
     def pool(self) -> PagePool:
@@ -216,12 +218,16 @@ class Engine:
             self.scheduler.cancel(request)
             self.wake.notify()
 
-    def generate(self, prompts, sampling: SamplingConfig | list[SamplingConfig] = SamplingConfig()) -> list[Completion]:
-        """Like Generator.generate, on the engine: every prompt queued at once, results in order."""
+    def generate(self, prompts, sampling: SamplingConfig | list[SamplingConfig] = SamplingConfig(),
+                 lora: str | None | list[str | None] = None) -> list[Completion]:  # fmt: skip
+        """Like Generator.generate, on the engine: every prompt queued at once, results in order. `lora`: the
+        adapter of every prompt, or one per prompt (None: the base model)."""
         configs = per_prompt(sampling, len(prompts))
+        loras = lora if isinstance(lora, list) else [lora] * len(prompts)
         requests = [
-            r for i, (p, c) in enumerate(zip(prompts, configs, strict=True)) for r in self.submit(p, c, prompt_index=i)
-        ]
+            r for i, (p, c, a) in enumerate(zip(prompts, configs, loras, strict=True))
+            for r in self.submit(p, c, prompt_index=i, lora=a)
+        ]  # fmt: skip
         if self._thread is None:
             self.run_until_idle()
         return [r.result() for r in requests]

@@ -8,6 +8,9 @@ start to finish and scoring without a serving engine.
     for delta in llm.stream("def fib(", SamplingConfig(max_new_tokens=64)):
         print(delta, end="")
     llm.score(["x = "], ["1\n"])
+    llm = LLM("runs/default", max_loras=4)  # multi-LoRA serving: adapters loaded at run time, one per request
+    llm.load_lora("sql", "adapters/sql")  # a PEFT adapter folder
+    llm.generate("SELECT", SamplingConfig(max_new_tokens=16), lora="sql")
 
 As vLLM's `LLM(model).generate(prompts, SamplingParams)`: generation runs on the serving engine
 (`jaxgen.inference.engine`), so every prompt is queued at once and decoded with continuous batching;
@@ -82,20 +85,39 @@ class LLM:
         self,
         prompts: str | list[int] | list[str | list[int]],
         sampling: SamplingConfig | list[SamplingConfig] = SamplingConfig(),
+        lora: str | None | list[str | None] = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt (a single prompt is a list of one), in the order given.
 
-        `sampling` is one config for every prompt or one per prompt. All are queued at once and run together
-        until done. A request the engine can never run raises SamplingError / PageError, and none of this
-        call's requests stays queued.
+        `sampling` is one config for every prompt or one per prompt; `lora` the LoRA adapter (`load_lora`) of
+        every prompt or one per prompt (None: the base model). All are queued at once and run together until
+        done. A request the engine can never run raises SamplingError / PageError (LoraNotFound for an
+        adapter not loaded), and none of this call's requests stays queued.
         """
         prompts = _as_list(prompts)
         configs = per_prompt(sampling, len(prompts))
-        groups = self._submit_all(prompts, configs)
+        loras = lora if isinstance(lora, list) else [lora] * len(prompts)
+        if len(loras) != len(prompts):
+            raise SamplingError(f"{len(loras)} adapters in lora for {len(prompts)} prompts: one each, or one for all",
+                                "lora")  # fmt: skip
+        groups = self._submit_all(prompts, configs, loras)
         self._run(r for group in groups for r in group)
         return [RequestOutput(p, g[0].prompt, [r.result() for r in g]) for p, g in zip(prompts, groups, strict=True)]
 
-    def stream(self, prompt: str | list[int], sampling: SamplingConfig = SamplingConfig()) -> Iterator[str]:
+    def load_lora(self, name: str, source, scale: float | None = None) -> None:
+        """Loads a LoRA adapter as `name` (needs `max_loras` > 0): `source` a PEFT adapter folder, or adapters in
+        `jaxgen.model.lora`'s layout with their `scale` (alpha / rank). Nothing recompiles (`Engine.load_lora`)."""
+        if isinstance(source, str | Path):
+            self.engine.load_lora_folder(name, source)
+        else:
+            self.engine.load_lora(name, source, 1.0 if scale is None else scale)
+
+    def unload_lora(self, name: str) -> None:
+        """Unloads an adapter: new requests cannot name it, those using it finish (`Engine.unload_lora`)."""
+        self.engine.unload_lora(name)
+
+    def stream(self, prompt: str | list[int], sampling: SamplingConfig = SamplingConfig(), *,
+               lora: str | None = None) -> Iterator[str]:  # fmt: skip
         """Yields text deltas of one completion (n=1) as they are decoded; joined, they are its exact text.
 
         The request is checked and queued by this call (errors are raised here, not at the first delta).
@@ -116,7 +138,7 @@ class LLM:
             if final:
                 pending.put(None)
 
-        (request,) = self.engine.submit(prompt, sampling, on_update=on_update)
+        (request,) = self.engine.submit(prompt, sampling, on_update=on_update, lora=lora)
         return self._deltas(request, pending)
 
     def _deltas(self, request: Request, pending: queue.SimpleQueue) -> Iterator[str]:
@@ -144,11 +166,11 @@ class LLM:
             self._generator = Generator(self.params, self.cfg, self.tokenizer)
         return self._generator.score(prompts, continuations)
 
-    def _submit_all(self, prompts, configs) -> list[list[Request]]:
+    def _submit_all(self, prompts, configs, loras) -> list[list[Request]]:
         groups: list[list[Request]] = []
         try:
-            for i, (p, c) in enumerate(zip(prompts, configs, strict=True)):
-                groups.append(self.engine.submit(p, c, prompt_index=i))
+            for i, (p, c, a) in enumerate(zip(prompts, configs, loras, strict=True)):
+                groups.append(self.engine.submit(p, c, prompt_index=i, lora=a))
         except BaseException:  # one bad request: none of this call's requests stays queued
             for r in (r for group in groups for r in group):
                 self.engine.cancel(r)

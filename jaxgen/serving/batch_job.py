@@ -1,7 +1,8 @@
 """The JSONL batch generation job behind `serve.py generate --input ... --output ...`.
 
 Input: one JSON object per line, `{"id": ..., "prompt": "...", <any SamplingConfig field>}` (a constraint as
-`structured`, or as the HTTP server takes it: response_format, structured_outputs, guided_*), read as a
+`structured`, or as the HTTP server takes it: response_format, structured_outputs, guided_*; `model` names a
+LoRA adapter the engine has loaded, serve.lora_modules, absent or null for the base model), read as a
 stream of bytes split at b"\\n" only (U+2028 and the like inside a JSON string are text, not line ends).
 Output: one JSON object per line, appended as each is known:
     {"id", "choices": [{"text", "finish_reason", "tokens", "logprobs"}], "prompt_tokens"}
@@ -43,6 +44,7 @@ class Request:
     id: str
     prompt_ids: list[int]
     sampling: SamplingConfig
+    lora: str | None = None  # the LoRA adapter the line's `model` names (None: the base model)
 
 
 @dataclasses.dataclass
@@ -133,7 +135,8 @@ def parse_line(raw: bytes | str, lineno: int, engine: Engine, defaults: Sampling
         raise SamplingError(f"line {lineno}: missing field 'id'")
     if not isinstance(record.get("prompt"), str):
         raise SamplingError("field 'prompt' is missing or not a string")
-    settings = {k: v for k, v in record.items() if k not in ("id", "prompt", *constraints.FIELDS)}
+    settings = {k: v for k, v in record.items() if k not in ("id", "prompt", "model", *constraints.FIELDS)}
+    adapter = _adapter(record.get("model"), engine)
     field = _constraint(record, settings)
     sampling = _sampling(settings, defaults)
     (ids,) = engine.encode_prompts([record["prompt"]])
@@ -143,7 +146,15 @@ def parse_line(raw: bytes | str, lineno: int, engine: Engine, defaults: Sampling
         if e.field == "structured" and field != "structured":  # named as the line named it
             raise SamplingError(f"{field}: {e}", field) from None
         raise
-    return Request(str(record["id"]), ids, sampling)
+    return Request(str(record["id"]), ids, sampling, adapter)
+
+
+def _adapter(name, engine: Engine) -> str | None:
+    """The LoRA adapter a line's `model` names (None: the base model); a SamplingError for one not loaded."""
+    if name is None or name in engine.lora_names():
+        return name
+    loaded = ", ".join(map(repr, engine.lora_names())) or "none (serve.lora_modules)"
+    raise SamplingError(f"model={name!r} names no loaded LoRA adapter (loaded: {loaded})", "model")
 
 
 def _constraint(record: dict, settings: dict) -> str:
@@ -329,7 +340,7 @@ def _drive(engine: Engine, requests: Iterator[Request], sink: Output, window: in
     while True:
         while len(pending) < window and (req := next(requests, None)) is not None:
             try:
-                pending[req.id] = (req, engine.submit(req.prompt_ids, req.sampling))
+                pending[req.id] = (req, engine.submit(req.prompt_ids, req.sampling, lora=req.lora))
             except Exception as e:
                 if not getattr(engine, "accepting", True):
                     raise  # the engine is closing: not this line's fault, and a rerun resumes here

@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from jaxgen.inference.adapters import LoraError, LoraNotFound
 from jaxgen.inference.engine import EngineClosed
 from jaxgen.inference.pages import PageError
 from jaxgen.inference.sampling import SamplingError, shown
@@ -39,6 +40,10 @@ def api_error_for(e: Exception, max_field: str = "max_tokens") -> APIError:
         return APIError(400, str(e).replace("max_new_tokens", max_field), max_field)
     if isinstance(e, SamplingError):
         return APIError(400, str(e), e.field)
+    if isinstance(e, LoraNotFound):  # a request's model names no loaded adapter
+        return APIError(404, str(e), e.field, kind="not_found_error", code="model_not_found")
+    if isinstance(e, LoraError):
+        return APIError(400, str(e), e.field)
     if isinstance(e, EngineClosed):
         return APIError(503, str(e), kind="service_unavailable")
     raise e
@@ -65,6 +70,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_, exc: APIError):
         return exc.response()
+
+    @app.exception_handler(LoraError)
+    async def lora_error(_, exc: LoraError):
+        return api_error_for(exc).response()
 
     @app.exception_handler(SamplingError)
     async def sampling_error(_, exc: SamplingError):

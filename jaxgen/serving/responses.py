@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from jaxgen.inference.adapters import LoraError
 from jaxgen.inference.engine import EngineClosed
 from jaxgen.inference.engine import Request as Sequence
 from jaxgen.inference.pages import PageError
@@ -29,8 +30,9 @@ class Job:
     prompt's tokens first (null for the first), as scoring harnesses such as lm-evaluation-harness read them."""
 
     def __init__(self, engine, serve, prompts, sampling, body, kind, model_name, echo: bool, want_logprobs,
-                 tools=None):  # fmt: skip
+                 tools=None, lora: str | None = None):  # fmt: skip
         self.engine, self.serve, self.prompts, self.sampling, self.body = engine, serve, prompts, sampling, body
+        self.lora = lora  # the LoRA adapter the request's model names (None: the base model)
         self.tools = tools  # a chat request's `tools.Tools` whose answer may hold calls, else None
         self.kind, self.model_name, self.want_logprobs, self.echo = kind, model_name, want_logprobs, echo
         self.max_field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None \
@@ -80,11 +82,11 @@ class Job:
 
         def submit_all():  # (in a thread: each prompt's ids are checked again, 1024 prompts take a while)
             for i, ids in enumerate(self.prompts):
-                self.seqs += self.engine.submit(ids, self.sampling, prompt_index=i, on_update=on_update)
+                self.seqs += self.engine.submit(ids, self.sampling, prompt_index=i, on_update=on_update, lora=self.lora)
 
         try:
             await asyncio.to_thread(submit_all)
-        except (SamplingError, PageError, EngineClosed) as e:
+        except (SamplingError, PageError, EngineClosed, LoraError) as e:
             self._cancel_unfinished()  # the prompts before the bad one
             raise api_error_for(e, self.max_field) from None
         if self.body.stream:

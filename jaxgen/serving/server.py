@@ -164,6 +164,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, serv
     @app.get("/v1/models")
     async def models():
         data = [{"id": model_name, "object": "model", "created": created, "owned_by": "jaxgen"}]
+        data += [{"id": name, "object": "model", "created": created, "owned_by": "jaxgen", "parent": model_name}
+                 for name in engine.lora_names()]  # LoRA adapters, as vLLM lists them  # fmt: skip
         return {"object": "list", "data": data}
 
     @app.get("/metrics")
@@ -175,10 +177,15 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, serv
         _check_length(text, most_chars, engine.cfg.max_seq_len, field)
         return encode_prompt(engine.tokenizer, _encode(engine.tokenizer, text), engine.cfg, field)
 
-    def check_model(name: str | None):
-        if name is not None and name != model_name:
-            raise APIError(404, f"the model {shown(name)} does not exist; this server serves {model_name!r}",
-                           "model", code="model_not_found")  # fmt: skip
+    def check_model(name: str | None) -> str | None:
+        """The LoRA adapter `name` names (None: the base model); 404 model_not_found for any other name."""
+        if name is None or name == model_name:
+            return None
+        if name in engine.lora_names():
+            return name
+        adapters = "".join(f", {a!r}" for a in engine.lora_names())
+        raise APIError(404, f"the model {shown(name)} does not exist; this server serves {model_name!r}{adapters}",
+                       "model", code="model_not_found")  # fmt: skip
 
     def prompt_ids(prompts: list) -> list[list[int]]:
         fields = ["prompt" if len(prompts) == 1 else f"prompt.{i}" for i in range(len(prompts))]
@@ -199,7 +206,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, serv
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        check_model(body.model)
+        adapter = check_model(body.model)
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, f"best_of={shown(body.best_of)} is not supported: use n (best_of may only equal n, "
                            f"here {body.n})", "best_of")  # fmt: skip
@@ -211,7 +218,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, serv
             top = max(body.logprobs, 1)
             sampling = dataclasses.replace(sampling, logprobs=top, prompt_logprobs=top)
         want = body.logprobs is not None
-        job = Job(engine, serve, ids, sampling, body, "text_completion", model_name, body.echo, want)
+        job = Job(engine, serve, ids, sampling, body, "text_completion", adapter or model_name, body.echo, want,
+                  lora=adapter)  # fmt: skip
         return await job.respond(request)
 
     def chat_ids(messages, tools: list[dict] | None) -> list[int]:  # (in a worker thread: 4 MB of messages)
@@ -220,7 +228,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, serv
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
-        check_model(body.model)
+        adapter = check_model(body.model)
         top = body.top_logprobs or 0
         if top and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
@@ -235,11 +243,12 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, serv
         sampling = _sampling(body, 256 if max_tokens is None else max_tokens, top, field, structured)
         await compiled(sampling, constraint_field)
         ids = await asyncio.to_thread(chat_ids, body.messages, tools.for_template() if tools else None)
-        job = Job(engine, serve, [ids], sampling, body, "chat.completion", model_name, False, body.logprobs,
-                  tools if tools is not None and tools.active else None)  # fmt: skip
+        job = Job(engine, serve, [ids], sampling, body, "chat.completion", adapter or model_name, False, body.logprobs,
+                  tools if tools is not None and tools.active else None, lora=adapter)  # fmt: skip
         return await job.respond(request)
 
     _tokenizer_routes(app, engine, check_model)
+    _lora_routes(app, engine, model_name)
     guarded = ApiKey(BodyLimit(app, serve.max_body_bytes), api_key, PUBLIC if metrics_need_key else PUBLIC_METRICS)
     if chat_template.error:
         log.warning("%s: chat requests will get 500 with this reason; completions work", chat_template.error)
@@ -277,6 +286,42 @@ def _check_length(text: str, most: int, context: int, field: str) -> None:
     if len(text) > most:
         raise APIError(400, f"{field} has {len(text)} characters, far more than the model's context of "
                        f"{context} tokens can hold", field)  # fmt: skip
+
+
+class LoadLoraRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    lora_name: str
+    lora_path: str  # a PEFT adapter folder on the server's machine
+    load_inplace: bool = False  # (vLLM's) replace an adapter of that name if loaded
+
+
+class UnloadLoraRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    lora_name: str
+    lora_int_id: int | None = None  # (vLLM's; ignored: adapters are known by name)
+
+
+def _lora_routes(app: FastAPI, engine: Engine, model_name: str) -> None:
+    """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's names and bodies): multi-LoRA serving's
+    adapters loaded and unloaded at run time (`Engine.load_lora_folder`, no recompilation). A bad folder, a rank
+    above serve.max_lora_rank, no free slot (serve.max_loras) or a target the bank lacks is a 400 naming it; an
+    unknown name to unload a 404. Unloading lets the requests already using the adapter finish."""
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoraRequest):
+        if body.lora_name == model_name:
+            raise APIError(400, f"lora_name={body.lora_name!r} is the base model's name", "lora_name")
+        if body.load_inplace and body.lora_name in engine.lora_names():
+            engine.unload_lora(body.lora_name)
+        await asyncio.to_thread(engine.load_lora_folder, body.lora_name, body.lora_path)  # reads files, waits a step
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoraRequest):
+        engine.unload_lora(body.lora_name)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
 
 def _tokenizer_routes(app: FastAPI, engine: Engine, check_model) -> None:

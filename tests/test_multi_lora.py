@@ -1,0 +1,277 @@
+"""Multi-LoRA serving: rows with different adapters (and none) in one batch, against each row alone and against
+the adapter merged into the base weights (W + A @ B * scale, an independent computation); loading at run time
+without recompiling; speculative decoding; the prefix cache kept apart per adapter; the HTTP doors."""
+
+import dataclasses
+import json
+
+import httpx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import openai
+import pytest
+
+from jaxgen import model
+from jaxgen.config import LoraConfig, ModelConfig, ServeConfig
+from jaxgen.hf.peft import write_peft_adapter
+from jaxgen.inference.adapters import LoraError, LoraNotFound
+from jaxgen.inference.engine import Engine
+from jaxgen.inference.sampling import SamplingConfig
+from jaxgen.model import lora
+from jaxgen.serving.server import create_app
+from jaxgen.tokenizer import Tokenizer
+from tests.live import live_server
+
+CFG = ModelConfig(vocab_size=257, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, max_seq_len=256)
+SERVE = ServeConfig(slots=8, page_size=16, num_pages=96, chunk_steps=4, prefill_chunk=32, max_loras=3, max_lora_rank=8)
+# name: (rank, targets, seed); ranks below max_lora_rank are padded with zeros
+ADAPTERS = {"a1": (2, ("q", "v"), 1), "a2": (4, ("q", "k", "v", "o", "gate", "up", "down"), 2), "a3": (8, ("o", "down"), 3)}
+WEIGHT = {"q": ("w_q_dnh",), "k": ("w_k_dkh",), "v": ("w_v_dkh",), "o": ("w_o_nhd",), "gate": ("mlp", "w_gate_df"),
+          "up": ("mlp", "w_up_df"), "down": ("mlp", "w_down_fd")}  # fmt: skip
+ALPHA = 16.0
+
+
+def _lora_cfg(name: str) -> ModelConfig:
+    rank, targets, _ = ADAPTERS[name]
+    return dataclasses.replace(CFG, lora=LoraConfig(rank=rank, alpha=ALPHA, targets=targets))
+
+
+def _adapter(name: str) -> dict:
+    """Random A and B (B is zero at init: nothing would change), float32 host arrays."""
+    cfg = _lora_cfg(name)
+    a = lora.init_lora(cfg, jax.random.key(ADAPTERS[name][2]))
+    keys = iter(jax.random.split(jax.random.key(100 + ADAPTERS[name][2]), 16))
+    return jax.tree.map(lambda x: np.asarray(x if x.any() else jax.random.normal(next(keys), x.shape) * 0.05), a)
+
+
+def _merged(params: dict, name: str) -> dict:
+    """The base weights with adapter `name` merged in: W + A @ B * alpha / rank, per target and layer."""
+    cfg, adapters = _lora_cfg(name), _adapter(name)
+    layers_ = jax.tree.map(lambda w: w, params["layers"])  # a copy of the dict structure
+    for target, pair in adapters.items():
+        a, b = (pair[k] for k in sorted(pair))
+        num_layers, r = a.shape[0], a.shape[-1]
+        delta = (a.reshape(num_layers, -1, r) @ b.reshape(num_layers, r, -1)) * cfg.lora.scale
+        *path, leaf = WEIGHT[target]
+        holder = layers_
+        for key in path:
+            holder = holder[key]
+        holder[leaf] = holder[leaf] + delta.reshape(holder[leaf].shape)
+    return params | {"layers": layers_}
+
+
+@pytest.fixture(scope="module")
+def params():
+    p = model.init_params(CFG, jax.random.key(0))
+    return jax.tree.map(lambda w: w * 5 if w.ndim > 1 else w, p)  # sharper logits: no near-ties in argmax
+
+
+@pytest.fixture(scope="module")
+def engine(params):
+    engine = Engine(params, CFG, Tokenizer.byte_level(), SERVE)
+    for name in ADAPTERS:
+        engine.load_lora(name, _adapter(name), _lora_cfg(name).lora.scale)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def score(params):
+    """Teacher-forced log-probabilities (T - 1,) of a sequence under params merged with an adapter (or none)."""
+    merged = {None: params} | {name: _merged(params, name) for name in ADAPTERS}
+    forward = jax.jit(lambda p, t, pos: jax.nn.log_softmax(model.forward(p, t, pos, cfg=CFG)[0], -1))
+
+    def run(seq: list[int], name: str | None):
+        tokens = np.zeros((1, 128), np.int32)
+        tokens[0, : len(seq)] = seq
+        positions = np.where(np.arange(128) < len(seq), np.arange(128), -1)[None].astype(np.int32)
+        return np.asarray(forward(merged[name], tokens, positions))[0, : len(seq) - 1]
+
+    return run
+
+
+def _workload(n: int, seed: int):
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, 256, int(k)).tolist() for k in rng.integers(3, 40, n)]
+    configs = [
+        SamplingConfig(max_new_tokens=int(rng.integers(8, 24)), temperature=float(rng.choice([0.0, 0.8])),
+                       seed=int(rng.integers(1000)))
+        for _ in range(n)
+    ]  # fmt: skip
+    names = [[None, "a1", "a2", "a3"][i % 4] for i in range(n)]
+    return prompts, configs, names
+
+
+def _same(a, b):
+    assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+
+
+def test_a_mixed_batch_equals_each_row_alone_and_the_merged_weights(engine, score):
+    prompts, configs, names = _workload(12, seed=0)
+    together = engine.generate(prompts, configs, lora=names)  # 12 rows, 3 adapters and none, through 8 slots
+    for p, c, name, out in zip(prompts, configs, names, together, strict=True):
+        (alone,) = engine.generate([p], c, lora=name)
+        _same(out, alone)
+        # an independent computation: the whole sequence through the merged weights, no cache, no bank
+        logp = score(p + out.tokens, name)[len(p) - 1 :]
+        chosen = logp[np.arange(len(out.tokens)), out.tokens]
+        np.testing.assert_allclose(out.logprobs, chosen, atol=2e-4)
+        if c.temperature == 0:
+            assert all(logp[i].max() - chosen[i] < 1e-4 for i in range(len(out.tokens)))
+    # the adapters matter: one prompt, greedy, under each adapter and none gives 4 different outputs
+    greedy = SamplingConfig(max_new_tokens=16, temperature=0.0)
+    outs = engine.generate([prompts[0]] * 4, greedy, lora=[None, "a1", "a2", "a3"])
+    assert len({tuple(o.tokens) for o in outs}) == 4
+
+
+def test_speculative_decoding_equals_plain_decoding_with_adapters(engine):
+    rng = np.random.default_rng(1)
+    prompts = [(rng.integers(0, 256, 6).tolist() * 5)[: int(k)] for k in rng.integers(12, 30, 8)]  # repetitive
+    plain = [SamplingConfig(max_new_tokens=20, temperature=float(t), seed=i) for i, t in enumerate([0.0, 0.7] * 4)]
+    spec = [dataclasses.replace(c, num_speculative_tokens=4) for c in plain]
+    names = [None, "a1", "a2", "a3"] * 2
+    for a, b in zip(engine.generate(prompts, plain, lora=names), engine.generate(prompts, spec, lora=names),
+                    strict=True):  # fmt: skip
+        _same(a, b)
+
+
+def test_the_prefix_cache_keeps_adapters_apart(engine):
+    prompt = list(range(40, 90))  # 3 whole pages of 16 tokens can be shared
+    c = SamplingConfig(max_new_tokens=6, temperature=0.0)
+    engine.pool.clear_cache()
+    first = {}
+    for name in ("a1", "a2", None):
+        [req] = engine.submit(prompt, c, lora=name)
+        engine.run_until_idle()
+        assert req.cached_tokens == 0  # the same tokens cached under another adapter: not shared
+        first[name] = req.result().tokens
+    for name in ("a1", "a2", None):
+        [req] = engine.submit(prompt, c, lora=name)
+        engine.run_until_idle()
+        assert req.cached_tokens == 48  # its own adapter's pages: shared
+        assert req.result().tokens == first[name]
+    assert len({tuple(t) for t in first.values()}) == 3
+
+
+def test_load_use_unload_reload_without_recompiling(engine):
+    prompt, c = list(range(60, 75)), SamplingConfig(max_new_tokens=8, temperature=0.0)
+    (before,) = engine.generate([prompt], c, lora="a3")
+    compiled = engine.compilations
+    engine.unload_lora("a3")
+    assert sorted(engine.lora_names()) == ["a1", "a2"]
+    with pytest.raises(LoraNotFound, match="a3"):
+        engine.submit(prompt, c, lora="a3")
+    engine.load_lora("b", _adapter("a1"), _lora_cfg("a1").lora.scale)  # a1's weights under another name
+    (b,) = engine.generate([prompt], c, lora="b")
+    (a1,) = engine.generate([prompt], c, lora="a1")
+    assert b.tokens == a1.tokens and b.tokens != before.tokens
+    engine.unload_lora("b")
+    engine.load_lora("a3", _adapter("a3"), _lora_cfg("a3").lora.scale)
+    (again,) = engine.generate([prompt], c, lora="a3")
+    assert again.tokens == before.tokens
+    assert engine.compilations == compiled  # loads write a slot of the fixed bank: nothing recompiled
+
+
+def test_unloading_lets_running_requests_finish(engine):
+    prompt, c = list(range(5, 25)), SamplingConfig(max_new_tokens=8, temperature=0.0)
+    (want,) = engine.generate([prompt], c, lora="a2")
+    [queued] = engine.submit(prompt, c, lora="a2")
+    engine.unload_lora("a2")
+    with pytest.raises(LoraError, match="slots is taken"):  # a2's slot is held while its request lives
+        engine.load_lora("c", _adapter("a1"), 1.0)
+    engine.run_until_idle()
+    assert queued.result().tokens == want.tokens
+    engine.load_lora("a2", _adapter("a2"), _lora_cfg("a2").lora.scale)  # its slot is free again
+
+
+def test_bad_adapters_are_refused_naming_the_value(engine):
+    with pytest.raises(LoraError, match="rank 16 is above serve.max_lora_rank=8"):
+        engine.load_lora("x", lora.init_lora(dataclasses.replace(CFG, lora=LoraConfig(rank=16)), jax.random.key(0)))
+    with pytest.raises(LoraError, match="target experts is not served"):
+        engine.load_lora("x", {"experts": {}})
+    with pytest.raises(LoraError, match="is loaded already"):
+        engine.load_lora("a1", _adapter("a1"))
+    with pytest.raises(LoraError, match="serve.max_loras=3"):
+        engine.load_lora("x", _adapter("a1"))
+    with pytest.raises(LoraError, match="not a folder"):
+        engine.load_lora_folder("x", "/nonexistent")
+    with pytest.raises(LoraNotFound, match="'nope'"):
+        engine.generate([[1, 2, 3]], SamplingConfig(max_new_tokens=2), lora="nope")
+    assert engine.idle() and sorted(engine.lora_names()) == ["a1", "a2", "a3"]
+
+
+def test_a_batch_line_names_its_adapter(engine, tmp_path):
+    from jaxgen.serving.batch_job import run_job
+
+    lines = [{"id": "x", "prompt": "abc", "model": "a1"}, {"id": "y", "prompt": "abc"}, {"id": "z", "prompt": "abc",
+             "model": "nope"}]  # fmt: skip
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    greedy = SamplingConfig(max_new_tokens=6, temperature=0.0)
+    run_job(engine, tmp_path / "in.jsonl", tmp_path / "out.jsonl", greedy)
+    out = {r["id"]: r for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    want = {name: engine.generate(["abc"], greedy, lora=name)[0].text for name in ("a1", None)}
+    assert out["x"]["choices"][0]["text"] == want["a1"] != want[None] == out["y"]["choices"][0]["text"]
+    assert "nope" in out["z"]["error"]
+
+
+# --- the HTTP server, through the openai client ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(engine, tmp_path_factory):
+    folder = write_peft_adapter(tmp_path_factory.mktemp("peft") / "a1", _adapter("a1"), _lora_cfg("a1"))
+    with live_server(engine, create_app(engine, "tiny")) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        yield client, url, folder
+
+
+def test_the_server_serves_adapters_by_model_name(server, engine):
+    client, url, folder = server
+    ids = [m.id for m in client.models.list().data]
+    assert ids[0] == "tiny" and sorted(ids[1:]) == ["a1", "a2", "a3"]
+    prompt = "def fib(n):"
+    want = {name: engine.generate([prompt], SamplingConfig(max_new_tokens=12, temperature=0.0), lora=name)[0].text
+            for name in ("a1", None)}  # fmt: skip
+    got = client.completions.create(model="a1", prompt=prompt, max_tokens=12, temperature=0)
+    assert got.choices[0].text == want["a1"] and got.model == "a1"
+    base = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+    assert base.choices[0].text == want[None] != want["a1"]
+
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="nope", prompt=prompt, max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+
+    # a PEFT folder loaded at run time, as vLLM's endpoints take it: the same output as a1
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "peft1", "lora_path": str(folder)})
+    assert r.status_code == 400 and "serve.max_loras=3" in r.json()["error"]["message"]
+    assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "a3"}).status_code == 200
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "peft1", "lora_path": str(folder)})
+    assert r.status_code == 200, r.text
+    assert sorted(m.id for m in client.models.list().data) == ["a1", "a2", "peft1", "tiny"]
+    chat = [{"role": "user", "content": "hi"}]
+    same = [client.chat.completions.create(model=m, messages=chat, max_tokens=8, temperature=0) for m in ("a1", "peft1")]
+    assert same[0].choices[0].message.content == same[1].choices[0].message.content
+
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nonexistent"})
+    assert r.status_code == 400 and "/nonexistent" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "nope"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "peft1"}).status_code == 200
+    engine.load_lora("a3", _adapter("a3"), _lora_cfg("a3").lora.scale)
+
+
+def test_the_gathered_product_equals_the_single_adapter_path():
+    """lora.delta over a Bank (each row its slot) equals lora.delta with that row's adapter alone."""
+    cfg = _lora_cfg("a2")
+    adapters = _adapter("a2")
+    stacked = lora.init_bank(CFG, 2, 8)
+    stacked = lora.write_slot(stacked, 2, lora.bank_entry(adapters, cfg.lora.scale, stacked))
+    layer0 = jax.tree.map(lambda w: w[0], stacked)
+    x = jax.random.normal(jax.random.key(5), (3, 5, 64))
+    rows = jnp.array([2, 0, 2], jnp.int32)
+    got = lora.delta(x, lora.Bank(layer0, rows), "q", cfg)
+    want = lora.delta(x, jax.tree.map(lambda w: w[0], adapters), "q", cfg)
+    np.testing.assert_allclose(got[0], want[0], atol=1e-5)
+    np.testing.assert_allclose(got[2], want[2], atol=1e-5)
+    assert not np.asarray(got[1]).any()
