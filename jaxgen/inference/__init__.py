@@ -17,6 +17,7 @@ scheduler.py   the engine's decisions, no JAX: admission, chunked prefill, pages
 steps.py       the engine's device steps: pure jitted functions of the decode state, donated
 requests.py    a sequence in the engine (Request), its Status, the engine's errors
 pages.py       the paged cache's host side: free pages, reference counts, prefix cache, the page policy
+adapters.py    multi-LoRA serving's host side: adapter names -> slots of the engine's bank, PEFT folders read
 stats.py       the engine's statistics in a prometheus_client registry (counters, gauges, histograms)
 textstream.py  exact text deltas for streaming
 """

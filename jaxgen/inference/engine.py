@@ -219,7 +219,7 @@ class Engine:
             self.wake.notify()
 
     def generate(self, prompts, sampling: SamplingConfig | list[SamplingConfig] = SamplingConfig(),
-                 lora: str | None | list[str | None] = None) -> list[Completion]:  # fmt: skip
+                 lora: str | list[str | None] | None = None) -> list[Completion]:  # fmt: skip
         """Like Generator.generate, on the engine: every prompt queued at once, results in order. `lora`: the
         adapter of every prompt, or one per prompt (None: the base model)."""
         configs = per_prompt(sampling, len(prompts))

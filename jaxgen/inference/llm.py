@@ -85,7 +85,7 @@ class LLM:
         self,
         prompts: str | list[int] | list[str | list[int]],
         sampling: SamplingConfig | list[SamplingConfig] = SamplingConfig(),
-        lora: str | None | list[str | None] = None,
+        lora: str | list[str | None] | None = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt (a single prompt is a list of one), in the order given.
 

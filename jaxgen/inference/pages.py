@@ -72,7 +72,9 @@ class PagePool:
             pages.append(page)
         return pages
 
-    def allocate(self, prompt: list[int], total_tokens: int, reserve: int = 0, salt: bytes = b"") -> tuple[list[int], int]:
+    def allocate(
+        self, prompt: list[int], total_tokens: int, reserve: int = 0, salt: bytes = b""
+    ) -> tuple[list[int], int]:
         """Pages for a sequence of `total_tokens` tokens starting with `prompt`: shared prefix pages
         first (reference counted), then fresh ones. Returns (pages, tokens already cached), or raises
         PagesExhausted when they are not available now, `reserve` pages kept back for others (the
