@@ -147,11 +147,13 @@ class Engine:
             entry = lora.bank_entry(adapters, scale, bank)
         except ValueError as e:
             raise LoraError(f"cannot load lora_name={name!r}: {e}") from None
-        with self.device_lock, self.lock:  # no step runs meanwhile: it would read the donated bank
-            ref = self.loras.reserve(name, self._lora_slots_in_use())
-            written = self._write_slot(bank, np.int32(ref.slot), decode.upload(entry))
+        with self.device_lock:  # no step runs meanwhile (it would read the donated bank), nor another load
+            with self.lock:
+                ref = self.loras.reserve(name, self._lora_slots_in_use())
+            written = self._write_slot(lora.bank_of(self.params), np.int32(ref.slot), decode.upload(entry))
             self.params = lora.with_bank(self.params, written)
-            self.loras.add(ref)
+            with self.lock:
+                self.loras.add(ref)  # requests may name it from now on
 
     def load_lora_folder(self, name: str, folder) -> None:
         """`load_lora` of a PEFT adapter folder (`adapter_config.json` + `adapter_model.safetensors`)."""
