@@ -16,6 +16,7 @@ from jaxgen.config import LoraConfig, ModelConfig, ServeConfig
 from jaxgen.hf.peft import write_peft_adapter
 from jaxgen.inference.adapters import LoraError, LoraNotFound
 from jaxgen.inference.engine import Engine
+from jaxgen.inference.llm import LLM
 from jaxgen.inference.sampling import SamplingConfig
 from jaxgen.model import lora
 from jaxgen.serving.server import create_app
@@ -223,6 +224,19 @@ def test_a_batch_line_names_its_adapter(engine, tmp_path):
     assert "nope" in out["z"]["error"]
 
 
+def test_llm_names_an_adapter_per_prompt(engine):
+    llm = object.__new__(LLM)  # LLM's doors over this module's engine (a new LLM would compile its own)
+    llm.engine = engine
+    greedy = SamplingConfig(max_new_tokens=6, temperature=0.0)
+    outs = llm.generate(["abc", "abc"], greedy, lora=["a1", None])
+    want = [engine.generate(["abc"], greedy, lora=name)[0].tokens for name in ("a1", None)]
+    assert [o.outputs[0].tokens for o in outs] == want and want[0] != want[1]
+    assert [o.outputs[0].tokens for o in llm.generate("abc", greedy, lora="a1")] == want[:1]
+    with pytest.raises(LoraNotFound):
+        llm.generate("abc", greedy, lora="nope")
+    assert engine.idle()
+
+
 # --- the HTTP server, through the openai client ----------------------------------------------------------
 
 
@@ -271,17 +285,19 @@ def test_the_server_serves_adapters_by_model_name(server, engine):
     engine.load_lora("a3", _adapter("a3"), _lora_cfg("a3").lora.scale)
 
 
-def test_the_gathered_product_equals_the_single_adapter_path():
+@pytest.mark.parametrize("rows", [[2, 0, 2], [2, 0, 2, 1, 0, 2]])  # rows <= slots: gathered; more: every slot
+def test_the_gathered_product_equals_the_single_adapter_path(rows):
     """lora.delta over a Bank (each row its slot) equals lora.delta with that row's adapter alone."""
     cfg = _lora_cfg("a2")
     adapters = _adapter("a2")
     stacked = jax.tree.map(np.asarray, lora.init_bank(CFG, 2, 8))
     stacked = jax.jit(lora.write_slot)(stacked, 2, lora.bank_entry(adapters, cfg.lora.scale, stacked))
     layer0 = jax.tree.map(lambda w: w[0], stacked)
-    x = np.random.default_rng(5).normal(size=(3, 5, 64)).astype(np.float32)
-    rows = np.array([2, 0, 2], np.int32)
-    got = jax.jit(lambda x, bank: lora.delta(x, bank, "q", cfg))(x, lora.Bank(layer0, rows))
+    x = np.random.default_rng(5).normal(size=(len(rows), 5, 64)).astype(np.float32)
+    got = jax.jit(lambda x, bank: lora.delta(x, bank, "q", cfg))(x, lora.Bank(layer0, np.array(rows, np.int32)))
     want = jax.jit(lambda x, a: lora.delta(x, a, "q", cfg))(x, jax.tree.map(lambda w: w[0], adapters))
-    np.testing.assert_allclose(got[0], want[0], atol=1e-5)
-    np.testing.assert_allclose(got[2], want[2], atol=1e-5)
-    assert not np.asarray(got[1]).any()
+    for i, slot in enumerate(rows):
+        if slot == 2:
+            np.testing.assert_allclose(got[i], want[i], atol=1e-5)
+        else:  # slot 0: no adapter; slot 1: empty
+            assert not np.asarray(got[i]).any()

@@ -209,18 +209,27 @@ def for_rows(params: dict, rows):
 
 
 def _gathered_delta(x, bank: Bank, target: str, in_axes: int):
-    """What row b's adapter (slot `bank.rows[b]`) adds to its product of x (B, ..., *in): each row gathers
-    its A (*in, r) and B (r, *out), then two thin batched products; None when the bank lacks `target`."""
+    """What row b's adapter (slot `bank.rows[b]`) adds to its product of x (B, ..., *in); None when the bank
+    lacks `target`. Rows no more than slots (a prefill's one row): each row gathers its A (*in, r) and
+    B (r, *out), two thin batched products. More rows than slots (decoding): every slot's A at once, each row
+    keeping its own slot's r columns (the others times zero), then every slot's B: two plain products that
+    read the bank once, where gathering would read an adapter per row."""
     if target not in bank.weights:
         return None
     a, b = (bank.weights[target][k] for k in sorted(bank.weights[target]))  # (M + 1, *in, r), (M + 1, r, *out)
     rows = bank.rows.astype(jnp.int32)
-    n, r = x.shape[0], a.shape[-1]
+    n, slots, r = x.shape[0], a.shape[0], a.shape[-1]
     n_in = math.prod(a.shape[1 : 1 + in_axes])
-    a_rows = a[rows].reshape(n, n_in, r).astype(x.dtype)  # (B, in, r)
-    b_rows = b[rows].reshape(n, r, -1).astype(x.dtype)  # (B, r, out)
-    low = jnp.einsum("bti,bir->btr", x.reshape(n, -1, n_in), a_rows)
-    y = jnp.einsum("btr,bro->bto", low, b_rows)
+    x3 = x.reshape(n, -1, n_in)  # (B, T, in)
+    if n <= slots:
+        a_rows = a[rows].reshape(n, n_in, r).astype(x.dtype)  # (B, in, r)
+        b_rows = b[rows].reshape(n, r, -1).astype(x.dtype)  # (B, r, out)
+        y = jnp.einsum("btr,bro->bto", jnp.einsum("bti,bir->btr", x3, a_rows), b_rows)
+    else:
+        a_all = jnp.moveaxis(a.reshape(slots, n_in, r), 0, 1).reshape(n_in, slots * r).astype(x.dtype)
+        own = jnp.repeat(jax.nn.one_hot(rows, slots, dtype=x.dtype), r, axis=1)  # (B, M * r): its slot's columns
+        low = (x3 @ a_all) * own[:, None, :]  # (B, T, (M + 1) r)
+        y = low @ b.reshape(slots * r, -1).astype(x.dtype)  # (B, T, out)
     return y.reshape(*x.shape[: x.ndim - in_axes], *b.shape[2:])
 
 
