@@ -16,6 +16,7 @@ import os
 from jaxgen.config import ConfigError, ModelConfig, ServeConfig
 from jaxgen.inference.decode import MAX_STOPS
 from jaxgen.inference.sampling import MAX_SPECULATIVE, MAX_STOP_SEQUENCE
+from jaxgen.model.lora import bank_bytes
 from jaxgen.model.paged import page_bytes
 
 HEADROOM = 0.9  # of the memory found, what the engine's buffers may take: the weights, XLA's temporaries
@@ -64,7 +65,10 @@ def planned_bytes(cfg: ModelConfig, serve: ServeConfig, pages: int, per_page: in
         + 4 * (MAX_STOPS + 1) * MAX_STOP_SEQUENCE + 64  # stop windows, positions, sampling settings
     )  # fmt: skip
     chunk = serve.slots * columns * (8 + 8 * serve.max_logprobs)  # tokens, logprobs, top ids and logprobs
-    return {pool_key: pages * per_page, "serve.slots": serve.slots * per_slot, "serve.chunk_steps": chunk}
+    needs = {pool_key: pages * per_page, "serve.slots": serve.slots * per_slot, "serve.chunk_steps": chunk}
+    if serve.max_loras:  # the LoRA bank (multi-LoRA serving)
+        needs["serve.max_loras"] = bank_bytes(cfg, serve.max_loras, serve.max_lora_rank)
+    return needs
 
 
 def memory_available(mesh=None) -> tuple[int, str]:

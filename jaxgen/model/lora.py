@@ -129,6 +129,12 @@ def init_bank(cfg: ModelConfig, max_loras: int, max_rank: int, dtype=jnp.float32
     }
 
 
+def bank_bytes(cfg: ModelConfig, max_loras: int, max_rank: int) -> int:
+    """Bytes of `init_bank`'s weights in the compute dtype (counted from shapes: nothing is allocated)."""
+    size = sum(math.prod(s.shape) for s in jax.tree.leaves(_specs_of_rank(cfg, max_rank), is_leaf=_is_spec))
+    return size * (max_loras + 1) * jnp.dtype(cfg.dtype).itemsize
+
+
 def _specs_of_rank(cfg: ModelConfig, rank: int) -> dict:
     lora_cfg = dataclasses.replace(cfg.lora, rank=rank, targets=bank_targets(cfg))
     return lora_specs(dataclasses.replace(cfg, lora=lora_cfg))
