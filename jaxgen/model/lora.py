@@ -232,10 +232,9 @@ def _gathered_delta(x, bank: Bank, target: str, in_axes: int):
         b_rows = b[rows].reshape(n, r, -1).astype(x.dtype)  # (B, r, out)
         y = jnp.einsum("btr,bro->bto", jnp.einsum("bti,bir->btr", x3, a_rows), b_rows)
     else:
-        a_all = jnp.moveaxis(a.reshape(slots, n_in, r), 0, 1).reshape(n_in, slots * r).astype(x.dtype)
-        own = jnp.repeat(jax.nn.one_hot(rows, slots, dtype=x.dtype), r, axis=1)  # (B, M * r): its slot's columns
-        low = (x3 @ a_all) * own[:, None, :]  # (B, T, (M + 1) r)
-        y = low @ b.reshape(slots * r, -1).astype(x.dtype)  # (B, T, out)
+        own = jax.nn.one_hot(rows, slots, dtype=x.dtype)  # (B, M + 1): 1 at the row's slot
+        low = jnp.einsum("bti,mir->btmr", x3, a.reshape(slots, n_in, r).astype(x.dtype)) * own[:, None, :, None]
+        y = jnp.einsum("btmr,mro->bto", low, b.reshape(slots, r, -1).astype(x.dtype))  # (B, T, out)
     return y.reshape(*x.shape[: x.ndim - in_axes], *b.shape[2:])
 
 
