@@ -195,3 +195,64 @@ def test_adapters_that_do_not_fit_the_model_are_refused(case, tmp_path):
         save_file(tensors | bad, tmp_path / "adapter_model.safetensors")
         with pytest.raises(hf.HFError, match=message.replace("(", r"\(").replace(")", r"\)")):
             read_peft_adapter(tmp_path, case.cfg)
+
+
+def _greedy(forward, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens by full forwards over a fixed length (causal: the padding after them is not seen)."""
+    tokens = np.zeros((1, len(prompt) + n), np.int32)
+    tokens[0, : len(prompt)] = prompt
+    for t in range(len(prompt), len(prompt) + n):
+        tokens[0, t] = int(np.argmax(np.asarray(forward(tokens))[0, t - 1]))
+    return tokens[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("case", ["llama"], indirect=True)
+def test_lora_run_serves_and_converts(case, token_cache, tmp_path):
+    """A LoRA run trained from a Hugging Face folder: load_run merges its adapters into the base and LLM serves
+    it (greedy tokens as the adapted model's); convert.py writes its adapters as a PEFT folder (peft runs it
+    with the adapted model's logits) and, with --merge-lora, the merged model (transformers: the same logits)."""
+    import peft
+
+    import convert
+    from jaxgen import LLM, SamplingConfig
+    from jaxgen.config import load_config
+    from jaxgen.inference.loading import load_lora_run, load_run
+    from jaxgen.training.trainer import train
+    from tests.conftest import ROOT
+
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text("".join(json.dumps({"text": f"{i} + {i} = {2 * i}. " * 4}) + "\n" for i in range(100)))
+    overrides = [
+        f"data.cache_dir={token_cache}", "data.source=jsonl", f"data.paths=[{texts}]", "data.eval_batches=1",
+        "mesh.data=1", f"training.init_from={case.folder}", "model.lora.rank=4", "model.lora.alpha=8",
+        "model.lora.targets=[q, k, v, o, gate, up, down]", "training.steps=3", "training.batch_size=2",
+        "data.seq_len=32", "training.eval_every=100", "checkpoint.every=3", "optimizer.learning_rate=3e-2",
+        "optimizer.warmup_steps=1",
+    ]  # fmt: skip
+    run = tmp_path / "run"
+    train(load_config(ROOT / "configs" / "tiny.yaml", overrides), run, progress=False)
+
+    cfg, tokenizer, base, adapters = load_lora_run(run, mesh=_one_device())
+    adapted = lora.attach(base, adapters)
+    ours = np.asarray(case.forward(adapted))  # case.forward's cfg: rank 4, alpha 8, every target, as trained
+    assert cfg.model.lora == case.cfg.lora
+    assert np.abs(ours - np.asarray(case.forward(base))).max() > 1e-3  # three steps moved the adapters
+    merged_cfg, _, merged = load_run(run, mesh=_one_device())
+    assert merged_cfg.model.lora.rank == 0 and "lora" not in merged["layers"]
+    np.testing.assert_allclose(np.asarray(case.forward(merged)), ours, atol=1e-5, rtol=0)
+
+    prompt = tokenizer.encode("7 + 7 =")
+    forward = jax.jit(
+        lambda t: model.forward(adapted, t, np.arange(t.shape[1], dtype=np.int32)[None], cfg=cfg.model)[0]
+    )
+    expected = _greedy(forward, prompt, 6)
+    (out,) = LLM(run, slots=2).generate(prompt, SamplingConfig(temperature=0, max_new_tokens=6))
+    got = out.outputs[0].tokens
+    assert got and got == expected[: len(got)]
+
+    assert convert.main([str(run), str(tmp_path / "peft")]) == 0
+    wrapped = peft.PeftModel.from_pretrained(case.reference(), tmp_path / "peft").eval()
+    np.testing.assert_allclose(_torch_logits(wrapped), ours, atol=1e-4, rtol=0)
+    assert convert.main([str(run), str(tmp_path / "merged"), "--merge-lora"]) == 0
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="eager")
+    np.testing.assert_allclose(_torch_logits(theirs.eval()), ours, atol=1e-4, rtol=0)

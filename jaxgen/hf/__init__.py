@@ -34,6 +34,7 @@ Modules (imports point down the list; safetensors needs only HFError from config
 from jaxgen.hf.config import FAMILIES, HFError, family_of, hf_config, read_config
 from jaxgen.hf.export import save_pretrained
 from jaxgen.hf.load import is_hf_folder, load_params, load_pretrained
+from jaxgen.hf.peft import read_peft_adapter, write_peft_adapter
 from jaxgen.hf.weights import Tensor, tensor_map
 
 __all__ = [
@@ -46,6 +47,8 @@ __all__ = [
     "load_params",
     "load_pretrained",
     "read_config",
+    "read_peft_adapter",
     "save_pretrained",
     "tensor_map",
+    "write_peft_adapter",
 ]
