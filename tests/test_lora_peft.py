@@ -206,47 +206,58 @@ def _greedy(forward, prompt: list[int], n: int) -> list[int]:
     return tokens[0, len(prompt) :].tolist()
 
 
+def _lora_run(case, token_cache, run) -> None:
+    """A LoRA run folder of `case`'s adapters on `case.folder` (training.init_from), at step 3, as train.py
+    leaves one (config.yaml, tokenizer.json, a checkpoint of the train state), without compiling a train step."""
+    from jaxgen.config import load_config
+    from jaxgen.training.checkpoint import Checkpointer
+    from jaxgen.training.step import create_train_state
+    from jaxgen.training.trainer import prepare_run_dir, resolve_init_from
+    from tests.conftest import ROOT
+
+    overrides = [
+        f"data.cache_dir={token_cache}", "mesh.data=1", f"training.init_from={case.folder}", f"model.lora.rank={RANK}",
+        f"model.lora.alpha={ALPHA}", f"model.lora.targets=[{', '.join(case.cfg.lora.targets)}]",
+    ]  # fmt: skip
+    cfg, _ = resolve_init_from(load_config(ROOT / "configs" / "tiny.yaml", overrides))
+    prepare_run_dir(cfg, run)
+    state = create_train_state(cfg, _one_device())
+    assert jax.tree.structure(state.params) == jax.tree.structure(case.adapters)
+    ckpt = Checkpointer(run, cfg.checkpoint)
+    ckpt.save(3, state.replace(params=jax.tree.map(jax.numpy.asarray, case.adapters)))
+    ckpt.close()
+
+
 @pytest.mark.parametrize("case", ["llama"], indirect=True)
 def test_lora_run_serves_and_converts(case, token_cache, tmp_path):
-    """A LoRA run trained from a Hugging Face folder: load_run merges its adapters into the base and LLM serves
+    """A LoRA run from a Hugging Face folder: load_run merges its adapters into the base and the engine serves
     it (greedy tokens as the adapted model's); convert.py writes its adapters as a PEFT folder (peft runs it
     with the adapted model's logits) and, with --merge-lora, the merged model (transformers: the same logits)."""
     import peft
 
     import convert
     from jaxgen import LLM, SamplingConfig
-    from jaxgen.config import load_config
     from jaxgen.inference.loading import load_lora_run, load_run
-    from jaxgen.training.trainer import train
-    from tests.conftest import ROOT
 
-    texts = tmp_path / "texts.jsonl"
-    texts.write_text("".join(json.dumps({"text": f"{i} + {i} = {2 * i}. " * 4}) + "\n" for i in range(100)))
-    overrides = [
-        f"data.cache_dir={token_cache}", "data.source=jsonl", f"data.paths=[{texts}]", "data.eval_batches=1",
-        "mesh.data=1", f"training.init_from={case.folder}", "model.lora.rank=4", "model.lora.alpha=8",
-        "model.lora.targets=[q, k, v, o, gate, up, down]", "training.steps=3", "training.batch_size=2",
-        "data.seq_len=32", "training.eval_every=100", "checkpoint.every=3", "optimizer.learning_rate=3e-2",
-        "optimizer.warmup_steps=1",
-    ]  # fmt: skip
     run = tmp_path / "run"
-    train(load_config(ROOT / "configs" / "tiny.yaml", overrides), run, progress=False)
-
+    _lora_run(case, token_cache, run)
     cfg, tokenizer, base, adapters = load_lora_run(run, mesh=_one_device())
-    adapted = lora.attach(base, adapters)
-    ours = np.asarray(case.forward(adapted))  # case.forward's cfg: rank 4, alpha 8, every target, as trained
     assert cfg.model.lora == case.cfg.lora
-    assert np.abs(ours - np.asarray(case.forward(base))).max() > 1e-3  # three steps moved the adapters
+    for x, y in zip(jax.tree.leaves(case.adapters), jax.tree.leaves(adapters), strict=True):
+        np.testing.assert_array_equal(x, np.asarray(y))
+    for x, y in zip(jax.tree.leaves(case.params), jax.tree.leaves(base), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # the base: training.init_from's weights
+    adapted = lora.attach(base, adapters)
+    ours = np.asarray(case.forward(adapted))
     merged_cfg, _, merged = load_run(run, mesh=_one_device())
     assert merged_cfg.model.lora.rank == 0 and "lora" not in merged["layers"]
     np.testing.assert_allclose(np.asarray(case.forward(merged)), ours, atol=1e-5, rtol=0)
 
     prompt = tokenizer.encode("7 + 7 =")
-    forward = jax.jit(
-        lambda t: model.forward(adapted, t, np.arange(t.shape[1], dtype=np.int32)[None], cfg=cfg.model)[0]
-    )
-    expected = _greedy(forward, prompt, 6)
-    (out,) = LLM(run, slots=2).generate(prompt, SamplingConfig(temperature=0, max_new_tokens=6))
+    positions = np.arange(len(prompt) + 6, dtype=np.int32)[None]
+    expected = _greedy(jax.jit(lambda t: model.forward(adapted, t, positions, cfg=case.cfg)[0]), prompt, 6)
+    llm = LLM(run, slots=2, num_pages=16, prefill_chunk=16)  # what serve.py --checkpoint RUN loads
+    (out,) = llm.generate(prompt, SamplingConfig(temperature=0, max_new_tokens=6))
     got = out.outputs[0].tokens
     assert got and got == expected[: len(got)]
 
