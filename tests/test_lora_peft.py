@@ -2,6 +2,7 @@
 each against transformers + PEFT on the same tiny model."""
 
 import dataclasses
+import functools
 import json
 import shutil
 
@@ -30,7 +31,10 @@ class Case:
     cfg: object  # jaxgen's ModelConfig with model.lora set
     params: dict  # the base
     adapters: dict  # random A and B (B nonzero)
-    forward: object  # jitted (params) -> logits of TOKENS
+
+    def forward(self, params, cfg=None):
+        """Logits of TOKENS under `cfg` (default: the case's), one compile per params structure and config."""
+        return _forward(params, cfg or self.cfg)
 
     def reference(self):
         """A fresh transformers model of the folder (PEFT wraps models in place)."""
@@ -60,8 +64,12 @@ def case(request, tmp_path_factory):
         lora.lora_specs(cfg),
         is_leaf=lambda x: isinstance(x, model.ParamSpec),
     )
-    forward = jax.jit(lambda p: model.forward(p, TOKENS, POSITIONS, cfg=cfg)[0])
-    return Case(family, folder, cfg, params, adapters, forward)
+    return Case(family, folder, cfg, params, adapters)
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def _forward(params, cfg):
+    return model.forward(params, TOKENS, POSITIONS, cfg=cfg)[0]
 
 
 def _torch_logits(m) -> np.ndarray:
@@ -86,7 +94,7 @@ def test_export_loads_in_peft_with_the_same_logits(case, tmp_path):
         assert lora_cfg == case.cfg.lora
         for x, y in zip(jax.tree.leaves(case.adapters), jax.tree.leaves(back), strict=True):
             np.testing.assert_array_equal(x, y)
-    again = model.forward(lora.attach(case.params, back), TOKENS, POSITIONS, cfg=adapted)[0]
+    again = case.forward(lora.attach(case.params, back), adapted)
     np.testing.assert_allclose(np.asarray(again), ours, atol=1e-5, rtol=0)
 
 
@@ -115,7 +123,7 @@ def test_import_of_a_folder_peft_saved(case, tmp_path):
         for x, y in zip(jax.tree.leaves(expected), jax.tree.leaves(adapters), strict=True):
             np.testing.assert_array_equal(np.asarray(x), y)
     adapted = dataclasses.replace(case.cfg, lora=lora_cfg)
-    ours = model.forward(lora.attach(case.params, adapters), TOKENS, POSITIONS, cfg=adapted)[0]
+    ours = case.forward(lora.attach(case.params, adapters), adapted)
     np.testing.assert_allclose(np.asarray(ours), _torch_logits(wrapped), atol=1e-4, rtol=0)
 
 
@@ -130,10 +138,9 @@ def test_merged_export_equals_the_adapted_model(case, tmp_path):
     np.testing.assert_allclose(_torch_logits(theirs), adapted, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("case", ["llama"], indirect=True)  # merge does not depend on the family
 def test_merge_of_bfloat16_and_int8_bases(case):
     """bfloat16 stays bfloat16 (float32 math); int8 weights come back float32: dequantized plus the update."""
-    if case.family != "llama":
-        pytest.skip("one family: merge does not depend on it")
     from jaxgen.model import quant
 
     bf16 = jax.tree.map(lambda w: w.astype(jax.numpy.bfloat16), case.params)
@@ -159,6 +166,7 @@ def _edit(folder, tmp_path, **changes):
     return out
 
 
+@pytest.mark.parametrize("case", ["llama"], indirect=True)
 @pytest.mark.parametrize(
     "changes, message",
     [
@@ -172,17 +180,14 @@ def _edit(folder, tmp_path, **changes):
     ],
 )
 def test_unsupported_adapters_are_refused(case, tmp_path, changes, message):
-    if case.family != "llama":
-        pytest.skip("one family")
     write_peft_adapter(tmp_path / "a", case.adapters, case.cfg)
     with pytest.raises(hf.HFError) as e:
         read_peft_adapter(_edit(tmp_path / "a", tmp_path, **changes), case.cfg)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("case", ["mixtral"], indirect=True)  # experts: not a target
 def test_adapters_that_do_not_fit_the_model_are_refused(case, tmp_path):
-    if case.family != "mixtral":
-        pytest.skip("one family with experts")
     from safetensors.numpy import load_file, save_file
 
     write_peft_adapter(tmp_path, case.adapters, case.cfg)
