@@ -61,16 +61,17 @@ def _convert(args) -> str:
     from jaxgen.config import load_config
     from jaxgen.inference.loading import load_lora_run, load_run
 
-    is_lora = (args.run_dir / "config.yaml").exists() and load_config(args.run_dir / "config.yaml").model.lora.rank
+    saved = load_config(args.run_dir / "config.yaml") if (args.run_dir / "config.yaml").exists() else None
+    is_lora = saved is not None and saved.model.lora.rank > 0
     if args.merge_lora and not is_lora:
-        raise ValueError(f"--merge-lora: {args.run_dir} is not a LoRA run (model.lora.rank=0); drop the flag")
+        raise ValueError(f"--merge-lora: {args.run_dir} is not a LoRA run (no model.lora.rank > 0); drop the flag")
     if is_lora and not args.merge_lora:
-        cfg, _, _, adapters = load_lora_run(args.run_dir, step=args.step)
-        if cfg.training.init_from is None:
+        if saved.training.init_from is None:
             raise ValueError(
                 f"{args.run_dir} is a LoRA run on a base drawn from training.seed (no training.init_from): no Hugging "
                 "Face model is its base, so a PEFT adapter would fit nothing; export it merged with --merge-lora"
             )
+        cfg, _, _, adapters = load_lora_run(args.run_dir, step=args.step)
         family = hf.family_of(cfg.model)
         hf.write_peft_adapter(args.out_dir, adapters, cfg.model, base_model_name_or_path=cfg.training.init_from)
         return f"PEFT adapter for {family}"

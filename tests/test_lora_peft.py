@@ -116,12 +116,12 @@ def test_import_of_a_folder_peft_saved(case, tmp_path):
     else:
         wrapped = _peft_adapted(case.reference(), case.cfg.lora.targets, seed=7)
     wrapped.save_pretrained(tmp_path)
-    adapters, lora_cfg = read_peft_adapter(tmp_path, case.cfg)
+    adapters, lora_cfg = read_peft_adapter(tmp_path, case.cfg, mesh=_one_device())  # placed in their shardings
     if case.family not in ("gpt2", "phi3"):
         assert lora_cfg == case.cfg.lora
         expected = _adapters_from_peft(wrapped, case.cfg)
         for x, y in zip(jax.tree.leaves(expected), jax.tree.leaves(adapters), strict=True):
-            np.testing.assert_array_equal(np.asarray(x), y)
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     adapted = dataclasses.replace(case.cfg, lora=lora_cfg)
     ours = case.forward(lora.attach(case.params, adapters), adapted)
     np.testing.assert_allclose(np.asarray(ours), _torch_logits(wrapped), atol=1e-4, rtol=0)
@@ -272,3 +272,21 @@ def test_lora_run_serves_and_converts(case, token_cache, tmp_path):
     assert convert.main([str(run), str(tmp_path / "merged"), "--merge-lora"]) == 0
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="eager")
     np.testing.assert_allclose(_torch_logits(theirs.eval()), ours, atol=1e-4, rtol=0)
+
+
+def test_convert_refuses_what_it_cannot_write(tmp_path, tiny_cfg, capsys):
+    """Checked from config.yaml before anything loads: --merge-lora of a full run, a PEFT folder of a LoRA run
+    whose base was drawn from the seed (no Hugging Face base to name)."""
+    import convert
+    from jaxgen.config import save_config
+
+    for name, lora_cfg, flags, message in [
+        ("full", LoraConfig(), ["--merge-lora"], "is not a LoRA run (no model.lora.rank > 0); drop the flag"),
+        ("seeded", LoraConfig(rank=4), [], "no Hugging Face model is its base"),
+    ]:
+        (tmp_path / name).mkdir()
+        save_config(dataclasses.replace(tiny_cfg, model=dataclasses.replace(tiny_cfg.model, lora=lora_cfg)),
+                    tmp_path / name / "config.yaml")  # fmt: skip
+        assert convert.main([str(tmp_path / name), str(tmp_path / "out"), *flags]) == 1
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1
