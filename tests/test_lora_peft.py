@@ -158,6 +158,37 @@ def test_merge_of_bfloat16_and_int8_bases(case):
     assert quant.is_q(merged["head_dv"]) == quant.is_q(q8["head_dv"])  # not a target: as it was
 
 
+@pytest.mark.parametrize("case", ["llama"], indirect=True)
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(use_rslora=True, rank_pattern={"v_proj": 2}, alpha_pattern={"o_proj": 3.0, "down_proj": 5.0}),
+        dict(layers_to_transform=[1], target_modules=["q_proj", "up_proj"]),
+    ],
+    ids=["patterns", "one_layer"],
+)
+def test_import_of_per_module_ranks_and_layers(case, tmp_path, settings):
+    """PEFT adapters of several ranks and scales (rank_pattern, alpha_pattern, rsLoRA's alpha / sqrt(r)) or of
+    some layers only read as one jaxgen rank and scale with PEFT's logits."""
+    import peft
+
+    settings = {"target_modules": [f"{t}_proj" for t in ALL]} | settings
+    wrapped = peft.get_peft_model(case.reference(), peft.LoraConfig(r=RANK, lora_alpha=ALPHA, **settings))
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    wrapped.eval().save_pretrained(tmp_path)
+    adapters, lora_cfg = read_peft_adapter(tmp_path, case.cfg)
+    adapted = dataclasses.replace(case.cfg, lora=lora_cfg)
+    assert lora_cfg.rank == RANK and lora_cfg.targets == tuple(
+        t for t in ALL if f"{t}_proj" in settings["target_modules"]
+    )
+    ours = case.forward(lora.attach(case.params, adapters), adapted)
+    np.testing.assert_allclose(np.asarray(ours), _torch_logits(wrapped), atol=1e-4, rtol=0)
+
+
 def _edit(folder, tmp_path, **changes):
     out = tmp_path / "edited"
     shutil.copytree(folder, out)
