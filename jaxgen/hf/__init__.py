@@ -2,6 +2,8 @@
 
     cfg, tokenizer, params = load_pretrained("path/to/folder", mesh)   # config.json + *.safetensors
     save_pretrained("out/folder", params, cfg, tokenizer)              # transformers loads it back
+    write_peft_adapter("out/adapter", adapters, cfg)                   # LoRA adapters: PEFT's folder
+    adapters, lora_cfg = read_peft_adapter("in/adapter", cfg)
 
 Supported families (FAMILIES): GPT-2, Llama (Llama 3 rope scaling included), Mistral (sliding window),
 Qwen2 (q/k/v biases), Qwen3 (per-head qk-norm), Gemma (GeGLU, scaled embeddings, (1 + scale) RMSNorm),
