@@ -9,6 +9,7 @@ The package is laid out by concern; imports only point down this list:
     training/                     the train step, the run loop, checkpoints, metrics, data
     inference/                    sampling, the decode core, Generator, beam search, the engine, LLM
     serving/                      the HTTP server and the batch job
+    rl/                           reinforcement learning: policy-gradient objectives over sampled completions
     plan                          `python -m jaxgen.plan`: per-device memory of a config on a mesh
     evaluation/                   the lm-evaluation-harness model, `python -m jaxgen.evaluation`
 
