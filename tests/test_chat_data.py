@@ -19,7 +19,7 @@ from jaxgen.chat_template import compile_template
 from jaxgen.config import DataConfig, load_config
 from jaxgen.tokenizer import Tokenizer
 from jaxgen.training.data.chat import ChatDataError, ChatRenderer, encode_conversations, parse_line
-from jaxgen.training.data.pipeline import PackedSequences, train_iterator
+from jaxgen.training.data.pipeline import PackedConversations, train_iterator
 from jaxgen.training.data.sources import iter_documents
 from jaxgen.training.data.tokens import DOC_START, NO_LOSS, load_splits
 from jaxgen.training.step import loss_sum
@@ -190,35 +190,66 @@ def test_mask_equals_transformers_assistant_mask_with_generation_marks(family, t
 
 @pytest.fixture(scope="module")
 def chat_store(family, tmp_path_factory):
-    """The ChatML family's token store of 40 conversations, packed 32 tokens to an example."""
+    """(kind, tokenizer, train split, its examples) of a store of 40 conversations, 256 tokens to an example."""
     kind, folder, _ = family
     tmp = tmp_path_factory.mktemp(f"store-{kind}")
     ask = [{"role": "user", "content": f"question {i}?"} for i in range(40)]
     say = [{"role": "assistant", "content": f"Answer {i}: " + "yes " * (i % 5)} for i in range(40)]
     chats = [{"messages": [q, a]} for q, a in zip(ask, say, strict=True)]
-    cfg = DataConfig(source="chat", paths=(_write(tmp / "c.jsonl", chats),), tokenizer=str(folder), seq_len=32,
+    cfg = DataConfig(source="chat", paths=(_write(tmp / "c.jsonl", chats),), tokenizer=str(folder), seq_len=256,
                      cache_dir=str(tmp / "cache"), eval_fraction=0.1)  # fmt: skip
     tok = Tokenizer.from_folder(folder)
-    splits = load_splits(cfg, tok)
-    return kind, tok, splits["train"], PackedSequences(splits["train"]["tokens"], splits["train"]["flags"], 32)
+    train = load_splits(cfg, tok)["train"]
+    return kind, tok, train, PackedConversations(train["tokens"], train["flags"], 256)
 
 
-def test_packing_keeps_conversations_apart(chat_store):
-    _, tok, train, src = chat_store
+def _conversations(train) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(tokens, flags) of each conversation of a split, cut where the flags say one begins."""
     starts = np.flatnonzero(np.asarray(train["flags"]) & DOC_START)
-    assert len(starts) > 30 and starts[0] == 0
+    return [(np.asarray(train["tokens"][a:b]), np.asarray(train["flags"][a:b]))
+            for a, b in zip(starts, [*starts[1:], len(train["tokens"])], strict=True)]  # fmt: skip
+
+
+def test_packing_keeps_whole_conversations_apart(chat_store):
+    _, tok, train, src = chat_store
+    convs, seen = _conversations(train), []
+    assert src.cut == 0 and len(convs) > 30 and len(src) < len(convs)  # several to an example
     for i in range(len(src)):
-        ex, lo = src[i], i * 32
-        starts_here = (np.asarray(train["flags"][lo : lo + 32]) & DOC_START) > 0
-        np.testing.assert_array_equal(np.diff(ex["segment_ids"]) > 0, starts_here[1:])  # a new segment per start
-        np.testing.assert_array_equal(ex["positions"][starts_here], 0)
-        trained_next = (np.asarray(train["flags"][lo + 1 : lo + 33]) & NO_LOSS) == 0
-        same = ~((np.asarray(train["flags"][lo + 1 : lo + 33]) & DOC_START) > 0)
-        np.testing.assert_array_equal(ex["loss_mask"], trained_next & same)  # targets: assistant tokens only
+        ex = src[i]
+        tokens = np.append(ex["inputs"], ex["targets"][-1])  # the example's T + 1 tokens
+        for s in np.unique(ex["segment_ids"]):
+            where = np.flatnonzero(ex["segment_ids"] == s)  # contiguous, positions from 0
+            np.testing.assert_array_equal(ex["positions"][where], np.arange(len(where)))
+            piece = tokens[where[0] : where[-1] + 2]  # the segment's inputs and its last target
+            starts_it = [c for c in convs if len(c[0]) <= len(piece) and np.array_equal(c[0], piece[: len(c[0])])]
+            whole = starts_it[0] if starts_it else None
+            if whole is None:  # only the padding after the last conversation is no conversation
+                assert s == ex["segment_ids"].max() and not ex["loss_mask"][where].any()
+                continue
+            assert len(whole[0]) == len(where) or len(whole[0]) == len(where) + 1 == len(piece)
+            seen.append(tok.decode(whole[0]))
+            trained = (whole[1][1:] & NO_LOSS) == 0  # a token is trained as a target when it is the assistant's
+            np.testing.assert_array_equal(ex["loss_mask"][where[0] : where[0] + len(whole[0]) - 1], trained)
         assert "question" not in tok.decode(ex["targets"][ex["loss_mask"] > 0])
+    assert sorted(seen) == sorted(tok.decode(c[0]) for c in convs)  # each exactly once, none split
+
+
+def test_a_conversation_longer_than_an_example_keeps_its_beginning():
+    tokens = np.arange(1, 21, dtype=np.uint16)
+    flags = np.zeros(20, np.uint8)
+    flags[[0, 3, 15]] = DOC_START  # documents of 3, 12 and 5 tokens
+    src = PackedConversations(tokens, flags, seq_len=7)
+    assert src.cut == 1 and len(src) == 3
+    np.testing.assert_array_equal(src[0]["inputs"], [1, 2, 3, 0, 0, 0, 0])  # padded: 12 tokens do not fit
+    np.testing.assert_array_equal(src[0]["segment_ids"], [1, 1, 1, 2, 2, 2, 2])
+    np.testing.assert_array_equal(src[0]["loss_mask"], [1, 1, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(src[1]["inputs"], [4, 5, 6, 7, 8, 9, 10])  # its first 8 (T + 1) tokens
+    np.testing.assert_array_equal(src[1]["targets"], [5, 6, 7, 8, 9, 10, 11])
 
 
 def test_resumed_iterator_gives_the_same_batches(chat_store):
+    if chat_store[0] != "chatml":
+        pytest.skip("the iterator does not depend on the template")
     src = chat_store[3]
     it = train_iterator(src, batch_size=4, seed=1)
     [next(it) for _ in range(3)]
@@ -233,10 +264,13 @@ def test_resumed_iterator_gives_the_same_batches(chat_store):
 
 
 def test_loss_ignores_every_target_but_the_assistants(chat_store):
-    _, tok, _, src = chat_store
-    cfg = load_config(ROOT / "configs" / "tiny.yaml", ["mesh.data=1", "data.seq_len=32", "training.loss_chunk=16"])
+    kind, tok, _, src = chat_store
+    if kind != "chatml":
+        pytest.skip("the loss reads only the mask, whichever template made it")
+    sizes = ["mesh.data=1", "data.seq_len=256", "model.max_seq_len=256", "training.loss_chunk=128"]
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", sizes)
     params = model.init_params(cfg.model, jax.random.key(0))
-    batch = {k: np.stack([src[i][k] for i in range(4)]) for k in src[0]}
+    batch = {k: np.stack([src[i][k] for i in range(2)]) for k in src[0]}
     off = batch["loss_mask"] == 0
     assert off.any() and (~off).any()
     loss = jax.jit(lambda b: loss_sum(params, b, cfg)[1][:2])
@@ -311,10 +345,11 @@ def test_train_command_runs_on_chat_data(family, tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, "train.py", "--config", "configs/tiny.yaml", "--run-dir", str(run), "--no-progress",
            "data.source=chat", f"data.paths=[{data}]", f"data.tokenizer={folder}", f"data.cache_dir={tmp_path / 'c'}",
-           "data.seq_len=32", "training.steps=4", "training.eval_every=4", "training.log_every=2",
+           "training.steps=4", "training.eval_every=4", "training.log_every=2",
            "checkpoint.every=4", "mesh.data=1"]  # fmt: skip
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "are cut" not in out.stdout  # data.seq_len=64 holds each of these conversations whole
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert any("loss" in r and np.isfinite(r["loss"]) for r in rows)
     assert Tokenizer.from_folder(run).chat_template == Tokenizer.from_folder(folder).chat_template  # served alike
