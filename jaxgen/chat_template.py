@@ -4,7 +4,7 @@ the server's prompts (`jaxgen.serving.server`) and chat SFT data (`jaxgen.traini
 A template from a model folder can format messages but cannot reach Python's internals (no code runs).
 `raise_exception(message)` refuses a conversation (TemplateRefused); `tojson` is transformers' filter;
 `{% generation %} ... {% endgeneration %}` (transformers' marks around what the assistant writes)
-renders its body unchanged.
+renders its body unchanged; loops take `{% break %}` and `{% continue %}`.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ class _Generation(jinja2.ext.Extension):
 
 def sandbox() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
     """A fresh environment with transformers' settings (trim_blocks, lstrip_blocks) and helpers."""
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation])
+    extensions = [_Generation, jinja2.ext.loopcontrols]  # transformers' too: {% break %}, {% continue %}
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=extensions)
     env.globals["raise_exception"] = _raise_exception
     env.filters["tojson"] = _tojson
     return env

@@ -328,8 +328,10 @@ def test_templates_that_cannot_mark_the_assistant_are_refused(template, reason):
         ChatRenderer(template).spans(conv)
 
 
-def test_the_sandbox_reads_generation_marks_and_stops_unsafe_templates():
+def test_the_sandbox_reads_generation_marks_and_loop_controls_and_stops_unsafe_templates():
     assert compile_template("{% generation %}a{% endgeneration %}b").render() == "ab"
+    loop = "{% for i in [1, 2, 3] %}{% if i == 2 %}{% break %}{% endif %}{{ i }}{% endfor %}"
+    assert compile_template(loop).render() == "1"  # transformers' loop controls
     conv = parse_line(json.dumps(TEXT_CHATS[1]), "x.jsonl:1")
     with pytest.raises(ChatDataError, match=r"x\.jsonl:1: the chat template failed: SecurityError"):
         ChatRenderer("{{ messages.append(1) }}").render(conv, 2, False)
