@@ -320,10 +320,12 @@ def test_bad_lines_are_errors_naming_file_and_line(tmp_path):
          "{% if add_generation_prompt %}assistant: {% endif %}", r"messages\[2\]'s text is not between"),
         ("{{ raise_exception('only one turn') if messages | length > 2 }}{% for m in messages %}{{ m.content }}"
          "{% endfor %}{% if add_generation_prompt %}>{% endif %}", "refused this conversation: only one turn"),
+        ("{% for m in messages %}<{{ m.role }}>{{ m.content or '' }}\n{% endfor %}"
+         "{% if add_generation_prompt %}<assistant>{% endif %}", r"messages\[1\]'s tool calls \['weather'\] are not"),
     ],
 )  # fmt: skip
 def test_templates_that_cannot_mark_the_assistant_are_refused(template, reason):
-    conv = parse_line(json.dumps(TEXT_CHATS[0]), "data.jsonl:7")
+    conv = parse_line(json.dumps(TOOL_CHAT if "tool calls" in reason else TEXT_CHATS[0]), "data.jsonl:7")
     with pytest.raises(ChatDataError, match=rf"^data.jsonl:7: .*{reason}"):
         ChatRenderer(template).spans(conv)
 

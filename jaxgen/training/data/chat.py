@@ -13,7 +13,8 @@ without must both be prefixes of the whole conversation's render; the characters
 what the assistant writes (its text and the template's end-of-turn, so the model learns to stop). The
 tokens of the whole render whose characters overlap those spans (the tokenizer's offsets) are trained.
 A template that cannot mark them (earlier turns rendered differently once later ones follow, no
-generation prompt, the assistant's text not inside its span) is refused with the reason, naming the line.
+generation prompt, the assistant's text or its calls' names not inside its span) is refused with the
+reason, naming the line.
 A bad line (not JSON, no messages, an unknown role, no assistant message) is an error naming file:line:
 a data set is fixed before training, not skipped over silently.
 """
@@ -151,6 +152,10 @@ class ChatRenderer:
             if end <= start or content not in text[start:end]:
                 raise self._refuse(conv, f"messages[{i}]'s text is not between its generation prompt and its end "
                                    f"(characters {start}..{end} of the render)")  # fmt: skip
+            names = [c["function"].get("name") for c in m.get("tool_calls") or []]
+            if not all(isinstance(n, str) and n in text[start:end] for n in names):
+                raise self._refuse(conv, f"messages[{i}]'s tool calls {names} are not written in its turn (a template "
+                                   "without tool calls would train on a turn that lost them)")  # fmt: skip
             spans.append((start, end))
         return text, spans
 
