@@ -308,6 +308,14 @@ def test_bad_lines_are_errors_naming_file_and_line(tmp_path):
     assert [d.text for d in docs] == ["what is 2+2\nIt is 4."]  # what train_tokenizer.py reads
 
 
+def test_the_documented_example_line_is_valid_chat_data():
+    docs = (ROOT / "docs" / "training.md").read_text()
+    example = docs.split("## Chat SFT")[1].split("```json\n")[1].split("```")[0]
+    conv = parse_line(example.replace("\n", " "), "docs")
+    assert [m["role"] for m in conv.messages] == ["system", "user", "assistant", "tool", "assistant"]
+    assert conv.messages[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"} and conv.tools
+
+
 @pytest.mark.parametrize(
     "template, reason",
     [
