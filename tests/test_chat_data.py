@@ -308,6 +308,15 @@ def test_bad_lines_are_errors_naming_file_and_line(tmp_path):
     assert [d.text for d in docs] == ["what is 2+2\nIt is 4."]  # what train_tokenizer.py reads
 
 
+def test_a_template_without_a_generation_prompt_marks_the_answers():
+    """Mistral's shape: the user turn's [/INST] is the cue, add_generation_prompt changes nothing."""
+    template = ("{% for m in messages %}{% if m.role == 'user' %}[INST] {{ m.content }} [/INST]{% elif m.role == "
+                "'assistant' %}{{ m.content }}</s>{% endif %}{% endfor %}")  # fmt: skip
+    text, spans = ChatRenderer(template).spans(parse_line(json.dumps(TEXT_CHATS[0]), "-"))
+    answers = [m["content"] + "</s>" for m in TEXT_CHATS[0]["messages"] if m["role"] == "assistant"]
+    assert [text[a:b] for a, b in spans] == answers
+
+
 def test_the_documented_example_line_is_valid_chat_data():
     docs = (ROOT / "docs" / "training.md").read_text()
     example = docs.split("## Chat SFT")[1].split("```json\n")[1].split("```")[0]
@@ -320,7 +329,7 @@ def test_the_documented_example_line_is_valid_chat_data():
     "template, reason",
     [
         ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:",
-         "the same text with and without add_generation_prompt"),
+         "it writes a generation prompt even without add_generation_prompt"),
         ("{% for m in messages %}{{ m.role }}: {{ '<think></think>' if loop.last and m.role == 'assistant' }}"
          "{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}",
          r"messages\[:3\] is not a prefix of the whole conversation's"),

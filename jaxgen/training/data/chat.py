@@ -135,8 +135,7 @@ class ChatRenderer:
         n = len(conv.messages)
         text = self.render(conv, n, False)
         if self.render(conv, n, True) == text:
-            raise self._refuse(conv, "it writes the same text with and without add_generation_prompt, so where an "
-                               "assistant turn begins cannot be told")  # fmt: skip
+            self._check_no_trailing_prompt(conv, text)
         spans = []
         for i, m in enumerate(conv.messages):
             if m["role"] != "assistant":
@@ -158,6 +157,21 @@ class ChatRenderer:
                                    "without tool calls would train on a turn that lost them)")  # fmt: skip
             spans.append((start, end))
         return text, spans
+
+    def _check_no_trailing_prompt(self, conv: Conversation, text: str) -> None:
+        """A template that ignores add_generation_prompt either writes no prompt at all (Mistral's: the user
+        turn's end is the cue) or writes one always, which would end up in the last assistant's span: then
+        the render stops being a prefix once another turn follows."""
+        if conv.messages[-1]["role"] != "assistant":
+            return  # the last assistant's span ends where the next message's begins: the prefix checks see it
+        longer = Conversation([*conv.messages, {"role": "user", "content": "?"}], conv.tools, conv.where)
+        try:
+            after = self.render(longer, len(longer.messages), False)
+        except ChatDataError:
+            return  # the template takes no further turn: nothing to compare
+        if not after.startswith(text):
+            raise self._refuse(conv, "it writes a generation prompt even without add_generation_prompt, so the "
+                               "last assistant turn's end cannot be told")  # fmt: skip
 
     @staticmethod
     def _refuse(conv: Conversation, reason: str) -> ChatDataError:
