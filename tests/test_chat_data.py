@@ -317,6 +317,18 @@ def test_a_template_without_a_generation_prompt_marks_the_answers():
     assert [text[a:b] for a, b in spans] == answers
 
 
+def test_the_server_renders_prompts_as_training_renders_them(family):
+    """One sandbox: a prompt the server renders is the training render of the same messages, marks and all."""
+    from jaxgen.serving.server import ChatTemplate
+
+    _, _, hf = family
+    for chat in CHATS:
+        conv = parse_line(json.dumps(chat), "-")
+        upto = max(i for i, m in enumerate(conv.messages) if m["role"] == "assistant")
+        served = ChatTemplate(hf.chat_template).render(conv.messages[:upto], conv.tools)
+        assert served == ChatRenderer(hf.chat_template).render(conv, upto, True)
+
+
 def test_the_documented_example_line_is_valid_chat_data():
     docs = (ROOT / "docs" / "training.md").read_text()
     example = docs.split("## Chat SFT")[1].split("```json\n")[1].split("```")[0]
