@@ -264,13 +264,13 @@ def test_resumed_iterator_gives_the_same_batches(chat_store):
 
 
 def test_loss_ignores_every_target_but_the_assistants(chat_store):
-    kind, tok, _, src = chat_store
+    kind, tok, train, _ = chat_store
     if kind != "chatml":
         pytest.skip("the loss reads only the mask, whichever template made it")
-    sizes = ["mesh.data=1", "data.seq_len=256", "model.max_seq_len=256", "training.loss_chunk=128"]
-    cfg = load_config(ROOT / "configs" / "tiny.yaml", sizes)
+    src = PackedConversations(train["tokens"], train["flags"], 64)  # one conversation and padding per example
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", ["mesh.data=1", "training.loss_chunk=32"])
     params = model.init_params(cfg.model, jax.random.key(0))
-    batch = {k: np.stack([src[i][k] for i in range(2)]) for k in src[0]}
+    batch = {k: np.stack([src[i][k] for i in range(4)]) for k in src[0]}
     off = batch["loss_mask"] == 0
     assert off.any() and (~off).any()
     loss = jax.jit(lambda b: loss_sum(params, b, cfg)[1][:2])
