@@ -2,6 +2,7 @@
 
 The package is laid out by concern; imports only point down this list:
     config, sharding, tokenizer   configs, the axis glossary and mesh rules, tokenizers
+    chat_template                 chat templates in jinja2's sandbox (the server's prompts, chat SFT data)
     runtime                       process-wide JAX settings for the command lines (compilation cache)
     distributed                   joining other processes (jax.distributed), what only process 0 does
     model/                        the network and its KV caches
