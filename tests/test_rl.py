@@ -112,3 +112,36 @@ def test_token_logprobs_equal_the_logits_at_each_position():
         np.testing.assert_allclose(np.asarray(logp[:, t]), np.asarray(dist[jnp.arange(3), tokens[:, t + 1]]), atol=2e-5)
         ent = -jnp.sum(jnp.exp(dist) * dist, axis=-1)
         np.testing.assert_allclose(np.asarray(entropy[:, t]), np.asarray(ent), atol=2e-5)
+
+
+def test_rollout_batch_puts_each_completion_token_where_the_forward_scores_it():
+    """Column t of the per-token arrays scores token t + 1: a completion's first token sits at column
+    len(prompt) - 1, with its sampler log-probability, and only completion columns are in the mask."""
+    from jaxgen.config import load_config
+    from jaxgen.inference.decode import Completion
+    from jaxgen.inference.llm import RequestOutput
+    from jaxgen.rl.loop import rollout_batch
+
+    cfg = load_config(None, ["rl.group_size=2", "rl.max_prompt_tokens=4", "rl.max_new_tokens=3"])
+    outs = [
+        RequestOutput(
+            "ab",
+            [5, 6],
+            [Completion(0, 0, [7], "x", "stop", [-0.5]), Completion(0, 1, [8, 9], "yz", "length", [-1.0, -2.0])],
+        ),
+        RequestOutput(
+            "abc",
+            [1, 2, 3],
+            [Completion(1, 0, [4, 4, 4], "www", "length", [-3.0, -4.0, -5.0]), Completion(1, 1, [], "", "stop", [])],
+        ),
+    ]
+    rewards = np.asarray([[1.0, 0.0], [0.0, 0.0]], np.float32)
+    b = rollout_batch(cfg, outs, rewards)
+    assert b["tokens"].shape == (4, 7) and b["mask"].shape == (4, 6)
+    np.testing.assert_array_equal(b["tokens"][1, :4], [5, 6, 8, 9])
+    np.testing.assert_array_equal(b["positions"][1], [0, 1, 2, 3, -1, -1, -1])
+    np.testing.assert_array_equal(b["mask"][1], [0, 1, 1, 0, 0, 0])
+    np.testing.assert_array_equal(b["old_logp"][1], [0, -1.0, -2.0, 0, 0, 0])
+    np.testing.assert_array_equal(b["mask"][2], [0, 0, 1, 1, 1, 0])
+    assert b["mask"][3].sum() == 0
+    np.testing.assert_allclose(b["advantages"], [1.0, -1.0, 0.0, 0.0], atol=1e-5)
