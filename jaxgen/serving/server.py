@@ -46,6 +46,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, SkipValidation, TypeAdapter, ValidationError
 
+from jaxgen.chat_template import TemplateRefused, compile_template
 from jaxgen.config import ServeConfig
 from jaxgen.inference.decode import encode_prompt
 from jaxgen.inference.engine import Engine
@@ -367,31 +368,15 @@ def _message(i: int, m: Message) -> dict:
     return message_for_template(message, m.tool_calls, m.tool_call_id)
 
 
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    """JSON as transformers' templates get it (tools are written with it: `{{ tool | tojson }}`)."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-class _Refused(jinja2.TemplateError):
-    """raise_exception() in a template: it refuses these messages (the client's fault)."""
-
-
 class ChatTemplate:
     """The chat template in jinja2's immutable sandbox (as transformers renders it): a template from a
     model folder can format messages but cannot reach Python's internals (no code runs). A template that
     does not compile leaves `error` set: the server starts, completions work, chat requests get 500."""
 
     def __init__(self, source: str | None):
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-        def raise_exception(message):  # templates call this to refuse a conversation
-            raise _Refused(message)
-
-        env.globals["raise_exception"] = raise_exception
-        env.filters["tojson"] = _tojson  # transformers' own: jinja2's escapes <, >, & and ' for HTML
         self.template, self.error, self.source = None, None, source
         try:
-            self.template = env.from_string(source or PLAIN_CHAT)
+            self.template = compile_template(source or PLAIN_CHAT)
         except jinja2.TemplateSyntaxError as e:
             self.error = f"the model's chat template does not compile: {e} (line {e.lineno})"
 
@@ -402,7 +387,7 @@ class ChatTemplate:
         extra = {"tools": tools} if tools else {}
         try:
             return self.template.render(messages=messages, add_generation_prompt=True, **extra)
-        except _Refused as e:
+        except TemplateRefused as e:
             raise APIError(400, f"the chat template refused these messages: {e}", "messages") from None
         except jinja2.sandbox.SecurityError as e:
             raise APIError(500, f"the model's chat template tried something unsafe and was stopped: {e}",
