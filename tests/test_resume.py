@@ -131,6 +131,16 @@ def test_lora_kill_9_resumes_bitwise(tmp_path, token_cache):
         return {r["step"]: (r["loss"], r["data"]) for r in records(run_dir) if "loss" in r and "data" in r}
 
     assert [train_records(killed)[s] for s in range(1, end + 1)] == [train_records(never)[s] for s in range(1, end + 1)]
-    a, b = (load_lora_run(r, mesh=make_mesh_one(), step=end)[3] for r in (killed, never))
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    a, b = (load_lora_run(r, mesh=make_mesh_one(), step=end) for r in (killed, never))
+    for x, y in zip(jax.tree.leaves(a[3]), jax.tree.leaves(b[3]), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+    from jaxgen import model  # serving the run: the adapters merged into the base the seed draws
+    from jaxgen.model import lora
+
+    cfg, _, base, adapters = a
+    merged_cfg, _, merged = load_run(killed, mesh=make_mesh_one(), step=end)
+    tokens = np.arange(24, dtype=np.int32).reshape(2, 12) * 5
+    positions = np.tile(np.arange(12, dtype=np.int32), (2, 1))
+    adapted = model.forward(lora.attach(base, adapters), tokens, positions, cfg=cfg.model)[0]
+    np.testing.assert_allclose(model.forward(merged, tokens, positions, cfg=merged_cfg.model)[0], adapted, atol=1e-5)
