@@ -189,6 +189,19 @@ def test_import_of_per_module_ranks_and_layers(case, tmp_path, settings):
     np.testing.assert_allclose(np.asarray(ours), _torch_logits(wrapped), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("case", ["llama"], indirect=True)
+def test_bfloat16_adapter_files_read(case, tmp_path):
+    """Adapters saved in bfloat16 (as PEFT saves a bfloat16 model's) read as their float32 values."""
+    from safetensors.torch import load_file, save_file
+
+    write_peft_adapter(tmp_path, case.adapters, case.cfg)
+    tensors = load_file(tmp_path / "adapter_model.safetensors")
+    save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, tmp_path / "adapter_model.safetensors")
+    adapters, _ = read_peft_adapter(tmp_path, case.cfg)
+    for x, y in zip(jax.tree.leaves(case.adapters), jax.tree.leaves(adapters), strict=True):
+        np.testing.assert_array_equal(np.asarray(jax.numpy.asarray(x, jax.numpy.bfloat16), np.float32), y)
+
+
 def _edit(folder, tmp_path, **changes):
     out = tmp_path / "edited"
     shutil.copytree(folder, out)
