@@ -55,9 +55,8 @@ class _Module:
 
 def _sizes(cfg: ModelConfig, target: str) -> tuple[int, int]:
     """(fan in, fan out) of a target's product."""
-    D, N, K, H, F = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_size, cfg.d_ff
-    return {"q": (D, N * H), "k": (D, K * H), "v": (D, K * H), "o": (N * H, D), "gate": (D, F), "up": (D, F),
-            "down": (F, D)}[target]  # fmt: skip
+    ins, outs = lora._product_axes(cfg)[target]
+    return math.prod(x[0] for x in ins), math.prod(x[0] for x in outs)
 
 
 def adapter_modules(cfg: ModelConfig, family: str, targets=LORA_TARGETS) -> dict[str, _Module]:
