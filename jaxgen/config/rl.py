@@ -12,6 +12,7 @@ from jaxgen.config.base import check, check_literals
 class RLConfig:
     # the prompts and how answers are scored
     task: str = "arithmetic"  # a built-in task (jaxgen.rl.tasks), or "jsonl": prompts from `prompts`
+    max_operand: int = 9  # the arithmetic task's operands: 0..max_operand
     prompts: tuple[str, ...] = ()  # globs of JSONL files: {"prompt": ..., other fields passed to the reward}
     reward: str = ""  # "module:function(prompt, completion, **fields) -> float"; "" = the task's own
     init_from: str = ""  # the starting policy: a run folder or a Hugging Face folder; "" = a warm start
@@ -43,7 +44,7 @@ class RLConfig:
         if self.reward:
             module, _, function = self.reward.partition(":")
             check(bool(module and function), "rl.reward", self.reward, "module:function, e.g. mytask:reward")
-        for name, low in (("warm_start_steps", 0), ("prompts_per_step", 1), ("group_size", 1), ("max_new_tokens", 1),
+        for name, low in (("max_operand", 1), ("warm_start_steps", 0), ("prompts_per_step", 1), ("group_size", 1), ("max_new_tokens", 1),
                           ("max_prompt_tokens", 1), ("reward_workers", 1)):  # fmt: skip
             value = getattr(self, name)
             check(isinstance(value, int) and value >= low, f"rl.{name}", value, f"an integer >= {low}")

@@ -169,7 +169,7 @@ def warm_start_config(cfg: Config, folder: Path) -> Config:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "warm_start.jsonl"
     if not path.exists():
-        lines = (json.dumps(r) + "\n" for r in tasks.warm_start_records(cfg.training.seed))
+        lines = (json.dumps(r) + "\n" for r in tasks.warm_start_records(cfg.training.seed, cfg.rl.max_operand))
         path.write_text("".join(lines))
     data = DataConfig(
         source="jsonl", paths=(str(path),), prompt_field="prompt", response_field="response",

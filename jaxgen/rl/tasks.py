@@ -1,6 +1,6 @@
 """Prompts and rewards: the built-in arithmetic task, JSONL prompt files, and rewards named in the config.
 
-The built-in task asks for the sum of two numbers, "17+25=", and rewards the exact answer, "42", with
+The built-in task asks for the sum of two numbers, "7+5=", and rewards the exact answer, "12", with
 1.0 (anything else 0.0): verifiable, learnable by a small byte-level model on a CPU, and a success rate
 that says at a glance whether RL helps. Its supervised warm start (`warm_start_records`) teaches the
 format and part of the table, so the policy's success rate starts above zero.
@@ -21,20 +21,20 @@ import numpy as np
 
 from jaxgen.config import RLConfig
 
-ARITHMETIC_MAX = 49  # operands 0..49: 2,500 problems, answers of one to two digits
 
-
-def arithmetic_records(seed: int, count: int) -> list[dict]:
-    """`count` problems drawn with `seed`: [{"prompt": "a+b=", "answer": "c"}]."""
+def arithmetic_records(seed: int, count: int, max_operand: int = 9) -> list[dict]:
+    """`count` problems drawn with `seed`, operands 0..max_operand: [{"prompt": "a+b=", "answer": "c"}]."""
     rng = np.random.default_rng(seed)
-    pairs = rng.integers(0, ARITHMETIC_MAX + 1, size=(count, 2))
+    pairs = rng.integers(0, max_operand + 1, size=(count, 2))
     return [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in pairs.tolist()]
 
 
-def warm_start_records(seed: int, count: int = 4000) -> list[dict]:
+def warm_start_records(seed: int, max_operand: int = 9, count: int = 4000) -> list[dict]:
     """Supervised pairs for the warm start ({"prompt", "response"}: jsonl source with prompt/response fields),
     drawn with a seed apart from the RL prompts' (the table is small: they overlap, as intended)."""
-    return [{"prompt": r["prompt"], "response": r["answer"]} for r in arithmetic_records(seed + 7919, count)]
+    return [
+        {"prompt": r["prompt"], "response": r["answer"]} for r in arithmetic_records(seed + 7919, count, max_operand)
+    ]
 
 
 def exact_match(prompt: str, completion: str, answer: str = "", **_) -> float:
@@ -61,7 +61,7 @@ def load_prompts(cfg: RLConfig, seed: int) -> list[dict]:
     """Every prompt record of the run, in a fixed order: the built-in task's (drawn with `seed`) or the
     JSONL files' lines ({"prompt": str, ...}; a bad line is an error naming file and line)."""
     if cfg.task == "arithmetic":
-        return arithmetic_records(seed, 2000)
+        return arithmetic_records(seed, 2000, cfg.max_operand)
     records = []
     paths = sorted({p for pattern in cfg.prompts for p in glob.glob(str(Path(pattern).expanduser()))})
     if not paths:
