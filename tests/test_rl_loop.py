@@ -25,12 +25,12 @@ TINY = [
 ]  # fmt: skip
 
 
-def says_seven(prompt: str, completion: str, **fields) -> float:
-    """A reward a random policy earns now and then and a working gradient raises fast: the answer starts with 7."""
-    return float(completion.startswith("7"))
+def starts_with_a_digit(prompt: str, completion: str, **fields) -> float:
+    """A reward the barely warm policy earns a third of the time and a working gradient raises fast."""
+    return float(completion[:1].isdigit())
 
 
-def config(tmp_path, token_cache, *overrides):
+def config(token_cache, *overrides):
     cache = f"data.cache_dir={token_cache}"
     return load_config(ROOT / "configs" / "rl-arithmetic.yaml", [*TINY, cache, *overrides])
 
@@ -41,28 +41,35 @@ def warm(tmp_path_factory, token_cache):
     from jaxgen.training.trainer import train
 
     folder = tmp_path_factory.mktemp("warm") / "warm_start"
-    cfg = config(None, token_cache)
+    cfg = config(token_cache)
     train(loop.warm_start_config(cfg, folder), folder, progress=False)
     return folder
 
 
-def test_grpo_raises_the_reward_and_the_sampler_agrees_with_the_trainer(tmp_path, token_cache, warm):
-    steps = 16
-    cfg = config(
-        tmp_path, token_cache, f"rl.init_from={warm}", "rl.reward=tests.test_rl_loop:says_seven",
-        f"training.steps={steps}", "optimizer.learning_rate=3e-3",
-    )  # fmt: skip
-    result = loop.run_rl(cfg, tmp_path / "run", progress=False)
-    assert result.status == "finished" and result.step == steps
-    records = read_metrics(tmp_path / "run")
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, token_cache, warm):
+    """(config, run folder) of GRPO run start to end in one go: what the tests below check and resume to."""
+    cfg = config(token_cache, *LEARN, f"rl.init_from={warm}")
+    run_dir = tmp_path_factory.mktemp("rl") / "run"
+    result = loop.run_rl(cfg, run_dir, progress=False)
+    assert result.status == "finished" and result.step == STEPS
+    return cfg, run_dir
+
+
+STEPS = 16
+LEARN = ["rl.reward=tests.test_rl_loop:starts_with_a_digit", f"training.steps={STEPS}", "optimizer.learning_rate=1e-2"]
+
+
+def test_grpo_raises_the_reward_and_the_sampler_agrees_with_the_trainer(uninterrupted):
+    cfg, run_dir = uninterrupted
+    records = read_metrics(run_dir)
     rewards = [r["reward"] for r in records]
     start, end = np.mean(rewards[:4]), np.mean(rewards[-4:])
     assert end > start + 0.25, rewards  # a flipped gradient sign drives it to zero instead
     # the engine's log-probabilities of its own samples are the training forward's (max |difference|)
     assert max(r["sampler_gap"] for r in records) < 1e-4, [r["sampler_gap"] for r in records]
-    assert (tmp_path / "run" / "reward.png").stat().st_size > 0
-    again = loop.run_rl(cfg, tmp_path / "run", progress=False)
-    assert again.status == "already finished"
+    assert (run_dir / "reward.png").stat().st_size > 0
+    assert loop.run_rl(cfg, run_dir, progress=False).status == "already finished"
 
 
 def _finished_steps(run_dir):
@@ -70,10 +77,10 @@ def _finished_steps(run_dir):
     return [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if folder.exists() else []
 
 
-def test_kill_9_resumes_to_the_parameters_of_a_run_never_killed(tmp_path, token_cache, warm):
-    steps = 8
-    overrides = [*TINY, f"data.cache_dir={token_cache}", f"rl.init_from={warm}", f"training.steps={steps}"]
-    killed, never = tmp_path / "killed", tmp_path / "never"
+def test_kill_9_resumes_to_the_parameters_of_a_run_never_killed(tmp_path, token_cache, warm, uninterrupted):
+    cfg, never = uninterrupted
+    overrides = [*TINY, f"data.cache_dir={token_cache}", *LEARN, f"rl.init_from={warm}"]
+    killed = tmp_path / "killed"
     cmd = [sys.executable, "rl.py", "--config", "configs/rl-arithmetic.yaml", "--run-dir", str(killed),
            "--no-progress", *overrides]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -84,19 +91,17 @@ def test_kill_9_resumes_to_the_parameters_of_a_run_never_killed(tmp_path, token_
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     saved = max(_finished_steps(killed))
-    assert saved < steps, "the run finished before it could be killed"
-    cfg = load_config(ROOT / "configs" / "rl-arithmetic.yaml", overrides)
+    assert saved < STEPS, "the run finished before it could be killed"
     resumed = loop.run_rl(cfg, killed, progress=False)
-    assert resumed.step == steps and len(resumed.rewards) == steps - saved
-    loop.run_rl(cfg, never, progress=False)
-    a, b = (_final_params(run, cfg) for run in (killed, never))
+    assert resumed.step == STEPS and len(resumed.rewards) == STEPS - saved
+    a, b = (_final_params(run) for run in (killed, never))
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(x, y)
     by_step = {run: {r["step"]: r["reward"] for r in read_metrics(run)} for run in (killed, never)}
     assert by_step[killed] == by_step[never]  # the same rollouts, step for step
 
 
-def _final_params(run_dir, cfg):
+def _final_params(run_dir):
     from jaxgen.inference.loading import load_run
 
     _, _, params = load_run(run_dir)
