@@ -235,7 +235,7 @@ def _loop(cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params
                 [workers.submit(reward_fn, rec["prompt"], c.text, **_fields(rec)) for c in out.outputs]
                 for rec, out in zip(chosen, outputs, strict=True)
             ]
-            rewards = np.asarray([[float(j.result()) for j in group] for group in jobs], np.float32)
+            rewards = np.asarray([[_reward_of(cfg, j) for j in group] for group in jobs], np.float32)
             times["reward_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             batch = rollout_batch(cfg, outputs, rewards)
@@ -270,6 +270,17 @@ def _loop(cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params
     bar.close()
     plot_reward(run_dir)
     return RLResult(step, "finished", rewards_seen)
+
+
+def _reward_of(cfg: Config, job) -> float:
+    """A reward job's value as a finite float, or a ValueError naming the function and what it did."""
+    try:
+        value = job.result()
+    except Exception as e:
+        raise ValueError(f"rl.reward={cfg.rl.reward or 'the task'} raised {type(e).__name__}: {e}") from e
+    if isinstance(value, bool) or not isinstance(value, int | float | np.number) or not np.isfinite(value):
+        raise ValueError(f"rl.reward={cfg.rl.reward or 'the task'} returned {value!r}; a reward is a finite number")
+    return float(value)
 
 
 def _fields(record: dict) -> dict:
