@@ -278,7 +278,7 @@ def _reward_of(cfg: Config, job) -> float:
         value = job.result()
     except Exception as e:
         raise ValueError(f"rl.reward={cfg.rl.reward or 'the task'} raised {type(e).__name__}: {e}") from e
-    if isinstance(value, bool) or not isinstance(value, int | float | np.number) or not np.isfinite(value):
+    if not isinstance(value, int | float | np.number) or not np.isfinite(value):  # a bool counts as 0 or 1
         raise ValueError(f"rl.reward={cfg.rl.reward or 'the task'} returned {value!r}; a reward is a finite number")
     return float(value)
 
