@@ -25,9 +25,9 @@ T = 128  # the reference forward's padded length (one compiled shape)
 PROMPT_LENS = (5, 23, 40, 61)  # ragged; 40 and 61 prefill in two chunks of at most 32
 
 
-def _params(seed: int):
+def _params(seed: int, sharpen: float = 5.0):
     p = model.init_params(CFG, jax.random.key(seed))
-    return jax.tree.map(lambda w: w * 5 if w.ndim > 1 else w, p)  # sharper logits: no near-ties in argmax
+    return jax.tree.map(lambda w: w * sharpen if w.ndim > 1 else w, p)  # sharper logits: no near-ties in argmax
 
 
 @pytest.fixture(scope="module")
@@ -183,8 +183,11 @@ def test_sleep_frees_the_page_pool_and_wake_up_restores_it(on_p1, p1, capsys):
 # --- log-probabilities for reinforcement learning -------------------------------------------------
 
 
-def test_processed_logprobs_equal_the_training_forwards_over_a_ragged_preempting_batch(on_p1, p2, capsys):
-    engine = on_p1
+# the bound reached: float32 rounding of the logits, which grows with their size (the engine's decode
+# layout and paged attention sum in another order than the training forward: measured in the test's output)
+@pytest.mark.parametrize(("sharpen", "bound"), [(1.0, 2e-6), (5.0, 5e-5)])
+def test_processed_logprobs_equal_the_training_forwards_over_a_ragged_preempting_batch(on_p1, sharpen, bound, capsys):
+    engine, p2 = on_p1, _params(1, sharpen)  # logits within about +-0.7 (as initialised) and +-4
     engine.update_params(p2)  # and on swapped weights
     prompts, temps = _prompts(3), (0.7, 1.0, 0.85, 1.0)
     requests = []
@@ -206,9 +209,9 @@ def test_processed_logprobs_equal_the_training_forwards_over_a_ragged_preempting
     diffs = np.asarray(diffs)
     with capsys.disabled():
         q = np.quantile(diffs, [0.5, 0.9, 0.99, 1.0])
-        print(f"\n|engine - training| over {diffs.size} tokens: median {q[0]:.2e} p90 {q[1]:.2e} "
+        print(f"\nweights x{sharpen}: |engine - training| over {diffs.size} tokens: median {q[0]:.2e} p90 {q[1]:.2e} "
               f"p99 {q[2]:.2e} max {q[3]:.2e}")  # fmt: skip
-    assert diffs.max() < 1e-4
+    assert diffs.max() < bound
 
 
 def test_raw_logprobs_stay_the_models_and_processed_needs_no_speculation(on_p1):
