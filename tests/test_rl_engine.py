@@ -226,3 +226,34 @@ def test_raw_logprobs_stay_the_models_and_processed_needs_no_speculation(on_p1):
         SamplingConfig(logprobs_mode="tempered")
     with pytest.raises(SamplingError, match="num_speculative_tokens"):
         SamplingConfig(logprobs_mode="processed", num_speculative_tokens=2)
+
+
+# --- the server's admin route ---------------------------------------------------------------------
+
+
+def test_the_admin_route_swaps_in_a_folders_weights_behind_its_own_token(on_p1, p2, tmp_path):
+    import dataclasses
+
+    from fastapi.testclient import TestClient
+
+    from jaxgen.hf.export import save_pretrained
+    from jaxgen.serving.server import create_app
+
+    engine, route = on_p1, "/v1/admin/update_weights"
+    folder = str(save_pretrained(tmp_path / "p2", p2, CFG, Tokenizer.byte_level()))
+    assert TestClient(create_app(engine, "m")).post(route, json={"path": folder}).status_code == 404  # off
+    admin = dataclasses.replace(engine.serve, admin_token="admin-secret")
+    client = TestClient(create_app(engine, "m", api_key="s3cret", serve=admin))
+    assert client.post(route, json={"path": folder}).status_code == 401
+    r = client.post(route, json={"path": folder}, headers={"Authorization": "Bearer s3cret"})  # the API key
+    assert r.status_code == 403 and r.json()["error"]["code"] == "invalid_admin_token"
+    auth = {"Authorization": "Bearer admin-secret"}
+    r = client.post(route, json={"path": str(tmp_path / "nothing")}, headers=auth)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "path"
+    prompts = _prompts()
+    engine.generate(prompts, GREEDY)  # every program compiled
+    compiled = engine.compilations
+    r = client.post(route, json={"path": folder}, headers=auth)
+    assert r.status_code == 200 and r.json()["status"] == "updated"
+    assert [c.tokens for c in engine.generate(prompts, GREEDY)] == _greedy(p2, prompts, 8)
+    assert engine.compilations == compiled
