@@ -135,6 +135,14 @@ def test_requests_in_flight_are_recomputed_on_the_new_weights_keeping_their_toke
         assert out[len(kept) :] == _greedy(p2, [p + kept], 16 - len(kept))[0]  # the rest on p2
 
 
+def test_the_engine_shares_no_buffer_with_the_callers_params(on_p1, p1):
+    engine, mine = on_p1, _params(0)  # p1's values, in arrays of this test's own
+    engine.update_params(mine)
+    for x in jax.tree.leaves(mine):
+        x.delete()  # as a trainer's step does when it donates its params
+    assert engine.generate(_prompts()[:1], GREEDY)[0].tokens == _greedy(p1, _prompts()[:1], 8)[0]
+
+
 def test_params_of_another_structure_are_refused_naming_the_leaf(on_p1, p1):
     engine = on_p1
     wrong_shape = p1 | {"embed_vd": jnp.zeros((CFG.vocab_size, 32))}

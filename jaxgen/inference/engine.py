@@ -186,21 +186,24 @@ class Engine:
 
     # --- weights swapped in place, sleep and wake (reinforcement learning, docs/serving.md) -------------
 
-    def update_params(self, params) -> None:
+    def update_params(self, params, *, donate: bool = False) -> None:
         """Replaces the weights between steps, without recompiling. `params`: a pytree of the structure,
         shapes and dtypes the engine was built with, in the training layout (stacked layers) or the decode
         layout (`model.decode_params`); laid out for decoding as at construction and placed in the current
         weights' shardings. A mismatch raises ValueError naming the first leaf that differs, before
         anything changes. Sequences in flight are preempted and recomputed on the new weights, keeping the
         tokens (and log-probabilities) they emitted; the prefix cache is emptied, so no page computed with
-        the old weights is read again. Copies: training-layout params are sliced per layer (one copy of
-        the weights, the caller's arrays untouched); decode-layout params are taken as they are."""
-        new = self._checked_params(params)
+        the old weights is read again. Copies: the engine holds one copy of the weights in its layout (the
+        per-layer slices, output-major matrices); `donate=True` hands the caller's arrays over where the
+        layout keeps them (decode-layout params: no copy at all), and the caller must then neither change
+        nor donate them; by default the engine shares no buffer with the caller (a trainer may donate its
+        params to its next step)."""
+        new = self._checked_params(params, donate)
         with self._exclusive:
             self._preempt_all()
             self.params = new  # the old weights are freed once nothing else holds them
 
-    def _checked_params(self, params):
+    def _checked_params(self, params, donate: bool):
         """`params` in the decode layout and the current shardings; ValueError for another structure."""
         rows = self.serve.slots
         try:
@@ -219,8 +222,14 @@ class Engine:
             if a.shape != b.shape or a.dtype != b.dtype:
                 seen, held = f"{b.dtype}{list(b.shape)}", f"{a.dtype}{list(a.shape)}"
                 raise ValueError(f"update_params: params{name} is {seen}; the engine holds {held}")
-        new = model.decode_params(params, rows)
-        return jax.tree.map(lambda x, old: jax.device_put(x, old.sharding), new, self.params)
+        given = {id(x) for x in jax.tree.leaves(params)}  # leaves the layout left as they were
+
+        def place(x, old):
+            if not donate and id(x) in given:
+                x = jnp.copy(x)  # the engine's own buffer
+            return jax.device_put(x, old.sharding)  # no copy where it is there already
+
+        return jax.tree.map(place, model.decode_params(params, rows), self.params)
 
     def _preempt_all(self) -> None:
         """Every sequence in a slot back to the queue (recomputed later, its tokens kept); the prefix cache

@@ -141,7 +141,8 @@ class LLM:
         flight are recomputed on them, the prefix cache emptied): a pytree of the loaded model's structure
         (training or decode layout), or a run or Hugging Face folder of the same model (held and quantized
         as `serve` says)."""
-        if isinstance(params, str | Path):
+        loaded = isinstance(params, str | Path)
+        if loaded:
             from jaxgen.inference.loading import load_weights
 
             params = load_weights(params, self.serve, self.cfg)
@@ -149,7 +150,7 @@ class LLM:
             from jaxgen.model import quant
 
             params = quant.quantize_params(params, embedding=self.serve.quantize_embedding)
-        self.engine.update_params(params)
+        self.engine.update_params(params, donate=loaded)  # weights read here are the engine's alone
         self.params = self.engine.params
         self._generator = None  # score() builds its Generator again, on these weights
 

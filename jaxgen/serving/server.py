@@ -319,7 +319,7 @@ def _admin_routes(app: FastAPI, engine: Engine, serve: ServeConfig) -> None:
 def _swap_weights(engine: Engine, serve: ServeConfig, path: str) -> None:
     from jaxgen.inference.loading import load_weights  # orbax only when weights load
 
-    engine.update_params(load_weights(path, serve, engine.cfg))
+    engine.update_params(load_weights(path, serve, engine.cfg), donate=True)  # read for the engine alone
 
 
 def _tokenizer_routes(app: FastAPI, engine: Engine, check_model) -> None:
