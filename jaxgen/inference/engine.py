@@ -13,6 +13,9 @@ rebuilds the device state. Outputs depend neither on what else runs nor on preem
 seeded draws keyed by (seed, token index) as in `Generator`, and a readmitted sequence resumes exactly.
 Speculating requests draft by n-gram lookup or with `Engine(..., draft=(params, cfg))`, a smaller model
 whose KV pages lie in a pool of their own on the target's page tables (`jaxgen.inference.speculative`).
+Between steps, `update_params` swaps the weights in (nothing recompiles; sequences in flight are
+recomputed on them, the prefix cache emptied) and `sleep` / `wake_up` free and allocate the decode state
+and page pool again (reinforcement learning: docs/serving.md).
 """
 
 from __future__ import annotations
