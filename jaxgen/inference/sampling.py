@@ -4,9 +4,9 @@ Every setting is a per-sequence array inside the jitted code, so changing a temp
 never recompiles. Order of processing for each row (as in Hugging Face and vLLM):
     logit bias -> repetition / presence / frequency penalties -> temperature ->
     top-k, top-p and min-p truncation (on the tempered distribution) -> renormalise -> draw.
-Temperature 0 is greedy. `logprobs_mode="processed"` reports log-probabilities of the distribution before
-truncation (`policy_logits`), "raw" (the default) the model's. Each row draws with its own key, `fold_in(key(seed), step)`, so its samples do
-not depend on its batch-mates or the batch size.
+Temperature 0 is greedy. Each row draws with its own key, `fold_in(key(seed), step)`, so its samples do
+not depend on its batch-mates or the batch size. `logprobs_mode="processed"` reports log-probabilities
+of the distribution before truncation (`policy_logits`), "raw" (the default) the model's.
 """
 
 from __future__ import annotations
