@@ -177,15 +177,41 @@ def test_sleep_frees_the_page_pool_and_wake_up_restores_it(on_p1, p1, capsys):
         engine.submit(prompts[0], GREEDY)  # refused, clearly
     with pytest.raises(EngineAsleep, match="wake_up"):
         engine.run_until_idle()  # the queued ones cannot run
+    engine.cancel(requests[-1])  # a client gone away while the engine sleeps: its request ends now
+    engine.step()
+    assert requests[-1].done_event.is_set() and requests[-1].result().finish_reason == "cancelled"
     compiled = engine.compilations
     engine.wake_up()
     woken = _live_bytes()
     engine.run_until_idle()
-    assert [r.result().tokens for r in requests] == _greedy(p1, prompts, 8)
+    assert [r.result().tokens for r in requests[:-1]] == _greedy(p1, prompts[:-1], 8)
     assert engine.compilations == compiled
     with capsys.disabled():
         print(f"\nlive device bytes: awake {awake}, asleep {asleep}, woken {woken}; pool {pool_bytes}")
     assert awake - asleep >= pool_bytes and woken - asleep >= pool_bytes
+
+
+def test_sleep_and_wake_up_with_the_engine_thread_and_the_server(on_p1, p1):
+    from fastapi.testclient import TestClient
+
+    from jaxgen.serving.server import create_app
+
+    engine, prompts = on_p1, _prompts(4)
+    engine.start()
+    try:
+        engine.sleep()
+        body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 2}
+        r = TestClient(create_app(engine, "m")).post("/v1/completions", json=body)
+        assert r.status_code == 503 and "wake_up" in r.json()["error"]["message"]
+        engine.wake_up()
+        requests = [r for i, p in enumerate(prompts) for r in engine.submit(p, GREEDY, prompt_index=i)]
+        engine.sleep()  # whatever ran is preempted; the thread waits
+        engine.cancel(requests[0])
+        assert requests[0].done_event.wait(30) and requests[0].finish_reason == "cancelled"  # ended asleep
+        engine.wake_up()
+        assert [r.result(30).tokens for r in requests[1:]] == _greedy(p1, prompts[1:], 8)
+    finally:
+        engine.stop()
 
 
 # --- log-probabilities for reinforcement learning -------------------------------------------------

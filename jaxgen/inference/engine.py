@@ -35,15 +35,7 @@ from jaxgen.inference import decode, grammar, speculative, steps
 from jaxgen.inference.budget import check_serving
 from jaxgen.inference.decode import Completion, HostRows
 from jaxgen.inference.pages import PagePolicy, PagePool
-from jaxgen.inference.requests import (
-    LIVE,
-    EngineAsleep,
-    EngineClosed,
-    Request,
-    RequestFailed,
-    Status,
-    check_limits,
-)
+from jaxgen.inference.requests import LIVE, EngineClosed, Request, RequestFailed, Status, check_limits
 from jaxgen.inference.sampling import SamplingConfig, check_prompt, per_prompt
 from jaxgen.inference.scheduler import PrefillChunk, Scheduler, StepOutput, StepPlan, Tables
 from jaxgen.inference.stats import EngineStats
@@ -52,6 +44,10 @@ from jaxgen.tokenizer import Tokenizer
 
 __all__ = ["LIVE", "Engine", "EngineAsleep", "EngineClosed", "Request", "RequestFailed", "Status"]
 log = logging.getLogger(__name__)
+
+
+class EngineAsleep(EngineClosed):
+    """The engine sleeps (`Engine.sleep`: its KV cache freed) and admits no new request until `wake_up()`."""
 
 
 class Engine:
@@ -256,6 +252,10 @@ class Engine:
                     x.delete()
             self.asleep = True
 
+    def _ended_asleep(self) -> bool:
+        """Queued sequences cancelled or failed while the engine sleeps (the thread ends them)."""
+        return any(r.status not in LIVE for r in self.scheduler.waiting)
+
     def wake_up(self) -> None:
         """Allocates the decode state and the page pool again (compiled at construction: nothing compiles)
         and runs what was queued."""
@@ -322,7 +322,7 @@ class Engine:
         try:
             while True:
                 with self.wake:
-                    while (self.idle() or self.asleep) and not self._stop:
+                    while (self.idle() or (self.asleep and not self._ended_asleep())) and not self._stop:
                         self.wake.wait()
                     if self._stop:
                         return
@@ -341,7 +341,9 @@ class Engine:
         the sequences in flight (their cache is lost), rebuilds the device state and goes on with the queue.
         Nothing runs while the engine is asleep."""
         with self._exclusive:
-            if not self.asleep:
+            if self.asleep:
+                self._drop_ended()  # cancelled or failed while asleep: they end now, nothing else runs
+            else:
                 self._step()
 
     def _step(self) -> None:

@@ -42,10 +42,6 @@ class EngineClosed(RuntimeError):
     """The engine is shutting down or stopped: it admits no new request."""
 
 
-class EngineAsleep(EngineClosed):
-    """The engine sleeps (`Engine.sleep`: its KV cache freed) and admits no new request until `wake_up()`."""
-
-
 class RequestFailed(RuntimeError):
     """A request ended with an error (`Request.error`), not with a completion."""
 
