@@ -256,6 +256,12 @@ def test_raw_logprobs_stay_the_models_and_processed_needs_no_speculation(on_p1):
     )
     assert raw.tokens == processed.tokens  # the mode changes what is reported, not what is drawn
     assert not np.allclose(raw.logprobs, processed.logprobs)
+    forced = [
+        engine.generate([prompt], SamplingConfig(max_new_tokens=3, logit_bias=[(65, 1e6)], seed=3, logprobs_mode=m))[0]
+        for m in ("raw", "processed")
+    ]  # the bias is part of the processed distribution only
+    assert forced[0].tokens == forced[1].tokens == [65, 65, 65]
+    assert max(forced[0].logprobs) < -1 and forced[1].logprobs == [0.0, 0.0, 0.0]
     with pytest.raises(SamplingError, match="logprobs_mode"):
         SamplingConfig(logprobs_mode="tempered")
     with pytest.raises(SamplingError, match="num_speculative_tokens"):
