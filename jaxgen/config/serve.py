@@ -54,6 +54,8 @@ class ServeConfig:
     max_queue: int = 1024  # requests waiting beyond this get 429 with Retry-After
     request_timeout_s: float = 0.0  # a request running longer is cancelled (408); 0 = no limit
     shutdown_grace_s: float = 10.0  # on SIGTERM, running sequences get this long before their streams are ended
+    # the bearer token of POST /v1/admin/update_weights (new weights into the live engine); None = no such route
+    admin_token: str | None = None
 
     def __post_init__(self):
         check_literals(self, "serve")
@@ -83,6 +85,8 @@ class ServeConfig:
         check(isinstance(self.quantize_embedding, bool), "serve.quantize_embedding", self.quantize_embedding, "a bool")
         check(self.draft is None or (isinstance(self.draft, str) and bool(self.draft)), "serve.draft", self.draft,
                "null or the path of a run or Hugging Face folder")  # fmt: skip
+        check(self.admin_token is None or (isinstance(self.admin_token, str) and len(self.admin_token) >= 8),
+              "serve.admin_token", "<hidden>", "null or a string of at least 8 characters")  # fmt: skip
         for name in ("data_parallel", "tensor_parallel"):
             value = getattr(self, name)
             check(value == -1 or value > 0, f"serve.{name}", value, "a positive integer, or -1 for the rest")

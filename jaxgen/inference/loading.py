@@ -56,6 +56,20 @@ def load_for_serving(source, serve: ServeConfig, mesh=None, *, cfg=None, tokeniz
     return Loaded(cfg, tokenizer, source, draft)
 
 
+def load_weights(path: str | Path, serve: ServeConfig, cfg: ModelConfig, mesh=None) -> dict:
+    """The weights of the run or Hugging Face folder `path` for an engine that serves `cfg` (a swap:
+    `Engine.update_params`), held and quantized as `serve` says; ConfigError when the folder holds
+    another model."""
+    found, _, params = load_model(path, mesh, param_dtype=serve.param_dtype)
+    for f in dataclasses.fields(ModelConfig):
+        a, b = getattr(found, f.name), getattr(cfg, f.name)
+        if b is not None and a != b:  # None: derived (head_dim) or the default (family); a folder may name it
+            raise ConfigError(f"{path} holds another model: model.{f.name}={a!r} where the engine serves {b!r}")
+    if serve.quantize == "int8":
+        params = quant.quantize_params(params, embedding=serve.quantize_embedding)
+    return params
+
+
 def model_config(path: str | Path) -> ModelConfig | None:
     """The ModelConfig of a run or Hugging Face folder, read from its config file alone (no weights); None
     for a folder that is neither (`load_model` says why)."""

@@ -241,7 +241,9 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, serv
         return await job.respond(request)
 
     _tokenizer_routes(app, engine, check_model)
-    guarded = ApiKey(BodyLimit(app, serve.max_body_bytes), api_key, PUBLIC if metrics_need_key else PUBLIC_METRICS)
+    _admin_routes(app, engine, serve)
+    public = (PUBLIC if metrics_need_key else PUBLIC_METRICS) | ADMIN  # admin routes check their own token
+    guarded = ApiKey(BodyLimit(app, serve.max_body_bytes), api_key, public)
     if chat_template.error:
         log.warning("%s: chat requests will get 500 with this reason; completions work", chat_template.error)
     return guarded
@@ -278,6 +280,47 @@ def _check_length(text: str, most: int, context: int, field: str) -> None:
     if len(text) > most:
         raise APIError(400, f"{field} has {len(text)} characters, far more than the model's context of "
                        f"{context} tokens can hold", field)  # fmt: skip
+
+
+ADMIN = frozenset({"/v1/admin/update_weights"})
+
+
+def _admin_routes(app: FastAPI, engine: Engine, serve: ServeConfig) -> None:
+    """With serve.admin_token set: POST /v1/admin/update_weights {"path": a run or Hugging Face folder of
+    the served model} loads its weights and swaps them into the live engine (`Engine.update_params`:
+    sequences in flight are recomputed on them). `Authorization: Bearer <admin_token>`, checked before the
+    body is read: 401 without a bearer token, 403 with another; 400 for a folder that does not load or
+    holds another model. Answers {"status": "updated", "path", "seconds"}."""
+    if serve.admin_token is None:
+        return
+    token = serve.admin_token.encode()
+
+    @app.post("/v1/admin/update_weights")
+    async def update_weights(request: Request):
+        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            message = "the admin routes need Authorization: Bearer <serve.admin_token>"
+            raise APIError(401, message, code="no_admin_token")
+        if not secrets.compare_digest(given.strip().encode(), token):
+            raise APIError(403, "wrong admin token", code="invalid_admin_token")
+        try:
+            path = (await request.json()).get("path")
+        except (ValueError, AttributeError):  # not JSON, or not an object
+            path = None
+        if not isinstance(path, str) or not path:
+            raise APIError(400, 'the body must be {"path": "<a run or Hugging Face folder>"}', "path")
+        t0 = time.perf_counter()
+        try:
+            await asyncio.to_thread(_swap_weights, engine, serve, path)
+        except (OSError, ValueError) as e:  # ConfigError and the mismatch errors are ValueErrors
+            raise APIError(400, f"the weights at {path} were not loaded: {e}", "path") from None
+        return {"status": "updated", "path": path, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def _swap_weights(engine: Engine, serve: ServeConfig, path: str) -> None:
+    from jaxgen.inference.loading import load_weights  # orbax only when weights load
+
+    engine.update_params(load_weights(path, serve, engine.cfg), donate=True)  # read for the engine alone
 
 
 def _tokenizer_routes(app: FastAPI, engine: Engine, check_model) -> None:
