@@ -20,6 +20,7 @@ and page pool again (reinforcement learning: docs/serving.md).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -63,6 +64,7 @@ class Engine:
             self.draft_cfg = speculative.check_draft(draft[1], cfg)
         check_serving(cfg, serve, self.draft_cfg, mesh)  # ConfigError before anything is allocated or compiled
         self.params = model.decode_params(params, serve.slots)  # see model.decode_params
+        self._to_decode = None  # update_params' jitted layout conversion
         self.cfg, self.tokenizer, self.serve = cfg, tokenizer, serve
         if draft is not None:
             self.draft_params = model.decode_params(draft[0], serve.slots)
@@ -221,14 +223,14 @@ class Engine:
             if a.shape != b.shape or a.dtype != b.dtype:
                 seen, held = f"{b.dtype}{list(b.shape)}", f"{a.dtype}{list(a.shape)}"
                 raise ValueError(f"update_params: params{name} is {seen}; the engine holds {held}")
-        given = {id(x) for x in jax.tree.leaves(params)}  # leaves the layout left as they were
-
-        def place(x, old):
-            if not donate and id(x) in given:
-                x = jnp.copy(x)  # the engine's own buffer
-            return jax.device_put(x, old.sharding)  # no copy where it is there already
-
-        return jax.tree.map(place, model.decode_params(params, rows), self.params)
+        if not donate:  # one program lays them out into new buffers in the engine's shardings (no aliasing)
+            if self._to_decode is None:  # made once: compiled at the first swap of each layout, then reused
+                shardings = jax.tree.map(lambda x: x.sharding, self.params)
+                self._to_decode = jax.jit(functools.partial(model.decode_params, rows=rows), out_shardings=shardings)
+            return self._to_decode(params)
+        return jax.tree.map(
+            lambda x, old: jax.device_put(x, old.sharding), model.decode_params(params, rows), self.params
+        )
 
     def _preempt_all(self) -> None:
         """Every sequence in a slot back to the queue (recomputed later, its tokens kept); the prefix cache
