@@ -2,6 +2,7 @@
 
 The package is laid out by concern; imports only point down this list:
     config, sharding, tokenizer   configs, the axis glossary and mesh rules, tokenizers
+    chat_template                 chat templates in jinja2's sandbox (the server's prompts, chat SFT data)
     runtime                       process-wide JAX settings for the command lines (compilation cache)
     distributed                   joining other processes (jax.distributed), what only process 0 does
     model/                        the network and its KV caches
@@ -9,6 +10,7 @@ The package is laid out by concern; imports only point down this list:
     training/                     the train step, the run loop, checkpoints, metrics, data
     inference/                    sampling, the decode core, Generator, beam search, the engine, LLM
     serving/                      the HTTP server and the batch job
+    rl/                           reinforcement learning: policy-gradient objectives over sampled completions
     plan                          `python -m jaxgen.plan`: per-device memory of a config on a mesh
     evaluation/                   the lm-evaluation-harness model, `python -m jaxgen.evaluation`
 

@@ -42,6 +42,7 @@ class Program:
     holds: str = "activations, gradients, workspace"  # what the temporaries are
 
     outputs: float = 0.0  # what it returns beyond what it writes over its (donated) arguments
+    reference: bool = False  # shown for comparison only (a LoRA run's full fine-tune): not in the verdict
 
     @property
     def peak(self) -> float:
@@ -110,8 +111,19 @@ def _compile_memory(fn, *args):
     return compiled.memory_analysis()
 
 
-def train_program(cfg, mesh) -> Program:
-    """The real train step (`training.step.train_step`), compiled for abstract state and batch."""
+def train_programs(cfg, mesh) -> list[Program]:
+    """The train step as configured; a LoRA run's beside the full fine-tune's of the same model, for scale."""
+    if not cfg.model.lora.rank:
+        return [train_program(cfg, mesh)]
+    full = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, lora=dataclasses.replace(cfg.model.lora, rank=0))
+    )
+    return [train_program(full, mesh, reference=True), train_program(cfg, mesh)]
+
+
+def train_program(cfg, mesh, reference: bool = False) -> Program:
+    """The real train step (`training.step.train_step`), compiled for abstract state and batch: for a LoRA
+    run (`model.lora.rank`) the adapters and their moments are the state and the frozen base rides beside."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -119,7 +131,9 @@ def train_program(cfg, mesh) -> Program:
     from jaxgen.training import step as train
 
     tx = train.make_optimizer(cfg.optimizer, cfg.training.steps)
-    params = abstract_params(cfg.model, mesh)
+    lora = cfg.model.lora
+    base = _abstract_base(cfg.model, mesh) if lora.rank else None
+    params = abstract_adapters(cfg.model, mesh) if lora.rank else abstract_params(cfg.model, mesh)
     scalar = jax.ShapeDtypeStruct((), jax.numpy.int32, sharding=NamedSharding(mesh, PartitionSpec()))
     opt_state = _like_params(jax.eval_shape(tx.init, params), params, scalar.sharding)
     key = jax.eval_shape(lambda: jax.random.key(0))
@@ -131,23 +145,65 @@ def train_program(cfg, mesh) -> Program:
     batch = {
         k: jax.ShapeDtypeStruct(shape, jax.numpy.int32, sharding=batch_sharding(mesh, shape)) for k in train.BATCH_KEYS
     }
-    state_sh = jax.tree.map(lambda x: x.sharding, state)
+    shardings = functools.partial(jax.tree.map, lambda x: x.sharding)
     step = jax.jit(
         functools.partial(train.train_step, cfg=_plannable(cfg), tx=tx),
-        in_shardings=(state_sh, jax.tree.map(lambda x: x.sharding, batch)), out_shardings=(state_sh, None),
+        in_shardings=(shardings(state), shardings(batch), shardings(base)), out_shardings=(shardings(state), None),
         donate_argnums=0,
     )  # fmt: skip
     with jax.set_mesh(mesh):
-        mem = _compile_memory(step, state, batch)
+        mem = _compile_memory(step, state, batch, base)
     param_bytes = per_device_bytes(params)
-    parts = {
-        "parameters (float32)": param_bytes,
-        "optimizer state": per_device_bytes(opt_state),
-        "gradients (float32)": param_bytes,
-    }
+    if lora.rank:
+        name = f"train step (LoRA rank {lora.rank}, {lora.base_dtype} base)"
+        parts = {
+            f"base ({lora.base_dtype}, frozen)": per_device_bytes(base),
+            "adapters (float32)": param_bytes,
+            "optimizer state": per_device_bytes(opt_state),
+            "gradients (adapters)": param_bytes,
+        }
+    else:
+        name = "train step (full fine-tune, for comparison)" if reference else "train step"
+        parts = {
+            "parameters (float32)": param_bytes,
+            "optimizer state": per_device_bytes(opt_state),
+            "gradients (float32)": param_bytes,
+        }
     return Program(
-        "train step", parts, float(mem.temp_size_in_bytes), float(mem.argument_size_in_bytes), outputs=_new_outputs(mem)
-    )
+        name, parts, float(mem.temp_size_in_bytes), float(mem.argument_size_in_bytes), outputs=_new_outputs(mem),
+        reference=reference,
+    )  # fmt: skip
+
+
+def abstract_adapters(model_cfg, mesh):
+    """A LoRA run's adapters as float32 ShapeDtypeStructs in their shardings."""
+    import jax
+
+    from jaxgen.model import lora
+
+    specs, shardings = lora.lora_specs(model_cfg), lora.lora_shardings(model_cfg, mesh)
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, jax.numpy.float32, sharding=sh),
+        specs, shardings, is_leaf=lambda x: hasattr(x, "init"),
+    )  # fmt: skip
+
+
+def _abstract_base(model_cfg, mesh):
+    """A LoRA run's frozen base as `model.lora.base_dtype` holds it (`training.step.create_base`); int8: the
+    shapes and shardings of `quant.quantize_params` over the sharded float32 weights."""
+    import jax
+
+    from jaxgen.model import quant
+
+    kind = model_cfg.lora.base_dtype
+    if kind != "int8":
+        return abstract_params(model_cfg, mesh, kind)
+    params = abstract_params(model_cfg, mesh)
+    with jax.set_mesh(mesh):
+        quantize = jax.jit(quant.quantize_params)
+        placed = quantize.lower(params).compile().output_shardings
+    shapes = jax.eval_shape(quant.quantize_params, params)
+    return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, placed)
 
 
 def _new_outputs(mem) -> float:
@@ -233,7 +289,9 @@ def advice(cfg, program: Program, capacity: float, mesh_sizes: dict) -> list[str
     if program.peak <= capacity:
         return []
     tips = []
-    if program.name == "train step":
+    if program.reference:
+        return []
+    if program.name.startswith("train step"):
         if cfg.model.remat == "none":
             tips.append("model.remat=full (or dots_no_batch): recompute activations in the backward pass")
         if cfg.model.attention_impl == "dense":
@@ -251,7 +309,7 @@ def run_plan(cfg, mesh_sizes: dict, device: str, slots: int, cache_len: int, chu
     from jaxgen.sharding import make_mesh
 
     mesh = make_mesh(MeshConfig(**mesh_sizes))
-    programs = [train_program(cfg, mesh)]
+    programs = train_programs(cfg, mesh)
     programs += inference_programs(cfg.model, mesh, slots, cache_len, chunk, param_dtype)
     return programs, DEVICES[device][0] * HEADROOM
 
@@ -332,7 +390,7 @@ def main(argv=None) -> int:
         cfg, mesh_sizes, args.device, args.slots, cache_len, args.prefill_chunk, args.param_dtype
     )
     print(format_plan(cfg, programs, capacity, mesh_sizes, args.device))
-    return 0 if all(p.peak <= capacity for p in programs) else 1
+    return 0 if all(p.peak <= capacity for p in programs if not p.reference) else 1
 
 
 if __name__ == "__main__":

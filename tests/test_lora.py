@@ -207,5 +207,5 @@ def test_lora_run_from_hugging_face_resumes_exactly(hf_model, token_cache, tmp_p
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     from jaxgen.inference.loading import load_run
 
-    with pytest.raises(ConfigError, match="LoRA run"):  # serving and converting adapters: not yet
-        load_run(tmp_path / "once")
+    merged_cfg, _, _ = load_run(tmp_path / "once")  # adapters merged into the base: tests/test_lora_peft.py
+    assert merged_cfg.model.lora.rank == 0

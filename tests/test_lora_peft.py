@@ -2,6 +2,7 @@
 each against transformers + PEFT on the same tiny model."""
 
 import dataclasses
+import functools
 import json
 import shutil
 
@@ -30,7 +31,10 @@ class Case:
     cfg: object  # jaxgen's ModelConfig with model.lora set
     params: dict  # the base
     adapters: dict  # random A and B (B nonzero)
-    forward: object  # jitted (params) -> logits of TOKENS
+
+    def forward(self, params, cfg=None):
+        """Logits of TOKENS under `cfg` (default: the case's), one compile per params structure and config."""
+        return _forward(params, cfg or self.cfg)
 
     def reference(self):
         """A fresh transformers model of the folder (PEFT wraps models in place)."""
@@ -60,8 +64,12 @@ def case(request, tmp_path_factory):
         lora.lora_specs(cfg),
         is_leaf=lambda x: isinstance(x, model.ParamSpec),
     )
-    forward = jax.jit(lambda p: model.forward(p, TOKENS, POSITIONS, cfg=cfg)[0])
-    return Case(family, folder, cfg, params, adapters, forward)
+    return Case(family, folder, cfg, params, adapters)
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def _forward(params, cfg):
+    return model.forward(params, TOKENS, POSITIONS, cfg=cfg)[0]
 
 
 def _torch_logits(m) -> np.ndarray:
@@ -86,7 +94,7 @@ def test_export_loads_in_peft_with_the_same_logits(case, tmp_path):
         assert lora_cfg == case.cfg.lora
         for x, y in zip(jax.tree.leaves(case.adapters), jax.tree.leaves(back), strict=True):
             np.testing.assert_array_equal(x, y)
-    again = model.forward(lora.attach(case.params, back), TOKENS, POSITIONS, cfg=adapted)[0]
+    again = case.forward(lora.attach(case.params, back), adapted)
     np.testing.assert_allclose(np.asarray(again), ours, atol=1e-5, rtol=0)
 
 
@@ -108,14 +116,14 @@ def test_import_of_a_folder_peft_saved(case, tmp_path):
     else:
         wrapped = _peft_adapted(case.reference(), case.cfg.lora.targets, seed=7)
     wrapped.save_pretrained(tmp_path)
-    adapters, lora_cfg = read_peft_adapter(tmp_path, case.cfg)
+    adapters, lora_cfg = read_peft_adapter(tmp_path, case.cfg, mesh=_one_device())  # placed in their shardings
     if case.family not in ("gpt2", "phi3"):
         assert lora_cfg == case.cfg.lora
         expected = _adapters_from_peft(wrapped, case.cfg)
         for x, y in zip(jax.tree.leaves(expected), jax.tree.leaves(adapters), strict=True):
-            np.testing.assert_array_equal(np.asarray(x), y)
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     adapted = dataclasses.replace(case.cfg, lora=lora_cfg)
-    ours = model.forward(lora.attach(case.params, adapters), TOKENS, POSITIONS, cfg=adapted)[0]
+    ours = case.forward(lora.attach(case.params, adapters), adapted)
     np.testing.assert_allclose(np.asarray(ours), _torch_logits(wrapped), atol=1e-4, rtol=0)
 
 
@@ -130,10 +138,9 @@ def test_merged_export_equals_the_adapted_model(case, tmp_path):
     np.testing.assert_allclose(_torch_logits(theirs), adapted, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("case", ["llama"], indirect=True)  # merge does not depend on the family
 def test_merge_of_bfloat16_and_int8_bases(case):
     """bfloat16 stays bfloat16 (float32 math); int8 weights come back float32: dequantized plus the update."""
-    if case.family != "llama":
-        pytest.skip("one family: merge does not depend on it")
     from jaxgen.model import quant
 
     bf16 = jax.tree.map(lambda w: w.astype(jax.numpy.bfloat16), case.params)
@@ -151,6 +158,50 @@ def test_merge_of_bfloat16_and_int8_bases(case):
     assert quant.is_q(merged["head_dv"]) == quant.is_q(q8["head_dv"])  # not a target: as it was
 
 
+@pytest.mark.parametrize("case", ["llama"], indirect=True)
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(use_rslora=True, rank_pattern={"v_proj": 2}, alpha_pattern={"o_proj": 3.0, "down_proj": 5.0}),
+        dict(layers_to_transform=[1], target_modules=["q_proj", "up_proj"]),
+    ],
+    ids=["patterns", "one_layer"],
+)
+def test_import_of_per_module_ranks_and_layers(case, tmp_path, settings):
+    """PEFT adapters of several ranks and scales (rank_pattern, alpha_pattern, rsLoRA's alpha / sqrt(r)) or of
+    some layers only read as one jaxgen rank and scale with PEFT's logits."""
+    import peft
+
+    settings = {"target_modules": [f"{t}_proj" for t in ALL]} | settings
+    wrapped = peft.get_peft_model(case.reference(), peft.LoraConfig(r=RANK, lora_alpha=ALPHA, **settings))
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    wrapped.eval().save_pretrained(tmp_path)
+    adapters, lora_cfg = read_peft_adapter(tmp_path, case.cfg)
+    adapted = dataclasses.replace(case.cfg, lora=lora_cfg)
+    assert lora_cfg.rank == RANK and lora_cfg.targets == tuple(
+        t for t in ALL if f"{t}_proj" in settings["target_modules"]
+    )
+    ours = case.forward(lora.attach(case.params, adapters), adapted)
+    np.testing.assert_allclose(np.asarray(ours), _torch_logits(wrapped), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["llama"], indirect=True)
+def test_bfloat16_adapter_files_read(case, tmp_path):
+    """Adapters saved in bfloat16 (as PEFT saves a bfloat16 model's) read as their float32 values."""
+    from safetensors.torch import load_file, save_file
+
+    write_peft_adapter(tmp_path, case.adapters, case.cfg)
+    tensors = load_file(tmp_path / "adapter_model.safetensors")
+    save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, tmp_path / "adapter_model.safetensors")
+    adapters, _ = read_peft_adapter(tmp_path, case.cfg)
+    for x, y in zip(jax.tree.leaves(case.adapters), jax.tree.leaves(adapters), strict=True):
+        np.testing.assert_array_equal(np.asarray(jax.numpy.asarray(x, jax.numpy.bfloat16), np.float32), y)
+
+
 def _edit(folder, tmp_path, **changes):
     out = tmp_path / "edited"
     shutil.copytree(folder, out)
@@ -159,6 +210,7 @@ def _edit(folder, tmp_path, **changes):
     return out
 
 
+@pytest.mark.parametrize("case", ["llama"], indirect=True)
 @pytest.mark.parametrize(
     "changes, message",
     [
@@ -172,17 +224,14 @@ def _edit(folder, tmp_path, **changes):
     ],
 )
 def test_unsupported_adapters_are_refused(case, tmp_path, changes, message):
-    if case.family != "llama":
-        pytest.skip("one family")
     write_peft_adapter(tmp_path / "a", case.adapters, case.cfg)
     with pytest.raises(hf.HFError) as e:
         read_peft_adapter(_edit(tmp_path / "a", tmp_path, **changes), case.cfg)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("case", ["mixtral"], indirect=True)  # experts: not a target
 def test_adapters_that_do_not_fit_the_model_are_refused(case, tmp_path):
-    if case.family != "mixtral":
-        pytest.skip("one family with experts")
     from safetensors.numpy import load_file, save_file
 
     write_peft_adapter(tmp_path, case.adapters, case.cfg)
@@ -195,3 +244,93 @@ def test_adapters_that_do_not_fit_the_model_are_refused(case, tmp_path):
         save_file(tensors | bad, tmp_path / "adapter_model.safetensors")
         with pytest.raises(hf.HFError, match=message.replace("(", r"\(").replace(")", r"\)")):
             read_peft_adapter(tmp_path, case.cfg)
+
+
+def _greedy(forward, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens by full forwards over a fixed length (causal: the padding after them is not seen)."""
+    tokens = np.zeros((1, len(prompt) + n), np.int32)
+    tokens[0, : len(prompt)] = prompt
+    for t in range(len(prompt), len(prompt) + n):
+        tokens[0, t] = int(np.argmax(np.asarray(forward(tokens))[0, t - 1]))
+    return tokens[0, len(prompt) :].tolist()
+
+
+def _lora_run(case, token_cache, run) -> None:
+    """A LoRA run folder of `case`'s adapters on `case.folder` (training.init_from), at step 3, as train.py
+    leaves one (config.yaml, tokenizer.json, a checkpoint of the train state), without compiling a train step."""
+    from jaxgen.config import load_config
+    from jaxgen.training.checkpoint import Checkpointer
+    from jaxgen.training.step import create_train_state
+    from jaxgen.training.trainer import prepare_run_dir, resolve_init_from
+    from tests.conftest import ROOT
+
+    overrides = [
+        f"data.cache_dir={token_cache}", "mesh.data=1", f"training.init_from={case.folder}", f"model.lora.rank={RANK}",
+        f"model.lora.alpha={ALPHA}", f"model.lora.targets=[{', '.join(case.cfg.lora.targets)}]",
+    ]  # fmt: skip
+    cfg, _ = resolve_init_from(load_config(ROOT / "configs" / "tiny.yaml", overrides))
+    prepare_run_dir(cfg, run)
+    state = create_train_state(cfg, _one_device())
+    assert jax.tree.structure(state.params) == jax.tree.structure(case.adapters)
+    ckpt = Checkpointer(run, cfg.checkpoint)
+    ckpt.save(3, state.replace(params=jax.tree.map(jax.numpy.asarray, case.adapters)))
+    ckpt.close()
+
+
+@pytest.mark.parametrize("case", ["llama"], indirect=True)
+def test_lora_run_serves_and_converts(case, token_cache, tmp_path):
+    """A LoRA run from a Hugging Face folder: load_run merges its adapters into the base and the engine serves
+    it (greedy tokens as the adapted model's); convert.py writes its adapters as a PEFT folder (peft runs it
+    with the adapted model's logits) and, with --merge-lora, the merged model (transformers: the same logits)."""
+    import peft
+
+    import convert
+    from jaxgen import LLM, SamplingConfig
+    from jaxgen.inference.loading import load_lora_run, load_run
+
+    run = tmp_path / "run"
+    _lora_run(case, token_cache, run)
+    cfg, tokenizer, base, adapters = load_lora_run(run, mesh=_one_device())
+    assert cfg.model.lora == case.cfg.lora
+    for x, y in zip(jax.tree.leaves(case.adapters), jax.tree.leaves(adapters), strict=True):
+        np.testing.assert_array_equal(x, np.asarray(y))
+    for x, y in zip(jax.tree.leaves(case.params), jax.tree.leaves(base), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # the base: training.init_from's weights
+    adapted = lora.attach(base, adapters)
+    ours = np.asarray(case.forward(adapted))
+    merged_cfg, _, merged = load_run(run, mesh=_one_device())
+    assert merged_cfg.model.lora.rank == 0 and "lora" not in merged["layers"]
+    np.testing.assert_allclose(np.asarray(case.forward(merged)), ours, atol=1e-5, rtol=0)
+
+    prompt = tokenizer.encode("7 + 7 =")
+    positions = np.arange(len(prompt) + 6, dtype=np.int32)[None]
+    expected = _greedy(jax.jit(lambda t: model.forward(adapted, t, positions, cfg=case.cfg)[0]), prompt, 6)
+    llm = LLM(run, slots=2, num_pages=16, prefill_chunk=16)  # what serve.py --checkpoint RUN loads
+    (out,) = llm.generate(prompt, SamplingConfig(temperature=0, max_new_tokens=6))
+    got = out.outputs[0].tokens
+    assert got and got == expected[: len(got)]
+
+    assert convert.main([str(run), str(tmp_path / "peft")]) == 0
+    wrapped = peft.PeftModel.from_pretrained(case.reference(), tmp_path / "peft").eval()
+    np.testing.assert_allclose(_torch_logits(wrapped), ours, atol=1e-4, rtol=0)
+    assert convert.main([str(run), str(tmp_path / "merged"), "--merge-lora"]) == 0
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="eager")
+    np.testing.assert_allclose(_torch_logits(theirs.eval()), ours, atol=1e-4, rtol=0)
+
+
+def test_convert_refuses_what_it_cannot_write(tmp_path, tiny_cfg, capsys):
+    """Checked from config.yaml before anything loads: --merge-lora of a full run, a PEFT folder of a LoRA run
+    whose base was drawn from the seed (no Hugging Face base to name)."""
+    import convert
+    from jaxgen.config import save_config
+
+    for name, lora_cfg, flags, message in [
+        ("full", LoraConfig(), ["--merge-lora"], "is not a LoRA run (no model.lora.rank > 0); drop the flag"),
+        ("seeded", LoraConfig(rank=4), [], "no Hugging Face model is its base"),
+    ]:
+        (tmp_path / name).mkdir()
+        save_config(dataclasses.replace(tiny_cfg, model=dataclasses.replace(tiny_cfg.model, lora=lora_cfg)),
+                    tmp_path / name / "config.yaml")  # fmt: skip
+        assert convert.main([str(tmp_path / name), str(tmp_path / "out"), *flags]) == 1
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1

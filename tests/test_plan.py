@@ -81,3 +81,27 @@ def test_sizes_beyond_what_can_be_planned_are_refused_with_the_range(capsys):
     assert plan.main(["--config", "configs/tiny.yaml", "--mesh", "data=100000"]) == 2
     assert "--mesh data=100000 is not allowed: 100000 devices; at most 4096" in capsys.readouterr().err
     assert plan.main(["--config", "configs/tiny.yaml", "--mesh", "data=64,fsdp=64,tensor=2"]) == 2
+
+
+def test_lora_step_is_planned_beside_the_full_fine_tune(cfg):
+    """Issue 33: the LoRA step's state is the adapters and their moments; the base is counted as held."""
+    from jaxgen.model import lora, quant
+    from jaxgen.training.step import create_base
+
+    mesh = make_mesh(MeshConfig(data=1))
+    adapted = _with_model(cfg, lora=dataclasses.replace(cfg.model.lora, rank=4, base_dtype="bfloat16"))
+    full, step = plan.train_programs(adapted, mesh)
+    assert full.reference and not step.reference and "LoRA rank 4" in step.name
+    assert full.parts["parameters (float32)"] == 4 * model.count_params(cfg.model)
+    assert step.parts["adapters (float32)"] == 4 * lora.count_lora(adapted.model)
+    assert (
+        2 * step.parts["adapters (float32)"]
+        <= step.parts["optimizer state"]
+        <= 2 * step.parts["adapters (float32)"] + 64
+    )
+    assert step.parts["base (bfloat16, frozen)"] == 2 * model.count_params(cfg.model)
+    assert step.peak < full.peak
+    int8 = _with_model(cfg, lora=dataclasses.replace(adapted.model.lora, base_dtype="int8"))
+    int8_base = plan.train_program(int8, mesh).parts["base (int8, frozen)"]
+    held = quant.weight_bytes(create_base(int8, mesh))  # what training really holds: int8 matrices, scales
+    assert int8_base == held < 4 * model.count_params(cfg.model)

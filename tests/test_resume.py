@@ -97,3 +97,50 @@ def test_kill_9_resumes_from_the_last_checkpoint(tmp_path, token_cache):
     assert saved >= 5 and saved % 5 == 0
     cont = run(train_cmd(run_dir, token_cache, "training.steps=400", "training.steps_per_run=1"))
     assert f"from step {saved}" in cont.stdout
+
+
+def _finished_steps(run_dir) -> list[int]:
+    """The steps of the complete checkpoints (orbax renames a step's folder to its number when done)."""
+    folder = run_dir / "checkpoints"
+    return [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if folder.exists() else []
+
+
+def test_lora_kill_9_resumes_bitwise(tmp_path, token_cache):
+    """A LoRA run (adapters and their optimizer state checkpointed, the base redrawn from the seed) killed
+    with SIGKILL continues from its last checkpoint to the losses, batches and adapters of a run never killed."""
+    from jaxgen.inference.loading import load_lora_run
+
+    lora = ["model.lora.rank=4", "model.lora.targets=[q, v, up, down]", "training.steps=400", "checkpoint.every=3"]
+    killed, never = tmp_path / "killed", tmp_path / "never"
+    proc = subprocess.Popen(
+        train_cmd(killed, token_cache, *lora), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.time() + 120
+    while not _finished_steps(killed) and time.time() < deadline:  # killed once a checkpoint is complete
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    saved = max(_finished_steps(killed))
+    cont = run(train_cmd(killed, token_cache, *lora, "training.steps_per_run=2"))
+    assert f"from step {saved}" in cont.stdout
+    end = saved + 2
+    run(train_cmd(never, token_cache, *lora, f"training.steps_per_run={end}"))
+
+    def train_records(run_dir):  # the later record of a step done twice (before the kill and after it)
+        return {r["step"]: (r["loss"], r["data"]) for r in records(run_dir) if "loss" in r and "data" in r}
+
+    assert [train_records(killed)[s] for s in range(1, end + 1)] == [train_records(never)[s] for s in range(1, end + 1)]
+    a, b = (load_lora_run(r, mesh=make_mesh_one(), step=end) for r in (killed, never))
+    for x, y in zip(jax.tree.leaves(a[3]), jax.tree.leaves(b[3]), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+    from jaxgen import model  # serving the run: the adapters merged into the base the seed draws
+    from jaxgen.model import lora
+
+    cfg, _, base, adapters = a
+    merged_cfg, _, merged = load_run(killed, mesh=make_mesh_one(), step=end)
+    tokens = np.arange(24, dtype=np.int32).reshape(2, 12) * 5
+    positions = np.tile(np.arange(12, dtype=np.int32), (2, 1))
+    adapted = model.forward(lora.attach(base, adapters), tokens, positions, cfg=cfg.model)[0]
+    np.testing.assert_allclose(model.forward(merged, tokens, positions, cfg=merged_cfg.model)[0], adapted, atol=1e-5)

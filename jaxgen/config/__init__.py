@@ -11,18 +11,20 @@ model.py    ModelConfig: the network
 train.py    DataConfig, OptimizerConfig, TrainingConfig, CheckpointConfig: what a training run reads
 devices.py  MeshConfig and DistributedConfig: the device mesh and several processes
 serve.py    ServeConfig, HttpConfig, ServeCommandConfig: the engine and the HTTP server (serve.py's file)
+rl.py       RLConfig: what rl.py reads (the task and reward, rollouts, the policy-gradient loss)
 run.py      Config (a whole run) and the files: load_config, save_config, load_serve_config
 """
 
 from jaxgen.config.base import ConfigError, apply_overrides
 from jaxgen.config.devices import DistributedConfig, MeshConfig
 from jaxgen.config.model import LoraConfig, ModelConfig
+from jaxgen.config.rl import RLConfig
 from jaxgen.config.run import Config, config_from_dict, load_config, load_serve_config, save_config
 from jaxgen.config.serve import HttpConfig, ServeCommandConfig, ServeConfig
 from jaxgen.config.train import CheckpointConfig, DataConfig, OptimizerConfig, TrainingConfig
 
 __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistributedConfig", "HttpConfig", "LoraConfig",
-    "MeshConfig", "ModelConfig", "OptimizerConfig", "ServeCommandConfig", "ServeConfig", "TrainingConfig",
+    "MeshConfig", "ModelConfig", "OptimizerConfig", "RLConfig", "ServeCommandConfig", "ServeConfig", "TrainingConfig",
     "apply_overrides", "config_from_dict", "load_config", "load_serve_config", "save_config",
 ]  # fmt: skip

@@ -22,6 +22,7 @@ from jaxgen.config.base import (
 )
 from jaxgen.config.devices import DistributedConfig, MeshConfig
 from jaxgen.config.model import ModelConfig
+from jaxgen.config.rl import RLConfig
 from jaxgen.config.serve import ServeCommandConfig, ServeConfig
 from jaxgen.config.train import CheckpointConfig, DataConfig, OptimizerConfig, TrainingConfig
 
@@ -37,6 +38,7 @@ class Config:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     serve: ServeConfig = dataclasses.field(default_factory=ServeConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    rl: RLConfig = dataclasses.field(default_factory=RLConfig)  # read by rl.py only
 
     def __post_init__(self):
         check(

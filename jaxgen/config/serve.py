@@ -59,6 +59,8 @@ class ServeConfig:
     max_queue: int = 1024  # requests waiting beyond this get 429 with Retry-After
     request_timeout_s: float = 0.0  # a request running longer is cancelled (408); 0 = no limit
     shutdown_grace_s: float = 10.0  # on SIGTERM, running sequences get this long before their streams are ended
+    # the bearer token of POST /v1/admin/update_weights (new weights into the live engine); None = no such route
+    admin_token: str | None = None
 
     def __post_init__(self):
         check_literals(self, "serve")
@@ -89,6 +91,8 @@ class ServeConfig:
         check(self.draft is None or (isinstance(self.draft, str) and bool(self.draft)), "serve.draft", self.draft,
                "null or the path of a run or Hugging Face folder")  # fmt: skip
         self._check_loras()
+        check(self.admin_token is None or (isinstance(self.admin_token, str) and len(self.admin_token) >= 8),
+              "serve.admin_token", "<hidden>", "null or a string of at least 8 characters")  # fmt: skip
         for name in ("data_parallel", "tensor_parallel"):
             value = getattr(self, name)
             check(value == -1 or value > 0, f"serve.{name}", value, "a positive integer, or -1 for the rest")

@@ -10,8 +10,8 @@ from jaxgen.config.base import check, check_literals
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    source: Literal["stdlib", "files", "jsonl"] = "stdlib"
-    paths: tuple[str, ...] = ()  # globs, for files and jsonl
+    source: Literal["stdlib", "files", "jsonl", "chat"] = "stdlib"  # chat: JSONL `messages`, loss on the assistant
+    paths: tuple[str, ...] = ()  # globs, for files, jsonl and chat
     text_field: str = "text"
     prompt_field: str | None = None  # jsonl fine-tuning: loss only on the response
     response_field: str | None = None

@@ -2,6 +2,8 @@
 
     cfg, tokenizer, params = load_pretrained("path/to/folder", mesh)   # config.json + *.safetensors
     save_pretrained("out/folder", params, cfg, tokenizer)              # transformers loads it back
+    write_peft_adapter("out/adapter", adapters, cfg)                   # LoRA adapters: PEFT's folder
+    adapters, lora_cfg = read_peft_adapter("in/adapter", cfg)
 
 Supported families (FAMILIES): GPT-2, Llama (Llama 3 rope scaling included), Mistral (sliding window),
 Qwen2 (q/k/v biases), Qwen3 (per-head qk-norm), Gemma (GeGLU, scaled embeddings, (1 + scale) RMSNorm),
@@ -34,6 +36,7 @@ Modules (imports point down the list; safetensors needs only HFError from config
 from jaxgen.hf.config import FAMILIES, HFError, family_of, hf_config, read_config
 from jaxgen.hf.export import save_pretrained
 from jaxgen.hf.load import is_hf_folder, load_params, load_pretrained
+from jaxgen.hf.peft import read_peft_adapter, write_peft_adapter
 from jaxgen.hf.weights import Tensor, tensor_map
 
 __all__ = [
@@ -46,6 +49,8 @@ __all__ = [
     "load_params",
     "load_pretrained",
     "read_config",
+    "read_peft_adapter",
     "save_pretrained",
     "tensor_map",
+    "write_peft_adapter",
 ]

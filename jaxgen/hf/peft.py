@@ -55,9 +55,8 @@ class _Module:
 
 def _sizes(cfg: ModelConfig, target: str) -> tuple[int, int]:
     """(fan in, fan out) of a target's product."""
-    D, N, K, H, F = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_size, cfg.d_ff
-    return {"q": (D, N * H), "k": (D, K * H), "v": (D, K * H), "o": (N * H, D), "gate": (D, F), "up": (D, F),
-            "down": (F, D)}[target]  # fmt: skip
+    ins, outs = lora._product_axes(cfg)[target]
+    return math.prod(x[0] for x in ins), math.prod(x[0] for x in outs)
 
 
 def adapter_modules(cfg: ModelConfig, family: str, targets=LORA_TARGETS) -> dict[str, _Module]:
@@ -141,38 +140,16 @@ def read_peft_adapter(
     if not (folder / WEIGHTS).exists():
         raise HFError(f"{folder} has no {WEIGHTS} (only safetensors adapters are read)")
     file = _SafetensorsFile(folder / WEIGHTS)
-    tensors = {name: np.asarray(file.get(name), np.float32) for name in file.header}
+    tensors = {name: np.asarray(file.get(name), np.float32) for name in file.header}  # bfloat16 too
     modules = adapter_modules(cfg, family)
-    found = _match(tensors, modules, cfg, f.where.replace(CONFIG, WEIGHTS))
-    per_target, scales = {}, []  # target -> layer -> (A (in, r_m), B (r_m, out)); the modules' scales
-    for (name, i), pair in sorted(found.items()):
-        m = modules[name]
-        a, b = pair.get("A"), pair.get("B")
-        where = f"{folder / WEIGHTS}: {_PREFIX}{name.format(i=i)}"
-        if a is None or b is None:
-            raise HFError(f"{where} has lora_{'A' if a is None else 'B'} missing (both are needed)")
-        rank = a.shape[0] if a.ndim == 2 else -1
-        if a.shape != (rank, m.n_in) or b.shape != (m.n_out, rank) or rank < 1:
-            raise HFError(
-                f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit this model: "
-                f"allowed (r, {m.n_in}) and ({m.n_out}, r)"
-            )
-        expected = settings.rank(name.format(i=i))
-        if rank != expected:
-            raise HFError(f"{where}: lora_A has rank {rank}, but adapter_config.json says r={expected} for it")
-        s = settings.scale(name.format(i=i), rank)
-        scales.append((rank, s))
-        for target, start, rows in m.parts:
-            per_target.setdefault(target, {})[i] = (a.T, b[start : start + rows].T, s)
-    if not per_target:
-        raise HFError(f"{folder / WEIGHTS} holds no LoRA weights")
+    per_target, scales = _per_target(_match(tensors, modules, cfg, str(folder / WEIGHTS)), modules, settings, folder)
     rank = max(r for r, _ in scales)
-    uniform = len(set(scales)) == 1
+    uniform = len(set(scales)) == 1  # one rank and scale: kept as they are, else the config's scale
     common = scales[0][1] if uniform else settings.alpha / settings.r
     alpha = settings.alpha if uniform and (rank, common) == (settings.r, settings.alpha / settings.r) else common * rank
-    targets = tuple(t for t in LORA_TARGETS if t in per_target)
-    lora_cfg = LoraConfig(rank=rank, alpha=alpha, targets=targets, base_dtype=cfg.lora.base_dtype)
     try:
+        targets = tuple(t for t in LORA_TARGETS if t in per_target)
+        lora_cfg = LoraConfig(rank=rank, alpha=alpha, targets=targets, base_dtype=cfg.lora.base_dtype)
         adapted = dataclasses.replace(cfg, lora=lora_cfg)
     except ConfigError as e:
         raise HFError(f"{folder / CONFIG}: {e}") from None
@@ -182,6 +159,32 @@ def read_peft_adapter(
 
         adapters = jax.device_put(adapters, lora.lora_shardings(adapted, mesh))
     return adapters, lora_cfg
+
+
+def _per_target(found: dict, modules: dict[str, _Module], settings: _Settings, folder: Path) -> tuple[dict, list]:
+    """({target: {layer: (A (in, r_m), B (r_m, out), the module's scale)}}, [(r_m, scale) per module]) of the
+    file's (module, layer) pairs, each checked against the model and adapter_config.json."""
+    per_target, scales = {}, []
+    for (name, i), pair in sorted(found.items()):
+        m, module = modules[name], name.format(i=i)
+        a, b = pair.get("A"), pair.get("B")
+        where = f"{folder / WEIGHTS}: {_PREFIX}{module}"
+        if a is None or b is None:
+            raise HFError(f"{where} has lora_{'A' if a is None else 'B'} missing (both are needed)")
+        rank = a.shape[0] if a.ndim == 2 else -1
+        if a.shape != (rank, m.n_in) or b.shape != (m.n_out, rank) or rank < 1:
+            raise HFError(
+                f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit this model: "
+                f"allowed (r, {m.n_in}) and ({m.n_out}, r)"
+            )
+        if rank != settings.rank(module):
+            raise HFError(f"{where}: lora_A has rank {rank}, but {CONFIG} says r={settings.rank(module)} for it")
+        scales.append((rank, settings.scale(module, rank)))
+        for target, start, rows in m.parts:  # a fused module's parts share its A
+            per_target.setdefault(target, {})[i] = (a.T, b[start : start + rows].T, scales[-1][1])
+    if not per_target:
+        raise HFError(f"{folder / WEIGHTS} holds no LoRA weights")
+    return per_target, scales
 
 
 @dataclasses.dataclass(frozen=True)

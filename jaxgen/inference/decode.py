@@ -30,6 +30,7 @@ from jaxgen.inference.sampling import (
     SamplingError,
     check_prompt,
     check_text,
+    policy_logits,
     sample,
     shown,
 )
@@ -174,7 +175,8 @@ def decode_loop(params, state: DecodeState, cfg: ModelConfig) -> DecodeState:
     def body(s: DecodeState):
         tok = sample(s.logits, s.sampling, s.generated, s.seen, s.counts, allowed(s))  # keyed by (seed, index)
         tok = jnp.where(s.done, 0, tok)
-        s = record(s, tok, s.logits, ~s.done, cfg, base, full=s.cache.is_full(s.positions))
+        scored = policy_logits(s.logits, s.sampling, s.seen, s.counts, allowed(s))  # logprobs_mode
+        s = record(s, tok, scored, ~s.done, cfg, base, full=s.cache.is_full(s.positions))
         # Finished rows run as padding (position -1): they write nothing anyone reads. (Skipping the
         # forward once every row is done would need a lax.cond, which made XLA copy the whole cache.)
         fed = jnp.where(s.done, -1, s.positions)

@@ -13,6 +13,9 @@ rebuilds the device state. Outputs depend neither on what else runs nor on preem
 seeded draws keyed by (seed, token index) as in `Generator`, and a readmitted sequence resumes exactly.
 Speculating requests draft by n-gram lookup or with `Engine(..., draft=(params, cfg))`, a smaller model
 whose KV pages lie in a pool of their own on the target's page tables (`jaxgen.inference.speculative`).
+Between steps, `update_params` swaps the weights in (nothing recompiles; sequences in flight are
+recomputed on them, the prefix cache emptied) and `sleep` / `wake_up` free and allocate the decode state
+and page pool again (reinforcement learning: docs/serving.md).
 With `serve.max_loras` > 0 the params hold a bank of that many LoRA adapter slots (`jaxgen.model.lora.Bank`):
 `load_lora` writes one into a slot (no recompilation), `submit(..., lora=name)` runs a request with it, and
 rows with different adapters share every batch (`jaxgen.inference.adapters`).
@@ -20,6 +23,7 @@ rows with different adapters share every batch (`jaxgen.inference.adapters`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -44,8 +48,12 @@ from jaxgen.model import lora
 from jaxgen.sharding import with_mesh
 from jaxgen.tokenizer import Tokenizer
 
-__all__ = ["LIVE", "Engine", "EngineClosed", "Request", "RequestFailed", "Status"]
+__all__ = ["LIVE", "Engine", "EngineAsleep", "EngineClosed", "Request", "RequestFailed", "Status"]
 log = logging.getLogger(__name__)
+
+
+class EngineAsleep(EngineClosed):
+    """The engine sleeps (`Engine.sleep`: its KV cache freed) and admits no new request until `wake_up()`."""
 
 
 class Engine:
@@ -61,6 +69,7 @@ class Engine:
             self.draft_cfg = speculative.check_draft(draft[1], cfg)
         check_serving(cfg, serve, self.draft_cfg, mesh)  # ConfigError before anything is allocated or compiled
         self.params = model.decode_params(params, serve.slots)  # see model.decode_params
+        self._to_decode = None  # update_params' jitted layout conversion
         self.cfg, self.tokenizer, self.serve = cfg, tokenizer, serve
         self.loras = LoraRegistry(serve.max_loras)  # adapter names -> slots of the params' bank
         if serve.max_loras:
@@ -76,6 +85,7 @@ class Engine:
         self._jit_steps(mesh)
         init = jax.jit(steps.init_state, static_argnums=(0, 1, 2, 3))  # jitted: the pool is made in its shardings
         self.state = with_mesh(init, mesh)(cfg, serve, num_pages, self.max_pages)
+        self._new_state = lambda: with_mesh(init, mesh)(cfg, serve, num_pages, self.max_pages)  # wake_up()
         init_spec = with_mesh(jax.jit(steps.init_spec, static_argnums=(0, 1, 2, 3, 4)), mesh)
         self._new_spec = lambda: init_spec(cfg, serve, self.draft_cfg, num_pages, self.max_pages)
         self.spec = self._new_spec()  # speculative decoding's per-slot state (and the draft model's pool)
@@ -87,6 +97,8 @@ class Engine:
         )  # fmt: skip
         self._thread, self._stop = None, False  # the background thread, if started
         self.accepting = True  # False once drain() began: submit raises EngineClosed
+        self.asleep = False  # between sleep() and wake_up(): no device state, submit raises EngineAsleep
+        self._exclusive = threading.RLock()  # held by step(); update_params, sleep, wake_up run between steps
         for module in serve.lora_modules:  # "NAME=FOLDER"
             self.load_lora_folder(*module.split("=", 1))
 
@@ -117,7 +129,6 @@ class Engine:
         self._spec_chunk = jit(steps.decode_chunk_speculative, (1, 2), ("cfg", "w", "draft_cfg"))
         self._prefill_draft = jit(steps.prefill_draft_chunk, 1, "draft_cfg")
         self._write_slot = jit(lora.write_slot)  # the bank donated: a slot is written in place
-        self.device_lock = threading.RLock()  # a step's device calls vs a load that donates the bank they read
 
     # --- requests ----------------------------------------------------------------------------------
 
@@ -147,7 +158,7 @@ class Engine:
             entry = lora.bank_entry(adapters, scale, bank)
         except ValueError as e:
             raise LoraError(f"cannot load lora_name={name!r}: {e}") from None
-        with self.device_lock:  # no step runs meanwhile (it would read the donated bank), nor another load
+        with self._exclusive:  # no step runs meanwhile (it would read the donated bank), nor another load
             with self.lock:
                 ref = self.loras.reserve(name, self._lora_slots_in_use())
             written = self._write_slot(lora.bank_of(self.params), np.int32(ref.slot), decode.upload(entry))
@@ -206,6 +217,8 @@ class Engine:
         with self.wake:
             if not self.accepting:
                 raise EngineClosed("the engine is shutting down: no new requests are admitted")
+            if self.asleep:
+                raise EngineAsleep("the engine is asleep (its KV cache is freed): retry after wake_up()")
             ref = self.loras.resolve(lora)  # again, with the lock held until queued: an unload cannot slip between
             for r in requests:
                 r.lora = ref
@@ -238,6 +251,92 @@ class Engine:
         """Every statistic as a dict (the same figures /metrics exports from `stats.registry`)."""
         return self.stats.snapshot()
 
+    # --- weights swapped in place, sleep and wake (reinforcement learning, docs/serving.md) -------------
+
+    def update_params(self, params, *, donate: bool = False) -> None:
+        """Replaces the weights between steps, without recompiling. `params`: a pytree of the structure,
+        shapes and dtypes the engine was built with, in the training layout (stacked layers) or the decode
+        layout (`model.decode_params`); laid out for decoding as at construction and placed in the current
+        weights' shardings. A mismatch raises ValueError naming the first leaf that differs, before
+        anything changes. Sequences in flight are preempted and recomputed on the new weights, keeping the
+        tokens (and log-probabilities) they emitted; the prefix cache is emptied, so no page computed with
+        the old weights is read again. Copies: the engine holds one copy of the weights in its layout (the
+        per-layer slices, output-major matrices); `donate=True` hands the caller's arrays over where the
+        layout keeps them (decode-layout params: no copy at all), and the caller must then neither change
+        nor donate them; by default the engine shares no buffer with the caller (a trainer may donate its
+        params to its next step)."""
+        new = self._checked_params(params, donate)
+        with self._exclusive:
+            self._preempt_all()
+            bank = lora.bank_of(self.params)  # the LoRA adapters stay loaded (multi-LoRA serving)
+            self.params = new if bank is None else lora.with_bank(new, bank)  # the old weights are freed
+
+    def _checked_params(self, params, donate: bool):
+        """`params` in the decode layout and the current shardings; ValueError for another structure."""
+        rows = self.serve.slots
+        current = lora.without_bank(self.params)  # the weights the caller gives (the LoRA bank is the engine's)
+        try:
+            got = jax.eval_shape(lambda p: model.decode_params(p, rows), params)  # nothing computed yet
+        except Exception as e:
+            message = f"update_params: params do not have the model's structure ({type(e).__name__}: {e})"
+            raise ValueError(message) from None
+        want = dict(jax.tree_util.tree_flatten_with_path(current)[0])
+        have = dict(jax.tree_util.tree_flatten_with_path(got)[0])
+        for path in [*want, *have]:
+            name = jax.tree_util.keystr(path)
+            if path not in have or path not in want:
+                missing = "missing" if path not in have else "unexpected"
+                raise ValueError(f"update_params: params{name} is {missing}: the engine's model has another structure")
+            a, b = want[path], have[path]
+            if a.shape != b.shape or a.dtype != b.dtype:
+                seen, held = f"{b.dtype}{list(b.shape)}", f"{a.dtype}{list(a.shape)}"
+                raise ValueError(f"update_params: params{name} is {seen}; the engine holds {held}")
+        if not donate:  # one program lays them out into new buffers in the engine's shardings (no aliasing)
+            if self._to_decode is None:  # made once: compiled at the first swap of each layout, then reused
+                shardings = jax.tree.map(lambda x: x.sharding, current)
+                self._to_decode = jax.jit(functools.partial(model.decode_params, rows=rows), out_shardings=shardings)
+            return self._to_decode(params)
+        return jax.tree.map(lambda x, old: jax.device_put(x, old.sharding), model.decode_params(params, rows), current)
+
+    def _preempt_all(self) -> None:
+        """Every sequence in a slot back to the queue (recomputed later, its tokens kept); the prefix cache
+        emptied. The caller holds `_exclusive`."""
+        with self.lock:
+            preemptions = self.scheduler.preempt_all()
+            self.pool.clear_cache()  # every page is idle now: none stays cached
+        self._retire_preempted(StepPlan(preemptions=tuple(preemptions)))
+
+    def sleep(self) -> None:
+        """Frees the device memory of the decode state, the KV page pool above all (and the draft model's
+        pool), until `wake_up()`; the weights stay. Sequences in flight are preempted (recomputed after
+        `wake_up()`, their tokens kept) and the prefix cache emptied; queued requests wait; `submit`
+        raises EngineAsleep (a 503 from the server) while the engine sleeps."""
+        with self._exclusive:
+            if self.asleep:
+                return
+            self._preempt_all()
+            for x in jax.tree.leaves((self.state, self.spec)):
+                if not x.is_deleted():
+                    x.delete()
+            self.asleep = True
+
+    def _ended_asleep(self) -> bool:
+        """Queued sequences cancelled or failed while the engine sleeps (the thread ends them)."""
+        return any(r.status not in LIVE for r in self.scheduler.waiting)
+
+    def wake_up(self) -> None:
+        """Allocates the decode state and the page pool again (compiled at construction: nothing compiles)
+        and runs what was queued."""
+        with self._exclusive:
+            if not self.asleep:
+                return
+            self.state, self.spec = self._new_state(), self._new_spec()
+            self.grammars = grammar.GrammarPool(self.cfg.vocab_size)  # the device's table is empty again
+            self.scheduler.policy.tables.changed = True
+            self.asleep = False
+        with self.wake:
+            self.wake.notify()
+
     # --- the thread --------------------------------------------------------------------------------
 
     def idle(self) -> bool:
@@ -248,6 +347,8 @@ class Engine:
 
     def run_until_idle(self) -> None:
         while not self.idle():
+            if self.asleep:
+                raise EngineAsleep("the engine is asleep with requests queued: call wake_up() to run them")
             self.step()
 
     @property
@@ -289,7 +390,7 @@ class Engine:
         try:
             while True:
                 with self.wake:
-                    while self.idle() and not self._stop:
+                    while (self.idle() or (self.asleep and not self._ended_asleep())) and not self._stop:
                         self.wake.wait()
                     if self._stop:
                         return
@@ -305,20 +406,27 @@ class Engine:
     def step(self) -> None:
         """One step: the scheduler's plan, its prefill chunks, its preempted slots retired, one decode
         chunk. A failure that concerns one request fails that request alone; a failed device step fails
-        the sequences in flight (their cache is lost), rebuilds the device state and goes on with the queue."""
+        the sequences in flight (their cache is lost), rebuilds the device state and goes on with the queue.
+        Nothing runs while the engine is asleep."""
+        with self._exclusive:
+            if self.asleep:
+                self._drop_ended()  # cancelled or failed while asleep: they end now, nothing else runs
+            else:
+                self._step()
+
+    def _step(self) -> None:
         t0 = time.perf_counter()
-        with self.device_lock:
-            self._drop_ended()
-            with self.lock:
-                plan = self.scheduler.schedule()
-            prefilled = self._run_prefills(plan)
-            try:
-                self._retire_preempted(plan)
-                if prefilled and plan.decode:
-                    self._decode_chunk(plan)
-            except Exception as e:
-                self._failed_step(None, "decode", e)
-            self._drop_ended()
+        self._drop_ended()
+        with self.lock:
+            plan = self.scheduler.schedule()
+        prefilled = self._run_prefills(plan)
+        try:
+            self._retire_preempted(plan)
+            if prefilled and plan.decode:
+                self._decode_chunk(plan)
+        except Exception as e:
+            self._failed_step(None, "decode", e)
+        self._drop_ended()
         self.stats.count("busy_seconds", time.perf_counter() - t0)
 
     def _admit(self) -> None:

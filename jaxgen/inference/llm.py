@@ -158,6 +158,31 @@ class LLM:
             if not request.done_event.is_set():  # the caller stopped early: free the slot
                 self.engine.cancel(request)
 
+    def update_params(self, params) -> None:
+        """New weights for every later call, without recompiling (`Engine.update_params`: sequences in
+        flight are recomputed on them, the prefix cache emptied): a pytree of the loaded model's structure
+        (training or decode layout), or a run or Hugging Face folder of the same model (held and quantized
+        as `serve` says)."""
+        loaded = isinstance(params, str | Path)
+        if loaded:
+            from jaxgen.inference.loading import load_weights
+
+            params = load_weights(params, self.serve, self.cfg)
+        elif self.serve.quantize == "int8":
+            from jaxgen.model import quant
+
+            params = quant.quantize_params(params, embedding=self.serve.quantize_embedding)
+        self.engine.update_params(params, donate=loaded)  # weights read here are the engine's alone
+        self.params = self.engine.params
+        self._generator = None  # score() builds its Generator again, on these weights
+
+    def sleep(self) -> None:
+        """Frees the engine's KV cache until `wake_up()` (`Engine.sleep`)."""
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
     def score(self, prompts: list[str | list[int]], continuations: list[str | list[int]]) -> list[dict]:
         """Teacher-forced log-likelihood of each continuation given its prompt (`Generator.score`)."""
         if self._generator is None:

@@ -1,7 +1,8 @@
 """Loading a model for inference: a run folder's checkpoint, a Hugging Face folder, int8 weights and a
 draft model, the one way serve.py, `LLM` and `generate` get theirs.
 
-    load_run(run_dir)                      -> (Config, Tokenizer, params)     a train.py run folder
+    load_run(run_dir)                      -> (Config, Tokenizer, params)     a train.py run folder (LoRA: merged)
+    load_lora_run(run_dir)                 -> (Config, Tokenizer, base, adapters)  a LoRA run, unmerged
     load_model(path)                       -> (ModelConfig, Tokenizer, params) a run or Hugging Face folder
     load_draft(path, tokenizer)            -> (params, ModelConfig)           a draft for speculative decoding
     load_for_serving(source, serve, mesh)  -> Loaded                          the above as `ServeConfig` says
@@ -17,10 +18,10 @@ import dataclasses
 from pathlib import Path
 
 from jaxgen import hf
-from jaxgen.config import Config, ConfigError, MeshConfig, ModelConfig, ServeConfig, load_config
+from jaxgen.config import Config, ConfigError, LoraConfig, MeshConfig, ModelConfig, ServeConfig, load_config
 from jaxgen.hf.load import inference_dtype
 from jaxgen.inference.budget import check_serving
-from jaxgen.model import quant
+from jaxgen.model import ParamSpec, lora, quant
 from jaxgen.sharding import make_mesh
 from jaxgen.tokenizer import Tokenizer
 from jaxgen.training.checkpoint import Checkpointer, CheckpointError, restore_newest
@@ -55,6 +56,20 @@ def load_for_serving(source, serve: ServeConfig, mesh=None, *, cfg=None, tokeniz
     return Loaded(cfg, tokenizer, source, draft)
 
 
+def load_weights(path: str | Path, serve: ServeConfig, cfg: ModelConfig, mesh=None) -> dict:
+    """The weights of the run or Hugging Face folder `path` for an engine that serves `cfg` (a swap:
+    `Engine.update_params`), held and quantized as `serve` says; ConfigError when the folder holds
+    another model."""
+    found, _, params = load_model(path, mesh, param_dtype=serve.param_dtype)
+    for f in dataclasses.fields(ModelConfig):
+        a, b = getattr(found, f.name), getattr(cfg, f.name)
+        if b is not None and a != b:  # None: derived (head_dim) or the default (family); a folder may name it
+            raise ConfigError(f"{path} holds another model: model.{f.name}={a!r} where the engine serves {b!r}")
+    if serve.quantize == "int8":
+        params = quant.quantize_params(params, embedding=serve.quantize_embedding)
+    return params
+
+
 def model_config(path: str | Path) -> ModelConfig | None:
     """The ModelConfig of a run or Hugging Face folder, read from its config file alone (no weights); None
     for a folder that is neither (`load_model` says why)."""
@@ -75,10 +90,7 @@ def load_run(run_dir: str | Path, mesh=None, step: int | None = None, param_dtyp
         raise FileNotFoundError(f"{run_dir} is not a jaxgen run folder (no config.yaml); train.py writes one")
     cfg: Config = load_config(run_dir / "config.yaml")
     if cfg.model.lora.rank:  # its checkpoints hold adapters, no base (see docs/training.md, LoRA fine-tuning)
-        raise ConfigError(
-            f"{run_dir} is a LoRA run (model.lora.rank={cfg.model.lora.rank}): its checkpoints hold the adapters "
-            "only, and loading them onto their base (PEFT export, merging) is not implemented yet"
-        )
+        return _merged_lora_run(run_dir, mesh, step, param_dtype)
     tokenizer = Tokenizer.from_folder(run_dir)
     ckpt = Checkpointer(run_dir, cfg.checkpoint)
     try:
@@ -93,6 +105,77 @@ def load_run(run_dir: str | Path, mesh=None, step: int | None = None, param_dtyp
         )
     finally:
         ckpt.close()
+    return cfg, tokenizer, params
+
+
+def load_lora_run(run_dir: str | Path, mesh=None, step: int | None = None):
+    """(Config, Tokenizer, base, adapters) of a LoRA run folder: the float32 adapters of its latest good (or
+    given) checkpoint ({target: {"a_...": (L, *in, r), "b_...": (L, r, *out)}}, `jaxgen.model.lora`) and the
+    float32 base they adapt: training.init_from's weights, or without it the weights the run's seed draws
+    (the checkpoints hold no base). model.lora.base_dtype (bfloat16, int8) was how training held the base
+    to save memory; the base here is the full-precision one."""
+    run_dir = Path(run_dir)
+    cfg: Config = load_config(run_dir / "config.yaml")
+    if not cfg.model.lora.rank:
+        raise ConfigError(f"{run_dir} is not a LoRA run (model.lora.rank=0): its checkpoints hold the whole model")
+    mesh = make_mesh(MeshConfig()) if mesh is None else mesh
+    tokenizer = Tokenizer.from_folder(run_dir)
+    ckpt = Checkpointer(run_dir, cfg.checkpoint)
+    try:
+        steps = ckpt.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"{run_dir} has no checkpoint yet")
+        if step is not None and step not in steps:
+            raise CheckpointError(f"{ckpt.directory} has no checkpoint of step {step}; it has steps {steps}")
+        _, adapters = restore_newest(
+            ckpt, lambda s: _restore_adapters(ckpt, s, cfg.model, mesh), steps if step is None else [step]
+        )
+    finally:
+        ckpt.close()
+    return cfg, tokenizer, _lora_base(cfg, mesh), adapters
+
+
+def _restore_adapters(ckpt: Checkpointer, step: int, model_cfg: ModelConfig, mesh) -> dict:
+    """Only the adapters (the train state's params) of a LoRA run's checkpoint, in their shardings on `mesh`."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    specs, shardings = lora.lora_specs(model_cfg), lora.lora_shardings(model_cfg, mesh)
+    is_spec = lambda x: isinstance(x, ParamSpec)
+    abstract = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, "float32", sharding=s), specs, shardings,
+                            is_leaf=is_spec)  # fmt: skip
+    item = {"params": abstract}
+    restore_args = ocp.checkpoint_utils.construct_restore_args(item)
+    args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+    return ckpt.manager.restore(step, args=ocp.args.Composite(state=args))["state"]["params"]
+
+
+def _lora_base(cfg: Config, mesh) -> dict:
+    """A LoRA run's float32 base: training.init_from's weights, else the seed's (drawn as training drew them)."""
+    folder = cfg.training.init_from
+    if folder is not None:
+        if not hf.is_hf_folder(folder):
+            raise FileNotFoundError(
+                f"the base of this LoRA run, training.init_from={folder!r}, is not a Hugging Face model folder "
+                "(config.json and *.safetensors) any more; the run's checkpoints hold the adapters only"
+            )
+        return hf.load_params(folder, cfg.model, hf.read_config(folder)[0], mesh)
+    from jaxgen.training.step import create_base  # the seed's draw, one definition (brings optax: rare path)
+
+    float_base = dataclasses.replace(cfg.model.lora, base_dtype="float32")
+    return create_base(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora=float_base)), mesh)
+
+
+def _merged_lora_run(run_dir: Path, mesh, step: int | None, param_dtype: str):
+    """`load_run` of a LoRA run: the adapters merged into the float32 base (`lora.merge`), held in `param_dtype`;
+    the Config's model.lora is rank 0, as the params hold no adapters."""
+    import jax
+
+    cfg, tokenizer, base, adapters = load_lora_run(run_dir, mesh, step)
+    params = lora.merge(base, adapters, cfg.model)
+    if param_dtype != "float32":
+        params = jax.tree.map(lambda w: w.astype(param_dtype), params)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora=LoraConfig()))
     return cfg, tokenizer, params
 
 

@@ -5,7 +5,8 @@ never recompiles. Order of processing for each row (as in Hugging Face and vLLM)
     logit bias -> repetition / presence / frequency penalties -> temperature ->
     top-k, top-p and min-p truncation (on the tempered distribution) -> renormalise -> draw.
 Temperature 0 is greedy. Each row draws with its own key, `fold_in(key(seed), step)`, so its samples do
-not depend on its batch-mates or the batch size.
+not depend on its batch-mates or the batch size. `logprobs_mode="processed"` reports log-probabilities
+of the distribution before truncation (`policy_logits`), "raw" (the default) the model's.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ MAX_TEMPERATURE = 1e4
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_SEQUENCE = 8  # tokens in one stop token sequence (the decode loop's window)
+LOGPROBS_MODES = ("raw", "processed")  # SamplingConfig.logprobs_mode
 
 
 def _require(ok: bool, field: str, value, allowed: str) -> None:
@@ -101,6 +103,10 @@ class SamplingConfig:
     num_speculative_tokens: int = 0
     # what the output must be: a JSON schema, a regular expression or a choice (jaxgen.inference.grammar)
     structured: Structured | None = None
+    # which distribution `logprobs` (and the alternatives) are taken from: "raw", the model's; "processed",
+    # the one the token was drawn from before truncation (constraint, bias, penalties, then temperature;
+    # top-k / top-p / min-p not applied): the policy's log-probabilities for reinforcement learning
+    logprobs_mode: str = "raw"
 
     def __post_init__(self):
         """Bounds that hold for every model; `check_for_model` adds those that need the vocabulary."""
@@ -138,6 +144,10 @@ class SamplingConfig:
         for name, value, ok, allowed in floats:
             _require(_is_real(value) and math.isfinite(value) and ok(value), name, value, f"a number in {allowed}")
         _require(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "true or false")
+        _require(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", self.logprobs_mode, "'raw' or 'processed'")
+        if self.logprobs_mode == "processed" and self.num_speculative_tokens:
+            raise SamplingError("logprobs_mode='processed' cannot be combined with num_speculative_tokens > 0 "
+                                "(drafts are scored on the model's distribution)", "logprobs_mode")  # fmt: skip
         self._check_lists()
         self._check_structured()
 
@@ -264,6 +274,7 @@ class SamplingArrays:
     frequency_penalty: jax.Array
     logit_bias: jax.Array  # (B, V)
     seed: jax.Array  # (B,) uint32
+    processed: jax.Array  # (B,) bool, logprobs_mode "processed": log-probabilities of `policy_logits`
 
     @classmethod
     def stack(cls, configs: list[SamplingConfig], vocab_size: int) -> SamplingArrays:
@@ -281,6 +292,7 @@ class SamplingArrays:
             presence_penalty=col("presence_penalty", np.float32),
             frequency_penalty=col("frequency_penalty", np.float32), logit_bias=bias,
             seed=np.asarray([c.seed % 2**32 for c in configs], np.uint32),
+            processed=np.asarray([c.logprobs_mode == "processed" for c in configs], bool),
         )  # fmt: skip
 
 
@@ -293,13 +305,30 @@ def process_logits(logits_bv, sp: SamplingArrays, seen_bv, counts_bv):
     return logits - sp.presence_penalty[:, None] * (counts > 0) - sp.frequency_penalty[:, None] * counts
 
 
+def _temperature(sp: SamplingArrays):
+    """(B, 1) what each row's logits are divided by before truncation (and the draw)."""
+    return jnp.maximum(sp.temperature, 1e-6)[:, None]
+
+
+def policy_logits(logits_bv, sp: SamplingArrays, seen_bv, counts_bv, allowed_bv=None):
+    """(B, V) the logits whose log-softmax a row reports for its tokens: the model's (logprobs_mode "raw"),
+    or for "processed" rows those `sample` draws from before truncation: the constraint's mask, bias and
+    penalties, divided by the temperature (by 1 for a greedy row). Inputs as `sample`'s, before the draw."""
+    if allowed_bv is not None:
+        masked = jnp.where(allowed_bv, logits_bv, -jnp.inf)
+    else:
+        masked = logits_bv
+    processed = process_logits(masked, sp, seen_bv, counts_bv)
+    processed = jnp.where(sp.temperature[:, None] == 0, processed, processed / _temperature(sp))
+    return jnp.where(sp.processed[:, None], processed, logits_bv)
+
+
 def truncated_logits(logits_bv, sp: SamplingArrays):
     """Tempered logits with everything outside top-k / top-p / min-p set to -inf (sorted order).
 
     Returns (sorted_logits (B, V), sorted_ids (B, V)).
     """
-    temp = jnp.maximum(sp.temperature, 1e-6)[:, None]
-    scaled = logits_bv / temp
+    scaled = logits_bv / _temperature(sp)  # the same division as policy_logits
     order = jnp.argsort(-scaled, axis=-1)
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
     probs = jax.nn.softmax(sorted_logits, axis=-1)

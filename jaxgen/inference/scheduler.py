@@ -242,6 +242,12 @@ class Scheduler:
             r.preemptions += 1
         return Preemption(r, slot, live)
 
+    def preempt_all(self) -> list[Preemption]:
+        """Every sequence in a slot preempted (a weight swap, or the engine going to sleep): back to the
+        queue in admission order, ahead of those waiting, with their tokens so far."""
+        holding = sorted((r for r in self.slots if r is not None), key=lambda q: q.admitted, reverse=True)
+        return [self.preempt(r) for r in holding]  # newest first: appendleft leaves the oldest in front
+
     def update(self, out: StepOutput) -> list[int]:
         """Moves the bookkeeping on by what ran; returns the slots freed (for the engine to retire)."""
         for c in out.prefilled:

@@ -26,6 +26,7 @@ gathered low-rank product):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import flax.struct
@@ -193,6 +194,16 @@ def bank_of(params: dict):
     return bank.weights if isinstance(bank, Bank) else None
 
 
+def without_bank(params: dict) -> dict:
+    """`params` without their bank (the weights alone); `params` itself when they hold none."""
+    if bank_of(params) is None:
+        return params
+    layers_ = params["layers"]
+    if isinstance(layers_, list):
+        return params | {"layers": [{k: v for k, v in p.items() if k != "lora"} for p in layers_]}
+    return params | {"layers": {k: v for k, v in layers_.items() if k != "lora"}}
+
+
 def with_bank(params: dict, weights) -> dict:
     """`params` with the bank's weights replaced by `weights` (as `bank_of` gives them)."""
     layers_ = params["layers"]
@@ -282,7 +293,13 @@ def merge(base: dict, adapters: dict, cfg: ModelConfig) -> dict:
     W (L, *in, *out) replaced by W + A @ B * alpha / rank, computed in float32 and cast back to W's dtype.
 
     An int8 weight (`jaxgen.model.quant.QArray`) is dequantized and comes back as a float32 array:
-    quantizing again would round most of the (small) update away. Everything else is returned as it is."""
+    quantizing again would round most of the (small) update away. Everything else is returned as it is.
+    One jitted program for the whole tree; the result keeps the base weights' shardings."""
+    return _merge(base, adapters, cfg.lora.scale)
+
+
+@functools.partial(jax.jit, static_argnames="scale")
+def _merge(base: dict, adapters: dict, scale: float) -> dict:
     from jaxgen.model import quant
 
     out = jax.tree.map(lambda x: x, base, is_leaf=quant.is_q)  # new dicts, the same leaves
@@ -292,21 +309,10 @@ def merge(base: dict, adapters: dict, cfg: ModelConfig) -> dict:
         for key in parents:
             node = node[key]
         w = node[name]
-        a, b = (pair[k] for k in sorted(pair))  # A (L, *in, r), B (L, r, *out)
-        node[name] = _merged(w, jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32), cfg.lora.scale)
+        a, b = (pair[k].astype(jnp.float32) for k in sorted(pair))  # A (L, *in, r), B (L, r, *out)
+        L, r = a.shape[0], a.shape[-1]
+        ab = jnp.einsum("lir,lro->lio", a.reshape(L, -1, r), b.reshape(L, r, -1), precision=jax.lax.Precision.HIGHEST)
+        w32 = w.dequantize(jnp.float32) if quant.is_q(w) else w.astype(jnp.float32)
+        merged = w32 + (ab * scale).reshape(w32.shape)
+        node[name] = merged if quant.is_q(w) else merged.astype(w.dtype)
     return out
-
-
-@jax.jit
-def _merged_f32(w, a, b, scale):
-    L, r = a.shape[0], a.shape[-1]
-    ab = jnp.einsum("lir,lro->lio", a.reshape(L, -1, r), b.reshape(L, r, -1), precision=jax.lax.Precision.HIGHEST)
-    return w + (ab * scale).reshape(w.shape)
-
-
-def _merged(w, a, b, scale: float):
-    from jaxgen.model import quant
-
-    if quant.is_q(w):
-        return _merged_f32(w.dequantize(jnp.float32), a, b, jnp.float32(scale))
-    return _merged_f32(w.astype(jnp.float32), a, b, jnp.float32(scale)).astype(w.dtype)

@@ -46,6 +46,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, SkipValidation, TypeAdapter, ValidationError
 
+from jaxgen.chat_template import TemplateRefused, compile_template
 from jaxgen.config import ServeConfig
 from jaxgen.inference.decode import encode_prompt
 from jaxgen.inference.engine import Engine
@@ -249,7 +250,9 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, serv
 
     _tokenizer_routes(app, engine, check_model)
     _lora_routes(app, engine, model_name)
-    guarded = ApiKey(BodyLimit(app, serve.max_body_bytes), api_key, PUBLIC if metrics_need_key else PUBLIC_METRICS)
+    _admin_routes(app, engine, serve)
+    public = (PUBLIC if metrics_need_key else PUBLIC_METRICS) | ADMIN  # admin routes check their own token
+    guarded = ApiKey(BodyLimit(app, serve.max_body_bytes), api_key, public)
     if chat_template.error:
         log.warning("%s: chat requests will get 500 with this reason; completions work", chat_template.error)
     return guarded
@@ -322,6 +325,47 @@ def _lora_routes(app: FastAPI, engine: Engine, model_name: str) -> None:
     async def unload_lora_adapter(body: UnloadLoraRequest):
         engine.unload_lora(body.lora_name)
         return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
+
+
+ADMIN = frozenset({"/v1/admin/update_weights"})
+
+
+def _admin_routes(app: FastAPI, engine: Engine, serve: ServeConfig) -> None:
+    """With serve.admin_token set: POST /v1/admin/update_weights {"path": a run or Hugging Face folder of
+    the served model} loads its weights and swaps them into the live engine (`Engine.update_params`:
+    sequences in flight are recomputed on them). `Authorization: Bearer <admin_token>`, checked before the
+    body is read: 401 without a bearer token, 403 with another; 400 for a folder that does not load or
+    holds another model. Answers {"status": "updated", "path", "seconds"}."""
+    if serve.admin_token is None:
+        return
+    token = serve.admin_token.encode()
+
+    @app.post("/v1/admin/update_weights")
+    async def update_weights(request: Request):
+        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            message = "the admin routes need Authorization: Bearer <serve.admin_token>"
+            raise APIError(401, message, code="no_admin_token")
+        if not secrets.compare_digest(given.strip().encode(), token):
+            raise APIError(403, "wrong admin token", code="invalid_admin_token")
+        try:
+            path = (await request.json()).get("path")
+        except (ValueError, AttributeError):  # not JSON, or not an object
+            path = None
+        if not isinstance(path, str) or not path:
+            raise APIError(400, 'the body must be {"path": "<a run or Hugging Face folder>"}', "path")
+        t0 = time.perf_counter()
+        try:
+            await asyncio.to_thread(_swap_weights, engine, serve, path)
+        except (OSError, ValueError) as e:  # ConfigError and the mismatch errors are ValueErrors
+            raise APIError(400, f"the weights at {path} were not loaded: {e}", "path") from None
+        return {"status": "updated", "path": path, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def _swap_weights(engine: Engine, serve: ServeConfig, path: str) -> None:
+    from jaxgen.inference.loading import load_weights  # orbax only when weights load
+
+    engine.update_params(load_weights(path, serve, engine.cfg), donate=True)  # read for the engine alone
 
 
 def _tokenizer_routes(app: FastAPI, engine: Engine, check_model) -> None:
@@ -412,31 +456,15 @@ def _message(i: int, m: Message) -> dict:
     return message_for_template(message, m.tool_calls, m.tool_call_id)
 
 
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    """JSON as transformers' templates get it (tools are written with it: `{{ tool | tojson }}`)."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-class _Refused(jinja2.TemplateError):
-    """raise_exception() in a template: it refuses these messages (the client's fault)."""
-
-
 class ChatTemplate:
     """The chat template in jinja2's immutable sandbox (as transformers renders it): a template from a
     model folder can format messages but cannot reach Python's internals (no code runs). A template that
     does not compile leaves `error` set: the server starts, completions work, chat requests get 500."""
 
     def __init__(self, source: str | None):
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-        def raise_exception(message):  # templates call this to refuse a conversation
-            raise _Refused(message)
-
-        env.globals["raise_exception"] = raise_exception
-        env.filters["tojson"] = _tojson  # transformers' own: jinja2's escapes <, >, & and ' for HTML
         self.template, self.error, self.source = None, None, source
         try:
-            self.template = env.from_string(source or PLAIN_CHAT)
+            self.template = compile_template(source or PLAIN_CHAT)
         except jinja2.TemplateSyntaxError as e:
             self.error = f"the model's chat template does not compile: {e} (line {e.lineno})"
 
@@ -447,7 +475,7 @@ class ChatTemplate:
         extra = {"tools": tools} if tools else {}
         try:
             return self.template.render(messages=messages, add_generation_prompt=True, **extra)
-        except _Refused as e:
+        except TemplateRefused as e:
             raise APIError(400, f"the chat template refused these messages: {e}", "messages") from None
         except jinja2.sandbox.SecurityError as e:
             raise APIError(500, f"the model's chat template tried something unsafe and was stopped: {e}",

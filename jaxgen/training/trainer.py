@@ -30,7 +30,7 @@ from jaxgen.model import lora
 from jaxgen.sharding import check_spans_processes, make_mesh, process_rows
 from jaxgen.tokenizer import Tokenizer
 from jaxgen.training.checkpoint import Checkpointer, has_checkpoint, quiet_background_errors, restore_newest
-from jaxgen.training.data.pipeline import PackedSequences, eval_batches, train_iterator
+from jaxgen.training.data.pipeline import PackedConversations, PackedSequences, eval_batches, train_iterator
 from jaxgen.training.data.tokens import load_splits
 from jaxgen.training.metrics import MetricsWriter, measure_matmul_flops, plot_loss
 from jaxgen.training.step import (
@@ -181,8 +181,11 @@ def train(cfg: Config, run_dir: str | Path, progress: bool = True) -> TrainResul
         check_spans_processes(mesh, f"the mesh {dict(mesh.shape)}")
         with _disk_full_is_one_error(f"the token cache in {cfg.data.cache_dir}"):
             splits = load_splits(cfg.data, tokenizer)
-        train_src = PackedSequences(splits["train"]["tokens"], splits["train"]["flags"], cfg.data.seq_len)
-        eval_src = PackedSequences(splits["eval"]["tokens"], splits["eval"]["flags"], cfg.data.seq_len)
+        packed = PackedConversations if cfg.data.source == "chat" else PackedSequences  # chats are never split
+        train_src = packed(splits["train"]["tokens"], splits["train"]["flags"], cfg.data.seq_len)
+        eval_src = packed(splits["eval"]["tokens"], splits["eval"]["flags"], cfg.data.seq_len)
+        if getattr(train_src, "cut", 0):
+            _say(f"data: {train_src.cut} conversation(s) longer than data.seq_len + 1 tokens are cut to their start")
         rows = process_rows(mesh, cfg.training.batch_size)  # this process loads only its share of each batch
         data_iter = train_iterator(train_src, cfg.training.batch_size, cfg.data.seed, rows)
         held_out = eval_batches(eval_src, cfg.training.batch_size, cfg.data.eval_batches, rows)

@@ -31,6 +31,44 @@ class PackedSequences:
         return pack_window(self.tokens[lo : lo + self.seq_len + 1], self.flags[lo : lo + self.seq_len + 1])
 
 
+class PackedConversations:
+    """Whole documents packed into examples of T + 1 tokens, never one split between two (chat SFT: each
+    answer is trained with its conversation in view). Documents are laid out in store order, a new example
+    begun when the next one does not fit; the rest of an example is padding (token 0, a segment of its own,
+    no loss). A document longer than T + 1 tokens keeps its first T + 1 (`cut` counts them)."""
+
+    def __init__(self, tokens: np.ndarray, flags: np.ndarray, seq_len: int):
+        self.tokens, self.flags, self.seq_len = tokens, flags, seq_len
+        self.starts = np.flatnonzero(np.asarray(flags) & DOC_START)
+        if len(self.starts) == 0:
+            raise ValueError(f"{len(tokens)} tokens and no document: nothing to pack into data.seq_len={seq_len}")
+        ends = np.append(self.starts[1:], len(tokens))
+        self.lengths = np.minimum(ends - self.starts, seq_len + 1)
+        self.cut = int(np.sum(ends - self.starts > seq_len + 1))
+        firsts, used = [0], 0
+        for d, n in enumerate(self.lengths.tolist()):
+            if used + n > seq_len + 1:
+                firsts.append(d)
+                used = 0
+            used += n
+        self.bounds = np.append(firsts, len(self.starts))  # example i holds documents bounds[i]:bounds[i + 1]
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        docs = range(self.bounds[int(i)], self.bounds[int(i) + 1])
+        spans = [(self.starts[d], self.starts[d] + self.lengths[d]) for d in docs]
+        tokens = np.zeros(self.seq_len + 1, np.int64)
+        flags = np.full(self.seq_len + 1, NO_LOSS, np.uint8)
+        at = 0
+        for lo, hi in spans:
+            tokens[at : at + hi - lo], flags[at : at + hi - lo] = self.tokens[lo:hi], self.flags[lo:hi]
+            at += hi - lo
+        flags[at : at + 1] |= DOC_START  # the padding is a document of its own
+        return pack_window(tokens, flags)
+
+
 def pack_window(tokens: np.ndarray, flags: np.ndarray) -> dict[str, np.ndarray]:
     """One example from T + 1 tokens and their flags. All arrays are (T,) int32."""
     starts = (flags & DOC_START).astype(bool)

@@ -1,4 +1,4 @@
-"""Where documents come from: the Python standard library, text files, or JSONL records."""
+"""Where documents come from: the Python standard library, text files, JSONL records, or chat JSONL."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jaxgen.config import DataConfig
+from jaxgen.training.data.chat import read_conversations
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
@@ -48,6 +49,8 @@ def iter_documents(cfg: DataConfig) -> Iterator[Document]:
     for path in resolve_paths(cfg):
         if cfg.source == "jsonl":
             yield from _jsonl_documents(path, cfg)
+        elif cfg.source == "chat":  # the messages' text (train_tokenizer.py); training renders them (chat.py)
+            yield from (Document("\n".join(m["content"] or "" for m in c.messages)) for c in read_conversations(path))
         else:
             yield Document(path.read_text(encoding="utf-8", errors="replace"))
 

@@ -1,7 +1,8 @@
 """Tokenize a corpus once into cached, memory-mapped token files, split into train and held-out.
 
 A store is a folder `<cache_dir>/<key>/` with, per split, `tokens.npy` (uint16 or uint32) and
-`flags.npy` (uint8 per token: bit 0 = first token of a document, bit 1 = no loss, i.e. prompt).
+`flags.npy` (uint8 per token: bit 0 = first token of a document, bit 1 = no loss: a prompt, or a chat's
+turns other than the assistant's).
 The key hashes the files (path, size, mtime), the tokenizer and the split settings, so a changed
 corpus or tokenizer is tokenized again, and an unchanged one is read back at once.
 """
@@ -20,6 +21,7 @@ from tqdm import tqdm
 
 from jaxgen.config import DataConfig
 from jaxgen.tokenizer import Tokenizer
+from jaxgen.training.data.chat import encode_conversations
 from jaxgen.training.data.sources import iter_documents, resolve_paths
 
 DOC_START = 1
@@ -35,6 +37,8 @@ def store_key(cfg: DataConfig, tokenizer: Tokenizer) -> str:
     h.update(tokenizer.tok.to_str().encode())
     settings = (cfg.source, cfg.text_field, cfg.prompt_field, cfg.response_field, cfg.eval_fraction, cfg.seed)
     h.update(repr(settings).encode())
+    if cfg.source == "chat":  # the template decides the text and which tokens are trained
+        h.update(repr(tokenizer.chat_template).encode())
     return h.hexdigest()[:16]
 
 
@@ -61,8 +65,27 @@ def _encode_document_batch(docs, tokenizer: Tokenizer):
         yield tokens, flags
 
 
+def _chat_documents(cfg: DataConfig, tokenizer: Tokenizer) -> list:
+    """(tokens, flags) per conversation: only the assistant's tokens trained (`chat.py`)."""
+    out, conversations = [], encode_conversations(cfg, tokenizer, resolve_paths(cfg))
+    for tokens, trained in tqdm(conversations, desc="rendering", unit="chat", leave=False):
+        flags = np.where(trained, 0, NO_LOSS).astype(np.uint8)
+        flags[0] |= DOC_START
+        out.append((tokens, flags))
+    return out
+
+
+def _text_documents(cfg: DataConfig, tokenizer: Tokenizer) -> list:
+    docs, out = list(iter_documents(cfg)), []
+    with tqdm(total=len(docs), desc="tokenizing", unit="doc", leave=False) as bar:
+        for start in range(0, len(docs), _BATCH_DOCS):
+            out += _encode_document_batch(docs[start : start + _BATCH_DOCS], tokenizer)
+            bar.update(min(_BATCH_DOCS, len(docs) - start))
+    return out
+
+
 def _build(cfg: DataConfig, tokenizer: Tokenizer, folder: Path) -> None:
-    docs = list(iter_documents(cfg))
+    docs = _chat_documents(cfg, tokenizer) if cfg.source == "chat" else _text_documents(cfg, tokenizer)
     if len(docs) < 2:
         raise ValueError(f"the corpus has {len(docs)} document(s); at least 2 are needed (one held out)")
     is_eval = np.random.default_rng(cfg.seed).random(len(docs)) < cfg.eval_fraction
@@ -71,14 +94,9 @@ def _build(cfg: DataConfig, tokenizer: Tokenizer, folder: Path) -> None:
     if is_eval.all():
         is_eval[0] = False
     parts = {"train": ([], []), "eval": ([], [])}
-    with tqdm(total=len(docs), desc="tokenizing", unit="doc", leave=False) as bar:
-        for start in range(0, len(docs), _BATCH_DOCS):
-            batch = docs[start : start + _BATCH_DOCS]
-            for j, (tokens, flags) in enumerate(_encode_document_batch(batch, tokenizer)):
-                split = "eval" if is_eval[start + j] else "train"
-                parts[split][0].append(tokens)
-                parts[split][1].append(flags)
-            bar.update(len(batch))
+    for (tokens, flags), held_out in zip(docs, is_eval, strict=True):
+        parts["eval" if held_out else "train"][0].append(tokens)
+        parts["eval" if held_out else "train"][1].append(flags)
     dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))

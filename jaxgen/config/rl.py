@@ -1,0 +1,59 @@
+"""What a reinforcement-learning run reads (`rl.py`): the task and its reward, the rollouts, the loss."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from jaxgen.config.base import check, check_literals
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    # the prompts and how answers are scored
+    task: str = "arithmetic"  # a built-in task (jaxgen.rl.tasks), or "jsonl": prompts from `prompts`
+    max_operand: int = 9  # the arithmetic task's operands: 0..max_operand
+    prompts: tuple[str, ...] = ()  # globs of JSONL files: {"prompt": ..., other fields passed to the reward}
+    reward: str = ""  # "module:function(prompt, completion, **fields) -> float"; "" = the task's own
+    init_from: str = ""  # the starting policy: a run folder or a Hugging Face folder; "" = a warm start
+    warm_start_steps: int = 200  # supervised steps on the built-in task's answers before RL ("" init_from)
+    warm_start_learning_rate: float = 2e-3  # the warm start's peak (the optimizer section is RL's)
+    # rollouts: prompts_per_step prompts, group_size samples each, from the live engine
+    prompts_per_step: int = 8
+    group_size: int = 8  # n: samples per prompt, the group GRPO's advantages are relative to
+    temperature: float = 1.0
+    max_new_tokens: int = 8
+    max_prompt_tokens: int = 32  # prompts are padded to this (one compiled update for every batch)
+    reward_workers: int = 4  # threads scoring completions beside the device's work
+    # the objective (jaxgen.rl.objectives)
+    algorithm: Literal["grpo", "reinforce"] = "grpo"
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0  # > 0: a KL penalty to the frozen starting policy, scored with the same forward
+    averaging: Literal["token", "sequence"] = "token"
+    normalize: bool = True  # GRPO's division by the group's reward spread (False: Dr. GRPO)
+
+    def __post_init__(self):
+        check_literals(self, "rl")
+        check(self.task in ("arithmetic", "jsonl"), "rl.task", self.task, "arithmetic (built in) or jsonl")
+        if self.task == "jsonl":
+            check(bool(self.prompts), "rl.prompts", self.prompts, "at least one JSONL glob for rl.task=jsonl")
+            check(bool(self.reward), "rl.reward", self.reward, "module:function for rl.task=jsonl")
+            check(
+                bool(self.init_from), "rl.init_from", self.init_from, "a run or Hugging Face folder for rl.task=jsonl"
+            )
+        if self.reward:
+            module, _, function = self.reward.partition(":")
+            check(bool(module and function), "rl.reward", self.reward, "module:function, e.g. mytask:reward")
+        for name, low in (("max_operand", 1), ("warm_start_steps", 0), ("prompts_per_step", 1), ("group_size", 1), ("max_new_tokens", 1),
+                          ("max_prompt_tokens", 1), ("reward_workers", 1)):  # fmt: skip
+            value = getattr(self, name)
+            check(isinstance(value, int) and value >= low, f"rl.{name}", value, f"an integer >= {low}")
+        check(self.temperature > 0, "rl.temperature", self.temperature, "a number > 0 (rollouts sample)")
+        check(0 < self.clip_eps < 1, "rl.clip_eps", self.clip_eps, "a number in (0, 1)")
+        check(self.warm_start_learning_rate > 0, "rl.warm_start_learning_rate", self.warm_start_learning_rate,
+              "a number > 0")  # fmt: skip
+        check(self.kl_coef >= 0, "rl.kl_coef", self.kl_coef, "a number >= 0")
+        if self.algorithm == "grpo":
+            check(
+                self.group_size >= 2, "rl.group_size", self.group_size, "at least 2 for grpo (advantages are relative)"
+            )

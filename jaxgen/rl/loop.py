@@ -1,0 +1,315 @@
+"""The RL loop: rollouts from the live engine, rewards off the device thread, the policy-gradient update
+with the training forward, and the new weights swapped into the same engine.
+
+    python rl.py --config configs/rl-arithmetic.yaml          # or: run_rl(load_config(...), "runs/rl")
+
+One iteration (RL step s):
+  1. prompts: `rl.prompts_per_step` records drawn from (training.seed, s) alone (jaxgen.rl.tasks);
+  2. rollouts: `rl.group_size` samples a prompt from the engine (`LLM`), seeds from (training.seed, s),
+     each sampled token's log-probability under the tempered policy it was drawn from
+     (`logprobs_mode="processed"`);
+  3. rewards: the config's function over (prompt, completion, fields), on `rl.reward_workers` threads;
+  4. the update: advantages (group-relative for GRPO, batch baseline for REINFORCE), the training
+     forward's log-probabilities of the same tokens, the clipped loss (jaxgen.rl.objectives), AdamW;
+  5. the swap: `llm.update_params(new params)`: no recompilation, the prefix cache dropped.
+The state checkpointed is a `TrainState` (policy, optimizer, step, key); prompts and seeds are functions of
+the step, the reference policy is the starting one (rebuilt the same way on resume), so a killed run
+resumes where it stopped and ends with the uninterrupted run's parameters.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxgen.config import Config, DataConfig, save_config
+from jaxgen.rl import objectives, tasks
+from jaxgen.training.checkpoint import Checkpointer
+from jaxgen.training.step import TrainState, create_train_state, make_optimizer
+
+BATCH_KEYS = ("tokens", "positions", "mask", "old_logp", "advantages")
+
+
+@dataclasses.dataclass
+class RLResult:
+    step: int
+    status: str  # "finished", "already finished" or "stopped"
+    rewards: list[float]  # mean reward of each step this call ran
+
+
+def settings_of(cfg: Config) -> objectives.RLSettings:
+    r = cfg.rl
+    return objectives.RLSettings(r.algorithm, r.clip_eps, r.kl_coef, r.averaging, r.normalize)
+
+
+def rl_step(state: TrainState, batch: dict, ref_logp, *, cfg: Config, tx, settings):
+    """One policy-gradient update on a rollout batch (B = prompts x group rows, T = prompt + new tokens).
+    batch: tokens, positions (B, T) int32; mask, old_logp (B, T - 1) float32; advantages (B,) float32.
+    ref_logp: (B, T - 1) the reference policy's log-probabilities (zeros without a KL penalty)."""
+
+    def objective(params):
+        logp, entropy = objectives.token_logprobs(
+            params, batch["tokens"], batch["positions"], cfg=cfg.model, temperature=cfg.rl.temperature
+        )
+        loss, metrics = objectives.policy_loss(
+            logp, batch["old_logp"], batch["advantages"], batch["mask"], settings, ref_logp_bt=ref_logp
+        )
+        mask = batch["mask"]
+        metrics["entropy"] = jnp.sum(entropy * mask) / jnp.maximum(mask.sum(), 1.0)
+        metrics["sampler_gap"] = jnp.max(jnp.abs(logp - batch["old_logp"]) * mask)  # trainer vs sampler
+        return loss, metrics
+
+    (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+    def update(_):
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        return optax.apply_updates(state.params, updates), opt_state
+
+    params, opt_state = jax.lax.cond(finite, update, lambda _: (state.params, state.opt_state), None)
+    skipped = (~finite).astype(jnp.int32)
+    state = state.replace(
+        step=state.step + 1, params=params, opt_state=opt_state,
+        nonfinite_in_row=(state.nonfinite_in_row + skipped) * skipped, nonfinite_total=state.nonfinite_total + skipped,
+    )  # fmt: skip
+    return state, metrics | {"loss": loss, "grad_norm": grad_norm, "finite": finite}
+
+
+def rollout_batch(cfg: Config, outputs, rewards: np.ndarray) -> dict:
+    """The update's arrays from the engine's outputs (one RequestOutput a prompt, `group_size` completions
+    each, in order) and the (P, n) rewards: rows left-aligned, prompt then completion, padded with
+    position -1 to T = rl.max_prompt_tokens + rl.max_new_tokens."""
+    r = cfg.rl
+    T = r.max_prompt_tokens + r.max_new_tokens
+    rows = [(out.prompt_token_ids, c) for out in outputs for c in out.outputs]
+    B = len(rows)
+    tokens = np.zeros((B, T), np.int32)
+    positions = np.full((B, T), -1, np.int32)
+    mask = np.zeros((B, T - 1), np.float32)
+    old = np.zeros((B, T - 1), np.float32)
+    for i, (prompt, c) in enumerate(rows):
+        seq = list(prompt) + list(c.tokens)
+        tokens[i, : len(seq)] = seq
+        positions[i, : len(seq)] = np.arange(len(seq))
+        start = len(prompt) - 1  # column t scores token t + 1: the first completion token is column len - 1
+        mask[i, start : start + len(c.tokens)] = 1.0
+        old[i, start : start + len(c.tokens)] = c.logprobs
+    if r.algorithm == "grpo":
+        adv = objectives.group_advantages(jnp.asarray(rewards), r.normalize).reshape(-1)
+    else:
+        adv = objectives.batch_advantages(jnp.asarray(rewards).reshape(-1))
+    return {"tokens": tokens, "positions": positions, "mask": mask, "old_logp": old, "advantages": np.asarray(adv)}
+
+
+def run_rl(cfg: Config, run_dir: str | Path, progress: bool = True) -> RLResult:
+    """Runs (or resumes) RL into `run_dir`: checkpoints, config.yaml, tokenizer, metrics.jsonl,
+    TensorBoard events and reward.png."""
+    from jaxgen.sharding import make_mesh
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = dataclasses.replace(
+        cfg, data=dataclasses.replace(cfg.data, seq_len=min(cfg.data.seq_len, cfg.model.max_seq_len))
+    )
+    records = tasks.load_prompts(cfg.rl, cfg.training.seed)
+    reward_fn = tasks.load_reward(cfg.rl)
+    mesh = make_mesh(cfg.mesh)
+    cfg, tokenizer, start_params = starting_policy(cfg, run_dir, mesh, progress)
+    _check_prompts(cfg, tokenizer, records)
+    save_config(cfg, run_dir / "config.yaml")
+    tokenizer.save_folder(run_dir)
+    ckpt = Checkpointer(run_dir, cfg.checkpoint)
+    state = create_train_state(cfg, mesh, start_params)
+    step = 0
+    latest = ckpt.latest_step()
+    if latest is not None:
+        state, _ = ckpt.restore(latest, state, with_data=False)
+        step = latest
+    if step >= cfg.training.steps:
+        ckpt.close()
+        return RLResult(step, "already finished", [])
+    try:
+        result = _loop(cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params, step, ckpt, progress)
+    finally:
+        ckpt.close()
+    return result
+
+
+def starting_policy(cfg: Config, run_dir: Path, mesh, progress: bool):
+    """(cfg with the policy's model section, tokenizer, float32 params): `rl.init_from` (a run or Hugging
+    Face folder), or the built-in task's supervised warm start trained into `run_dir/warm_start` (itself
+    a train.py run: resumable, skipped once finished)."""
+    from jaxgen.inference.loading import load_model
+
+    source = cfg.rl.init_from
+    if not source:
+        source = run_dir / "warm_start"
+        train_cfg = warm_start_config(cfg, source)
+        from jaxgen.training.trainer import train
+
+        train(train_cfg, source, progress=progress)
+    model_cfg, tokenizer, params = load_model(source, mesh, param_dtype="float32")
+    model_cfg = dataclasses.replace(model_cfg, dtype=cfg.model.dtype)
+    return dataclasses.replace(cfg, model=model_cfg), tokenizer, params
+
+
+def warm_start_config(cfg: Config, folder: Path) -> Config:
+    """The warm start's train.py config: the RL config's model and tokenizer, the task's prompt/response
+    pairs (loss on the answer) written to `folder/warm_start.jsonl`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "warm_start.jsonl"
+    if not path.exists():
+        lines = (json.dumps(r) + "\n" for r in tasks.warm_start_records(cfg.training.seed, cfg.rl.max_operand))
+        path.write_text("".join(lines))
+    data = DataConfig(
+        source="jsonl", paths=(str(path),), prompt_field="prompt", response_field="response",
+        tokenizer=cfg.data.tokenizer, seq_len=cfg.data.seq_len, seed=cfg.training.seed, cache_dir=cfg.data.cache_dir,
+    )  # fmt: skip
+    optimizer = dataclasses.replace(cfg.optimizer, learning_rate=cfg.rl.warm_start_learning_rate)
+    training = dataclasses.replace(cfg.training, steps=cfg.rl.warm_start_steps, eval_every=cfg.rl.warm_start_steps)
+    checkpoint = dataclasses.replace(cfg.checkpoint, every=max(cfg.rl.warm_start_steps // 4, 1))
+    return dataclasses.replace(cfg, name=f"{cfg.name}-warm-start", data=data, optimizer=optimizer, training=training,
+                               checkpoint=checkpoint)  # fmt: skip
+
+
+def _check_prompts(cfg: Config, tokenizer, records: list[dict]) -> None:
+    limit = cfg.rl.max_prompt_tokens
+    for i, record in enumerate(records):
+        n = len(tokenizer.encode(record["prompt"]))
+        if n > limit:
+            raise ValueError(f"prompt {i} ({record['prompt'][:40]!r}...) has {n} tokens; rl.max_prompt_tokens={limit}")
+    total = limit + cfg.rl.max_new_tokens
+    if total > cfg.model.max_seq_len:
+        raise ValueError(f"rl.max_prompt_tokens + rl.max_new_tokens = {total} is not allowed: at most "
+                         f"model.max_seq_len={cfg.model.max_seq_len}")  # fmt: skip
+
+
+def _sampling(cfg: Config, step: int, count: int):
+    from jaxgen.inference.sampling import SamplingConfig
+
+    r = cfg.rl
+    seeds = np.random.default_rng([cfg.training.seed, step, 1]).integers(0, 2**62, size=count)
+    base = SamplingConfig(
+        n=r.group_size, temperature=r.temperature, max_new_tokens=r.max_new_tokens, logprobs_mode="processed"
+    )
+    return [dataclasses.replace(base, seed=int(s)) for s in seeds]
+
+
+def _loop(cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params, step, ckpt, progress) -> RLResult:
+    from tqdm import tqdm
+
+    from jaxgen.inference.llm import LLM
+    from jaxgen.training.metrics import MetricsWriter
+
+    r = cfg.rl
+    tx = make_optimizer(cfg.optimizer, cfg.training.steps)
+    settings = settings_of(cfg)
+    update = jax.jit(functools.partial(rl_step, cfg=cfg, tx=tx, settings=settings), donate_argnums=0)
+    score_ref = jax.jit(
+        lambda p, t, pos: objectives.token_logprobs(p, t, pos, cfg=cfg.model, temperature=r.temperature)[0]
+    )
+    slots = r.prompts_per_step * r.group_size
+    llm = LLM(state.params, cfg=cfg.model, tokenizer=tokenizer, slots=slots, max_logprobs=0)
+    workers = concurrent.futures.ThreadPoolExecutor(r.reward_workers, thread_name_prefix="reward")
+    rewards_seen = []
+    bar = tqdm(total=cfg.training.steps, initial=step, disable=not progress, unit="step", dynamic_ncols=True)
+    with MetricsWriter(run_dir) as metrics, workers:
+        while step < cfg.training.steps:
+            times = {}
+            t0 = time.perf_counter()
+            chosen = tasks.step_prompts(records, cfg.training.seed, step, r.prompts_per_step)
+            outputs = llm.generate([c["prompt"] for c in chosen], _sampling(cfg, step, len(chosen)))
+            times["generate_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            jobs = [
+                [workers.submit(reward_fn, rec["prompt"], c.text, **_fields(rec)) for c in out.outputs]
+                for rec, out in zip(chosen, outputs, strict=True)
+            ]
+            rewards = np.asarray([[_reward_of(cfg, j) for j in group] for group in jobs], np.float32)
+            times["reward_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            batch = rollout_batch(cfg, outputs, rewards)
+            ref = (
+                score_ref(start_params, batch["tokens"], batch["positions"])
+                if r.kl_coef
+                else jnp.zeros(batch["mask"].shape, jnp.float32)
+            )
+            times["score_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            state, m = update(state, batch, ref)
+            m = jax.device_get(m)
+            times["update_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            llm.update_params(state.params)
+            times["swap_s"] = time.perf_counter() - t0
+            step += 1
+            new_tokens = int(batch["mask"].sum())
+            record = {
+                "step": step, "reward": float(rewards.mean()), "reward_std": float(rewards.std()),
+                "loss": float(m["loss"]), "entropy": float(m["entropy"]), "kl": float(m.get("kl", 0.0)),
+                "clip_frac": float(m["clip_frac"]), "sampler_gap": float(m["sampler_gap"]),
+                "grad_norm": float(m["grad_norm"]), "tokens_per_s": new_tokens / max(times["generate_s"], 1e-9),
+            } | times  # fmt: skip
+            metrics.write(record)
+            rewards_seen.append(record["reward"])
+            bar.update(1)
+            bar.set_postfix(reward=f"{record['reward']:.3f}±{record['reward_std']:.2f}", kl=f"{record['kl']:.4f}",
+                            entropy=f"{record['entropy']:.2f}", tok_s=f"{record['tokens_per_s']:.0f}")  # fmt: skip
+            if step % cfg.checkpoint.every == 0 or step == cfg.training.steps:
+                ckpt.save(step, state)
+    bar.close()
+    plot_reward(run_dir)
+    return RLResult(step, "finished", rewards_seen)
+
+
+def _reward_of(cfg: Config, job) -> float:
+    """A reward job's value as a finite float, or a ValueError naming the function and what it did."""
+    try:
+        value = job.result()
+    except Exception as e:
+        raise ValueError(f"rl.reward={cfg.rl.reward or 'the task'} raised {type(e).__name__}: {e}") from e
+    if not isinstance(value, int | float | np.number) or not np.isfinite(value):  # a bool counts as 0 or 1
+        raise ValueError(f"rl.reward={cfg.rl.reward or 'the task'} returned {value!r}; a reward is a finite number")
+    return float(value)
+
+
+def _fields(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k != "prompt"}
+
+
+def plot_reward(run_dir: str | Path) -> Path:
+    """Writes `<run_dir>/reward.png`: the mean reward per RL step, with its spread over the samples."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from jaxgen.training.metrics import read_metrics
+
+    by_step = {r["step"]: r for r in read_metrics(run_dir) if r.get("reward") is not None}
+    steps = sorted(by_step)
+    mean = np.asarray([by_step[s]["reward"] for s in steps])
+    spread = np.asarray([by_step[s].get("reward_std") or 0.0 for s in steps])
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    ax.plot(steps, mean, lw=1.5, label="mean reward")
+    ax.fill_between(steps, mean - spread, mean + spread, alpha=0.2, label="± spread over samples")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("reward")
+    ax.set_title(f"{Path(run_dir).name}: reward")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = Path(run_dir) / "reward.png"
+    fig.savefig(out)
+    plt.close(fig)
+    return out

@@ -1,0 +1,104 @@
+"""Policy-gradient objectives over sampled completions: advantages, the clipped GRPO loss, REINFORCE.
+
+    adv = group_advantages(rewards_pn)                        # (P, n) -> (P, n)
+    logp, entropy = token_logprobs(params, tokens, positions, cfg=cfg, temperature=t)   # (B, T-1) each
+    loss, metrics = policy_loss(logp, old_logp, adv.reshape(-1), mask, settings, ref_logp=ref)
+
+Shapes: B = P * n rows (P prompts, n samples each, a prompt's samples adjacent); T tokens of prompt and
+completion, left-aligned with padding at the end; every per-token array is over the T - 1 *predicted*
+tokens (column t is token t + 1 given tokens 0..t), and `mask` (B, T - 1) is 1 on completion tokens only.
+
+All functions are pure and jit-able; `settings` (an `RLSettings`) is static.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxgen.config import ModelConfig
+from jaxgen.model import forward
+
+ALGORITHMS = ("grpo", "reinforce")
+AVERAGING = ("token", "sequence")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLSettings:
+    """The loss's knobs (the `rl` config section holds the same names)."""
+
+    algorithm: str = "grpo"  # grpo: clipped ratio and group-relative advantages; reinforce: ratio unclipped
+    clip_eps: float = 0.2  # the ratio is clipped to [1 - clip_eps, 1 + clip_eps] (grpo)
+    kl_coef: float = 0.0  # weight of the KL penalty to the reference policy (0: none, no reference scored)
+    averaging: str = "token"  # token: every completion token weighs the same; sequence: every completion
+    normalize: bool = True  # divide a group's advantages by its reward spread (GRPO); False: Dr. GRPO
+
+
+def group_advantages(rewards_pn, normalize: bool = True, eps: float = 1e-6):
+    """(P, n) rewards -> (P, n) advantages: each reward minus its prompt's mean over the n samples, divided
+    by their standard deviation + eps when `normalize`. A group whose samples all score alike gets zeros."""
+    rewards = rewards_pn.astype(jnp.float32)
+    centred = rewards - rewards.mean(axis=1, keepdims=True)
+    if not normalize:
+        return centred
+    return centred / (rewards.std(axis=1, keepdims=True) + eps)
+
+
+def batch_advantages(rewards_b):
+    """REINFORCE with a baseline: (B,) rewards minus their batch mean."""
+    rewards = rewards_b.astype(jnp.float32)
+    return rewards - rewards.mean()
+
+
+def token_logprobs(params, tokens_bt, positions_bt, *, cfg: ModelConfig, temperature: float = 1.0):
+    """The training forward's view of sampled sequences: each token's log-probability under the
+    temperature-scaled policy given the tokens before it, and that distribution's entropy.
+
+    tokens, positions: (B, T) int32 (position -1 marks padding). Returns (logp, entropy), each (B, T - 1)
+    float32: column t scores token t + 1. `temperature` must match the sampler's for the two to agree."""
+    logits, _ = forward(params, tokens_bt[:, :-1], positions_bt[:, :-1], cfg=cfg)
+    logp_all = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+    logp = jnp.take_along_axis(logp_all, tokens_bt[:, 1:, None], axis=-1)[..., 0]
+    entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+    return logp, entropy
+
+
+def _masked_mean(x_bt, mask_bt, averaging: str):
+    mask = mask_bt.astype(jnp.float32)
+    if averaging == "token":
+        return jnp.sum(x_bt * mask) / jnp.maximum(mask.sum(), 1.0)
+    per_row = jnp.sum(x_bt * mask, axis=1) / jnp.maximum(mask.sum(axis=1), 1.0)
+    rows = (mask.sum(axis=1) > 0).astype(jnp.float32)
+    return jnp.sum(per_row * rows) / jnp.maximum(rows.sum(), 1.0)
+
+
+def policy_loss(logp_bt, old_logp_bt, advantages_b, mask_bt, settings: RLSettings, ref_logp_bt=None):
+    """The surrogate loss to minimise and its metrics.
+
+    logp: (B, T-1) the policy's log-probabilities (differentiated); old_logp: the sampler's (constants);
+    advantages: (B,) one per completion, spread over its tokens; mask: (B, T-1) completion tokens;
+    ref_logp: (B, T-1) the frozen reference's, needed when settings.kl_coef > 0.
+
+    Per token: -min(r A, clip(r, 1 - eps, 1 + eps) A) with r = exp(logp - old_logp) (grpo), or -r A
+    (reinforce, whose gradient at r = 1 is -A grad logp), plus kl_coef times the k3 estimate of
+    KL(policy || reference), exp(ref - logp) - (ref - logp) - 1, which is >= 0 and unbiased."""
+    old = jax.lax.stop_gradient(old_logp_bt)
+    ratio = jnp.exp(logp_bt - old)
+    adv = advantages_b.astype(jnp.float32)[:, None]
+    if settings.algorithm == "grpo":
+        clipped = jnp.clip(ratio, 1.0 - settings.clip_eps, 1.0 + settings.clip_eps)
+        per_token = -jnp.minimum(ratio * adv, clipped * adv)
+        clip_frac = _masked_mean((jnp.abs(ratio - 1.0) > settings.clip_eps).astype(jnp.float32), mask_bt, "token")
+    else:
+        per_token = -ratio * adv
+        clip_frac = jnp.zeros(())
+    metrics = {"ratio": _masked_mean(ratio, mask_bt, "token"), "clip_frac": clip_frac}
+    if settings.kl_coef:
+        diff = jax.lax.stop_gradient(ref_logp_bt) - logp_bt
+        kl = jnp.exp(diff) - diff - 1.0
+        per_token = per_token + settings.kl_coef * kl
+        metrics["kl"] = _masked_mean(kl, mask_bt, "token")
+    loss = _masked_mean(per_token, mask_bt, settings.averaging)
+    return loss, metrics

@@ -1,0 +1,147 @@
+"""Reinforcement learning's objectives against a numpy implementation written here from the formulas
+(GRPO's group-relative advantages and clipped ratio, REINFORCE with a baseline, the k3 KL estimate,
+token- and sequence-level averaging), and the training forward's token log-probabilities against the
+model's logits scored one position at a time."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgen import model
+from jaxgen.config import ModelConfig
+from jaxgen.rl import objectives as rl
+
+
+def np_advantages(rewards, normalize):
+    out = np.zeros_like(rewards, dtype=np.float64)
+    for p in range(rewards.shape[0]):
+        group = rewards[p].astype(np.float64)
+        out[p] = group - group.mean()
+        if normalize:
+            out[p] /= group.std() + 1e-6
+    return out
+
+
+def np_loss(logp, old, adv, mask, algorithm, eps, kl_coef, ref, averaging):
+    B, T = logp.shape
+    per = np.zeros((B, T))
+    for b in range(B):
+        for t in range(T):
+            r = np.exp(logp[b, t] - old[b, t])
+            if algorithm == "grpo":
+                term = -min(r * adv[b], min(max(r, 1 - eps), 1 + eps) * adv[b])
+            else:
+                term = -r * adv[b]
+            if kl_coef:
+                d = ref[b, t] - logp[b, t]
+                term += kl_coef * (np.exp(d) - d - 1)
+            per[b, t] = term
+    if averaging == "token":
+        return (per * mask).sum() / mask.sum()
+    rows = [(per[b] * mask[b]).sum() / mask[b].sum() for b in range(B) if mask[b].sum() > 0]
+    return float(np.mean(rows))
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_group_advantages_equal_numpy(normalize):
+    rewards = np.array([[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5], [3.0, -1.0, 2.0, 0.0]], np.float32)
+    got = np.asarray(rl.group_advantages(jnp.asarray(rewards), normalize))
+    np.testing.assert_allclose(got, np_advantages(rewards, normalize), rtol=1e-5, atol=1e-6)
+    assert np.all(got[1] == 0)  # a group that scores alike teaches nothing
+    np.testing.assert_allclose(np.asarray(rl.batch_advantages(jnp.asarray(rewards[2]))), rewards[2] - 1.0)
+
+
+@pytest.mark.parametrize(
+    "algorithm,kl_coef,averaging",
+    [("grpo", 0.0, "token"), ("grpo", 0.1, "sequence"), ("reinforce", 0.0, "sequence"), ("reinforce", 0.05, "token")],
+)
+def test_policy_loss_and_its_gradient_equal_numpy(algorithm, kl_coef, averaging):
+    rng = np.random.default_rng(0)
+    B, T = 6, 7
+    logp = rng.normal(-2.0, 0.5, (B, T))
+    old = logp + rng.normal(0.0, 0.3, (B, T))  # ratios on both sides of the clip range
+    ref = logp + rng.normal(0.0, 0.2, (B, T))
+    adv = rng.normal(0.0, 1.0, B)
+    mask = (rng.random((B, T)) < 0.7).astype(np.float64)
+    mask[3] = 0  # a row with no completion tokens counts for nothing
+    settings = rl.RLSettings(algorithm=algorithm, clip_eps=0.2, kl_coef=kl_coef, averaging=averaging)
+    args = [jnp.asarray(x, jnp.float32) for x in (old, adv, mask)]
+
+    def loss(lp):
+        return rl.policy_loss(lp, args[0], args[1], args[2], settings, ref_logp_bt=jnp.asarray(ref, jnp.float32))[0]
+
+    got, grad = jax.value_and_grad(loss)(jnp.asarray(logp, jnp.float32))
+    want = np_loss(logp, old, adv, mask, algorithm, 0.2, kl_coef, ref, averaging)
+    np.testing.assert_allclose(float(got), want, rtol=1e-5)
+    # the gradient by central differences of the numpy loss, at a few entries
+    for b, t in [(0, 0), (2, 3), (5, 6), (3, 1)]:
+        h = 1e-4
+        up, down = logp.copy(), logp.copy()
+        up[b, t] += h
+        down[b, t] -= h
+        fd = (
+            np_loss(up, old, adv, mask, algorithm, 0.2, kl_coef, ref, averaging)
+            - np_loss(down, old, adv, mask, algorithm, 0.2, kl_coef, ref, averaging)
+        ) / (2 * h)
+        np.testing.assert_allclose(float(grad[b, t]), fd, rtol=2e-3, atol=1e-5)
+    assert float(grad[3].sum()) == 0.0
+
+
+def test_reinforce_gradient_is_minus_advantage_times_grad_logp_on_policy():
+    """On-policy (old = logp), the ratio's gradient is the REINFORCE estimator's."""
+    logp = jnp.asarray([[-1.0, -2.0], [-0.5, -3.0]])
+    adv, mask = jnp.asarray([2.0, -1.0]), jnp.ones((2, 2))
+    settings = rl.RLSettings(algorithm="reinforce")
+    grad = jax.grad(lambda lp: rl.policy_loss(lp, logp, adv, mask, settings)[0])(logp)
+    np.testing.assert_allclose(np.asarray(grad), -np.asarray(adv)[:, None] * np.ones((2, 2)) / 4, rtol=1e-6)
+
+
+def test_token_logprobs_equal_the_logits_at_each_position():
+    cfg = ModelConfig(vocab_size=61, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64, max_seq_len=32)
+    params = model.init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (3, 9), 0, cfg.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(9), (3, 9))
+    logp, entropy = rl.token_logprobs(params, tokens, positions, cfg=cfg, temperature=0.7)
+    assert logp.shape == entropy.shape == (3, 8)
+    logits, _ = model.forward(params, tokens, positions, cfg=dataclasses.replace(cfg))
+    for t in range(8):  # the full forward's logits at t, tempered, score token t + 1
+        dist = jax.nn.log_softmax(logits[:, t] / 0.7)
+        np.testing.assert_allclose(np.asarray(logp[:, t]), np.asarray(dist[jnp.arange(3), tokens[:, t + 1]]), atol=2e-5)
+        ent = -jnp.sum(jnp.exp(dist) * dist, axis=-1)
+        np.testing.assert_allclose(np.asarray(entropy[:, t]), np.asarray(ent), atol=2e-5)
+
+
+def test_rollout_batch_puts_each_completion_token_where_the_forward_scores_it():
+    """Column t of the per-token arrays scores token t + 1: a completion's first token sits at column
+    len(prompt) - 1, with its sampler log-probability, and only completion columns are in the mask."""
+    from jaxgen.config import load_config
+    from jaxgen.inference.decode import Completion
+    from jaxgen.inference.llm import RequestOutput
+    from jaxgen.rl.loop import rollout_batch
+
+    cfg = load_config(None, ["rl.group_size=2", "rl.max_prompt_tokens=4", "rl.max_new_tokens=3"])
+    outs = [
+        RequestOutput(
+            "ab",
+            [5, 6],
+            [Completion(0, 0, [7], "x", "stop", [-0.5]), Completion(0, 1, [8, 9], "yz", "length", [-1.0, -2.0])],
+        ),
+        RequestOutput(
+            "abc",
+            [1, 2, 3],
+            [Completion(1, 0, [4, 4, 4], "www", "length", [-3.0, -4.0, -5.0]), Completion(1, 1, [], "", "stop", [])],
+        ),
+    ]
+    rewards = np.asarray([[1.0, 0.0], [0.0, 0.0]], np.float32)
+    b = rollout_batch(cfg, outs, rewards)
+    assert b["tokens"].shape == (4, 7) and b["mask"].shape == (4, 6)
+    np.testing.assert_array_equal(b["tokens"][1, :4], [5, 6, 8, 9])
+    np.testing.assert_array_equal(b["positions"][1], [0, 1, 2, 3, -1, -1, -1])
+    np.testing.assert_array_equal(b["mask"][1], [0, 1, 1, 0, 0, 0])
+    np.testing.assert_array_equal(b["old_logp"][1], [0, -1.0, -2.0, 0, 0, 0])
+    np.testing.assert_array_equal(b["mask"][2], [0, 0, 1, 1, 1, 0])
+    assert b["mask"][3].sum() == 0
+    np.testing.assert_allclose(b["advantages"], [1.0, -1.0, 0.0, 0.0], atol=1e-5)
