@@ -182,6 +182,15 @@ def test_load_use_unload_reload_without_recompiling(engine):
     assert engine.compilations == compiled  # loads write a slot of the fixed bank: nothing recompiled
 
 
+def test_swapped_weights_keep_the_adapters_loaded(engine, params):
+    prompt, c = list(range(30, 45)), SamplingConfig(max_new_tokens=8, temperature=0.0)
+    before = [o.tokens for o in engine.generate([prompt] * 2, c, lora=["a1", None])]
+    compiled = engine.compilations
+    engine.update_params(params)  # the same weights again (as an RL step would swap new ones in)
+    assert [o.tokens for o in engine.generate([prompt] * 2, c, lora=["a1", None])] == before
+    assert sorted(engine.lora_names()) == ["a1", "a2", "a3"] and engine.compilations == compiled
+
+
 def test_unloading_lets_running_requests_finish(engine):
     prompt, c = list(range(5, 25)), SamplingConfig(max_new_tokens=8, temperature=0.0)
     (want,) = engine.generate([prompt], c, lora="a2")
