@@ -12,7 +12,7 @@ import pytest
 
 from jaxgen import model
 from jaxgen.config import ModelConfig, ServeConfig
-from jaxgen.inference import grammar
+from jaxgen.inference import cfg, grammar
 from jaxgen.inference.engine import Engine
 from jaxgen.inference.generator import Generator
 from jaxgen.inference.grammar import Structured
@@ -203,6 +203,38 @@ def test_grammar_outputs_parse_with_lark_greedy_sampled_and_speculative(parts):
     assert max(o.text.count("(((") for o in outs[:3]) >= 1  # the arithmetic nests to the bound
     spec = gen.generate(prompts, [dataclasses.replace(c, num_speculative_tokens=4) for c in configs])
     assert [o.tokens for o in spec] == [o.tokens for o in outs]
+
+
+def test_grammar_automata_write_sentences_only_and_nest_to_the_bound():
+    """Random walks through each grammar's automaton (no model) parse with lark; sentences nested up to
+    cfg.DEPTH are accepted, deeper ones and non-sentences are not."""
+    tok = Tokenizer.byte_level()
+    vocab = grammar.Vocabulary.of(tok, CFG.vocab_size)
+    rng = np.random.default_rng(0)
+    for text in GRAMMARS:
+        a = grammar.compile_automaton(Structured(grammar=text), vocab)
+        for _ in range(40):
+            state, out = 0, []
+            while len(out) < 200:
+                allowed = a.allowed(state)
+                if tok.eos_id in allowed and (len(allowed) == 1 or rng.random() < 0.15):
+                    _parse(text, bytes(out).decode())
+                    break
+                out.append(int(rng.choice([t for t in allowed if t != tok.eos_id])))
+                state = a.next_state[state, out[-1]]
+
+    def complete(text: str, sentence: str) -> bool:
+        state = grammar.compile_automaton(Structured(grammar=text), vocab).walk(tok.encode(sentence))
+        return state >= 0 and tok.eos_id in grammar.compile_automaton(Structured(grammar=text), vocab).allowed(state)
+
+    assert cfg.DEPTH == 3
+    for sentence in ["1", "1+2*3-4/5", "-(-3)", "(((1)))", "((1+2)*3)-(4)", "1-2-3-4-5-6-7-8-9-1-2-3-4-5-6-7"]:
+        assert complete(ARITH, sentence), sentence
+    for sentence in ["((((1))))", "1+", "(1", "1 + 2", "0", ""]:
+        assert not complete(ARITH, sentence), sentence
+    assert complete(JSONISH, '{"a":[1,{"b":[]}],"":null}') and complete(JSONISH, '{"a":[[[[]]]]}')
+    assert not complete(JSONISH, '{"a":[[[[[]]]]]}')  # value re-entered 3 times, then only empty brackets
+    assert complete(SQL_GBNF, "SELECT a, b FROM t WHERE ((x = 'it' AND y < 3));")
 
 
 def test_free_rows_beside_constrained_ones_are_unchanged(parts):

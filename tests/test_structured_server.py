@@ -97,7 +97,18 @@ def test_streamed_schema_reassembles_to_valid_json(stack):
             "response_format",
             "'uniqueItems' at # is not supported",
         ),
-        ({"structured_outputs": {"grammar": "start: 'a'"}}, "structured_outputs", "grammar is not supported"),
+        ({"structured_outputs": {"grammar": 'start: "a" ('}}, "structured_outputs", "Lark grammar: Unclosed paren"),
+        ({"guided_grammar": 'start: a\na: "x" b'}, "guided_grammar", "Rule 'b' used but not defined"),
+        ({"guided_grammar": 'root ::= "a" x'}, "guided_grammar", "the rule 'x' is used (in 'root') but not defined"),
+        ({"guided_grammar": "start: /a(?=b)/"}, "guided_grammar", "uses a lookaround"),
+        ({"guided_grammar": "%import os.X\nstart: X"}, "guided_grammar", "only lark's own common and unicode"),
+        ({"guided_grammar": 'start: "a" start'}, "guided_grammar", "derives no finite text"),
+        (
+            {"guided_grammar": 'start: s\ns: "(" ' + "s " * 150 + '")" | "x"'},
+            "guided_grammar",
+            "is a regular expression of more than 1000000 characters",
+        ),
+        ({"guided_grammar": 5}, "guided_grammar", "should be a valid string"),
         ({"structured_outputs": {"regx": "a"}}, "structured_outputs", "unknown structured field 'regx'"),
         ({"guided_regex": "(a"}, "guided_regex", "does not compile"),
         ({"guided_json": "{not json"}, "guided_json", "is not JSON"),
@@ -111,6 +122,31 @@ def test_a_bad_constraint_is_a_400_naming_the_clients_field(stack, body, param, 
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and says in error["message"], error
+
+
+ARITH = """
+?start: expr
+?expr: expr "+" term | expr "-" term | term
+?term: term "*" factor | factor
+?factor: DIGIT | "(" expr ")"
+DIGIT: /[1-9]/
+"""  # left-recursive
+
+
+def test_a_grammar_constrains_completions_and_chat(stack):
+    import lark
+
+    client, url, _ = stack
+    parser = lark.Lark(ARITH, parser="earley", lexer="dynamic_complete")
+    out = client.completions.create(model=NAME, prompt="1+", max_tokens=60, n=2, seed=9,
+                                    extra_body={"structured_outputs": {"grammar": ARITH}})  # fmt: skip
+    for c in out.choices:
+        assert c.finish_reason == "stop", c.text
+        parser.parse(c.text)
+    gbnf = 'root ::= ("yes" | "no") " " [0-9]'
+    r = _post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "sum"}], "max_tokens": 60,
+                                            "guided_grammar": gbnf, "seed": 1})  # fmt: skip
+    assert re.fullmatch("(yes|no) [0-9]", r.json()["choices"][0]["message"]["content"]), r.text
 
 
 def test_response_format_text_is_free_and_json_object_is_an_object(stack):
@@ -226,6 +262,33 @@ def test_tool_choice_required_and_named_return_valid_calls(stack):
     (call,) = out.choices[0].message.tool_calls
     assert call.function.name == "get_time"
     _validate_call(call)
+
+
+def test_required_answers_several_calls_each_with_its_id_whole_and_streamed(stack, monkeypatch):
+    client, _, engine = stack
+    monkeypatch.setattr(tools, "MAX_CALLS", 2)  # two short calls fit the tiny model's context
+    small = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"]}}}  # fmt: skip
+    never_end = {str(engine.tokenizer.eos_id): -100}  # the end only where it is the one token allowed
+    kw = dict(model=NAME, messages=ASK, tools=[small, CLOCK], tool_choice="required", max_tokens=200, seed=4,
+              logit_bias=never_end)  # fmt: skip
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 2, choice
+    for call in choice.message.tool_calls:
+        schema = small if call.function.name == "f" else CLOCK
+        jsonschema.validate(json.loads(call.function.arguments), schema["function"]["parameters"])
+    assert len({c.id for c in choice.message.tool_calls}) == 2
+    calls: dict[int, dict] = {}
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices[0].delta.tool_calls or []:
+            got = calls.setdefault(c.index, {"id": c.id, "name": "", "arguments": ""})
+            got["name"] += c.function.name or ""
+            got["arguments"] += c.function.arguments or ""
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in choice.message.tool_calls]  # fmt: skip
+    assert calls[0]["id"] != calls[1]["id"]
+    one = client.chat.completions.create(**kw, parallel_tool_calls=False).choices[0]
+    assert one.finish_reason == "tool_calls" and len(one.message.tool_calls) == 1
 
 
 def test_streamed_tool_call_reassembles_to_the_same_call(stack):
