@@ -14,9 +14,9 @@ its own way. What a model writes back depends on its family; the format is chose
 With "required" or a named function the output is constrained (`grammar.Structured`) to calls whose
 arguments satisfy their function's schema: one to MAX_CALLS of them ("required" with parallel_tool_calls not
 false; Hermes: blocks joined by "\n", Llama 3: calls joined by "; "), else exactly one; with "auto" the text
-is parsed after generation, and holds calls
-only when all of it parses (else it stays text). Calls carry ids `call_<hex>`, arguments as JSON text, and
-finish_reason "tool_calls". A stream holds text back from where a call may start, and sends the calls at the end.
+is parsed after generation, and holds calls only when all of it parses (else it stays text). Calls carry ids
+`call_<hex>` (one each), arguments as JSON text, and finish_reason "tool_calls". A stream holds text back from
+where a call may start, and sends the calls at the end.
 """
 
 from __future__ import annotations
