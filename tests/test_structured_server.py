@@ -386,7 +386,12 @@ def test_llama3_calls_and_the_format_rule():
     assert tools.format_of('{"name": function name, "parameters": ...}') == tools.LLAMA3
     assert tools.format_of(None) == tools.HERMES
     regex = tools.Tools(t.tools, "required", tools.LLAMA3).constraint().regex
-    assert re.fullmatch(regex, '{"name":"get_time","parameters":{"zone":12}}')
+    call = '{"name":"get_time","parameters":{"zone":12}}'
+    assert re.fullmatch(regex, call) and re.fullmatch(regex, f"{call}; {call}")
+    assert [c["function"]["arguments"] for c in t.parse(f"{call}; {call}")] == ['{"zone": 12}'] * 2
+    assert not re.fullmatch(regex, "; ".join([call] * (tools.MAX_CALLS + 1)))
+    single = tools.Tools(t.tools, "required", tools.LLAMA3, parallel=False).constraint().regex
+    assert re.fullmatch(single, call) and not re.fullmatch(single, f"{call}; {call}")
 
 
 def test_a_stream_holds_back_text_from_where_a_call_may_start():
@@ -477,7 +482,8 @@ def test_a_llama3_family_gets_and_parses_llama3_calls(stack):
     with serving(app) as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         kw = dict(model=NAME, messages=ASK, tools=TOOLS, max_tokens=200, seed=8)
-        (call,) = client.chat.completions.create(**kw, tool_choice="required").choices[0].message.tool_calls
+        one = dict(tool_choice="required", parallel_tool_calls=False)
+        (call,) = client.chat.completions.create(**kw, **one).choices[0].message.tool_calls
         _validate_call(call)
         said = '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "c"}}'
         forced = kw | {"extra_body": {"guided_regex": re.escape(said)}}
