@@ -237,6 +237,21 @@ def test_grammar_automata_write_sentences_only_and_nest_to_the_bound():
     assert complete(SQL_GBNF, "SELECT a, b FROM t WHERE ((x = 'it' AND y < 3));")
 
 
+def test_gbnf_and_lark_terminals_read_as_their_languages():
+    """cfg.py's regular expressions (no automaton): GBNF classes, escapes, repetition; Lark flags and lazy
+    quantifiers; Python's fullmatch reads them as outlines-core does, for these."""
+    cases = [
+        (r'root ::= [a\-z]{2} "\"" ([0-9] | "x")+ # ok', ['a-"1x', 'zz"0'], ['ab"1', 'a-"', 'a-"y']),
+        (r'root ::= [^\]]? "a"* ("b" "c"){1,2}', ["bc", "xaabcbc", "abc"], ["]bc", "bcbcbc", ""]),
+        ('start: "select"i WORD\nWORD: /[a-z]+?/', ["SELECTab", "sElEcTx"], ["select", "SELECTAB"]),
+        ("start: A B\nA: /a|ab/\nB: /b?c/", ["ac", "abc", "abbc"], ["abbbc", "a"]),
+    ]
+    for text, good, bad in cases:
+        pattern = cfg.grammar_regex(text)
+        assert all(re.fullmatch(pattern, g) for g in good), (pattern, good)
+        assert not any(re.fullmatch(pattern, b) for b in bad), (pattern, bad)
+
+
 def test_free_rows_beside_constrained_ones_are_unchanged(parts):
     _, _, gen = parts
     free = [SamplingConfig(max_new_tokens=24, temperature=0.8, seed=s) for s in range(3)]

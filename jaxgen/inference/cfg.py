@@ -425,19 +425,29 @@ def _unescape(body: str, rule: str) -> str:
 
 
 def _gbnf_class(value: str, rule: str) -> str:
+    """A GBNF class `[...]` (`^` negates; `a-z` ranges; escapes as in literals, `\\-` and `\\]` literal)."""
     body = value[1:-1]
     negate = body.startswith("^")
-    chars = _unescape(body[1:] if negate else body, rule) if "\\" in body else (body[1:] if negate else body)
+    chars, i = [], 1 if negate else 0  # (character, escaped)
+    while i < len(body):
+        if body[i] == "\\":
+            width = {"x": 2, "u": 4, "U": 8}.get(body[i + 1 : i + 2], 0)
+            chars.append((_unescape(body[i : i + 2 + width], rule), True))
+            i += 2 + width
+        else:
+            chars.append((body[i], False))
+            i += 1
     if not chars:
         raise GrammarError(f"rule {rule!r}: the class {value} is empty")
     parts, i = [], 0
     while i < len(chars):
-        if i + 2 < len(chars) and chars[i + 1] == "-":
-            if chars[i] > chars[i + 2]:
-                raise GrammarError(f"rule {rule!r}: the range {chars[i]}-{chars[i + 2]} in {value} is reversed")
-            parts.append(f"{_char(ord(chars[i]))}-{_char(ord(chars[i + 2]))}")
+        if i + 2 < len(chars) and chars[i + 1] == ("-", False):
+            lo, hi = chars[i][0], chars[i + 2][0]
+            if lo > hi:
+                raise GrammarError(f"rule {rule!r}: the range {lo}-{hi} in {value} is reversed")
+            parts.append(f"{_char(ord(lo))}-{_char(ord(hi))}")
             i += 3
         else:
-            parts.append(_char(ord(chars[i])))
+            parts.append(_char(ord(chars[i][0])))
             i += 1
     return ("[^" if negate else "[") + "".join(parts) + "]"
