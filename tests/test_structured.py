@@ -245,6 +245,8 @@ def test_gbnf_and_lark_terminals_read_as_their_languages():
         (r'root ::= [^\]]? "a"* ("b" "c"){1,2}', ["bc", "xaabcbc", "abc"], ["]bc", "bcbcbc", ""]),
         ('start: "select"i WORD\nWORD: /[a-z]+?/', ["SELECTab", "sElEcTx"], ["select", "SELECTAB"]),
         ("start: A B\nA: /a|ab/\nB: /b?c/", ["ac", "abc", "abbc"], ["abbbc", "a"]),
+        ('start: a\na: b "x" | "y"\nb: a "z"', ["y", "yzx", "yzxzxzx"], ["yz", "x", "yzxzxzxzx"]),  # indirect left
+        # recursion: unrolled cfg.DEPTH levels
     ]
     for text, good, bad in cases:
         pattern = cfg.grammar_regex(text)
@@ -282,7 +284,7 @@ def test_speculative_decoding_keeps_constrained_outputs_token_for_token(parts):
 def test_engine_enforces_constraints_under_preemption_and_speculation_and_equals_the_generator(parts):
     params, tok, gen = parts
     configs = [dataclasses.replace(c, num_speculative_tokens=4 * (i % 2))
-               for i, c in enumerate(_configs() + _grammar_configs()[::2])]  # fmt: skip
+               for i, c in enumerate(_configs() + [_grammar_configs()[k] for k in (2, 4, 6)])]  # fmt: skip
     free = SamplingConfig(max_new_tokens=60, temperature=0.7, seed=5)
     prompts = [PROMPTS[i % 3] for i in range(len(configs))] + ["free row"]
     expected = gen.generate(prompts, [*configs, free])
