@@ -50,17 +50,25 @@ def edges(pattern: str, tokens, eos_ids, size: int):
 
 def trim(src, tok, dst, finals):
     """The edges into states from which a final state can be reached: a token that starts END (or leads
-    nowhere else) must not be drawn, or its row could never end."""
-    live = np.zeros(max(src.max(initial=0), dst.max(initial=0), finals.max(initial=0)) + 1, bool)
+    nowhere else) must not be drawn, or its row could never end. (A breadth-first search backwards from the
+    final states: linear in the edges, however long the automaton's chains.)"""
+    states = max(src.max(initial=0), dst.max(initial=0), finals.max(initial=0)) + 1
+    order = np.argsort(dst, kind="stable")
+    starts = np.searchsorted(dst[order], np.arange(states + 1))
+    live = np.zeros(states, bool)
     live[finals] = True
-    while True:
-        grown = live.copy()
-        grown[src[live[dst]]] = True
-        if (grown == live).all():
-            break
-        live = grown
+    frontier = list(np.unique(finals))
+    while frontier:
+        s = frontier.pop()
+        before = src[order[starts[s] : starts[s + 1]]]
+        new = np.unique(before[~live[before]])
+        live[new] = True
+        frontier.extend(new.tolist())
     keep = live[dst]
     return src[keep], tok[keep], dst[keep]
+
+
+MOORE_ROUNDS = 256  # refinement rounds before minimising is given up (each round costs one pass over the edges)
 
 
 def minimal(states: int, src, tok, dst, finals):
@@ -77,7 +85,7 @@ def minimal(states: int, src, tok, dst, finals):
     count = len(np.unique(cls))
     key = _mix(tok.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15))
     starts = np.flatnonzero(np.r_[True, src[1:] != src[:-1]]) if len(src) else np.zeros(0, np.int64)
-    while True:
+    for _ in range(MOORE_ROUNDS):
         h = np.zeros(states, np.uint64)
         if len(src):
             h[src[starts]] = np.add.reduceat(_mix(key ^ (cls[dst].astype(np.uint64) * np.uint64(0xBF58476D1CE4E5B9))),
@@ -89,6 +97,8 @@ def minimal(states: int, src, tok, dst, finals):
         if cls.max() + 1 == count:
             break
         count = int(cls.max()) + 1
+    else:  # a long chain of states splits one state a round: left as it is (correct, only larger)
+        return states, *(x.astype(np.int32) for x in (src, tok, dst)), finals.astype(np.int32)
     triples = np.unique(np.stack([cls[src], tok, cls[dst]], 1), axis=0)
     final = np.zeros(states, np.int64)
     final[finals] = 1

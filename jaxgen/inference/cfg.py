@@ -71,7 +71,9 @@ class _Unroller:
         stack = stack | {name}
         left, right, infix, base = [], [], [], []
         for alt in _alternatives(self.rules[name]):
-            first, last = (alt[0] == ("r", name)), (alt[-1] == ("r", name))
+            if alt == (("r", name),):
+                continue  # r: r, which adds nothing
+            first, last = bool(alt) and alt[0] == ("r", name), bool(alt) and alt[-1] == ("r", name)
             if first and last and len(alt) >= 2:
                 infix.append(alt[1:-1])
             elif first:
@@ -89,11 +91,17 @@ class _Unroller:
                 body = f"{body}{_atom(lt)}*"
             if (i := _alt(seqs[2])) is not None:
                 body = f"{body}({i}{body})*"
-            if len(body) > MAX_PATTERN:
-                raise GrammarError(f"the grammar unrolled {self.depth} levels deep is a regular expression of more "
-                                   f"than {MAX_PATTERN} characters (rule {name!r}): nest less")  # fmt: skip
+            self.check(body, name)
         self.memo[name, k] = body
         return body
+
+    def check(self, pattern: str, rule: str | None = None) -> str:
+        """`pattern`, or GrammarError when it is too long (checked as it grows: before it takes the memory)."""
+        if len(pattern) > MAX_PATTERN:
+            where = f" (rule {rule!r})" if rule else ""
+            raise GrammarError(f"the grammar unrolled {self.depth} levels deep is a regular expression of more "
+                               f"than {MAX_PATTERN} characters{where}: nest less")  # fmt: skip
+        return pattern
 
     def node(self, node, k: int, stack: frozenset) -> str | None:
         kind = node[0]
@@ -105,7 +113,9 @@ class _Unroller:
             return self.rule(node[1], k - 1, frozenset()) if k > 0 else None
         if kind == "seq":
             parts = [self.node(n, k, stack) for n in node[1]]
-            return None if None in parts else "".join(parts)
+            if None in parts:
+                return None
+            return self.check("".join(parts) if sum(map(len, parts)) <= MAX_PATTERN else "x" * (MAX_PATTERN + 1))
         if kind == "alt":
             return _alt([self.node(n, k, stack) for n in node[1]])
         _, inner, lo, hi = node
