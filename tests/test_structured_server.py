@@ -201,16 +201,20 @@ def test_batch_job_takes_a_constraint_per_line(tmp_path):
         {"id": "choice", "prompt": "y", "structured": {"choice": ["up", "down"]}},
         {"id": "bad", "prompt": "x", "response_format": _format({"type": "object", "patternProperties": {}})},
         {"id": "both", "prompt": "x", "structured": {"regex": "a"}, "guided_regex": "b"},
+        {"id": "grammar", "prompt": "x", "guided_grammar": 'root ::= ("up" | "down") [0-9]'},
+        {"id": "bad grammar", "prompt": "x", "structured_outputs": {"grammar": "start: nothing"}},
     ]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
     summary = run_job(engine, inp, out, SamplingConfig(max_new_tokens=60, seed=1))
     records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert summary["requests"] == 2 and summary["errors"] == 2
+    assert summary["requests"] == 3 and summary["errors"] == 3
     jsonschema.validate(json.loads(records["good"]["choices"][0]["text"]), SCHEMA)
     assert records["choice"]["choices"][0]["text"] in ("up", "down")
     assert records["bad"]["error"].startswith("response_format: ") and "patternProperties" in records["bad"]["error"]
     assert "both constrain the output" in records["both"]["error"]
+    assert re.fullmatch("(up|down)[0-9]", records["grammar"]["choices"][0]["text"])
+    assert records["bad grammar"]["error"].startswith("structured_outputs: structured.grammar: not a Lark grammar")
 
 
 # --- tool calls -------------------------------------------------------------------------------------------
