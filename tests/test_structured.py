@@ -185,11 +185,13 @@ def test_token_bytes_of_a_bpe_tokenizer_rebuild_its_text():
     assert pieces[tok.eos_id] is None  # special tokens write nothing
 
 
-def test_generator_outputs_satisfy_their_constraints(parts):
+def test_generator_outputs_satisfy_their_constraints_or_end_with_length(parts):
     _, _, gen = parts
     configs = _configs()
-    outs = gen.generate([PROMPTS[i % 3] for i in range(len(configs))], configs)
+    too_long = SamplingConfig(structured=Structured(regex="a{50}"), max_new_tokens=10)  # cannot finish in time
+    *outs, cut = gen.generate([PROMPTS[i % 3] for i in range(len(configs))] + ["x"], [*configs, too_long])
     _check(outs, configs)
+    assert cut.finish_reason == "length" and cut.text == "a" * 10
     greedy = [SamplingConfig(structured=c.structured, max_new_tokens=160, temperature=0) for c in configs]
     _check(gen.generate(["x"] * len(greedy), greedy), greedy)
 
@@ -260,13 +262,6 @@ def test_free_rows_beside_constrained_ones_are_unchanged(parts):
     alone = gen.generate(PROMPTS, free)
     mixed = gen.generate(PROMPTS + PROMPTS, free + _configs()[:3])
     assert [o.tokens for o in mixed[:3]] == [o.tokens for o in alone]
-
-
-def test_a_constraint_that_cannot_finish_in_time_ends_with_length(parts):
-    _, _, gen = parts
-    c = SamplingConfig(structured=Structured(regex="a{50}"), max_new_tokens=10)
-    (out,) = gen.generate(["x"], c)
-    assert out.finish_reason == "length" and out.text == "a" * 10
 
 
 def test_speculative_decoding_keeps_constrained_outputs_token_for_token(parts):
