@@ -24,8 +24,8 @@ and memory limits. Errors are `GrammarError`, one line saying what was wrong.
 from __future__ import annotations
 
 import re
-import re._constants as C
-import re._parser as sre
+import re._constants as C  # Python's own reader of its regex syntax (Lark's terminals are Python patterns): the
+import re._parser as sre  # one complete parser of it; its tree is written back in the syntax outlines-core reads
 
 DEPTH = 3  # how deep non-tail recursion (nesting) is unrolled
 MAX_PATTERN = 1_000_000  # characters of the regular expression a grammar unrolls to
