@@ -541,6 +541,11 @@ def test_fuzzed_constraints_and_tools_are_a_400_naming_the_field_or_an_answer(se
             message = data["choices"][0]["message"]
             assert isinstance(message["content"], str) or message.get("tool_calls"), message
 
+    # the largest automata first: the engine's grammar table grows to its size once, not a power of two at a time
+    # (each growth compiles the engine's steps again)
+    for body in ({"tools": [FUNCTION], "tool_choice": "required"}, {"response_format": {"type": "json_object"}}):
+        body |= {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        assert httpx.post(url + CHAT, json=body, timeout=TIMEOUT).status_code == 200
     run()
     back_to_zero(url, engine, uv)
 
