@@ -39,6 +39,7 @@ class Pet(BaseModel):
 @pytest.fixture(scope="module")
 def stack():
     engine, _ = tiny_engine()
+    engine.grammars.reserve(1024)  # its steps compile for one grammar table, not again at each growth
     with live_server(engine, create_app(engine, NAME)) as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         yield client, url, engine

@@ -460,13 +460,20 @@ def stack(distinct: tuple[Automaton, ...], vocab_size: int) -> np.ndarray:
 class GrammarPool:
     """The engine's table: the automata of the requests in its slots, each at its own range of states (state 0
     free). A range is shared by the slots that use the same constraint and reused once none does; the table
-    grows to the next power of two when full (a new shape: the engine's steps compile once more)."""
+    grows to the next power of two when full (a new shape: the engine's steps compile once more), or at once
+    to a size given to `reserve`."""
 
     def __init__(self, vocab_size: int):
         self.table = np.zeros((1, vocab_size), np.int32)
         self.changed = False  # the table differs from the device's copy
         self._slots: dict[int, Automaton] = {}
         self._ranges: dict[int, list] = {}  # id(automaton) -> [offset, size, slots using it]
+
+    def reserve(self, rows: int) -> None:
+        """Grows the table to at least `rows` states now (a power of two): a server that knows its constraints'
+        sizes compiles its steps for that table once, not once per growth."""
+        if rows > self.table.shape[0]:
+            self._grow(rows)
 
     def assign(self, slot: int, automaton: Automaton | None) -> int:
         """Slot `slot` now runs `automaton` (None: free); returns the offset of its states (0 when free)."""
@@ -498,8 +505,11 @@ class GrammarPool:
                 return start
             start = max(start, offset + size)
         if start + n > self.table.shape[0]:
-            rows = 1 << (start + n - 1).bit_length()
-            grown = np.full((rows, self.table.shape[1]), -1, np.int32)
-            grown[: self.table.shape[0]] = self.table
-            self.table = grown
+            self._grow(start + n)
         return start
+
+    def _grow(self, rows: int) -> None:
+        grown = np.full((1 << (rows - 1).bit_length(), self.table.shape[1]), -1, np.int32)
+        grown[: self.table.shape[0]] = self.table
+        self.table = grown
+        self.changed = True
