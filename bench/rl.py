@@ -58,7 +58,6 @@ def main() -> None:
     from jaxgen.inference.llm import LLM
 
     run_cfg = load_config(Path(args.run_dir) / "config.yaml")
-    llm = LLM(args.run_dir, slots=r.prompts_per_step * r.group_size, max_logprobs=0)
     records_all = tasks.load_prompts(run_cfg.rl, run_cfg.training.seed)
     last = records[-args.compare :]
     seed = run_cfg.training.seed
@@ -67,16 +66,20 @@ def main() -> None:
          loop._sampling(run_cfg, rec["step"] - 1, r.prompts_per_step))
         for rec in last
     ]  # fmt: skip
-    llm.generate(*batches[0])  # compiles
-    offline = []
-    for prompts, sampling in batches:
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, sampling)
-        dt = time.perf_counter() - t0
-        offline.append(sum(len(c.tokens) for o in outs for c in o.outputs) / dt)
+    offline = {}
+    for caching in (True, False):  # the loop empties the prefix cache at every swap
+        llm = LLM(args.run_dir, slots=r.prompts_per_step * r.group_size, max_logprobs=0, prefix_caching=caching)
+        llm.generate(*batches[0])  # compiles
+        rates = []
+        for prompts, sampling in batches:
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, sampling)
+            rates.append(sum(len(c.tokens) for o in outs for c in o.outputs) / (time.perf_counter() - t0))
+        offline[caching] = statistics.mean(rates)
     in_loop = statistics.mean(rec["tokens_per_s"] for rec in last)
-    print(f"\nrollout tokens/s over the last {len(last)} steps: in the loop {in_loop:.0f}, offline engine "
-          f"{statistics.mean(offline):.0f}: {in_loop / statistics.mean(offline):.2f}x")  # fmt: skip
+    print(f"\nrollout tokens/s over the last {len(last)} steps: in the loop {in_loop:.0f}; a fresh offline engine "
+          f"on the final weights {offline[True]:.0f} ({in_loop / offline[True]:.2f}x), with no prefix cache "
+          f"{offline[False]:.0f} ({in_loop / offline[False]:.2f}x)")  # fmt: skip
     print(f"swap: {means['swap_s'] * 1e3:.1f} ms a step, {means['swap_s'] / total:.2%} of an iteration")
     rewards = [rec["reward"] for rec in records]
     k = max(len(rewards) // 10, 1)

@@ -433,6 +433,123 @@ def test_fuzzed_requests_never_break_the_server(server):
     back_to_zero(url, engine, uv)
 
 
+# --- constraints and tools ----------------------------------------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"k": {"enum": [1, 2]}}, "required": ["k"]}
+GRAMMAR = 'start: "(" start ")" | "x"'
+BAD_SCHEMAS = [
+    {"type": "foo"},
+    {"type": "array", "uniqueItems": True},
+    {"$ref": "#/nope"},
+    {"minimum": "a"},
+    {"type": "number", "maximum": 3},
+    {"type": "integer", "minimum": 5, "maximum": 1},
+    [],
+    "x",
+    5,
+]
+BAD_GRAMMARS = [
+    'start: "a" (',
+    "start: b",
+    'root ::= "a" x',
+    "start: /(?<=a)b/",
+    "%import os.X\nstart: X",
+    'start: "a" start',
+    "root ::= [z-a]",
+    'root ::= "\\q"',
+    "",
+    "::=",
+    LONE,
+    'start: "' + LONE + '"',
+]
+BAD_REGEXES = ["(a", "a{2,1}", "(?<=a)b", "\\", "[", LONE, "a" * 100_001]
+STRUCTURED = st.one_of(
+    st.sampled_from([{"json": SCHEMA}, {"json_object": True}, {"regex": "[ab]{1,3}"}, {"choice": ["yes", "no"]},
+                     {"grammar": GRAMMAR}, {"grammar": 'root ::= "a" [0-9]?'}]),
+    st.sampled_from([{}, {"regex": "a", "choice": ["b"]}, {"regx": "a"}, {"choice": []}, {"choice": [1]},
+                     {"choice": [""]}, {"json": "{"}, {"json_object": 1}, *({"grammar": g} for g in BAD_GRAMMARS),
+                     *({"regex": r} for r in BAD_REGEXES), *({"json": x} for x in BAD_SCHEMAS)]),
+    ANY,
+)  # fmt: skip
+RESPONSE_FORMAT = st.one_of(
+    st.sampled_from([{"type": "text"}, {"type": "json_object"},
+                     {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}]),
+    st.sampled_from([{"type": "json_schema"}, {"type": "xml"}, {"type": "json_schema", "json_schema": {"name": 1}},
+                     *({"type": "json_schema", "json_schema": {"name": "x", "schema": b}} for b in BAD_SCHEMAS),
+                     {"type": "json_object", "extra": 1}, "json", []]),
+    ANY,
+)  # fmt: skip
+GUIDED = {
+    "guided_json": st.one_of(st.sampled_from([SCHEMA, *BAD_SCHEMAS, "{"]), ANY),
+    "guided_regex": st.one_of(st.sampled_from(["[0-9]{2}", *BAD_REGEXES]), ANY),
+    "guided_choice": st.one_of(st.sampled_from([["a", "b"], [], [""], [1], ["x"] * 1025]), ANY),
+    "guided_grammar": st.one_of(st.sampled_from([GRAMMAR, *BAD_GRAMMARS]), ANY),
+}
+FUNCTION = {"type": "function", "function": {"name": "f", "parameters": SCHEMA}}
+TOOLS = st.one_of(
+    st.just([FUNCTION]),
+    st.sampled_from([[], [{}], "f", [{"type": "function", "function": {"name": "a b"}}], [FUNCTION, FUNCTION],
+                     [{"type": "retrieval"}], [{"type": "function", "function": {"name": "g", "parameters": {
+                         "type": "object", "patternProperties": {}}}}], [{"type": "function", "function": {
+                         "name": "g", "parameters": {"type": "foo"}}}]]),
+    ANY,
+)  # fmt: skip
+TOOL_CHOICE = st.one_of(
+    st.sampled_from(["auto", "none", "required", {"type": "function", "function": {"name": "f"}}]),
+    st.sampled_from(["always", {"type": "function"}, {"type": "function", "function": {"name": "nope"}}, {}]),
+    ANY,
+)
+CONSTRAINT_FIELDS = {"response_format": RESPONSE_FORMAT, "structured_outputs": STRUCTURED, **GUIDED}
+
+
+@st.composite
+def constrained_body(draw) -> tuple[str, dict]:
+    """(path, a short valid body with one or two constraint fields, or tools fields, drawn from valid and
+    hostile values)."""
+    chat = draw(st.booleans())
+    body = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "x"}
+    body |= {"max_tokens": draw(st.sampled_from([1, 4, 12])), "seed": draw(st.integers(0, 3))}
+    for key in draw(st.lists(st.sampled_from(sorted(CONSTRAINT_FIELDS)), min_size=0, max_size=2, unique=True)):
+        body[key] = draw(CONSTRAINT_FIELDS[key])
+    if chat and draw(st.booleans()):
+        body |= {"tools": draw(TOOLS), "tool_choice": draw(TOOL_CHOICE)}
+        if draw(st.booleans()):
+            body["parallel_tool_calls"] = draw(st.one_of(st.booleans(), ANY))
+    return (CHAT if chat else COMPLETIONS), body
+
+
+def test_fuzzed_constraints_and_tools_are_a_400_naming_the_field_or_an_answer(server):
+    url, engine, uv = server
+    fields = {*CONSTRAINT_FIELDS, "tools", "tool_choice", "parallel_tool_calls"}
+
+    @settings(max_examples=40, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
+    @given(drawn=constrained_body())
+    def run(drawn):
+        path, body = drawn
+        r = httpx.post(url + path, content=json.dumps(body).encode(), headers={"content-type": "application/json"},
+                       timeout=TIMEOUT)  # fmt: skip
+        assert r.status_code < 500, r.text
+        data = _strict_json(r.text)
+        if r.status_code != 200:
+            check_error(r.status_code, data)
+            param = data["error"]["param"] or ""
+            assert param.split(".")[0] in fields and param.split(".")[0] in body, (param, body)
+            return
+        assert data["choices"] and all(c["finish_reason"] in ("stop", "length", "tool_calls") for c in data["choices"])
+        if path == CHAT:
+            message = data["choices"][0]["message"]
+            assert isinstance(message["content"], str) or message.get("tool_calls"), message
+
+    # the largest automata first: the engine's grammar table grows to its size once, not a power of two at a time
+    # (each growth compiles the engine's steps again)
+    for body in ({"tools": [FUNCTION], "tool_choice": "required"}, {"response_format": {"type": "json_object"}}):
+        body |= {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        assert httpx.post(url + CHAT, json=body, timeout=TIMEOUT).status_code == 200
+    run()
+    back_to_zero(url, engine, uv)
+
+
 def test_a_client_that_left_or_ran_out_of_time_is_seen_while_tokens_keep_coming():
     """Found by the fuzzing: the disconnect and the deadline were checked only after a quiet 0.25 s, so an
     answer whose tokens kept coming ran to max_tokens after its client left, and past request_timeout_s."""

@@ -440,3 +440,30 @@ def test_keys_a_config_leaves_out_take_the_family_defaults_of_transformers():
     cfg = hf.config._from_hf(sparse, "gemma3_text", "sparse")
     assert (cfg.head_size, cfg.rope_theta, cfg.rope_local_theta, cfg.query_scale) == (256, 1e6, 1e4, 256)
     assert cfg.sliding_window == 4096 and cfg.global_every == 6 and cfg.mlp == "geglu"
+
+
+def test_every_family_takes_adapters_and_merges_them(family_model):
+    """Issue 33: LoRA on every imported family (attention targets for mixture of experts, every product
+    otherwise): the adapted forward equals the forward of the weights with A @ B * scale merged in."""
+    import dataclasses
+
+    from jaxgen import model
+    from jaxgen.config import LoraConfig
+    from jaxgen.config.model import LORA_TARGETS
+    from jaxgen.model import lora
+
+    family, _, folder, _ = family_model
+    cfg, _, base = hf.load_pretrained(folder, mesh=_one_device())
+    targets = (
+        ("q", "k", "v", "o") if cfg.num_experts else tuple(t for t in LORA_TARGETS if t != "gate" or cfg.mlp != "gelu")
+    )
+    cfg = dataclasses.replace(cfg, lora=LoraConfig(rank=2, alpha=4.0, targets=targets))
+    adapters = lora.init_lora(cfg, jax.random.key(1))
+    adapters = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(2), x.shape), adapters)  # B != 0
+    tokens = np.arange(16, dtype=np.int32).reshape(2, 8) * 7 % 250
+    positions = np.tile(np.arange(8, dtype=np.int32), (2, 1))
+    adapted = model.forward(lora.attach(base, adapters), tokens, positions, cfg=cfg)[0]
+    merged = model.forward(lora.merge(base, adapters, cfg), tokens, positions, cfg=cfg)[0]
+    plain = model.forward(base, tokens, positions, cfg=cfg)[0]
+    assert float(jnp.max(jnp.abs(adapted - plain))) > 1e-3, family  # the adapters do something
+    np.testing.assert_allclose(np.asarray(adapted), np.asarray(merged), atol=2e-5, err_msg=family)

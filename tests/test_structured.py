@@ -12,7 +12,7 @@ import pytest
 
 from jaxgen import model
 from jaxgen.config import ModelConfig, ServeConfig
-from jaxgen.inference import grammar
+from jaxgen.inference import cfg, grammar
 from jaxgen.inference.engine import Engine
 from jaxgen.inference.generator import Generator
 from jaxgen.inference.grammar import Structured
@@ -46,6 +46,43 @@ SCHEMAS = [
         "required": ["point", "label"],
     },
 ]
+# context-free grammars (jaxgen.inference.cfg): left recursion, nesting, %ignore, GBNF; each output is parsed by lark
+ARITH = """
+?start: expr
+?expr: expr "+" term | expr "-" term | term
+?term: term "*" factor | term "/" factor | factor
+?factor: DIGIT | "(" expr ")" | "-" factor
+DIGIT: /[1-9]/
+"""
+JSONISH = """
+?start: object | array
+?value: object | array | STRING | NUMBER | "true" | "false" | "null"
+array: "[" [value ("," value)*] "]"
+object: "{" [pair ("," pair)*] "}"
+pair: STRING ":" value
+STRING: /"[a-z]{0,3}"/
+NUMBER: /-?[0-9]{1,2}/
+%import common.WS
+%ignore WS
+"""
+SQL_GBNF = r"""
+root ::= "SELECT " cols " FROM " name where? ";"   # a comment
+cols ::= "*" | name (", " name)*
+name ::= [a-z] [a-z0-9_]{0,3}
+where ::= " WHERE " cond
+cond ::= cmp (" AND " cmp)* | "(" cond ")"
+cmp ::= name (" = " | " < " | " > ") (name | [0-9]{1,3} | "'" [^'\n]{0,4} "'")
+"""
+SQL_LARK = r"""
+start: "SELECT " cols " FROM " NAME [" WHERE " cond] ";"
+cols: "*" | NAME (", " NAME)*
+cond: cmp (" AND " cmp)* | "(" cond ")"
+cmp: NAME (" = " | " < " | " > ") (NAME | /[0-9]{1,3}/ | /'[^'\n]{0,4}'/)
+NAME: /[a-z][a-z0-9_]{0,3}/
+"""  # the same language in Lark: GBNF outputs are parsed with it
+GRAMMARS = {ARITH: ARITH, JSONISH: JSONISH, SQL_GBNF: SQL_LARK}  # grammar -> the Lark grammar that parses it
+PARSERS = {}
+
 REGEX = r"(19|20)\d{2}-(0[1-9]|1[0-2])-[0-3]\d"
 CHOICES = ("positive", "negative", "neutral", "ünïcode ✓")
 PROMPTS = ["Give me JSON: ", "x", "The answer is"]
@@ -67,11 +104,33 @@ def _configs(**kw):
     return out
 
 
+def _parse(grammar_text: str, text: str):
+    """lark's own parse of `text` (Earley reads terminals as the grammar means them: see cfg.py)."""
+    import lark
+
+    lark_text = GRAMMARS[grammar_text]
+    if lark_text not in PARSERS:
+        PARSERS[lark_text] = lark.Lark(lark_text, parser="earley", lexer="dynamic_complete")
+    return PARSERS[lark_text].parse(text)
+
+
+def _grammar_configs(**kw):
+    """Constrained by each grammar: greedy and two seeds. A little bias (end, "(") so that the random model's
+    arithmetic nests and ends within max_new_tokens."""
+    eos = Tokenizer.byte_level().eos_id
+    bias = {ARITH: ((eos, 0.5), (ord("("), 1.5)), JSONISH: (), SQL_GBNF: ()}
+    runs = ((0, 0.0), (1, 1.0), (2, 1.0))  # (seed, temperature)
+    return [SamplingConfig(structured=Structured(grammar=g), seed=seed, temperature=t, max_new_tokens=96,
+                           logit_bias=b, **kw) for g, b in bias.items() for seed, t in runs]  # fmt: skip
+
+
 def _check(outs, configs):
     for o, c in zip(outs, configs, strict=True):
         s = c.structured
         assert o.finish_reason == "stop", (o.text, s)
-        if s.json is not None:
+        if s.grammar is not None:
+            _parse(s.grammar, o.text)
+        elif s.json is not None:
             jsonschema.validate(json.loads(o.text), json.loads(s.json))
         elif s.regex is not None:
             assert re.fullmatch(s.regex, o.text), o.text
@@ -95,7 +154,12 @@ def test_bad_constraints_are_named_before_anything_runs(parts):
         ({"json": "{not json"}, "is not JSON"),
         ({"regex": "(unclosed"}, "does not compile"),
         ({"choice": []}, "1 to 1024 non-empty strings"),
-        ({"grammar": "start: 'a'"}, "grammar is not supported"),
+        ({"grammar": "start: 'a' ("}, "structured.grammar: not a Lark grammar: Unexpected input at line 1 column 8"),
+        ({"grammar": 'start: a b\na: "x"'}, "structured.grammar: not a Lark grammar: Rule 'b' used but not defined"),
+        ({"grammar": 'root ::= "a" | other'}, "structured.grammar: the rule 'other' is used (in 'root') but not"),
+        ({"grammar": "start: /(?<!x)y/"}, "pattern '(?<!x)y' uses a lookaround"),
+        ({"grammar": 'start: "a" start'}, "the rule 'start' derives no finite text with recursion unrolled 3"),
+        ({"grammar": "%import .secret.X\nstart: X"}, "%import .secret.X: only lark's own common and unicode"),
         ({"regex": "a", "choice": ["b"]}, "exactly one of"),
         ({"json": {"type": "string", "maxLength": 3}, "colour": 1}, "unknown structured field 'colour'"),
         ({"json": {"type": "foo"}}, "cannot be compiled: Unsupported type: foo"),
@@ -121,13 +185,75 @@ def test_token_bytes_of_a_bpe_tokenizer_rebuild_its_text():
     assert pieces[tok.eos_id] is None  # special tokens write nothing
 
 
-def test_generator_outputs_satisfy_their_constraints(parts):
+def test_generator_outputs_satisfy_their_constraints_or_end_with_length(parts):
     _, _, gen = parts
     configs = _configs()
-    outs = gen.generate([PROMPTS[i % 3] for i in range(len(configs))], configs)
+    too_long = SamplingConfig(structured=Structured(regex="a{50}"), max_new_tokens=10)  # cannot finish in time
+    *outs, cut = gen.generate([PROMPTS[i % 3] for i in range(len(configs))] + ["x"], [*configs, too_long])
     _check(outs, configs)
+    assert cut.finish_reason == "length" and cut.text == "a" * 10
     greedy = [SamplingConfig(structured=c.structured, max_new_tokens=160, temperature=0) for c in configs]
     _check(gen.generate(["x"] * len(greedy), greedy), greedy)
+
+
+def test_grammar_outputs_parse_with_lark_greedy_sampled_and_speculative(parts):
+    _, _, gen = parts
+    configs = _grammar_configs()
+    prompts = [PROMPTS[i % 3] for i in range(len(configs))]
+    outs = gen.generate(prompts, configs)
+    _check(outs, configs)
+    assert max(o.text.count("(((") for o in outs[:3]) >= 1  # the arithmetic nests to the bound
+    spec = gen.generate(prompts, [dataclasses.replace(c, num_speculative_tokens=4) for c in configs])
+    assert [o.tokens for o in spec] == [o.tokens for o in outs]
+
+
+def test_grammar_automata_write_sentences_only_and_nest_to_the_bound():
+    """Random walks through each grammar's automaton (no model) parse with lark; sentences nested up to
+    cfg.DEPTH are accepted, deeper ones and non-sentences are not."""
+    tok = Tokenizer.byte_level()
+    vocab = grammar.Vocabulary.of(tok, CFG.vocab_size)
+    rng = np.random.default_rng(0)
+    for text in GRAMMARS:
+        a = grammar.compile_automaton(Structured(grammar=text), vocab)
+        for _ in range(40):
+            state, out = 0, []
+            while len(out) < 200:
+                allowed = a.allowed(state)
+                if tok.eos_id in allowed and (len(allowed) == 1 or rng.random() < 0.15):
+                    _parse(text, bytes(out).decode())
+                    break
+                out.append(int(rng.choice([t for t in allowed if t != tok.eos_id])))
+                state = a.next_state[state, out[-1]]
+
+    def complete(text: str, sentence: str) -> bool:
+        state = grammar.compile_automaton(Structured(grammar=text), vocab).walk(tok.encode(sentence))
+        return state >= 0 and tok.eos_id in grammar.compile_automaton(Structured(grammar=text), vocab).allowed(state)
+
+    assert cfg.DEPTH == 3
+    for sentence in ["1", "1+2*3-4/5", "-(-3)", "(((1)))", "((1+2)*3)-(4)", "1-2-3-4-5-6-7-8-9-1-2-3-4-5-6-7"]:
+        assert complete(ARITH, sentence), sentence
+    for sentence in ["((((1))))", "1+", "(1", "1 + 2", "0", ""]:
+        assert not complete(ARITH, sentence), sentence
+    assert complete(JSONISH, '{"a":[1,{"b":[]}],"":null}') and complete(JSONISH, '{"a":[[[[]]]]}')
+    assert not complete(JSONISH, '{"a":[[[[[]]]]]}')  # value re-entered 3 times, then only empty brackets
+    assert complete(SQL_GBNF, "SELECT a, b FROM t WHERE ((x = 'it' AND y < 3));")
+
+
+def test_gbnf_and_lark_terminals_read_as_their_languages():
+    """cfg.py's regular expressions (no automaton): GBNF classes, escapes, repetition; Lark flags and lazy
+    quantifiers; Python's fullmatch reads them as outlines-core does, for these."""
+    cases = [
+        (r'root ::= [a\-z]{2} "\"" ([0-9] | "x")+ # ok', ['a-"1x', 'zz"0'], ['ab"1', 'a-"', 'a-"y']),
+        (r'root ::= [^\]]? "a"* ("b" "c"){1,2}', ["bc", "xaabcbc", "abc"], ["]bc", "bcbcbc", ""]),
+        ('start: "select"i WORD\nWORD: /[a-z]+?/', ["SELECTab", "sElEcTx"], ["select", "SELECTAB"]),
+        ("start: A B\nA: /a|ab/\nB: /b?c/", ["ac", "abc", "abbc"], ["abbbc", "a"]),
+        ('start: a\na: b "x" | "y"\nb: a "z"', ["y", "yzx", "yzxzxzx"], ["yz", "x", "yzxzxzxzx"]),  # indirect left
+        # recursion: unrolled cfg.DEPTH levels
+    ]
+    for text, good, bad in cases:
+        pattern = cfg.grammar_regex(text)
+        assert all(re.fullmatch(pattern, g) for g in good), (pattern, good)
+        assert not any(re.fullmatch(pattern, b) for b in bad), (pattern, bad)
 
 
 def test_free_rows_beside_constrained_ones_are_unchanged(parts):
@@ -136,13 +262,6 @@ def test_free_rows_beside_constrained_ones_are_unchanged(parts):
     alone = gen.generate(PROMPTS, free)
     mixed = gen.generate(PROMPTS + PROMPTS, free + _configs()[:3])
     assert [o.tokens for o in mixed[:3]] == [o.tokens for o in alone]
-
-
-def test_a_constraint_that_cannot_finish_in_time_ends_with_length(parts):
-    _, _, gen = parts
-    c = SamplingConfig(structured=Structured(regex="a{50}"), max_new_tokens=10)
-    (out,) = gen.generate(["x"], c)
-    assert out.finish_reason == "length" and out.text == "a" * 10
 
 
 def test_speculative_decoding_keeps_constrained_outputs_token_for_token(parts):
@@ -159,12 +278,14 @@ def test_speculative_decoding_keeps_constrained_outputs_token_for_token(parts):
 
 def test_engine_enforces_constraints_under_preemption_and_speculation_and_equals_the_generator(parts):
     params, tok, gen = parts
-    configs = [dataclasses.replace(c, num_speculative_tokens=4 * (i % 2)) for i, c in enumerate(_configs())]
+    configs = [dataclasses.replace(c, num_speculative_tokens=4 * (i % 2))
+               for i, c in enumerate(_configs() + [_grammar_configs()[k] for k in (2, 4, 6)])]  # fmt: skip
     free = SamplingConfig(max_new_tokens=60, temperature=0.7, seed=5)
     prompts = [PROMPTS[i % 3] for i in range(len(configs))] + ["free row"]
     expected = gen.generate(prompts, [*configs, free])
     # a pool too small for every sequence at once: sequences are preempted and resume mid-constraint
     tight = Engine(params, CFG, tok, ServeConfig(slots=4, num_pages=14, page_size=16, chunk_steps=8))
+    tight.grammars.reserve(1024)  # the size it grows to: its steps compile for one table, not one per growth
     got = tight.generate(prompts, [*configs, free])
     assert tight.metrics()["requests_preempted"] > 0
     assert [o.tokens for o in got] == [o.tokens for o in expected]

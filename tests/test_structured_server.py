@@ -39,6 +39,7 @@ class Pet(BaseModel):
 @pytest.fixture(scope="module")
 def stack():
     engine, _ = tiny_engine()
+    engine.grammars.reserve(1024)  # its steps compile for one grammar table, not again at each growth
     with live_server(engine, create_app(engine, NAME)) as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         yield client, url, engine
@@ -97,7 +98,18 @@ def test_streamed_schema_reassembles_to_valid_json(stack):
             "response_format",
             "'uniqueItems' at # is not supported",
         ),
-        ({"structured_outputs": {"grammar": "start: 'a'"}}, "structured_outputs", "grammar is not supported"),
+        ({"structured_outputs": {"grammar": 'start: "a" ('}}, "structured_outputs", "Lark grammar: Unclosed paren"),
+        ({"guided_grammar": 'start: a\na: "x" b'}, "guided_grammar", "Rule 'b' used but not defined"),
+        ({"guided_grammar": 'root ::= "a" x'}, "guided_grammar", "the rule 'x' is used (in 'root') but not defined"),
+        ({"guided_grammar": "start: /a(?=b)/"}, "guided_grammar", "uses a lookaround"),
+        ({"guided_grammar": "%import os.X\nstart: X"}, "guided_grammar", "only lark's own common and unicode"),
+        ({"guided_grammar": 'start: "a" start'}, "guided_grammar", "derives no finite text"),
+        (
+            {"guided_grammar": 'start: s\ns: "(" ' + "s " * 150 + '")" | "x"'},
+            "guided_grammar",
+            "is a regular expression of more than 1000000 characters",
+        ),
+        ({"guided_grammar": 5}, "guided_grammar", "should be a valid string"),
         ({"structured_outputs": {"regx": "a"}}, "structured_outputs", "unknown structured field 'regx'"),
         ({"guided_regex": "(a"}, "guided_regex", "does not compile"),
         ({"guided_json": "{not json"}, "guided_json", "is not JSON"),
@@ -111,6 +123,31 @@ def test_a_bad_constraint_is_a_400_naming_the_clients_field(stack, body, param, 
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and says in error["message"], error
+
+
+ARITH = """
+?start: expr
+?expr: expr "+" term | expr "-" term | term
+?term: term "*" factor | factor
+?factor: DIGIT | "(" expr ")"
+DIGIT: /[1-9]/
+"""  # left-recursive
+
+
+def test_a_grammar_constrains_completions_and_chat(stack):
+    import lark
+
+    client, url, _ = stack
+    parser = lark.Lark(ARITH, parser="earley", lexer="dynamic_complete")
+    out = client.completions.create(model=NAME, prompt="1+", max_tokens=60, n=2, seed=9,
+                                    extra_body={"structured_outputs": {"grammar": ARITH}})  # fmt: skip
+    for c in out.choices:
+        assert c.finish_reason == "stop", c.text
+        parser.parse(c.text)
+    gbnf = 'root ::= ("yes" | "no") " " [0-9]'
+    r = _post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "sum"}], "max_tokens": 60,
+                                            "guided_grammar": gbnf, "seed": 1})  # fmt: skip
+    assert re.fullmatch("(yes|no) [0-9]", r.json()["choices"][0]["message"]["content"]), r.text
 
 
 def test_response_format_text_is_free_and_json_object_is_an_object(stack):
@@ -165,16 +202,20 @@ def test_batch_job_takes_a_constraint_per_line(tmp_path):
         {"id": "choice", "prompt": "y", "structured": {"choice": ["up", "down"]}},
         {"id": "bad", "prompt": "x", "response_format": _format({"type": "object", "patternProperties": {}})},
         {"id": "both", "prompt": "x", "structured": {"regex": "a"}, "guided_regex": "b"},
+        {"id": "grammar", "prompt": "x", "guided_grammar": 'root ::= ("up" | "down") [0-9]'},
+        {"id": "bad grammar", "prompt": "x", "structured_outputs": {"grammar": "start: nothing"}},
     ]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
     summary = run_job(engine, inp, out, SamplingConfig(max_new_tokens=60, seed=1))
     records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert summary["requests"] == 2 and summary["errors"] == 2
+    assert summary["requests"] == 3 and summary["errors"] == 3
     jsonschema.validate(json.loads(records["good"]["choices"][0]["text"]), SCHEMA)
     assert records["choice"]["choices"][0]["text"] in ("up", "down")
     assert records["bad"]["error"].startswith("response_format: ") and "patternProperties" in records["bad"]["error"]
     assert "both constrain the output" in records["both"]["error"]
+    assert re.fullmatch("(up|down)[0-9]", records["grammar"]["choices"][0]["text"])
+    assert records["bad grammar"]["error"].startswith("structured_outputs: structured.grammar: not a Lark grammar")
 
 
 # --- tool calls -------------------------------------------------------------------------------------------
@@ -218,14 +259,42 @@ def test_tool_choice_required_and_named_return_valid_calls(stack):
                                          max_tokens=200)  # fmt: skip
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    assert len(choice.message.tool_calls) == 1
-    _validate_call(choice.message.tool_calls[0])
+    assert 1 <= len(choice.message.tool_calls) <= tools.MAX_CALLS
+    for call in choice.message.tool_calls:
+        _validate_call(call)
     named = {"type": "function", "function": {"name": "get_time"}}
     out = client.chat.completions.create(model=NAME, messages=ASK, tools=TOOLS, tool_choice=named, seed=2,
                                          max_tokens=200)  # fmt: skip
     (call,) = out.choices[0].message.tool_calls
     assert call.function.name == "get_time"
     _validate_call(call)
+
+
+def test_required_answers_several_calls_each_with_its_id_whole_and_streamed(stack, monkeypatch):
+    client, _, engine = stack
+    monkeypatch.setattr(tools, "MAX_CALLS", 2)  # two short calls fit the tiny model's context
+    small = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"]}}}  # fmt: skip
+    never_end = {str(engine.tokenizer.eos_id): -100}  # the end only where it is the one token allowed
+    kw = dict(model=NAME, messages=ASK, tools=[small, CLOCK], tool_choice="required", max_tokens=200, seed=4,
+              logit_bias=never_end)  # fmt: skip
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 2, choice
+    for call in choice.message.tool_calls:
+        schema = small if call.function.name == "f" else CLOCK
+        jsonschema.validate(json.loads(call.function.arguments), schema["function"]["parameters"])
+    assert len({c.id for c in choice.message.tool_calls}) == 2
+    calls: dict[int, dict] = {}
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices[0].delta.tool_calls or []:
+            got = calls.setdefault(c.index, {"id": c.id, "name": "", "arguments": ""})
+            got["name"] += c.function.name or ""
+            got["arguments"] += c.function.arguments or ""
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in choice.message.tool_calls]  # fmt: skip
+    assert calls[0]["id"] != calls[1]["id"]
+    one = client.chat.completions.create(**kw, parallel_tool_calls=False).choices[0]
+    assert one.finish_reason == "tool_calls" and len(one.message.tool_calls) == 1
 
 
 def test_streamed_tool_call_reassembles_to_the_same_call(stack):
@@ -323,7 +392,12 @@ def test_llama3_calls_and_the_format_rule():
     assert tools.format_of('{"name": function name, "parameters": ...}') == tools.LLAMA3
     assert tools.format_of(None) == tools.HERMES
     regex = tools.Tools(t.tools, "required", tools.LLAMA3).constraint().regex
-    assert re.fullmatch(regex, '{"name":"get_time","parameters":{"zone":12}}')
+    call = '{"name":"get_time","parameters":{"zone":12}}'
+    assert re.fullmatch(regex, call) and re.fullmatch(regex, f"{call}; {call}")
+    assert [c["function"]["arguments"] for c in t.parse(f"{call}; {call}")] == ['{"zone": 12}'] * 2
+    assert not re.fullmatch(regex, "; ".join([call] * (tools.MAX_CALLS + 1)))
+    single = tools.Tools(t.tools, "required", tools.LLAMA3, parallel=False).constraint().regex
+    assert re.fullmatch(single, call) and not re.fullmatch(single, f"{call}; {call}")
 
 
 def test_a_stream_holds_back_text_from_where_a_call_may_start():
@@ -356,7 +430,7 @@ def test_the_clients_stream_helpers_parse_the_output_and_the_call(stack):
         assert isinstance(s.get_final_completion().choices[0].message.parsed, Pet)
     tool = openai.pydantic_function_tool(GetPet)
     with client.chat.completions.stream(model=NAME, messages=ASK, tools=[tool], tool_choice="required",
-                                        max_tokens=200, seed=7) as s:  # fmt: skip
+                                        parallel_tool_calls=False, max_tokens=200, seed=7) as s:  # fmt: skip
         final = s.get_final_completion().choices[0]
     assert final.finish_reason == "tool_calls"
     assert isinstance(final.message.tool_calls[0].function.parsed_arguments, GetPet)
@@ -414,7 +488,8 @@ def test_a_llama3_family_gets_and_parses_llama3_calls(stack):
     with serving(app) as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         kw = dict(model=NAME, messages=ASK, tools=TOOLS, max_tokens=200, seed=8)
-        (call,) = client.chat.completions.create(**kw, tool_choice="required").choices[0].message.tool_calls
+        one = dict(tool_choice="required", parallel_tool_calls=False)
+        (call,) = client.chat.completions.create(**kw, **one).choices[0].message.tool_calls
         _validate_call(call)
         said = '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "c"}}'
         forced = kw | {"extra_body": {"guided_regex": re.escape(said)}}

@@ -44,8 +44,16 @@ class RLConfig:
         if self.reward:
             module, _, function = self.reward.partition(":")
             check(bool(module and function), "rl.reward", self.reward, "module:function, e.g. mytask:reward")
-        for name, low in (("max_operand", 1), ("warm_start_steps", 0), ("prompts_per_step", 1), ("group_size", 1), ("max_new_tokens", 1),
-                          ("max_prompt_tokens", 1), ("reward_workers", 1)):  # fmt: skip
+        integers = {
+            "max_operand": 1,
+            "warm_start_steps": 0,
+            "prompts_per_step": 1,
+            "group_size": 1,
+            "max_new_tokens": 1,
+            "max_prompt_tokens": 1,
+            "reward_workers": 1,
+        }  # name: the least allowed
+        for name, low in integers.items():
             value = getattr(self, name)
             check(isinstance(value, int) and value >= low, f"rl.{name}", value, f"an integer >= {low}")
         check(self.temperature > 0, "rl.temperature", self.temperature, "a number > 0 (rollouts sample)")

@@ -1,7 +1,8 @@
-"""Structured output: a JSON schema, a regular expression or a choice of strings, compiled to a token
-automaton that lives on the device.
+"""Structured output: a JSON schema, a regular expression, a choice of strings or a context-free grammar,
+compiled to a token automaton that lives on the device.
 
     Structured(json=schema) | Structured(regex=r"\\d{4}") | Structured(choice=("yes", "no"))
+    Structured(grammar='start: NUMBER ("+" NUMBER)*  ...')  (Lark, or GBNF `root ::= ...`: cfg.py)
     compile_automaton(structured, vocab) -> Automaton      next_state (S, V) int32, state 0 the start
     GrammarTable: the automata of a batch (or of the engine's slots) in one (S, V) table
 
@@ -17,8 +18,10 @@ row ends inside a UTF-8 character.
 
 Why outlines-core: it hands over the whole token-level automaton, which is what can live on the device;
 llguidance and xgrammar compute each step's mask on the host (fast, but a host round trip a token). The
-price: regular languages only. Context-free grammars are refused (`grammar`), and outlines-core unrolls
-recursive schemas to a fixed depth. It ignores integer bounds; `_with_integer_ranges` writes them.
+price: regular languages only. A context-free grammar becomes one with its recursion unrolled to a fixed
+depth (`cfg.py`: every output is in the grammar's language, nesting deeper is not generated), as outlines-core
+unrolls recursive schemas. It ignores integer bounds; `_with_integer_ranges` writes them. Its automata are not
+minimal: the worker merges equivalent states (the tests' arithmetic grammar: 9,848 states -> 9).
 Compiling runs in a worker process with a time limit: a regular expression whose automaton explodes
 costs a 400, not the server.
 """
@@ -71,8 +74,8 @@ JSON_OBJECT = {
 @dataclasses.dataclass(frozen=True)
 class Structured:
     """What a constrained row may write: exactly one of `json` (a JSON schema, kept as JSON text), `regex`
-    (the whole output matches it) or `choice` (the output is one of the strings). `grammar` (a context-free
-    grammar) is refused: see the module docstring."""
+    (the whole output matches it), `choice` (the output is one of the strings) or `grammar` (a Lark or GBNF
+    context-free grammar, its recursion unrolled `cfg.DEPTH` levels: see cfg.py)."""
 
     json: str | None = None
     regex: str | None = None
@@ -102,10 +105,6 @@ class Structured:
             size = len(value)
         if size > MAX_TEXT:
             raise SamplingError(f"{FIELD}.{kind} has {size} characters; at most {MAX_TEXT}", FIELD)
-        if kind == "grammar":
-            raise SamplingError(f"{FIELD}.grammar is not supported: jaxgen's constraints run as token automata on "
-                                "the device, which context-free grammars are not; use json, regex or choice",
-                                FIELD)  # fmt: skip
 
     @classmethod
     def from_dict(cls, data) -> Structured:
@@ -126,8 +125,19 @@ class Structured:
             data["json"] = _parse_schema(data["json"])
         return cls(**data)
 
+    def source(self) -> tuple[str, str]:
+        """What the compile worker gets: ("grammar", the grammar's text) or ("regex", `pattern()`)."""
+        return ("grammar", self.grammar) if self.grammar is not None else ("regex", self.pattern())
+
     def pattern(self) -> str:
-        """The regular expression of the whole output."""
+        """The regular expression of the whole output (a grammar's: its recursion unrolled, `cfg.py`)."""
+        if self.grammar is not None:
+            from jaxgen.inference import cfg
+
+            try:
+                return cfg.grammar_regex(self.grammar)
+            except cfg.GrammarError as e:
+                raise SamplingError(f"{FIELD}.grammar: {e}", FIELD) from None
         if self.regex is not None:
             _check_regex(self.regex)
             return self.regex
@@ -362,25 +372,28 @@ class _Compiler:
         self._proc = None
         self._lock = threading.Lock()
 
-    def build(self, pattern: str, vocab: Vocabulary, timeout: float) -> tuple:
+    def build(self, source: tuple[str, str], vocab: Vocabulary, timeout: float) -> tuple:
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
                 worker = Path(__file__).with_name("automaton_worker.py")
                 self._proc = subprocess.Popen([sys.executable, str(worker)], stdin=subprocess.PIPE,
                                               stdout=subprocess.PIPE)  # fmt: skip
             try:
-                pickle.dump((pattern, vocab.tokens, vocab.eos_ids, vocab.size), self._proc.stdin)
+                pickle.dump((*source, vocab.tokens, vocab.eos_ids, vocab.size), self._proc.stdin)
                 self._proc.stdin.flush()
                 ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
                 if not ready:
                     self._stop()
                     raise SamplingError(f"{FIELD}: the constraint's automaton did not compile in {timeout:.0f} s "
-                                        "(a regular expression whose automaton explodes?)", FIELD)  # fmt: skip
+                                        "(a regular expression or grammar whose automaton explodes?)",
+                                        FIELD)  # fmt: skip
                 status, value = pickle.load(self._proc.stdout)
             except (OSError, EOFError, pickle.UnpicklingError):
                 self._stop()
                 raise SamplingError(f"{FIELD}: the compile worker died building the constraint's automaton (out "
                                     "of memory?)", FIELD) from None  # fmt: skip
+        if status == "grammar":
+            raise SamplingError(f"{FIELD}.grammar: {value}", FIELD)
         if status != "ok":
             raise SamplingError(f"{FIELD}: the constraint cannot be compiled: {value}", FIELD)
         return value
@@ -406,7 +419,7 @@ def compile_automaton(structured: Structured, vocab: Vocabulary, timeout: float 
     SamplingError (field `structured`) for a constraint that cannot be compiled or allows no output.
     timeout: seconds, COMPILE_TIMEOUT_S (read at the call, so a test can lower it) when None."""
     seconds = COMPILE_TIMEOUT_S if timeout is None else timeout
-    table = _table(*_COMPILER.build(structured.pattern(), vocab, seconds), vocab)
+    table = _table(*_COMPILER.build(structured.source(), vocab, seconds), vocab)
     automaton = Automaton(table)
     if not (table[0] >= 0).any():
         raise SamplingError(f"{FIELD}: no output satisfies the constraint with this tokenizer", FIELD)
@@ -447,13 +460,20 @@ def stack(distinct: tuple[Automaton, ...], vocab_size: int) -> np.ndarray:
 class GrammarPool:
     """The engine's table: the automata of the requests in its slots, each at its own range of states (state 0
     free). A range is shared by the slots that use the same constraint and reused once none does; the table
-    grows to the next power of two when full (a new shape: the engine's steps compile once more)."""
+    grows to the next power of two when full (a new shape: the engine's steps compile once more), or at once
+    to a size given to `reserve`."""
 
     def __init__(self, vocab_size: int):
         self.table = np.zeros((1, vocab_size), np.int32)
         self.changed = False  # the table differs from the device's copy
         self._slots: dict[int, Automaton] = {}
         self._ranges: dict[int, list] = {}  # id(automaton) -> [offset, size, slots using it]
+
+    def reserve(self, rows: int) -> None:
+        """Grows the table to at least `rows` states now (a power of two): a server that knows its constraints'
+        sizes compiles its steps for that table once, not once per growth."""
+        if rows > self.table.shape[0]:
+            self._grow(rows)
 
     def assign(self, slot: int, automaton: Automaton | None) -> int:
         """Slot `slot` now runs `automaton` (None: free); returns the offset of its states (0 when free)."""
@@ -485,8 +505,11 @@ class GrammarPool:
                 return start
             start = max(start, offset + size)
         if start + n > self.table.shape[0]:
-            rows = 1 << (start + n - 1).bit_length()
-            grown = np.full((rows, self.table.shape[1]), -1, np.int32)
-            grown[: self.table.shape[0]] = self.table
-            self.table = grown
+            self._grow(start + n)
         return start
+
+    def _grow(self, rows: int) -> None:
+        grown = np.full((1 << (rows - 1).bit_length(), self.table.shape[1]), -1, np.int32)
+        grown[: self.table.shape[0]] = self.table
+        self.table = grown
+        self.changed = True

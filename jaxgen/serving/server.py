@@ -140,7 +140,7 @@ class ChatRequest(_Common):
     top_logprobs: int | None = None
     tools: list[Tool] | None = None  # functions the model may call (`jaxgen.serving.tools`)
     tool_choice: Literal["none", "auto", "required"] | NamedChoice | None = None
-    parallel_tool_calls: bool | None = None  # accepted; a constrained answer holds one call
+    parallel_tool_calls: bool | None = None  # false: a constrained answer holds one call (else up to tools.MAX_CALLS)
 
 
 def create_app(engine: Engine, model_name: str, api_key: str | None = None, serve: ServeConfig | None = None,
@@ -279,7 +279,7 @@ def _tools(body: ChatRequest, template: str | None):
     """(the request's `tools.Tools`, the constraint its tool_choice puts on the output): (None, None) without
     tools; a bad tools or tool_choice is a 400 naming it."""
     try:
-        tools = tools_of(body.tools, body.tool_choice, template)
+        tools = tools_of(body.tools, body.tool_choice, template, body.parallel_tool_calls)
         return tools, tools.constraint() if tools is not None else None
     except ToolError as e:
         raise APIError(400, str(e), e.field) from None

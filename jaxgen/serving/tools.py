@@ -11,10 +11,12 @@ its own way. What a model writes back depends on its family; the format is chose
     - else it mentions "<|python_tag|>" or "parameters" -> Llama 3: the whole message is `{"name": ...,
                                                          "parameters": {...}}` (several joined by ";")
     - else                                             -> Hermes (the default)
-With "required" or a named function the output is constrained (`grammar.Structured`) to one call whose
-arguments satisfy the function's schema; with "auto" the text is parsed after generation, and holds calls
-only when all of it parses (else it stays text). Calls carry ids `call_<hex>`, arguments as JSON text, and
-finish_reason "tool_calls". A stream holds text back from where a call may start, and sends the calls at the end.
+With "required" or a named function the output is constrained (`grammar.Structured`) to calls whose
+arguments satisfy their function's schema: one to MAX_CALLS of them ("required" with parallel_tool_calls not
+false; Hermes: blocks joined by "\n", Llama 3: calls joined by "; "), else exactly one; with "auto" the text
+is parsed after generation, and holds calls only when all of it parses (else it stays text). Calls carry ids
+`call_<hex>` (one each), arguments as JSON text, and finish_reason "tool_calls". A stream holds text back from
+where a call may start, and sends the calls at the end.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ HERMES, LLAMA3 = "hermes", "llama3"
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 NAME = r"[A-Za-z0-9_-]{1,64}"  # OpenAI's rule for a function's name
+MAX_CALLS = 4  # calls in a constrained answer ("required", parallel_tool_calls not false); each grows the automaton
 
 
 class Function(BaseModel):
@@ -87,8 +90,8 @@ def format_of(template: str | None) -> str:
 class Tools:
     """One request's tools and tool_choice: what the template gets, the constraint, and the answer's calls."""
 
-    def __init__(self, tools: list[Tool], choice, fmt: str):
-        self.tools, self.fmt = tools, fmt
+    def __init__(self, tools: list[Tool], choice, fmt: str, parallel: bool = True):
+        self.tools, self.fmt, self.parallel = tools, fmt, parallel
         self.names = [t.function.name for t in tools]
         self.choice = choice if choice is not None else "auto"
         if isinstance(self.choice, NamedChoice) and self.choice.function.name not in self.names:
@@ -106,7 +109,8 @@ class Tools:
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
     def constraint(self) -> Structured | None:
-        """The output's constraint: one call ("required": of any tool; named: of that one); None otherwise."""
+        """The output's constraint: 1 to MAX_CALLS calls of any tool ("required"; one when not parallel), one call
+        of the named one, or None ("auto", "none")."""
         if self.choice in ("auto", "none"):
             return None
         named = self.choice.function.name if isinstance(self.choice, NamedChoice) else None
@@ -120,9 +124,9 @@ class Tools:
             call = grammar.schema_regex(calls[0] if len(calls) == 1 else {"anyOf": calls})
         except SamplingError as e:
             raise ToolError(f"tools: a function's parameters cannot be enforced: {e}", "tools") from None
-        if self.fmt == LLAMA3:
-            return Structured(regex=call)
-        return Structured(regex=re.escape(OPEN + "\n") + call + re.escape("\n" + CLOSE))
+        one, glue = (call, "; ") if self.fmt == LLAMA3 else (f"{re.escape(OPEN)}\n{call}\n{re.escape(CLOSE)}", "\n")
+        most = MAX_CALLS if named is None and self.parallel else 1
+        return Structured(regex=one if most == 1 else f"({one})({re.escape(glue)}({one})){{0,{most - 1}}}")
 
     def answer(self, text: str, finish: str | None) -> tuple[dict, str | None]:
         """The chat message for generated `text`, and the finish reason ("tool_calls" when it holds calls)."""
@@ -185,13 +189,14 @@ class ToolStream:
         return len(self.text)
 
 
-def tools_of(tools: list[Tool] | None, choice, template: str | None) -> Tools | None:
-    """The request's Tools (None without tools); ToolError for tool_choice without tools, or a bad one."""
+def tools_of(tools: list[Tool] | None, choice, template: str | None, parallel: bool | None = None) -> Tools | None:
+    """The request's Tools (None without tools); ToolError for tool_choice without tools, or a bad one.
+    parallel: the request's parallel_tool_calls (None: true, as OpenAI)."""
     if not tools:
         if choice not in (None, "none"):
             raise ToolError("tool_choice needs tools (the functions the model may call)", "tool_choice")
         return None
-    return Tools(tools, choice, format_of(template))
+    return Tools(tools, choice, format_of(template), parallel is not False)
 
 
 def message_for_template(message: dict, tool_calls: list | None, tool_call_id: str | None) -> dict:
