@@ -75,7 +75,7 @@ def context_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, wind
     an int or a traced int32 scalar. Returns (B, T, N, H)."""
     mesh = jax.sharding.get_abstract_mesh()
     c = mesh.shape[AXIS]
-    b, t, n, h = q_btnh.shape
+    b, t, n, _ = q_btnh.shape
     kv_heads = k_btkh.shape[2]
     block = check_fit(impl, t, c, cfg.attention_block)
     seg = jnp.zeros_like(positions_bt) if segment_ids_bt is None else segment_ids_bt
@@ -186,7 +186,7 @@ def _fold(static: _Static, stats, q, q_pos, q_seg, window, k, v, k_pos, k_seg):
             return jax.lax.cond(mask.any(), fold, lambda c: c, carry)
 
         carry = _while_range(kb.shape[0], key_block, tuple(x[i] for x in stats))
-        return tuple(x.at[i].set(y) for x, y in zip(stats, carry))
+        return tuple(x.at[i].set(y) for x, y in zip(stats, carry, strict=True))
 
     return _while_range(qb.shape[0], query_block, stats)
 
