@@ -87,6 +87,15 @@ def test_zigzag_balances_causal_work():
     assert context.causal_work(64, 4, 8, zigzag=False) == [3, 7, 11, 15]  # contiguous: the last does 5x the first
     order = context.zigzag_order(16, 2)  # 4 chunks of 4: device 0 chunks 0 and 3, device 1 chunks 1 and 2
     np.testing.assert_array_equal(order, [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11])
+    # the ppermutes inside the call move each device's tokens to that order and back
+    mesh = make_mesh(MeshConfig(data=1, context=4))
+    there_and_back = lambda x: (context.to_zigzag(4, x), context.from_zigzag(4, context.to_zigzag(4, x)))
+    spec = jax.sharding.PartitionSpec(None, "context")
+    moved = jax.shard_map(there_and_back, mesh=mesh, in_specs=spec, out_specs=(spec, spec), check_vma=False)
+    tokens = np.arange(32, dtype=np.int32)[None]
+    zigzag, back = jax.jit(moved)(tokens)
+    np.testing.assert_array_equal(zigzag[0], context.zigzag_order(32, 4))
+    np.testing.assert_array_equal(back, tokens)
 
 
 def test_bad_length_is_refused_before_compiling():

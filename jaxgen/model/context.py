@@ -17,11 +17,12 @@ With `mesh.context` = C > 1 the activations' token axis T is sharded C ways (the
 
 Causal load balance (both): zig-zag. The sequence is cut into 2C chunks and device r holds chunks r and
 2C - 1 - r, so under the causal mask every device has the same number of visible (query block, key
-block) pairs (`causal_work` counts them). The reorder is a permutation of the tokens inside the jitted
-program (a gather across devices); since the mask is by position (`attention.attention_mask`: positions
-and segment ids travel with their tokens), attention is unchanged by it, and packed documents, sliding
-windows and GQA/MQA need nothing more. Reordering the batch once at the model's input instead would save
-that gather per layer: not done.
+block) pairs (`causal_work` counts them). The activations stay contiguous (device r: chunks 2r, 2r + 1);
+inside the call two `ppermute`s move each device's halves to their zig-zag owners and two move the output
+back (`to_zigzag`, `from_zigzag`), T / C tokens per device each way. Since the mask is by position
+(`attention.attention_mask`: positions and segment ids travel with their tokens), attention is unchanged
+by the reorder, and packed documents, sliding windows and GQA/MQA need nothing more. Reordering the batch
+once at the model's input instead would save those transfers in every layer: not done.
 
 Shapes: the glossary in `jaxgen.sharding`; C the context size, Tc = T / C the tokens per device.
 """
@@ -85,15 +86,11 @@ def context_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, wind
     heads = "tensor" if n % tensor == 0 and kv_heads % tensor == 0 else None  # else every device all heads
     x_spec, tok_spec = P(batch, AXIS, heads, None), P(batch, AXIS)
     static = _Static(float(scale), cfg.attn_softcap, block, block)
-    local = functools.partial(_ring if impl == "ring" else _allgather, static, c)
+    local = functools.partial(_balanced, _ring if impl == "ring" else _allgather, static, c)
     sharded = jax.shard_map(
         local, mesh=mesh, in_specs=(x_spec,) * 3 + (tok_spec,) * 2 + (P(),), out_specs=x_spec, check_vma=False
     )
-    order = zigzag_order(t, c)
-    inverse = np.argsort(order)
-    take = lambda x: jnp.take(x, order, axis=1)
-    out = sharded(*map(take, (q_btnh, k_btkh, v_btkh, positions_bt, seg)), window)
-    return jnp.take(out, inverse, axis=1)
+    return sharded(q_btnh, k_btkh, v_btkh, positions_bt, seg, window)
 
 
 def zigzag_order(t: int, context: int) -> np.ndarray:
@@ -110,6 +107,43 @@ def causal_work(t: int, context: int, block: int, zigzag: bool = True) -> list[i
     first, last = blocks.min(-1), blocks.max(-1)
     all_first = first.reshape(-1)
     return [int((all_first[None, :] <= last[c][:, None]).sum()) for c in range(context)]
+
+
+def _balanced(attend, static: _Static, c: int, q, k, v, pos, seg, window):
+    """`attend` over the zig-zag order: each device's contiguous T / C tokens (B, Tc, ...) exchanged for
+    its two zig-zag chunks and the output sent back, T / C tokens moved per device each way."""
+    q, k, v, pos, seg = (to_zigzag(c, x) for x in (q, k, v, pos, seg))
+    return from_zigzag(c, attend(static, c, q, k, v, pos, seg, window))
+
+
+def _zigzag_perms(c: int):
+    """ppermute pairs moving each device's first half (chunk 2s of 2C, even) and second half (chunk 2s + 1,
+    odd) to the device that holds that chunk in zig-zag order: chunk i < C to device i, else to 2C - 1 - i.
+    Device r holds chunks r and 2C - 1 - r, one even and one odd, so each is a permutation."""
+    dest = lambda i: i if i < c else 2 * c - 1 - i
+    return [(s, dest(2 * s)) for s in range(c)], [(s, dest(2 * s + 1)) for s in range(c)]
+
+
+def to_zigzag(c: int, x):
+    """Inside `shard_map` over `context`: this device's contiguous tokens (B, Tc, ...) -> its zig-zag
+    chunks r and 2C - 1 - r (B, Tc, ...)."""
+    even, odd = _zigzag_perms(c)
+    half = x.shape[1] // 2
+    e, o = jax.lax.ppermute(x[:, :half], AXIS, even), jax.lax.ppermute(x[:, half:], AXIS, odd)
+    r_even = jax.lax.axis_index(AXIS) % 2 == 0  # device r's first chunk, r, is even when r is
+    return jnp.concatenate([jnp.where(r_even, e, o), jnp.where(r_even, o, e)], axis=1)
+
+
+def from_zigzag(c: int, x):
+    """The inverse of `to_zigzag`."""
+    even, odd = _zigzag_perms(c)
+    half = x.shape[1] // 2
+    first, second = x[:, :half], x[:, half:]
+    r_even = jax.lax.axis_index(AXIS) % 2 == 0
+    back = lambda pairs: [(d, s) for s, d in pairs]
+    e = jax.lax.ppermute(jnp.where(r_even, first, second), AXIS, back(even))
+    o = jax.lax.ppermute(jnp.where(r_even, second, first), AXIS, back(odd))
+    return jnp.concatenate([e, o], axis=1)
 
 
 def _to_groups(q_btnh, kv_heads: int):
