@@ -115,6 +115,18 @@ def test_bad_length_is_refused_before_compiling():
         jax.eval_shape(run, x, x, x, tok)
 
 
+def test_choose_takes_ring_only_on_a_context_mesh():
+    from jaxgen.model import kernels
+
+    cfg = ModelConfig()
+    assert kernels.choose(dataclasses.replace(cfg, attention_impl="ring"), "cpu") == "blockwise"  # no mesh
+    with jax.set_mesh(make_mesh(CONTEXT4)):
+        assert kernels.choose(cfg, "tpu") == "ring"  # auto on a context mesh
+        assert kernels.choose(dataclasses.replace(cfg, attention_impl="allgather"), "cpu") == "allgather"
+    with jax.set_mesh(make_mesh(MeshConfig(data=4))):
+        assert kernels.choose(dataclasses.replace(cfg, attention_impl="allgather"), "cpu") == "blockwise"
+
+
 def test_mesh_context_axis():
     assert MeshConfig(context=4).shape(8) == (2, 1, 4, 1)
     assert MeshConfig(context=4).axes() == ("data", "fsdp", "context", "tensor")
