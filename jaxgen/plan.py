@@ -50,12 +50,12 @@ class Program:
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-    """'data=2,fsdp=4' -> {'data': 2, 'fsdp': 4, 'tensor': 1}."""
+    """'data=2,fsdp=4' -> {'data': 2, 'fsdp': 4, 'tensor': 1} (and 'context' when given)."""
     sizes = {"data": 1, "fsdp": 1, "tensor": 1}
     for item in filter(None, text.split(",")):
         name, _, value = item.partition("=")
-        if name not in sizes or not value.isdigit() or int(value) < 1:
-            raise ValueError(f"--mesh item {item!r} is not allowed: data=N, fsdp=N or tensor=N with N >= 1")
+        if name not in (*sizes, "context") or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"--mesh item {item!r} is not allowed: data=N, fsdp=N, tensor=N or context=N with N >= 1")
         sizes[name] = int(value)
     if math.prod(sizes.values()) > MAX_DEVICES:
         raise ValueError(f"--mesh {text} is not allowed: {math.prod(sizes.values())} devices; at most {MAX_DEVICES}")
@@ -147,7 +147,7 @@ def train_program(cfg, mesh, reference: bool = False) -> Program:
     }
     shardings = functools.partial(jax.tree.map, lambda x: x.sharding)
     step = jax.jit(
-        functools.partial(train.train_step, cfg=_plannable(cfg), tx=tx),
+        functools.partial(train.train_step, cfg=_plannable(cfg, mesh), tx=tx),
         in_shardings=(shardings(state), shardings(batch), shardings(base)), out_shardings=(shardings(state), None),
         donate_argnums=0,
     )  # fmt: skip
@@ -231,11 +231,14 @@ def _keys(path) -> tuple:
     return tuple(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
-def _plannable(cfg):
-    """The config compiled on fake CPU devices: a fused kernel (cudnn, splash) is planned as blockwise."""
-    if cfg.model.attention_impl in ("dense", "blockwise"):
+def _plannable(cfg, mesh):
+    """The config compiled on fake CPU devices: a fused kernel (cudnn, splash) is planned as blockwise;
+    on a mesh with a context axis, auto as ring (what `kernels.choose` picks there)."""
+    impl = cfg.model.attention_impl
+    if impl in ("dense", "blockwise", "ring", "allgather"):
         return cfg
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl="blockwise"))
+    impl = "ring" if impl == "auto" and "context" in mesh.axis_names else "blockwise"
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl=impl))
 
 
 def inference_programs(model_cfg, mesh, slots: int, cache_len: int, chunk: int, dtype: str) -> list[Program]:
@@ -350,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
         "for fake CPU devices (nothing is allocated). Overrides as in train.py: model.remat=full ...",
     )
     parser.add_argument("--config", required=True, help="a YAML config, e.g. configs/llama-3.1-8b.yaml")
-    parser.add_argument("--mesh", default="fsdp=8", help="data=D,fsdp=F,tensor=T (default: fsdp=8)")
+    parser.add_argument("--mesh", default="fsdp=8", help="data=D,fsdp=F,tensor=T,context=C (default: fsdp=8)")
     parser.add_argument("--device", default="h100-80gb", choices=sorted(DEVICES), help="memory per device")
     parser.add_argument("--slots", type=int, default=64, help="decode slots (rows) for serving (default 64)")
     parser.add_argument("--cache-len", type=int, default=None, help="KV cache length (default: data.seq_len)")

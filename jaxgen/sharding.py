@@ -5,6 +5,9 @@ Axis glossary (used in names, einsum strings and shape comments across jaxgen):
     G query heads per kv head (N = K * G), H head dim, F mlp width, V vocab, L layers, E experts,
     M tokens flattened (B * T), A (token, expert) assignments (M * k).
 
+Mesh axes: data (batch rows), fsdp (batch rows and parameter rows), context (a sequence's tokens:
+context parallelism, only in a mesh whose `mesh.context` > 1), tensor (heads, MLP width, vocab).
+
 Every parameter and the main activations carry logical names (below); `RULES` maps each to mesh
 axes. A dimension that the mesh axes do not divide is replicated instead (e.g. one kv head under
 tensor parallelism), so every config runs on every mesh.
@@ -21,7 +24,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxgen.config import MeshConfig
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "tensor")  # every axis a mesh may have (context only when > 1)
 
 # logical name -> mesh axes (None: replicated)
 RULES: dict[str, tuple[str, ...] | str | None] = {
@@ -34,18 +37,19 @@ RULES: dict[str, tuple[str, ...] | str | None] = {
     "expert": "tensor",  # expert parallelism: each device holds E / tensor whole experts (F then stays whole)
     "head_dim": None,
     "layers": None,
-    "seq": None,
+    "seq": "context",  # activations' tokens (T); replicated on a mesh without a context axis
     "cache_seq": None,
     "act_embed": None,  # activations keep the model width whole
 }
 
 
 def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
-    """A (data, fsdp, tensor) mesh with Auto axes (classic GSPMD propagation)."""
+    """A (data, fsdp, tensor) mesh, or (data, fsdp, context, tensor) with `cfg.context` > 1, with Auto
+    axes (classic GSPMD propagation)."""
     devices = list(jax.devices() if devices is None else devices)
-    shape = cfg.shape(len(devices))
+    shape, names = cfg.shape(len(devices)), cfg.axes()
     devices = devices[: math.prod(shape)]
-    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    return Mesh(np.asarray(devices).reshape(shape), names, axis_types=(AxisType.Auto,) * len(names))
 
 
 def _axis_size(mesh, axes) -> int:
@@ -53,12 +57,29 @@ def _axis_size(mesh, axes) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
+def _present(axes, mesh):
+    """`axes` less those `mesh` lacks (None when none is left)."""
+    kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if a in mesh.axis_names)
+    if not kept:
+        return None
+    return kept[0] if isinstance(axes, str) else kept
+
+
+def context_size(mesh=None) -> int:
+    """The size of the `context` axis of `mesh` (default: the current mesh); 1 without one."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    return 1 if mesh.empty or "context" not in mesh.axis_names else mesh.shape["context"]
+
+
 def logical_spec(names: tuple[str | None, ...], shape: tuple[int, ...] | None = None, mesh=None) -> PartitionSpec:
     """PartitionSpec for logical axis names; drops mesh axes that do not divide the dimension, and a
-    mesh axis an earlier dimension already uses (experts over tensor leave their F axis whole)."""
+    mesh axis an earlier dimension already uses (experts over tensor leave their F axis whole), and one
+    the mesh does not have (context)."""
     spec, used = [], set()
     for i, name in enumerate(names):
         axes = RULES[name] if name is not None else None
+        if axes is not None and mesh is not None:
+            axes = _present(axes, mesh)
         if axes is not None and mesh is not None and shape[i] % _axis_size(mesh, axes) != 0:
             axes = None
         if axes is not None and used & set((axes,) if isinstance(axes, str) else axes):

@@ -10,11 +10,16 @@ from jaxgen.config.base import check
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh sizes; -1 takes all remaining devices. Default: all devices on `data`."""
+    """Device mesh sizes; -1 takes all remaining devices. Default: all devices on `data`.
+
+    `context` splits every sequence's tokens over devices (context parallelism: `model.attention_impl`
+    ring or allgather); the mesh has that axis only when it is above 1, so the default mesh is
+    (data, fsdp, tensor) as before."""
 
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    context: int = 1  # a positive size: -1 is for the other axes
 
     def __post_init__(self):
         sizes = (self.data, self.fsdp, self.tensor)
@@ -24,16 +29,22 @@ class MeshConfig:
             dict(data=self.data, fsdp=self.fsdp, tensor=self.tensor),
             "positive sizes, with at most one -1 (all remaining devices)",
         )
+        check(isinstance(self.context, int) and self.context > 0, "mesh.context", self.context, "a positive integer")
 
-    def shape(self, num_devices: int) -> tuple[int, int, int]:
-        """Mesh shape on `num_devices` devices; fully given sizes may use fewer (the first ones)."""
-        sizes = [self.data, self.fsdp, self.tensor]
+    def shape(self, num_devices: int) -> tuple[int, ...]:
+        """Mesh shape on `num_devices` devices, in the order of `axes()`; fully given sizes may use fewer
+        (the first ones)."""
+        sizes = [self.data, self.fsdp] + ([self.context] if self.context > 1 else []) + [self.tensor]
         fixed = math.prod(s for s in sizes if s != -1)
         if -1 in sizes:
             check(num_devices % fixed == 0, "mesh", sizes, f"sizes whose product divides {num_devices} devices")
             sizes[sizes.index(-1)] = num_devices // fixed
         check(math.prod(sizes) <= num_devices, "mesh", sizes, f"at most {num_devices} devices in all")
         return tuple(sizes)
+
+    def axes(self) -> tuple[str, ...]:
+        """The mesh's axis names, in device order (tensor innermost, then context: the busiest links)."""
+        return ("data", "fsdp") + (("context",) if self.context > 1 else ()) + ("tensor",)
 
 
 @dataclasses.dataclass(frozen=True)

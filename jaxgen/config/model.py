@@ -107,11 +107,13 @@ class ModelConfig:
     #   every token (the reference); auto: megablox on TPU, ragged_dot on GPU, grouped on CPU
     family: str | None = None  # the Hugging Face family imported from, kept for export (None: from the fields)
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; params stay float32
-    attention_impl: Literal["auto", "dense", "blockwise", "cudnn", "splash"] = "auto"  # attention over whole
-    #   sequences (training, scoring): blockwise: flash-style over key blocks with a recomputing backward,
-    #   O(T x block) memory (jaxgen.model.blockwise); cudnn: cuDNN's fused kernel (GPU, bf16); splash: the
-    #   Pallas TPU kernel (interpret mode elsewhere); dense: the whole (T, T) matrix (the reference);
-    #   auto: splash on TPU, cudnn on GPU where it fits, else blockwise (see jaxgen.model.kernels)
+    attention_impl: Literal["auto", "dense", "blockwise", "cudnn", "splash", "ring", "allgather"] = "auto"
+    #   attention over whole sequences (training, scoring): blockwise: flash-style over key blocks with a
+    #   recomputing backward, O(T x block) memory (jaxgen.model.blockwise); cudnn: cuDNN's fused kernel
+    #   (GPU, bf16); splash: the Pallas TPU kernel (interpret mode elsewhere); dense: the whole (T, T)
+    #   matrix (the reference); auto: splash on TPU, cudnn on GPU where it fits, else blockwise (see
+    #   jaxgen.model.kernels); ring, allgather: context parallelism over the mesh's context axis
+    #   (jaxgen.model.context; auto picks ring there); on a mesh without one, blockwise
     attention_block: int = 512  # query and key block of blockwise and splash attention
     decode_impl: Literal["auto", "xla", "pallas"] = "auto"  # attention of a decode step over the engine's
     #   paged cache: xla: the blockwise loop over pages (jaxgen.model.attention); pallas: the GPU Pallas

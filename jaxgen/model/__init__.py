@@ -4,6 +4,7 @@
     moe.py          mixture of experts: router, dropless dispatch (grouped tiles / ragged_dot / dense)
     attention.py    the mask rule, dense attention, one blockwise online softmax over any cache
     blockwise.py    flash-style attention over whole sequences, with a recomputing custom VJP
+    context.py      context parallelism: ring and all-gather attention over the mesh's context axis
     kernels/        kernels behind the attention seam and which runs where: cuDNN, Pallas splash, GPU Pallas
                     paged decode, XLA:CPU decode tuning (imports nothing else of this package)
     params.py       the parameter table (shapes, logical axes, initialisers), init, counts, FLOPs per token

@@ -11,7 +11,8 @@ kernel instead (`kernels.decode_kernel`); on CPU a decode step's products run as
 
 Whole sequences (training, scoring: `cache=None`) go through `sequence_attention`, one of
 `model.attention_impl`: blockwise (jaxgen.model.blockwise, the portable default), cuDNN or splash
-(jaxgen.model.kernels), or `dense_attention`, the reference. Each has the same arguments and the same
+(jaxgen.model.kernels), ring or allgather (jaxgen.model.context: tokens split over the mesh's context
+axis), or `dense_attention`, the reference. Each has the same arguments and the same
 mask rule; a new kernel plugs in here, not in the model.
 
 The mask rule (`attention_mask`) is by position: a query at position p sees the keys at positions
@@ -30,7 +31,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxgen.model import blockwise, kernels, layers
+from jaxgen.model import blockwise, context, kernels, layers
 from jaxgen.model.kernels import cpu
 from jaxgen.model.storage import from_storage
 
@@ -74,6 +75,10 @@ def sequence_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, win
     if impl == "cudnn":
         mask = kernels.cudnn_mask(positions_bt, segment_ids_bt)
         return kernels.cudnn_attention(q_btnh, k_btkh, v_btkh, mask, window, cfg, scale=logit_scale(cfg))
+    if impl in ("ring", "allgather"):  # tokens split over the mesh's context axis (jaxgen.model.context)
+        return context.context_attention(
+            q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, window, cfg, impl, scale=logit_scale(cfg)
+        )
     if impl == "splash":
         return kernels.splash_attention(
             q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, window, cfg, scale=logit_scale(cfg)

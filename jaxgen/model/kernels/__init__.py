@@ -26,6 +26,7 @@ import jax
 
 from jaxgen.config import ModelConfig
 from jaxgen.model.kernels import cpu, cudnn, paged_gpu, splash
+from jaxgen.sharding import context_size
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +63,13 @@ class DecodeKernel(NamedTuple):
 
 def choose(cfg: ModelConfig, backend: str | None = None) -> str:
     """The implementation that runs for `cfg.attention_impl` on `backend` (default: jax's):
-    dense, blockwise, cudnn or splash. A fused kernel whose constraints do not hold falls back to
-    blockwise, with the reason logged once."""
+    dense, blockwise, cudnn or splash; ring or allgather (jaxgen.model.context) under a mesh with a
+    context axis, where auto means ring (without one they mean blockwise). A fused kernel whose
+    constraints do not hold falls back to blockwise, with the reason logged once."""
     backend = backend or jax.default_backend()
     impl = cfg.attention_impl
+    if impl in ("ring", "allgather") or (impl == "auto" and context_size() > 1):
+        return "blockwise" if context_size() == 1 else ("ring" if impl == "auto" else impl)
     if impl in ("dense", "blockwise"):
         return impl
     if impl == "auto":
