@@ -288,7 +288,7 @@ def _fields(record: dict) -> dict:
 
 
 def plot_reward(run_dir: str | Path) -> Path:
-    """Writes `<run_dir>/reward.png`: the mean reward per RL step, with its spread over the samples."""
+    """Writes `<run_dir>/reward.png`: the mean reward per RL step and its moving average over 10 steps."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -299,10 +299,11 @@ def plot_reward(run_dir: str | Path) -> Path:
     by_step = {r["step"]: r for r in read_metrics(run_dir) if r.get("reward") is not None}
     steps = sorted(by_step)
     mean = np.asarray([by_step[s]["reward"] for s in steps])
-    spread = np.asarray([by_step[s].get("reward_std") or 0.0 for s in steps])
+    window = min(10, max(len(mean), 1))
+    smooth = np.convolve(mean, np.ones(window) / window, mode="valid") if len(mean) else mean
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    ax.plot(steps, mean, lw=1.5, label="mean reward")
-    ax.fill_between(steps, mean - spread, mean + spread, alpha=0.2, label="± spread over samples")
+    ax.plot(steps, mean, lw=1, alpha=0.5, label="mean reward of the step's samples")
+    ax.plot(steps[window - 1 :], smooth, lw=2, label=f"moving average over {window} steps")
     ax.set_xlabel("RL step")
     ax.set_ylabel("reward")
     ax.set_title(f"{Path(run_dir).name}: reward")
