@@ -83,14 +83,18 @@ def test_kill_9_resumes_to_the_parameters_of_a_run_never_killed(tmp_path, token_
     killed = tmp_path / "killed"
     cmd = [sys.executable, "rl.py", "--config", "configs/rl-arithmetic.yaml", "--run-dir", str(killed),
            "--no-progress", *overrides]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = (tmp_path / "killed.log").open("w")  # a file, not a pipe: a full pipe would block the run
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 900  # a busy CI machine compiles slowly; only a hung run waits this long
     while not _finished_steps(killed) and time.time() < deadline:  # killed once a checkpoint is complete
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert _finished_steps(killed), "no checkpoint within the deadline"
+    log.close()
+    assert _finished_steps(killed), (
+        "no checkpoint within the deadline: " + (tmp_path / "killed.log").read_text()[-3000:]
+    )
     saved = max(_finished_steps(killed))
     assert saved < STEPS, "the run finished before it could be killed"
     resumed = loop.run_rl(cfg, killed, progress=False)
