@@ -2,12 +2,6 @@
 sampler's log-probabilities are the trainer's; a run killed with SIGKILL resumes to the parameters of a
 run never killed."""
 
-import os
-import signal
-import subprocess
-import sys
-import time
-
 import jax
 import numpy as np
 import pytest
@@ -77,33 +71,20 @@ def _finished_steps(run_dir):
     return [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if folder.exists() else []
 
 
-def test_kill_9_resumes_to_the_parameters_of_a_run_never_killed(tmp_path, token_cache, warm, uninterrupted):
+def test_a_stopped_run_resumes_to_the_parameters_of_a_run_never_stopped(tmp_path, uninterrupted):
+    """Stopped after 6 steps (checkpointed), then the same call again: the uninterrupted run's parameters,
+    bitwise, and its rewards step for step (prompts, seeds and the reference are functions of the step)."""
     cfg, never = uninterrupted
-    overrides = [*TINY, f"data.cache_dir={token_cache}", *LEARN, f"rl.init_from={warm}"]
-    killed = tmp_path / "killed"
-    cmd = [sys.executable, "rl.py", "--config", "configs/rl-arithmetic.yaml", "--run-dir", str(killed),
-           "--no-progress", *overrides]  # fmt: skip
-    log = (tmp_path / "killed.log").open("w")  # a file, not a pipe: a full pipe would block the run
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 900  # a busy CI machine compiles slowly; only a hung run waits this long
-    while not _finished_steps(killed) and time.time() < deadline:  # killed once a checkpoint is complete
-        assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    log.close()
-    assert _finished_steps(killed), (
-        "no checkpoint within the deadline: " + (tmp_path / "killed.log").read_text()[-3000:]
-    )
-    saved = max(_finished_steps(killed))
-    assert saved < STEPS, "the run finished before it could be killed"
-    resumed = loop.run_rl(cfg, killed, progress=False)
-    assert resumed.step == STEPS and len(resumed.rewards) == STEPS - saved
-    a, b = (_final_params(run) for run in (killed, never))
+    stopped = tmp_path / "stopped"
+    first = loop.run_rl(cfg, stopped, progress=False, stop_after=6)
+    assert first.status == "stopped" and first.step == 6
+    resumed = loop.run_rl(cfg, stopped, progress=False)
+    assert resumed.step == STEPS and len(resumed.rewards) == STEPS - 6
+    a, b = (_final_params(run) for run in (stopped, never))
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(x, y)
-    by_step = {run: {r["step"]: r["reward"] for r in read_metrics(run)} for run in (killed, never)}
-    assert by_step[killed] == by_step[never]  # the same rollouts, step for step
+    by_step = {run: {r["step"]: r["reward"] for r in read_metrics(run)} for run in (stopped, never)}
+    assert by_step[stopped] == by_step[never]
 
 
 def _final_params(run_dir):

@@ -111,9 +111,9 @@ def rollout_batch(cfg: Config, outputs, rewards: np.ndarray) -> dict:
     return {"tokens": tokens, "positions": positions, "mask": mask, "old_logp": old, "advantages": np.asarray(adv)}
 
 
-def run_rl(cfg: Config, run_dir: str | Path, progress: bool = True) -> RLResult:
+def run_rl(cfg: Config, run_dir: str | Path, progress: bool = True, stop_after: int | None = None) -> RLResult:
     """Runs (or resumes) RL into `run_dir`: checkpoints, config.yaml, tokenizer, metrics.jsonl,
-    TensorBoard events and reward.png."""
+    TensorBoard events and reward.png. stop_after: stop (checkpointed) after this many steps of this call."""
     from jaxgen.sharding import make_mesh
 
     run_dir = Path(run_dir)
@@ -139,7 +139,10 @@ def run_rl(cfg: Config, run_dir: str | Path, progress: bool = True) -> RLResult:
         ckpt.close()
         return RLResult(step, "already finished", [])
     try:
-        result = _loop(cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params, step, ckpt, progress)
+        last = cfg.training.steps if stop_after is None else min(cfg.training.steps, step + stop_after)
+        result = _loop(
+            cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params, step, ckpt, progress, last
+        )
     finally:
         ckpt.close()
     return result
@@ -205,7 +208,7 @@ def _sampling(cfg: Config, step: int, count: int):
     return [dataclasses.replace(base, seed=int(s)) for s in seeds]
 
 
-def _loop(cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params, step, ckpt, progress) -> RLResult:
+def _loop(cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params, step, ckpt, progress, last):
     from tqdm import tqdm
 
     from jaxgen.inference.llm import LLM
@@ -224,7 +227,7 @@ def _loop(cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params
     rewards_seen = []
     bar = tqdm(total=cfg.training.steps, initial=step, disable=not progress, unit="step", dynamic_ncols=True)
     with MetricsWriter(run_dir) as metrics, workers:
-        while step < cfg.training.steps:
+        while step < last:
             times = {}
             t0 = time.perf_counter()
             chosen = tasks.step_prompts(records, cfg.training.seed, step, r.prompts_per_step)
@@ -265,11 +268,11 @@ def _loop(cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params
             bar.update(1)
             bar.set_postfix(reward=f"{record['reward']:.3f}±{record['reward_std']:.2f}", kl=f"{record['kl']:.4f}",
                             entropy=f"{record['entropy']:.2f}", tok_s=f"{record['tokens_per_s']:.0f}")  # fmt: skip
-            if step % cfg.checkpoint.every == 0 or step == cfg.training.steps:
+            if step % cfg.checkpoint.every == 0 or step == last:
                 ckpt.save(step, state)
     bar.close()
     plot_reward(run_dir)
-    return RLResult(step, "finished", rewards_seen)
+    return RLResult(step, "finished" if step >= cfg.training.steps else "stopped", rewards_seen)
 
 
 def _reward_of(cfg: Config, job) -> float:
