@@ -29,12 +29,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from jaxgen.config import Config, DataConfig, save_config
 from jaxgen.rl import objectives, tasks
 from jaxgen.training.checkpoint import Checkpointer
-from jaxgen.training.step import TrainState, create_train_state, make_optimizer
+from jaxgen.training.step import TrainState, apply_grads, create_train_state, make_optimizer
 
 BATCH_KEYS = ("tokens", "positions", "mask", "old_logp", "advantages")
 
@@ -69,19 +68,7 @@ def rl_step(state: TrainState, batch: dict, ref_logp, *, cfg: Config, tx, settin
         return loss, metrics
 
     (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
-    grad_norm = optax.tree.norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-
-    def update(_):
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        return optax.apply_updates(state.params, updates), opt_state
-
-    params, opt_state = jax.lax.cond(finite, update, lambda _: (state.params, state.opt_state), None)
-    skipped = (~finite).astype(jnp.int32)
-    state = state.replace(
-        step=state.step + 1, params=params, opt_state=opt_state,
-        nonfinite_in_row=(state.nonfinite_in_row + skipped) * skipped, nonfinite_total=state.nonfinite_total + skipped,
-    )  # fmt: skip
+    state, grad_norm, finite = apply_grads(state, grads, loss, tx)
     return state, metrics | {"loss": loss, "grad_norm": grad_norm, "finite": finite}
 
 

@@ -203,15 +203,9 @@ def _accumulate_grads(params, batch, cfg: Config, base: dict | None = None):
     return total, count, grads, router
 
 
-def train_step(
-    state: TrainState, batch: dict, base: dict | None = None, *, cfg: Config, tx: optax.GradientTransformation
-):
-    """One optimizer step with teacher forcing; a non-finite loss or gradient skips the update.
-    base: LoRA's frozen weights, read only (None: full training)."""
-    total, count, grads, router = _accumulate_grads(state.params, batch, cfg, base)
-    count = jnp.maximum(count, 1.0)
-    loss = total / count  # token-weighted mean over the whole batch
-    grads = jax.tree.map(lambda g: g / count, grads)
+def apply_grads(state: TrainState, grads, loss, tx: optax.GradientTransformation):
+    """(the state after one optimizer step, the gradient norm, finite): a non-finite loss or gradient
+    skips the update and counts the skip. Shared by the train step and the RL step."""
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
@@ -230,6 +224,19 @@ def train_step(
         nonfinite_in_row=(state.nonfinite_in_row + skipped) * skipped,
         nonfinite_total=state.nonfinite_total + skipped,
     )
+    return state, grad_norm, finite
+
+
+def train_step(
+    state: TrainState, batch: dict, base: dict | None = None, *, cfg: Config, tx: optax.GradientTransformation
+):
+    """One optimizer step with teacher forcing; a non-finite loss or gradient skips the update.
+    base: LoRA's frozen weights, read only (None: full training)."""
+    total, count, grads, router = _accumulate_grads(state.params, batch, cfg, base)
+    count = jnp.maximum(count, 1.0)
+    loss = total / count  # token-weighted mean over the whole batch
+    grads = jax.tree.map(lambda g: g / count, grads)
+    state, grad_norm, finite = apply_grads(state, grads, loss, tx)
     lr = lr_schedule(cfg.optimizer, cfg.training.steps)(state.step - 1)
     metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count, "finite": finite, "lr": lr}
     if cfg.model.num_experts:  # the language-model loss above; the router's own losses beside it
