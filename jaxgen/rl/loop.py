@@ -153,9 +153,10 @@ def starting_policy(cfg: Config, run_dir: Path, mesh, progress: bool):
     return dataclasses.replace(cfg, model=model_cfg), tokenizer, params
 
 
-def warm_start_config(cfg: Config, folder: Path) -> Config:
+def warm_start_config(cfg: Config, folder: str | Path) -> Config:
     """The warm start's train.py config: the RL config's model and tokenizer, the task's prompt/response
     pairs (loss on the answer) written to `folder/warm_start.jsonl`."""
+    folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "warm_start.jsonl"
     if not path.exists():
@@ -209,7 +210,8 @@ def _loop(cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params
         lambda p, t, pos: objectives.token_logprobs(p, t, pos, cfg=cfg.model, temperature=r.temperature)[0]
     )
     slots = r.prompts_per_step * r.group_size
-    llm = LLM(state.params, cfg=cfg.model, tokenizer=tokenizer, slots=slots, max_logprobs=0)
+    llm = LLM(state.params, cfg=cfg.model, tokenizer=tokenizer, slots=slots, num_pages=rollout_pages(cfg),
+              max_logprobs=0)  # fmt: skip
     workers = concurrent.futures.ThreadPoolExecutor(r.reward_workers, thread_name_prefix="reward")
     rewards_seen = []
     bar = tqdm(total=cfg.training.steps, initial=step, disable=not progress, unit="step", dynamic_ncols=True)
@@ -260,6 +262,14 @@ def _loop(cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params
     bar.close()
     plot_reward(run_dir)
     return RLResult(step, "finished" if step >= cfg.training.steps else "stopped", rewards_seen)
+
+
+def rollout_pages(cfg: Config, page_size: int = 16) -> int:
+    """The engine's page pool: every rollout of a step at full length at once, and a page a slot to spare.
+    Sized to the step rather than the serving default (a gigabyte), which a mesh would hold on every device."""
+    r = cfg.rl
+    per_row = -(-(r.max_prompt_tokens + r.max_new_tokens) // page_size)
+    return r.prompts_per_step * r.group_size * (per_row + 1)
 
 
 def _reward_of(cfg: Config, job) -> float:
