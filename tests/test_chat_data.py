@@ -247,9 +247,8 @@ def test_a_conversation_longer_than_an_example_keeps_its_beginning():
     np.testing.assert_array_equal(src[1]["targets"], [5, 6, 7, 8, 9, 10, 11])
 
 
+@pytest.mark.parametrize("family", ["chatml"], indirect=True)  # the iterator does not depend on the template
 def test_resumed_iterator_gives_the_same_batches(chat_store):
-    if chat_store[0] != "chatml":
-        pytest.skip("the iterator does not depend on the template")
     src = chat_store[3]
     it = train_iterator(src, batch_size=4, seed=1)
     [next(it) for _ in range(3)]
@@ -263,10 +262,9 @@ def test_resumed_iterator_gives_the_same_batches(chat_store):
             np.testing.assert_array_equal(a[k], b[k])
 
 
+@pytest.mark.parametrize("family", ["chatml"], indirect=True)  # the loss reads only the mask
 def test_loss_ignores_every_target_but_the_assistants(chat_store):
-    kind, tok, train, _ = chat_store
-    if kind != "chatml":
-        pytest.skip("the loss reads only the mask, whichever template made it")
+    _, tok, train, _ = chat_store
     src = PackedConversations(train["tokens"], train["flags"], 64)  # one conversation and padding per example
     cfg = load_config(ROOT / "configs" / "tiny.yaml", ["mesh.data=1", "training.loss_chunk=32"])
     params = model.init_params(cfg.model, jax.random.key(0))
@@ -368,10 +366,9 @@ def test_the_sandbox_reads_generation_marks_and_loop_controls_and_stops_unsafe_t
         ChatRenderer("{{ messages.append(1) }}").render(conv, 2, False)
 
 
+@pytest.mark.parametrize("family", ["chatml"], indirect=True)  # one template is enough for the command
 def test_train_command_runs_on_chat_data(family, tmp_path):
-    kind, folder, _ = family
-    if kind != "chatml":
-        pytest.skip("one family is enough for the command")
+    _, folder, _ = family
     chats = [{"messages": [{"role": "user", "content": f"say {i}"}, {"role": "assistant", "content": f"{i} said."}]}
              for i in range(30)]  # fmt: skip
     data = _write(tmp_path / "chat.jsonl", chats)

@@ -167,12 +167,11 @@ def test_lora_trains_adapters_only(tiny_cfg, base_dtype):
     assert float(jnp.abs(b).max()) > 0  # B left zero
 
 
+@pytest.mark.parametrize("hf_model", ["llama"], indirect=True)  # one family: the code path is shared
 def test_lora_run_from_hugging_face_resumes_exactly(hf_model, token_cache, tmp_path):
     """train() from an HF folder with LoRA for 4 steps; a copy of its folder as a kill after step 2 leaves it
     (checkpoint 4 gone) continues to the same losses and bitwise the same adapters."""
-    family, _, _, _, hf_folder = hf_model
-    if family != "llama":
-        pytest.skip("one family: the code path is shared")
+    _, _, _, _, hf_folder = hf_model
     from jaxgen.config import load_config
     from jaxgen.training.checkpoint import Checkpointer
     from jaxgen.training.trainer import resolve_init_from, train

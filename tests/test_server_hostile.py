@@ -282,32 +282,35 @@ def test_detokenize_is_bounded_by_the_context_and_tokenize_by_the_body_limit(sta
     assert _post(url, "/detokenize", {"tokens": [65] * 255}).json() == {"prompt": "A" * 255}
 
 
-def _health_while(url, path, raw: bytes) -> tuple[float, httpx.Response]:
-    """The slowest /health answer (s) while `raw` is posted to `path` from another thread. The client
-    sends bytes encoded beforehand and never parses the answer: its own work must not stall the server
-    (which runs in this process)."""
+def _health_while(url, path, raw: bytes) -> tuple[float, float, httpx.Response]:
+    """(the slowest /health answer, the heavy request's own time, its response) while `raw` is posted to
+    `path` from another thread. The client sends bytes encoded beforehand and never parses the answer: its
+    own work must not stall the server (which runs in this process)."""
 
     def send():
-        return httpx.post(f"{url}{path}", content=raw, headers={"content-type": "application/json"}, timeout=300)
+        t = time.perf_counter()
+        r = httpx.post(f"{url}{path}", content=raw, headers={"content-type": "application/json"}, timeout=300)
+        return r, time.perf_counter() - t
 
     worst = 0.0
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         sent = pool.submit(send)
         while not sent.done():
             t = time.perf_counter()
-            assert httpx.get(f"{url}/health", timeout=60).status_code == 200
+            assert httpx.get(f"{url}/health", timeout=120).status_code == 200
             worst = max(worst, time.perf_counter() - t)
             time.sleep(0.02)
-    return worst, sent.result()
+    r, took = sent.result()
+    return worst, took, r
 
 
 def test_health_answers_while_the_heaviest_requests_are_handled(stack):
     """The heaviest requests of each kind the default limits allow (4 MB bodies; an echo-with-logprobs answer
     of 13 MB, a quarter of the largest the limits allow for this model, to keep the test short): /health
-    answers throughout. Measured on 2 cores shared with other test processes: under 0.5 s with the work off
-    the event loop (on it: 1.6 s for this echo request, 1.2 s for the chat one, 4 s and more for /tokenize).
-    The bound is 2 s, not the issue's 1 s: one run in six went over 1 s on that busy machine, and a flaky
-    test is worse than a looser bound."""
+    answers throughout. Work on the event loop would hold /health for about the whole heavy request (on a
+    busy 2-core machine: 1.6 s for this echo request, 1.2 s for the chat one, 4 s and more for /tokenize);
+    off it, /health waits a small part of it. The bound is relative, so a slow machine does not fail it:
+    /health waits at most a third of the heavy request's time (or a second)."""
     url = stack[0]
     _post(url, "/v1/completions", {"prompt": [[1, 2, 3]], "echo": True, "logprobs": 5, "max_tokens": 0})  # compiled
     heavy = {"prompt": [[(i * 7 + j) % 256 for j in range(255)] for i in range(256)], "echo": True, "logprobs": 5,
@@ -319,7 +322,7 @@ def test_health_answers_while_the_heaviest_requests_are_handled(stack):
         ("/tokenize", {"prompt": "x" * 3_900_000}, 200),  # 3.9 M ids back
     ]
     for path, body, status in cases:
-        worst, r = _health_while(url, path, json.dumps(body, separators=(",", ":")).encode())
+        worst, took, r = _health_while(url, path, json.dumps(body, separators=(",", ":")).encode())
         assert r.status_code == status, r.text[:300]
-        print(f"/health at worst {worst:.2f} s during {path}")  # (pytest -s shows the figures)
-        assert worst < 2.0, f"/health took {worst:.2f} s during {path}"
+        print(f"/health at worst {worst:.2f} s during {path} ({took:.2f} s)")  # (pytest -s shows the figures)
+        assert worst < max(took / 3, 1.0), f"/health took {worst:.2f} s during {path}, which took {took:.2f} s"

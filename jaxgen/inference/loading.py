@@ -86,12 +86,23 @@ def load_run(run_dir: str | Path, mesh=None, step: int | None = None, param_dtyp
     The params are placed with the model's shardings on `mesh` (default: all local devices on data).
     """
     run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").exists():
-        raise FileNotFoundError(f"{run_dir} is not a jaxgen run folder (no config.yaml); train.py writes one")
-    cfg: Config = load_config(run_dir / "config.yaml")
+    cfg = _run_config(run_dir)
     if cfg.model.lora.rank:  # its checkpoints hold adapters, no base (see docs/training.md, LoRA fine-tuning)
         return _merged_lora_run(run_dir, mesh, step, param_dtype)
-    tokenizer = Tokenizer.from_folder(run_dir)
+    mesh = make_mesh(MeshConfig()) if mesh is None else mesh
+    params = _restore(run_dir, cfg, step, lambda ckpt, s: ckpt.restore_params(s, cfg.model, mesh, param_dtype))
+    return cfg, Tokenizer.from_folder(run_dir), params
+
+
+def _run_config(run_dir: Path) -> Config:
+    if not (run_dir / "config.yaml").exists():
+        raise FileNotFoundError(f"{run_dir} is not a jaxgen run folder (no config.yaml); train.py writes one")
+    return load_config(run_dir / "config.yaml")
+
+
+def _restore(run_dir: Path, cfg: Config, step: int | None, restore):
+    """`restore(checkpointer, step)` of the given step, or of the newest that restores (older ones tried
+    after a warning)."""
     ckpt = Checkpointer(run_dir, cfg.checkpoint)
     try:
         steps = ckpt.all_steps()
@@ -99,13 +110,9 @@ def load_run(run_dir: str | Path, mesh=None, step: int | None = None, param_dtyp
             raise FileNotFoundError(f"{run_dir} has no checkpoint yet")
         if step is not None and step not in steps:
             raise CheckpointError(f"{ckpt.directory} has no checkpoint of step {step}; it has steps {steps}")
-        mesh = make_mesh(MeshConfig()) if mesh is None else mesh
-        _, params = restore_newest(
-            ckpt, lambda s: ckpt.restore_params(s, cfg.model, mesh, param_dtype), steps if step is None else [step]
-        )
+        return restore_newest(ckpt, lambda s: restore(ckpt, s), steps if step is None else [step])[1]
     finally:
         ckpt.close()
-    return cfg, tokenizer, params
 
 
 def load_lora_run(run_dir: str | Path, mesh=None, step: int | None = None):
@@ -115,24 +122,12 @@ def load_lora_run(run_dir: str | Path, mesh=None, step: int | None = None):
     (the checkpoints hold no base). model.lora.base_dtype (bfloat16, int8) was how training held the base
     to save memory; the base here is the full-precision one."""
     run_dir = Path(run_dir)
-    cfg: Config = load_config(run_dir / "config.yaml")
+    cfg = _run_config(run_dir)
     if not cfg.model.lora.rank:
         raise ConfigError(f"{run_dir} is not a LoRA run (model.lora.rank=0): its checkpoints hold the whole model")
     mesh = make_mesh(MeshConfig()) if mesh is None else mesh
-    tokenizer = Tokenizer.from_folder(run_dir)
-    ckpt = Checkpointer(run_dir, cfg.checkpoint)
-    try:
-        steps = ckpt.all_steps()
-        if not steps:
-            raise FileNotFoundError(f"{run_dir} has no checkpoint yet")
-        if step is not None and step not in steps:
-            raise CheckpointError(f"{ckpt.directory} has no checkpoint of step {step}; it has steps {steps}")
-        _, adapters = restore_newest(
-            ckpt, lambda s: _restore_adapters(ckpt, s, cfg.model, mesh), steps if step is None else [step]
-        )
-    finally:
-        ckpt.close()
-    return cfg, tokenizer, _lora_base(cfg, mesh), adapters
+    adapters = _restore(run_dir, cfg, step, lambda ckpt, s: _restore_adapters(ckpt, s, cfg.model, mesh))
+    return cfg, Tokenizer.from_folder(run_dir), _lora_base(cfg, mesh), adapters
 
 
 def _restore_adapters(ckpt: Checkpointer, step: int, model_cfg: ModelConfig, mesh) -> dict:
