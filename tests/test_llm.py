@@ -95,3 +95,19 @@ def test_loaded_once_compiled_once_and_a_bad_request_leaves_nothing_queued(llm, 
 
     with pytest.raises(ConfigError, match="unknown serve setting slot; allowed: slots, page_size"):
         LLM(tiny_run, slot=4)  # refused before anything loads (load_model would raise)
+
+
+def test_the_engine_runs_on_the_serve_configs_devices_not_on_every_one(llm, tiny_run):
+    """A folder's weights and the page pool on serve.data_parallel x tensor_parallel devices (one here), not
+    on the training default of every device (8 in the tests: the pool held 8 times over); params handed
+    in from a mesh are moved to the engine's device too."""
+    import jax
+
+    def devices(tree):
+        return {d for leaf in jax.tree.leaves(tree) for d in leaf.sharding.device_set}
+
+    assert len(devices(llm.params)) == len(devices(llm.engine.state)) == 1
+    cfg, tok, spread = checkpoint.load_run(tiny_run)  # the training default: every device on data
+    assert len(devices(spread)) == jax.device_count() > 1
+    again = LLM(spread, cfg=cfg.model, tokenizer=tok, slots=2, num_pages=8)
+    assert len(devices(again.params)) == len(devices(again.engine.state)) == 1

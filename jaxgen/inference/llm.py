@@ -74,11 +74,15 @@ class LLM:
             raise ValueError("LLM(params, ...) needs cfg= and tokenizer= (or pass a run or Hugging Face folder)")
         from jaxgen.inference.loading import load_for_serving  # orbax only when a model loads, not on import
 
-        loaded = load_for_serving(source, self.serve, cfg=cfg, tokenizer=tokenizer, draft=draft)
+        mesh = _serving_mesh(self.serve)
+        if not isinstance(source, str | Path):  # onto the engine's devices, wherever the caller's were
+            source = _placed(source, cfg, mesh)
+        loaded = load_for_serving(source, self.serve, mesh, cfg=cfg, tokenizer=tokenizer, draft=draft)
         # laid out for decoding once here; Engine and Generator take them as they are (idempotent)
         self.params = model.decode_params(loaded.params, self.serve.slots)
         self.cfg, self.tokenizer = loaded.cfg, loaded.tokenizer
-        self.engine = Engine(self.params, self.cfg, self.tokenizer, self.serve, draft=loaded.draft)
+        self.engine = Engine(self.params, self.cfg, self.tokenizer, self.serve, mesh=mesh if mesh.size > 1 else None,
+                             draft=loaded.draft)  # fmt: skip
         self._generator: Generator | None = None
 
     def generate(
@@ -215,6 +219,25 @@ def _as_list(prompts) -> list:
     if isinstance(prompts, str) or (isinstance(prompts, list | tuple) and prompts and isinstance(prompts[0], int)):
         return [prompts]
     return list(prompts)
+
+
+def _serving_mesh(serve: ServeConfig):
+    """The engine's devices, as serve.py picks them: serve.data_parallel x serve.tensor_parallel of this
+    process's devices (by default one). Not the training default (every device on data), which would
+    run the engine, and hold its page pool, once on each device."""
+    import jax
+
+    from jaxgen.sharding import make_mesh
+
+    return make_mesh(serve.mesh, jax.local_devices())
+
+
+def _placed(params, cfg: ModelConfig, mesh):
+    import jax
+
+    if mesh.size == 1:
+        return jax.device_put(params, mesh.devices.flat[0])
+    return jax.device_put(params, model.param_shardings(cfg, mesh))
 
 
 def _serve_config(serve: ServeConfig, overrides: dict) -> ServeConfig:
