@@ -151,7 +151,8 @@ def rollout_batch(cfg: Config, outputs, rewards: np.ndarray, mine: slice = slice
 
 def run_rl(cfg: Config, run_dir: str | Path, progress: bool = True, stop_after: int | None = None) -> RLResult:
     """Runs (or resumes) RL into `run_dir`: checkpoints, config.yaml, tokenizer, metrics.jsonl,
-    TensorBoard events and reward.png. stop_after: stop (checkpointed) after this many steps of this call."""
+    TensorBoard events and reward.png. stop_after: stop (checkpointed) after this many steps of this call
+    (default: training.steps_per_run, as train.py; 0 = run to the end)."""
     from jaxgen.sharding import make_mesh
 
     run_dir = Path(run_dir)
@@ -175,11 +176,14 @@ def run_rl(cfg: Config, run_dir: str | Path, progress: bool = True, stop_after: 
     if latest is not None:
         state, _ = ckpt.restore(latest, state, with_data=False)
         step = latest
+        if is_main() and step < cfg.training.steps:
+            print(f"resuming {run_dir} from step {step}")
     if step >= cfg.training.steps:
         ckpt.close()
         return RLResult(step, "already finished", [])
     try:
-        last = cfg.training.steps if stop_after is None else min(cfg.training.steps, step + stop_after)
+        stop_after = cfg.training.steps_per_run if stop_after is None else stop_after
+        last = min(cfg.training.steps, step + stop_after) if stop_after else cfg.training.steps
         result = _loop(
             cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params, step, ckpt, progress, last
         )
