@@ -17,7 +17,8 @@ def main(argv: list[str] | None = None) -> int:
         "goes to one run folder (checkpoints, config, tokenizer, metrics.jsonl, TensorBoard, reward.png); running "
         "the same command again resumes from its latest checkpoint.",
         epilog="examples:\n  python rl.py\n  python rl.py --config configs/rl-arithmetic.yaml training.steps=20\n"
-        "  python rl.py rl.algorithm=reinforce rl.kl_coef=0.05 rl.init_from=runs/sft",
+        "  python rl.py rl.algorithm=reinforce rl.kl_coef=0.05 rl.init_from=runs/sft\n"
+        "  python launch.py -n 2 -- python rl.py mesh.fsdp=2   # two processes (docs/rl.md)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", default="configs/rl-arithmetic.yaml", help="YAML config (default: %(default)s)")
