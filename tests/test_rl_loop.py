@@ -1,7 +1,7 @@
-"""The RL loop end to end, on a (data=2, fsdp=2, tensor=2) mesh: GRPO raises a reward on a live engine whose
-weights are swapped every step; the sampler's log-probabilities are the trainer's; a run killed with SIGKILL
-resumes to the parameters of a run never killed; two processes run like one; and an update on the mesh equals
-one on one device."""
+"""The RL loop end to end: GRPO raises a reward on a live engine whose weights are swapped every step; the
+sampler's log-probabilities are the trainer's; a run killed with SIGKILL resumes to the parameters of a run never
+killed; two processes over a (data=2, fsdp=2, tensor=2) mesh run like one device; and an update on that mesh
+equals one on one device. The module's runs are on one device (cheapest to compile)."""
 
 import os
 import signal
@@ -23,9 +23,9 @@ from tests.conftest import ROOT
 TINY = [
     "model.num_layers=1", "model.d_model=64", "model.num_heads=2", "model.num_kv_heads=1", "model.d_ff=128",
     "rl.prompts_per_step=4", "rl.group_size=8", "rl.max_new_tokens=3", "rl.max_prompt_tokens=6",
-    "checkpoint.every=2", "checkpoint.keep=8", "optimizer.warmup_steps=0",
-    "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
+    "checkpoint.every=2", "checkpoint.keep=8", "optimizer.warmup_steps=0", "mesh.data=1",
 ]  # fmt: skip
+MESH = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
 STEPS = 16
 # A barely warm policy and a reward it earns a third of the time (tests/rl_pause.py, which can also stop a child
 # process mid-run for the kill -9 test). The built-in task's exact match did not rise clearly within 16-24 steps
@@ -140,14 +140,14 @@ def test_a_run_killed_with_sigkill_resumes_to_the_parameters_of_a_run_never_kill
 
 
 def test_two_processes_run_rl_like_one(tmp_path, uninterrupted, overrides):
-    """rl.py as 2 processes x 4 CPU devices over the same (2, 2, 2) mesh, for its first 4 steps
-    (training.steps_per_run): each process generates and rewards its half of a step's prompts on its own engine.
-    The rewards step for step, the losses and the parameters at step 4 are the one-process run's (not bitwise:
-    gloo reduces across processes in another order)."""
+    """rl.py as 2 processes x 4 CPU devices over a (2, 2, 2) mesh, for its first 4 steps (training.steps_per_run):
+    each process generates and rewards its half of a step's prompts on its own engine. The rewards step for step,
+    the losses and the parameters at step 4 are the one-device run's (to float32 rounding: the sums over devices
+    and processes run in another order)."""
     cfg, one = uninterrupted
     run_dir, first = tmp_path / "two", 4
     cmd = [sys.executable, "launch.py", "-n", "2", "--cpu-devices", "4", "--", sys.executable, "rl.py", "--run-dir",
-           str(run_dir), "--no-progress", *overrides, f"training.steps_per_run={first}",
+           str(run_dir), "--no-progress", *overrides, *MESH, f"training.steps_per_run={first}",
            "distributed.heartbeat_timeout_s=10"]  # fmt: skip
     with open(tmp_path / "two.log", "w") as log:
         status = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=900).returncode
@@ -158,10 +158,14 @@ def test_two_processes_run_rl_like_one(tmp_path, uninterrupted, overrides):
     assert [r["reward"] for r in two] == [r["reward"] for r in ref]  # the same samples
     for k in ("loss", "grad_norm", "entropy"):
         np.testing.assert_allclose([r[k] for r in two], [r[k] for r in ref], rtol=1e-4, atol=1e-6, err_msg=k)
-    # AdamW turns a gradient near zero whose last bits differ into a step of either sign, up to the learning rate
-    lr = cfg.optimizer.learning_rate
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=lr / 10),
-                 _final_params(run_dir), _final_params(one, step=first))  # fmt: skip
+    # AdamW turns a gradient near zero whose last bits differ into a step of either sign, of up to the learning
+    # rate: all but a few weights agree to rounding, and none is further apart than those steps can take it
+    a, b = (
+        np.concatenate([x.ravel() for x in jax.tree.leaves(p)])
+        for p in (_final_params(run_dir), _final_params(one, step=first))
+    )
+    apart = np.abs(a - b) > 1e-5 + 1e-4 * np.abs(b)
+    assert apart.mean() < 1e-3 and np.abs(a - b).max() <= 2 * first * cfg.optimizer.learning_rate, apart.sum()
 
 
 def _rollout_like_batch(cfg, seed=0):
@@ -195,7 +199,7 @@ def test_an_rl_step_on_a_mesh_of_8_devices_equals_one_device(token_cache):
     cfg = config(token_cache, "rl.kl_coef=0.1")
     batch, ref = _rollout_like_batch(cfg)
     one = make_mesh(MeshConfig(data=1), jax.devices()[:1])
-    eight = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    eight = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))  # MESH
     start = jax.tree.map(np.asarray, create_train_state(cfg, one).params)
     out = {}
     for name, mesh in (("one", one), ("eight", eight)):
