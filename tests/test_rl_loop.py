@@ -147,8 +147,7 @@ def test_two_processes_run_rl_like_one(tmp_path, uninterrupted, overrides):
     cfg, one = uninterrupted
     run_dir, first = tmp_path / "two", 4
     cmd = [sys.executable, "launch.py", "-n", "2", "--cpu-devices", "4", "--", sys.executable, "rl.py", "--run-dir",
-           str(run_dir), "--no-progress", *overrides, *MESH, f"training.steps_per_run={first}",
-           "distributed.heartbeat_timeout_s=10"]  # fmt: skip
+           str(run_dir), "--no-progress", *overrides, *MESH, f"training.steps_per_run={first}"]  # fmt: skip
     with open(tmp_path / "two.log", "w") as log:
         status = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=900).returncode
     out = (tmp_path / "two.log").read_text()
