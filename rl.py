@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from jaxgen.config import ConfigError, load_config
+from jaxgen.distributed import add_distributed_flags, describe, distributed_overrides, initialize
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,16 +17,19 @@ def main(argv: list[str] | None = None) -> int:
         "goes to one run folder (checkpoints, config, tokenizer, metrics.jsonl, TensorBoard, reward.png); running "
         "the same command again resumes from its latest checkpoint.",
         epilog="examples:\n  python rl.py\n  python rl.py --config configs/rl-arithmetic.yaml training.steps=20\n"
-        "  python rl.py rl.algorithm=reinforce rl.kl_coef=0.05 rl.init_from=runs/sft",
+        "  python rl.py rl.algorithm=reinforce rl.kl_coef=0.05 rl.init_from=runs/sft\n"
+        "  python launch.py -n 2 -- python rl.py mesh.fsdp=2   # two processes (docs/rl.md)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", default="configs/rl-arithmetic.yaml", help="YAML config (default: %(default)s)")
     parser.add_argument("--run-dir", help="run folder (default: runs/<config name>)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
+    add_distributed_flags(parser)
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. rl.group_size=4")
     args = parser.parse_intermixed_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides + distributed_overrides(args))
+        joined = initialize(cfg.distributed)  # before anything else touches JAX
     except (ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -34,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     from jaxgen.runtime import enable_compilation_cache
 
     enable_compilation_cache()
+    if joined:
+        print(describe(joined))
     try:
         result = run_rl(cfg, args.run_dir or f"runs/{cfg.name}", progress=not args.no_progress)
     except (ConfigError, FileNotFoundError, ValueError) as e:

@@ -20,6 +20,7 @@ resumes where it stopped and ends with the uninterrupted run's parameters.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import json
@@ -31,9 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen.config import Config, DataConfig, save_config
+from jaxgen.distributed import barrier, is_main
 from jaxgen.rl import objectives, tasks
+from jaxgen.sharding import batch_sharding, check_spans_processes, process_rows, with_mesh
 from jaxgen.training.checkpoint import Checkpointer
-from jaxgen.training.step import TrainState, apply_grads, create_train_state, make_optimizer
+from jaxgen.training.step import TrainState, apply_grads, create_train_state, make_optimizer, state_shardings
 
 BATCH_KEYS = ("tokens", "positions", "mask", "old_logp", "advantages")
 
@@ -72,10 +75,57 @@ def rl_step(state: TrainState, batch: dict, ref_logp, *, cfg: Config, tx, settin
     return state, metrics | {"loss": loss, "grad_norm": grad_norm, "finite": finite}
 
 
-def rollout_batch(cfg: Config, outputs, rewards: np.ndarray) -> dict:
+def make_rl_update(cfg: Config, mesh, state: TrainState, tx=None):
+    """The jitted, state-donating `update(state, batch, ref_logp)` (rl_step) on `mesh`: the state in its own
+    shardings (params and AdamW moments as training shards them), the batch's rows over data and fsdp.
+    tx: the optimizer (default: the config's AdamW)."""
+    r = cfg.rl
+    B, T = r.prompts_per_step * r.group_size, r.max_prompt_tokens + r.max_new_tokens
+    shapes = {"tokens": (B, T), "positions": (B, T), "mask": (B, T - 1), "old_logp": (B, T - 1), "advantages": (B,)}
+    batch_sh = {k: batch_sharding(mesh, shape) for k, shape in shapes.items()}
+    state_sh = state_shardings(state)
+    tx = make_optimizer(cfg.optimizer, cfg.training.steps) if tx is None else tx
+    step = jax.jit(
+        functools.partial(rl_step, cfg=cfg, tx=tx, settings=settings_of(cfg)),
+        in_shardings=(state_sh, batch_sh, batch_sh["mask"]), out_shardings=(state_sh, None), donate_argnums=0,
+    )  # fmt: skip
+    return with_mesh(step, mesh)
+
+
+def rollout_rows(cfg: Config, mesh) -> slice:
+    """This process's rows of a step's B = prompts x group rows: those its devices hold in the update (all of
+    them for one process). Each process generates, and scores the rewards of, its rows alone, so they must be
+    whole groups."""
+    n = cfg.rl.group_size
+    rows = process_rows(mesh, cfg.rl.prompts_per_step * n)
+    if rows.start % n or rows.stop % n:
+        raise ValueError(
+            f"rl.prompts_per_step={cfg.rl.prompts_per_step} is not allowed on the mesh {dict(mesh.shape)} over "
+            f"{jax.process_count()} processes: each process's rows ({rows.start}..{rows.stop}) must be whole groups "
+            f"of rl.group_size={n}; a multiple of {jax.process_count()} prompts a step is"
+        )
+    return rows
+
+
+def engine_params(params, mesh):
+    """This process's whole copy of `params` (sharded over `mesh`, perhaps over several processes) on its first
+    device of the mesh, where its engine runs: one all-gather to every device, then this device's replica."""
+    full = _replicate(mesh)(params)
+    device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+    return jax.tree.map(lambda x: next(s.data for s in x.addressable_shards if s.device == device), full)
+
+
+@functools.cache
+def _replicate(mesh):
+    """The jitted all-gather of a pytree to every device of `mesh` (made once a mesh: compiled once a structure)."""
+    return jax.jit(lambda tree: tree, out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
+def rollout_batch(cfg: Config, outputs, rewards: np.ndarray, mine: slice = slice(None)) -> dict:
     """The update's arrays from the engine's outputs (one RequestOutput a prompt, `group_size` completions
-    each, in order) and the (P, n) rewards: rows left-aligned, prompt then completion, padded with
-    position -1 to T = rl.max_prompt_tokens + rl.max_new_tokens."""
+    each, in order) and the (P, n) rewards of every process: rows left-aligned, prompt then completion,
+    padded with position -1 to T = rl.max_prompt_tokens + rl.max_new_tokens. mine: the outputs' rows of the
+    step's B (`rollout_rows`); the advantages, computed over all B, are cut to them."""
     r = cfg.rl
     T = r.max_prompt_tokens + r.max_new_tokens
     rows = [(out.prompt_token_ids, c) for out in outputs for c in out.outputs]
@@ -95,12 +145,14 @@ def rollout_batch(cfg: Config, outputs, rewards: np.ndarray) -> dict:
         adv = objectives.group_advantages(jnp.asarray(rewards), r.normalize).reshape(-1)
     else:
         adv = objectives.batch_advantages(jnp.asarray(rewards).reshape(-1))
-    return {"tokens": tokens, "positions": positions, "mask": mask, "old_logp": old, "advantages": np.asarray(adv)}
+    adv = np.asarray(adv)[mine]
+    return {"tokens": tokens, "positions": positions, "mask": mask, "old_logp": old, "advantages": adv}
 
 
 def run_rl(cfg: Config, run_dir: str | Path, progress: bool = True, stop_after: int | None = None) -> RLResult:
     """Runs (or resumes) RL into `run_dir`: checkpoints, config.yaml, tokenizer, metrics.jsonl,
-    TensorBoard events and reward.png. stop_after: stop (checkpointed) after this many steps of this call."""
+    TensorBoard events and reward.png. stop_after: stop (checkpointed) after this many steps of this call
+    (default: training.steps_per_run, as train.py; 0 = run to the end)."""
     from jaxgen.sharding import make_mesh
 
     run_dir = Path(run_dir)
@@ -111,10 +163,12 @@ def run_rl(cfg: Config, run_dir: str | Path, progress: bool = True, stop_after: 
     records = tasks.load_prompts(cfg.rl, cfg.training.seed)
     reward_fn = tasks.load_reward(cfg.rl)
     mesh = make_mesh(cfg.mesh)
+    check_spans_processes(mesh, f"the mesh {dict(mesh.shape)}")
     cfg, tokenizer, start_params = starting_policy(cfg, run_dir, mesh, progress)
     _check_prompts(cfg, tokenizer, records)
-    save_config(cfg, run_dir / "config.yaml")
-    tokenizer.save_folder(run_dir)
+    if is_main():  # one writer; every process has the same config and tokenizer
+        save_config(cfg, run_dir / "config.yaml")
+        tokenizer.save_folder(run_dir)
     ckpt = Checkpointer(run_dir, cfg.checkpoint)
     state = create_train_state(cfg, mesh, start_params)
     step = 0
@@ -122,11 +176,14 @@ def run_rl(cfg: Config, run_dir: str | Path, progress: bool = True, stop_after: 
     if latest is not None:
         state, _ = ckpt.restore(latest, state, with_data=False)
         step = latest
+        if is_main() and step < cfg.training.steps:
+            print(f"resuming {run_dir} from step {step}")
     if step >= cfg.training.steps:
         ckpt.close()
         return RLResult(step, "already finished", [])
     try:
-        last = cfg.training.steps if stop_after is None else min(cfg.training.steps, step + stop_after)
+        stop_after = cfg.training.steps_per_run if stop_after is None else stop_after
+        last = min(cfg.training.steps, step + stop_after) if stop_after else cfg.training.steps
         result = _loop(
             cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params, step, ckpt, progress, last
         )
@@ -159,9 +216,10 @@ def warm_start_config(cfg: Config, folder: str | Path) -> Config:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "warm_start.jsonl"
-    if not path.exists():
+    if not path.exists() and is_main():  # one writer: the others would read a file half written
         lines = (json.dumps(r) + "\n" for r in tasks.warm_start_records(cfg.training.seed, cfg.rl.max_operand))
         path.write_text("".join(lines))
+    barrier("jaxgen-rl-warm-start-data")
     data = DataConfig(
         source="jsonl", paths=(str(path),), prompt_field="prompt", response_field="response",
         tokenizer=cfg.data.tokenizer, seq_len=cfg.data.seq_len, seed=cfg.training.seed, cache_dir=cfg.data.cache_dir,
@@ -203,24 +261,29 @@ def _loop(cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params
     from jaxgen.training.metrics import MetricsWriter
 
     r = cfg.rl
-    tx = make_optimizer(cfg.optimizer, cfg.training.steps)
-    settings = settings_of(cfg)
-    update = jax.jit(functools.partial(rl_step, cfg=cfg, tx=tx, settings=settings), donate_argnums=0)
-    score_ref = jax.jit(
-        lambda p, t, pos: objectives.token_logprobs(p, t, pos, cfg=cfg.model, temperature=r.temperature)[0]
-    )
-    slots = r.prompts_per_step * r.group_size
-    llm = LLM(state.params, cfg=cfg.model, tokenizer=tokenizer, slots=slots, num_pages=rollout_pages(cfg),
-              max_logprobs=0)  # fmt: skip
+    update = make_rl_update(cfg, mesh, state)
+    B = r.prompts_per_step * r.group_size
+    score_ref = with_mesh(jax.jit(
+        lambda p, t, pos: objectives.token_logprobs(p, t, pos, cfg=cfg.model, temperature=r.temperature)[0],
+        out_shardings=batch_sharding(mesh, (B, r.max_prompt_tokens + r.max_new_tokens - 1)),
+    ), mesh)  # fmt: skip
+    # Several processes: each generates (and rewards) its own rows of the step on its own engine, data parallel
+    # like the update; the rewards are gathered so that every process forms the same advantages.
+    rows = rollout_rows(cfg, mesh)
+    mine = slice(rows.start // r.group_size, rows.stop // r.group_size)  # this process's prompts of the step
+    llm = LLM(engine_params(state.params, mesh), cfg=cfg.model, tokenizer=tokenizer, slots=rows.stop - rows.start,
+              num_pages=rollout_pages(cfg, rows=rows.stop - rows.start), max_logprobs=0)  # fmt: skip
     workers = concurrent.futures.ThreadPoolExecutor(r.reward_workers, thread_name_prefix="reward")
     rewards_seen = []
-    bar = tqdm(total=cfg.training.steps, initial=step, disable=not progress, unit="step", dynamic_ncols=True)
-    with MetricsWriter(run_dir) as metrics, workers:
+    main = is_main()  # only process 0 writes metrics and shows the bar
+    bar = tqdm(total=cfg.training.steps, initial=step, disable=not (progress and main), unit="step",
+               dynamic_ncols=True)  # fmt: skip
+    with MetricsWriter(run_dir) if main else contextlib.nullcontext() as metrics, workers:
         while step < last:
             times = {}
             t0 = time.perf_counter()
-            chosen = tasks.step_prompts(records, cfg.training.seed, step, r.prompts_per_step)
-            outputs = llm.generate([c["prompt"] for c in chosen], _sampling(cfg, step, len(chosen)))
+            chosen = tasks.step_prompts(records, cfg.training.seed, step, r.prompts_per_step)[mine]
+            outputs = llm.generate([c["prompt"] for c in chosen], _sampling(cfg, step, r.prompts_per_step)[mine])
             times["generate_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             jobs = [
@@ -228,31 +291,32 @@ def _loop(cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params
                 for rec, out in zip(chosen, outputs, strict=True)
             ]
             rewards = np.asarray([[_reward_of(cfg, j) for j in group] for group in jobs], np.float32)
+            new_tokens = sum(len(c.tokens) for out in outputs for c in out.outputs)
+            rewards, new_tokens = _gathered(cfg, rows, rewards, new_tokens)
             times["reward_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
-            batch = rollout_batch(cfg, outputs, rewards)
-            ref = (
-                score_ref(start_params, batch["tokens"], batch["positions"])
-                if r.kl_coef
-                else jnp.zeros(batch["mask"].shape, jnp.float32)
-            )
+            local = rollout_batch(cfg, outputs, rewards, rows)
+            batch = _global_rows(local | {"ref": np.zeros_like(local["mask"])}, mesh, B)
+            ref = batch.pop("ref")  # no KL penalty: zeros, unread
+            if r.kl_coef:
+                ref = score_ref(start_params, batch["tokens"], batch["positions"])
             times["score_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             state, m = update(state, batch, ref)
             m = jax.device_get(m)
             times["update_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
-            llm.update_params(state.params)
+            llm.update_params(engine_params(state.params, mesh))
             times["swap_s"] = time.perf_counter() - t0
             step += 1
-            new_tokens = int(batch["mask"].sum())
             record = {
                 "step": step, "reward": float(rewards.mean()), "reward_std": float(rewards.std()),
                 "loss": float(m["loss"]), "entropy": float(m["entropy"]), "kl": float(m.get("kl", 0.0)),
                 "clip_frac": float(m["clip_frac"]), "sampler_gap": float(m["sampler_gap"]),
                 "grad_norm": float(m["grad_norm"]), "tokens_per_s": new_tokens / max(times["generate_s"], 1e-9),
             } | times  # fmt: skip
-            metrics.write(record)
+            if main:
+                metrics.write(record)
             rewards_seen.append(record["reward"])
             bar.update(1)
             bar.set_postfix(reward=f"{record['reward']:.3f}±{record['reward_std']:.2f}", kl=f"{record['kl']:.4f}",
@@ -260,16 +324,47 @@ def _loop(cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params
             if step % cfg.checkpoint.every == 0 or step == last:
                 ckpt.save(step, state)
     bar.close()
-    plot_reward(run_dir)
+    if main:
+        plot_reward(run_dir)
+    barrier("jaxgen-rl-end")  # the others wait for process 0's plot rather than at JAX's shutdown barrier
     return RLResult(step, "finished" if step >= cfg.training.steps else "stopped", rewards_seen)
 
 
-def rollout_pages(cfg: Config, page_size: int = 16) -> int:
-    """The engine's page pool: every rollout of a step at full length at once, and a page a slot to spare.
-    Sized to the step rather than the serving default (a gigabyte), which a mesh would hold on every device."""
+def rollout_pages(cfg: Config, page_size: int = 16, rows: int | None = None) -> int:
+    """The engine's page pool: every rollout of a step (or `rows` of them: a process's share) at full length
+    at once, and a page a slot to spare. Sized to the step rather than the serving default (a gigabyte)."""
     r = cfg.rl
     per_row = -(-(r.max_prompt_tokens + r.max_new_tokens) // page_size)
-    return r.prompts_per_step * r.group_size * (per_row + 1)
+    return (r.prompts_per_step * r.group_size if rows is None else rows) * (per_row + 1)
+
+
+def _gathered(cfg: Config, rows: slice, rewards: np.ndarray, new_tokens: int) -> tuple[np.ndarray, int]:
+    """(the (P, n) rewards of every process's rows, the new tokens of all of them) from this process's
+    rewards (its rows' groups) and token count: one small all-gather (nothing for a single process)."""
+    if jax.process_count() == 1:
+        return rewards, new_tokens
+    from jax.experimental import multihost_utils
+
+    n = cfg.rl.group_size
+    mine = np.concatenate([[rows.start // n, new_tokens], rewards.ravel()]).astype(np.float32)
+    every = np.asarray(multihost_utils.process_allgather(mine))  # (processes, 2 + rows)
+    out = np.full((cfg.rl.prompts_per_step, n), np.nan, np.float32)
+    tokens = {}
+    for row in every:
+        first = int(row[0])
+        out[first : first + len(rewards)] = row[2:].reshape(len(rewards), n)
+        tokens[first] = int(row[1])  # keyed by rows: processes that share rows (no data axis over them) count once
+    assert not np.isnan(out).any(), "the processes' rows do not cover the step"
+    return out, sum(tokens.values())
+
+
+def _global_rows(local: dict, mesh, rows: int) -> dict:
+    """This process's rows of each (B, ...) array placed as one global array, rows sharded over data and fsdp."""
+    out = {}
+    for k, v in local.items():
+        shape = (rows, *v.shape[1:])
+        out[k] = jax.make_array_from_process_local_data(batch_sharding(mesh, shape), v, shape)
+    return out
 
 
 def _reward_of(cfg: Config, job) -> float:

@@ -1,0 +1,30 @@
+"""Rewards for tests/test_rl_loop.py that can stop a run mid-way: in a process started with
+$JAXGEN_TEST_PAUSE_AFTER=K (and $JAXGEN_TEST_ROWS_PER_STEP), the reward sleeps until the process is killed once
+K steps' rewards are done, so that the kill -9 test kills the run mid-way however fast or slow the machine is.
+Imports nothing of the test suite (a child process of rl.py imports it)."""
+
+import itertools
+import os
+import time
+
+from jaxgen.rl.tasks import exact_match
+
+_calls = itertools.count()
+
+
+def _pause_when_asked() -> None:
+    pause_after = int(os.environ.get("JAXGEN_TEST_PAUSE_AFTER", "0"))
+    if pause_after and next(_calls) >= pause_after * int(os.environ["JAXGEN_TEST_ROWS_PER_STEP"]):
+        time.sleep(3600)  # the test kills this process here
+
+
+def exact_match_pausing(prompt: str, completion: str, **fields) -> float:
+    """The built-in task's reward (1.0 for the exact answer)."""
+    _pause_when_asked()
+    return exact_match(prompt, completion, **fields)
+
+
+def starts_with_a_digit(prompt: str, completion: str, **fields) -> float:
+    """A reward the barely warm policy of the tests earns a third of the time and a working gradient raises fast."""
+    _pause_when_asked()
+    return float(completion[:1].isdigit())
