@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jaxgen.model import blockwise, context, kernels, layers
 from jaxgen.model.kernels import cpu
 from jaxgen.model.storage import from_storage
+from jaxgen.sharding import constrain, context_size
 
 NEG_INF = jnp.finfo(jnp.float32).min  # finite, so a fully masked row (padding) gives no NaN
 
@@ -88,6 +89,31 @@ def sequence_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, win
         q_seg_bt=segment_ids_bt, k_seg_bs=segment_ids_bt, window=window,
         block_q=cfg.attention_block, block_k=cfg.attention_block,
     )  # fmt: skip
+
+
+def check_prompt(cache, segment_ids_bt, t: int, cfg) -> None:
+    """Raises ValueError, before anything compiles, unless a whole prompt's prefill (`forward(...,
+    fresh=True)`) of T = `t` tokens (padding included) can run: a cache to fill, one sequence per row, and
+    on a context mesh a T the context axis splits into zig-zag halves of whole blocks."""
+    if cache is None:
+        raise ValueError("fresh=True: a whole prompt's prefill needs the cache it fills, got cache=None")
+    if segment_ids_bt is not None:
+        raise ValueError("fresh=True: a cache holds one sequence per row, got segment_ids (packed documents)")
+    impl = kernels.fit_length(kernels.choose(cfg), t, cfg)
+    if impl in ("ring", "allgather"):
+        context.check_fit(impl, t, context_size(), cfg.attention_block, what="prompt length (padded)")
+
+
+def store_prompt(cache, kv, layer, k_btkh, v_btkh, positions_bt):
+    """kv with a whole prompt's keys and values (B, T, K, H) of `layer` written by `cache.write`.
+
+    On a context mesh the prompt's tokens are split over `context` (T / C per device) while the caches
+    keep their slots (pages) whole on every device, the layout decode reads in place: the keys, values
+    and positions are gathered once here, one (B, T, K, H) all-gather each per layer, after attention ran
+    on the split tokens. (Without a context axis the constraints change nothing.)"""
+    gathered = ("batch", None, "kv_heads", "head_dim")
+    k, v = constrain(k_btkh, gathered), constrain(v_btkh, gathered)
+    return cache.write(kv, layer, k, v, constrain(positions_bt, ("batch", None)))
 
 
 def cached_attention(q_btnh, cache, kv, layer, q_pos_bt, window, cfg):

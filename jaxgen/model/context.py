@@ -53,7 +53,7 @@ _NO_WINDOW = jnp.iinfo(jnp.int32).max
 AXIS = "context"
 
 
-def check_fit(impl: str, t: int, context: int, block: int) -> int:
+def check_fit(impl: str, t: int, context: int, block: int, what: str = "sequence length") -> int:
     """The block size both loops use for T = `t` tokens over `context` devices; raises ValueError when T
     is not a multiple of 2 x context x block (zig-zag halves of whole blocks; the block shrinks to the
     half when that is smaller)."""
@@ -61,7 +61,7 @@ def check_fit(impl: str, t: int, context: int, block: int) -> int:
     bq = min(block, max(half, 1))
     if t % (2 * context * bq):
         raise ValueError(
-            f"model.attention_impl={impl}: the sequence length T={t} must be a multiple of 2 x mesh.context x "
+            f"model.attention_impl={impl}: the {what} T={t} must be a multiple of 2 x mesh.context x "
             f"block = 2 x {context} x {bq} = {2 * context * bq} (zig-zag halves of whole blocks; block = "
             f"min(model.attention_block, T / (2 x context)))"
         )
