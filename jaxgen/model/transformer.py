@@ -98,7 +98,7 @@ def _run(params, tokens, positions, cache, cfg: ModelConfig, segment_ids, fresh=
     x = _embed(params, tokens, positions, cfg)
 
     t = tokens.shape[1]
-    if cache is None or fresh:  # whole sequences: the implementation for this backend (see attention.sequence_attention)
+    if cache is None or fresh:  # whole sequences (a fresh prompt's too): the backend's attention_impl
         impl = kernels.fit_length(kernels.choose(cfg), t, cfg)
         # dense: the whole (T, T) mask once, windowed per layer; cudnn: its segment mask once, shared by
         # every layer; blockwise and splash mask block by block
@@ -119,8 +119,10 @@ def _run(params, tokens, positions, cache, cfg: ModelConfig, segment_ids, fresh=
             attend = functools.partial(
                 _attend_plain, impl=impl, mask=mask, positions=positions, segment_ids=segment_ids, cfg=cfg
             )
-        elif fresh:
-            attend = functools.partial(_attend_prompt, cache=cache, kv=kv, impl=impl, mask=mask, positions=positions, cfg=cfg)
+        elif fresh:  # a whole prompt: attention as above, its keys then stored
+            attend = functools.partial(
+                _attend_prompt, cache=cache, kv=kv, impl=impl, mask=mask, positions=positions, cfg=cfg
+            )
         else:
             attend = functools.partial(_attend_cache, cache=cache, kv=kv, positions=positions, cfg=cfg)
         x, kv, aux = _block(x, p, positions, consts, attend, cfg)
