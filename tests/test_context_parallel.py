@@ -264,7 +264,8 @@ def test_context_parallel_prefill_writes_the_cache_of_one_device_and_decode_cont
     """A ragged two-row prompt with a sliding window: prefilled with `fresh=True` on a context=4 mesh (its
     attention ring or allgather over the split prompt) it leaves the same cache as one device's cached
     forward (attention over the cache's blocks), and four greedy decode steps on that mesh give the same
-    tokens, logits and cache."""
+    tokens, logits and cache. The contiguous cache comes out whole on every device; the page pool split
+    along each page's offsets over `context`, which decode reads by a partial softmax per device."""
     params = model.init_params(PROMPT_CFG, jax.random.key(0))
     want = _prefill_and_decode(kind, PROMPT_CFG, False, params)
     mesh = make_mesh(CONTEXT4)
@@ -272,6 +273,10 @@ def test_context_parallel_prefill_writes_the_cache_of_one_device_and_decode_cont
     with jax.set_mesh(mesh):
         got = _prefill_and_decode(kind, cfg, True, jax.device_put(params, model.param_shardings(cfg, mesh)))
     (cache1, tokens1, logits1, end1), (cache4, tokens4, logits4, end4) = want, got
+    split = {"contiguous": None, "paged": "context"}[kind]  # keys: (B, K, H, S / N) blocks; (K, L, Q, Z, H)
+    for cache in (cache4, end4):
+        sharding = jax.tree.leaves(cache)[1].sharding
+        assert (*sharding.spec, None, None, None, None)[3] == split, sharding
     np.testing.assert_array_equal(tokens4, tokens1)
     np.testing.assert_allclose(logits4, logits1, atol=1e-5, rtol=1e-5)
     for what, a, b in (("prefilled", cache4, cache1), ("decoded", end4, end1)):
@@ -315,11 +320,11 @@ def test_context_parallel_prefill_holds_no_whole_sequence_attention_array():
 
 
 def test_bad_prefill_is_refused_before_compiling():
-    tokens = jax.ShapeDtypeStruct((2, 60), jnp.int32)
+    tokens = jax.ShapeDtypeStruct((2, 72), jnp.int32)
     cache = jax.eval_shape(lambda: KVCache.init(PROMPT_CFG, 2, 128))
     params = jax.eval_shape(lambda: model.init_params(PROMPT_CFG, jax.random.key(0)))
     prefill = lambda p, t, c, **kw: model.forward(p, t, t, c, cfg=PROMPT_CFG, fresh=True, **kw)
-    rule = r"prompt length \(padded\) T=60 must be a multiple of 2 x mesh.context x block = 2 x 4 x 8 = 64"
+    rule = r"prompt length \(padded\) T=72 must be a multiple of 2 x mesh.context x block = 2 x 4 x 8 = 64"
     with jax.set_mesh(make_mesh(CONTEXT4)), pytest.raises(ValueError, match=rule):
         jax.eval_shape(prefill, params, tokens, cache)
     with pytest.raises(ValueError, match="needs the cache it fills"):

@@ -121,15 +121,38 @@ def cached_attention(q_btnh, cache, kv, layer, q_pos_bt, window, cfg):
     block at a time with an online softmax: only `cache.blocks_to_visit` blocks are read, so a step
     costs what the filled part of the cache costs, not its allocated length. `window`: this layer's
     sliding window (an int, a traced scalar, or None). Returns (B, T, N, H) and `kv` (this call's keys
-    already written by `cache.write`)."""
+    already written by `cache.write`).
+
+    A cache whose blocks' slots are split over the mesh's context axis (`context_split` > 1, an optional
+    member: the paged pool on a context mesh) is read by every device over its own slots, the partial
+    softmaxes combined once (`context.split_cached_attention`)."""
     b, t, n, h = q_btnh.shape
+    k = cfg.kv_heads
+    q = q_btnh.reshape(b, t, k, n // k, h).astype(jnp.float32) * logit_scale(cfg)
+    if getattr(cache, "context_split", 1) > 1:
+        fold = functools.partial(_fold_cache, window=window, cfg=cfg)
+        _, l, acc = context.split_cached_attention(fold, q, cache, kv, layer, q_pos_bt)
+        return _normalise(l, acc, q_btnh), kv
     kernel = kernels.decode_kernel(cfg, cache, t)
     if kernel:  # a decode step the cache's fused kernel reads in place (pages: the GPU Pallas kernel)
         inputs = cache.decode_inputs(kv, layer)
         scale, softcap = logit_scale(cfg), cfg.attn_softcap
         return kernels.decode_attention(kernel, q_btnh, inputs, q_pos_bt, scale=scale, softcap=softcap), kv
-    k = cfg.kv_heads
-    q = q_btnh.reshape(b, t, k, n // k, h).astype(jnp.float32) * logit_scale(cfg)
+    (_, l, acc), kv = _fold_cache(q, cache, kv, layer, q_pos_bt, window=window, cfg=cfg)
+    return _normalise(l, acc, q_btnh), kv
+
+
+def _normalise(l, acc, q_btnh):
+    """(B, T, N, H) from the normaliser (B, K, G, T) and weighted sum (B, K, G, T, H)."""
+    out = acc / jnp.maximum(l, 1e-30)[..., None]  # rows with no key at all (padding) give 0
+    return out.transpose(0, 3, 1, 2, 4).reshape(q_btnh.shape).astype(q_btnh.dtype)
+
+
+def _fold_cache(q, cache, kv, layer, q_pos_bt, *, window, cfg):
+    """The online softmax's (running max, normaliser, weighted sum), (B, K, G, T[, H]) float32, of the
+    scaled queries q (B, T, K, G, H) over the blocks of `cache` in use; and kv (a traced-block loop
+    carries it)."""
+    b, t, k, g, h = q.shape
 
     def fold_block(stats, k_bkhs, v_bksh, k_pos_bs):
         mask = attention_mask(q_pos_bt, k_pos_bs, window=window)
@@ -143,20 +166,17 @@ def cached_attention(q_btnh, cache, kv, layer, q_pos_bt, window, cfg):
         return cpu.fold_parts(fold_block, stats, block, filled)
 
     stats = (
-        jnp.full((b, k, n // k, t), NEG_INF, jnp.float32),  # running max
-        jnp.zeros((b, k, n // k, t), jnp.float32),  # running normaliser
-        jnp.zeros((b, k, n // k, t, h), jnp.float32),  # running weighted sum of values
+        jnp.full((b, k, g, t), NEG_INF, jnp.float32),  # running max
+        jnp.zeros((b, k, g, t), jnp.float32),  # running normaliser
+        jnp.zeros((b, k, g, t, h), jnp.float32),  # running weighted sum of values
     )
     visit = cache.blocks_to_visit(q_pos_bt)
     if cache.num_blocks is None:  # kv rides in the carry: as a loop-invariant operand XLA copies it
-        stats, kv = jax.lax.fori_loop(0, visit, lambda j, c: (fold(j, *c), c[1]), (stats, kv))
-    else:  # blocks_to_visit >= 1: block 0 needs no cond
-        for j in range(cache.num_blocks):
-            fold_j = functools.partial(fold, j, kv=kv)
-            stats = fold_j(stats) if j == 0 else jax.lax.cond(j < visit, fold_j, _same, stats)
-    _, l, acc = stats
-    out = acc / jnp.maximum(l, 1e-30)[..., None]  # rows with no key at all (padding) give 0
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q_btnh.dtype), kv
+        return jax.lax.fori_loop(0, visit, lambda j, c: (fold(j, *c), c[1]), (stats, kv))
+    for j in range(cache.num_blocks):  # blocks_to_visit >= 1: block 0 needs no cond
+        fold_j = functools.partial(fold, j, kv=kv)
+        stats = fold_j(stats) if j == 0 else jax.lax.cond(j < visit, fold_j, _same, stats)
+    return stats, kv
 
 
 def _same(stats):
