@@ -264,8 +264,8 @@ def test_context_parallel_prefill_writes_the_cache_of_one_device_and_decode_cont
     """A ragged two-row prompt with a sliding window: prefilled with `fresh=True` on a context=4 mesh (its
     attention ring or allgather over the split prompt) it leaves the same cache as one device's cached
     forward (attention over the cache's blocks), and four greedy decode steps on that mesh give the same
-    tokens, logits and cache. The contiguous cache comes out whole on every device; the page pool split
-    along each page's offsets over `context`, which decode reads by a partial softmax per device."""
+    tokens, logits and cache. Both caches come out split over `context` (each block's slots, each page's
+    offsets), and decode reads them by a partial softmax per device, combined once per layer."""
     params = model.init_params(PROMPT_CFG, jax.random.key(0))
     want = _prefill_and_decode(kind, PROMPT_CFG, False, params)
     mesh = make_mesh(CONTEXT4)
@@ -273,10 +273,9 @@ def test_context_parallel_prefill_writes_the_cache_of_one_device_and_decode_cont
     with jax.set_mesh(mesh):
         got = _prefill_and_decode(kind, cfg, True, jax.device_put(params, model.param_shardings(cfg, mesh)))
     (cache1, tokens1, logits1, end1), (cache4, tokens4, logits4, end4) = want, got
-    split = {"contiguous": None, "paged": "context"}[kind]  # keys: (B, K, H, S / N) blocks; (K, L, Q, Z, H)
-    for cache in (cache4, end4):
+    for cache in (cache4, end4):  # split over context: keys (B, K, H, S / N) along slots, (K, L, Q, Z, H) offsets
         sharding = jax.tree.leaves(cache)[1].sharding
-        assert (*sharding.spec, None, None, None, None)[3] == split, sharding
+        assert (*sharding.spec, None, None, None, None)[3] == "context", sharding
     np.testing.assert_array_equal(tokens4, tokens1)
     np.testing.assert_allclose(logits4, logits1, atol=1e-5, rtol=1e-5)
     for what, a, b in (("prefilled", cache4, cache1), ("decoded", end4, end1)):
