@@ -24,6 +24,11 @@ back (`to_zigzag`, `from_zigzag`), T / C tokens per device each way. Since the m
 by the reorder, and packed documents, sliding windows and GQA/MQA need nothing more. Reordering the batch
 once at the model's input instead would save those transfers in every layer: not done.
 
+A whole prompt's prefill (`transformer.forward(..., fresh=True)`) attends the same way; the caches it
+fills are split over `context` along their slots (pages' offsets), and cached attention over such a cache
+with few queries (decode) runs `split_cached_attention`: each device its own slots, the partial softmaxes
+combined once.
+
 Shapes: the glossary in `jaxgen.sharding`; C the context size, Tc = T / C the tokens per device.
 """
 

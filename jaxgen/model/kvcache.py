@@ -19,6 +19,11 @@ docs/performance.md, "KV cache layout"). Layers and blocks are indexed staticall
 layers as a Python loop. Ragged prompts leave empty slots (pos = -1) that attention masks out; each
 row's own positions (for RoPE / learned embeddings) live in `pos`, so a padded sequence computes exactly
 what it would alone.
+
+On a mesh with a context axis of C devices (dividing S / N) each block's slots are split C ways (device r
+holds slots [r S / (N C), (r + 1) S / (N C)) of every block; `pos` and `end` whole everywhere): each
+device writes the slots it holds (`write` under `shard_map`), and decode steps read them with a partial
+softmax per device (`context.split_cached_attention`), so a long sequence's cache takes 1/C per device.
 """
 
 from __future__ import annotations

@@ -18,6 +18,10 @@ cached is host bookkeeping (`jaxgen.inference.pages.PagePool`). Kv heads lead so
 (K, L * Q, Z, H), a free reshape, is what the GPU Pallas paged-attention kernel reads in place, layer l's
 page p being page l * Q + p (`decode_inputs`, `jaxgen.model.kernels.paged_gpu`); a tensor-parallel shard
 of the kv heads is then one contiguous run of memory.
+
+On a mesh with a context axis of C devices (dividing Z) each page's offsets are split C ways (device r
+holds offsets [r Z / C, (r + 1) Z / C) of every page; tables whole everywhere): writes keep each device's
+offsets, and decode steps read them with a partial softmax per device (`context.split_cached_attention`).
 """
 
 from __future__ import annotations
