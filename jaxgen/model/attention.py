@@ -108,10 +108,11 @@ def check_prompt(cache, segment_ids_bt, t: int, cfg) -> None:
 def store_prompt(cache, kv, layer, k_btkh, v_btkh, positions_bt):
     """kv with a whole prompt's keys and values (B, T, K, H) of `layer` written by `cache.write`.
 
-    On a context mesh the prompt's tokens are split over `context` (T / C per device) while the caches
-    keep their slots (pages) whole on every device, the layout decode reads in place: the keys, values
-    and positions are gathered once here, one (B, T, K, H) all-gather each per layer, after attention ran
-    on the split tokens. (Without a context axis the constraints change nothing.)"""
+    On a context mesh the prompt's tokens are split over `context` in order (device r: tokens [r T / C,
+    (r + 1) T / C)), while the caches split every block's slots (every page's offsets) over it, the layout
+    decode reads: the keys, values and positions are gathered once here, one (B, T, K, H) all-gather each
+    per layer, after attention ran on the split tokens, and each device keeps the slots it holds
+    (`cache.write`). (Without a context axis the constraints change nothing.)"""
     gathered = ("batch", None, "kv_heads", "head_dim")
     k, v = constrain(k_btkh, gathered), constrain(v_btkh, gathered)
     return cache.write(kv, layer, k, v, constrain(positions_bt, ("batch", None)))

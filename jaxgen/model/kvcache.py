@@ -97,7 +97,7 @@ class KVCache:
         return _nbytes(self)
 
     def constrain(self) -> KVCache:
-        """Sharding constraints on the cache under the current mesh: batch over data, kv heads over tensor."""
+        """Sharding constraints under the current mesh: batch over data, kv heads over tensor, slots over context."""
         each = lambda xs, names: jax.tree.map(lambda x: constrain(x, names), xs)
         scales = {}
         if self.k_scale is not None:

@@ -76,7 +76,7 @@ class PagedCache:
         holds Z / C offsets of every page, and attention reads them with a partial softmax per device
         (`context.split_cached_attention`); else 1 (pages whole on every device)."""
         c = context_size()
-        return c if c > 1 and self.k.shape[3] % c == 0 else 1
+        return c if self.split == 1 and c > 1 and self.k.shape[3] % c == 0 else 1
 
     def context_parts(self, kv):
         """What `shard_map` over the mesh takes for a device's part of the pool: (tables, their specs, the
