@@ -3,6 +3,7 @@ attention equal dense attention in values and gradients (causal, packed document
 sliding window, GQA and MQA), and a whole train step with mesh.context=4 equals one device's."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,8 @@ import pytest
 from jaxgen import model
 from jaxgen.config import MeshConfig, ModelConfig
 from jaxgen.model import attention, context
+from jaxgen.model.kvcache import KVCache
+from jaxgen.model.paged import PagedCache
 from jaxgen.sharding import make_mesh
 from jaxgen.training import step
 from tests.test_train import random_batch
@@ -200,26 +203,130 @@ def test_ring_memory_per_device_falls_with_the_context_axis():
     assert eight < 2 * whole  # measured: 1.8x (q, k, v chunks, their gradients, the ring's in-flight chunks)
 
 
-def test_prefill_and_decode_on_a_context_mesh_equal_one_device():
-    """A cached forward on a context=4 mesh (the prompt's activations split over `context`; cached
-    attention is not context-parallel: GSPMD gathers what the cache writes need) writes the same cache as
-    one device, and the next greedy decode step gives the same logits."""
-    from jaxgen.model.kvcache import KVCache
+# a whole prompt's prefill (`forward(..., fresh=True)`) on a context mesh, then decode on that mesh
+PROMPT_CFG = dataclasses.replace(
+    ModelConfig(vocab_size=128, num_layers=1, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64),
+    attention_block=8, sliding_window=24,
+)  # fmt: skip
+PROMPT_T, PROMPT_LENGTHS = 64, np.array([64, 53])  # row 1 ragged: 11 padding tokens (position -1)
 
-    cfg = ModelConfig(vocab_size=128, num_layers=1, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64)
-    params = model.init_params(cfg, jax.random.key(0))
-    tokens = np.random.default_rng(0).integers(0, 128, (2, 16)).astype(np.int32)
-    positions = np.tile(np.arange(16, dtype=np.int32), (2, 1))
 
-    def prefill_then_decode(params):
-        logits, cache = model.forward(params, tokens, positions, KVCache.init(cfg, 2, 32), cfg=cfg)
-        greedy = jnp.argmax(logits[:, -1], -1)[:, None].astype(jnp.int32)
-        step_logits, cache = model.forward(params, greedy, positions[:, -1:] + 1, cache, cfg=cfg)
-        return logits, step_logits, cache
+def _prompt():
+    tokens = np.random.default_rng(0).integers(0, 128, (2, PROMPT_T)).astype(np.int32)
+    positions = np.tile(np.arange(PROMPT_T, dtype=np.int32), (2, 1))
+    positions[1, PROMPT_LENGTHS[1] :] = -1
+    return tokens, positions
 
-    want = jax.jit(prefill_then_decode)(params)
+
+def _empty_cache(kind: str, cfg):
+    """A contiguous cache of 128 slots, or a pool of 8-token pages with 16 pages per row, handed out
+    interleaved and in reverse (a row's pages are neither adjacent nor in order)."""
+    if kind == "contiguous":
+        return KVCache.init(cfg, 2, 128)
+    pool = PagedCache.init(cfg, num_pages=33, page_size=8, slots=2, max_pages=16)
+    table = np.arange(1, 33, dtype=np.int32).reshape(16, 2).T[:, ::-1]
+    return pool.replace(page_table=jnp.asarray(table.copy()), capacity=jnp.full((2,), 128, jnp.int32))
+
+
+def _prefill(kind: str, cfg, fresh: bool):
+    """jitted params -> (the next-token logits (B, V) after each row's prompt, the filled cache)."""
+    tokens, positions = _prompt()
+
+    def run(params):
+        cache = _empty_cache(kind, cfg).constrain()
+        x, cache = model.hidden_states(params, tokens, positions, cache, cfg=cfg, fresh=fresh)
+        last = model.lm_head(params, x[jnp.arange(2), PROMPT_LENGTHS - 1][:, None], cfg)[:, 0]
+        return last, cache.constrain()
+
+    return jax.jit(run)
+
+
+@jax.jit
+def _greedy_step(params, logits, positions, cache):
+    """One greedy decode step: the token of `logits` (B, V) fed at `positions` (B,)."""
+    token = jnp.argmax(logits, -1).astype(jnp.int32)[:, None]
+    step_logits, cache = model.forward(params, token, positions[:, None], cache, cfg=PROMPT_CFG)
+    return token[:, 0], step_logits[:, 0], cache
+
+
+def _prefill_and_decode(kind: str, cfg, fresh: bool, params, steps: int = 4):
+    logits, cache = _prefill(kind, cfg, fresh)(params)
+    prefilled, positions, tokens = cache, jnp.asarray(PROMPT_LENGTHS), []
+    for _ in range(steps):
+        token, logits, cache = _greedy_step(params, logits, positions, cache)
+        tokens.append(token)
+        positions = positions + 1
+    return prefilled, np.stack(tokens, 1), logits, cache
+
+
+@pytest.mark.parametrize("kind, impl", [("contiguous", "ring"), ("paged", "allgather")])
+def test_context_parallel_prefill_writes_the_cache_of_one_device_and_decode_continues(kind, impl):
+    """A ragged two-row prompt with a sliding window: prefilled with `fresh=True` on a context=4 mesh (its
+    attention ring or allgather over the split prompt) it leaves the same cache as one device's cached
+    forward (attention over the cache's blocks), and four greedy decode steps on that mesh give the same
+    tokens, logits and cache. Both caches come out split over `context` (each block's slots, each page's
+    offsets), and decode reads them by a partial softmax per device, combined once per layer."""
+    params = model.init_params(PROMPT_CFG, jax.random.key(0))
+    want = _prefill_and_decode(kind, PROMPT_CFG, False, params)
     mesh = make_mesh(CONTEXT4)
+    cfg = dataclasses.replace(PROMPT_CFG, attention_impl=impl)
     with jax.set_mesh(mesh):
-        got = jax.jit(prefill_then_decode)(jax.device_put(params, model.param_shardings(cfg, mesh)))
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+        got = _prefill_and_decode(kind, cfg, True, jax.device_put(params, model.param_shardings(cfg, mesh)))
+    (cache1, tokens1, logits1, end1), (cache4, tokens4, logits4, end4) = want, got
+    for cache in (cache4, end4):  # split over context: keys (B, K, H, S / N) along slots, (K, L, Q, Z, H) offsets
+        sharding = jax.tree.leaves(cache)[1].sharding
+        assert (*sharding.spec, None, None, None, None)[3] == "context", sharding
+    np.testing.assert_array_equal(tokens4, tokens1)
+    np.testing.assert_allclose(logits4, logits1, atol=1e-5, rtol=1e-5)
+    for what, a, b in (("prefilled", cache4, cache1), ("decoded", end4, end1)):
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+            np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5, err_msg=f"{kind} cache, {what}")
+
+
+def _prefill_temp_bytes(fresh: bool) -> tuple[int, int]:
+    """Per-device temporaries and outputs of a one-row prefill of T=4096 tokens into the contiguous cache
+    on a context=8 mesh (XLA:CPU's buffer assignment of the compiled program; nothing is allocated)."""
+    cfg = ModelConfig(vocab_size=32, d_model=128, num_layers=1, num_heads=8, num_kv_heads=1, d_ff=64)
+    cfg = dataclasses.replace(cfg, attention_impl="ring", attention_block=64)
+    mesh = make_mesh(MeshConfig(data=1, context=8))
+    shardings = model.param_shardings(cfg, mesh)
+    shapes = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
+    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+    tokens = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "context"))
+    tok = jax.ShapeDtypeStruct((1, 4096), jnp.int32, sharding=tokens)
+
+    def run(params, tokens, positions):
+        cache = KVCache.init(cfg, 1, 4096).constrain()
+        x, cache = model.hidden_states(params, tokens, positions, cache, cfg=cfg, fresh=fresh)
+        return x[:, -1], cache.constrain()
+
+    with jax.set_mesh(mesh):
+        memory = jax.jit(run).lower(params, tok, tok).compile().memory_analysis()
+    return memory.temp_size_in_bytes, memory.output_size_in_bytes
+
+
+def test_context_parallel_prefill_holds_no_whole_sequence_attention_array():
+    """With `fresh=True` no device holds an array of the whole prompt's queries, let alone scores: its
+    temporaries stay under one (B, T, N, H) query array plus two copies of the cache (the keys and values
+    gathered into the cache's layout, and their transposes). The cached forward on the same mesh (GSPMD
+    gathers the whole prompt's queries for each block of the cache) holds more."""
+    whole_queries = 4096 * 8 * 16 * 4  # (B, T, N, H) float32
+    fresh, cache_bytes = _prefill_temp_bytes(fresh=True)
+    plain, _ = _prefill_temp_bytes(fresh=False)
+    bound = whole_queries + 2 * cache_bytes
+    assert fresh < bound, (fresh, bound)  # measured: 2.1 MiB against 3.0 MiB
+    assert plain > bound, (plain, bound)  # measured: 4.1 MiB (8.1 MiB at context=4)
+
+
+def test_bad_prefill_is_refused_before_compiling():
+    tokens = jax.ShapeDtypeStruct((2, 72), jnp.int32)
+    cache = jax.eval_shape(lambda: KVCache.init(PROMPT_CFG, 2, 128))
+    params = jax.eval_shape(lambda: model.init_params(PROMPT_CFG, jax.random.key(0)))
+    prefill = lambda p, t, c, **kw: model.forward(p, t, t, c, cfg=PROMPT_CFG, fresh=True, **kw)
+    rule = r"prompt length \(padded\) T=72 must be a multiple of 2 x mesh.context x block = 2 x 4 x 8 = 64"
+    with jax.set_mesh(make_mesh(CONTEXT4)), pytest.raises(ValueError, match=rule):
+        jax.eval_shape(prefill, params, tokens, cache)
+    with pytest.raises(ValueError, match="needs the cache it fills"):
+        jax.eval_shape(prefill, params, tokens, None)
+    with pytest.raises(ValueError, match="segment_ids"):
+        jax.eval_shape(functools.partial(prefill, segment_ids=tokens), params, tokens, cache)

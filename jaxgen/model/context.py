@@ -24,6 +24,11 @@ back (`to_zigzag`, `from_zigzag`), T / C tokens per device each way. Since the m
 by the reorder, and packed documents, sliding windows and GQA/MQA need nothing more. Reordering the batch
 once at the model's input instead would save those transfers in every layer: not done.
 
+A whole prompt's prefill (`transformer.forward(..., fresh=True)`) attends the same way; the caches it
+fills are split over `context` along their slots (pages' offsets), and cached attention over such a cache
+with few queries (decode) runs `split_cached_attention`: each device its own slots, the partial softmaxes
+combined once.
+
 Shapes: the glossary in `jaxgen.sharding`; C the context size, Tc = T / C the tokens per device.
 """
 
@@ -53,7 +58,7 @@ _NO_WINDOW = jnp.iinfo(jnp.int32).max
 AXIS = "context"
 
 
-def check_fit(impl: str, t: int, context: int, block: int) -> int:
+def check_fit(impl: str, t: int, context: int, block: int, what: str = "sequence length") -> int:
     """The block size both loops use for T = `t` tokens over `context` devices; raises ValueError when T
     is not a multiple of 2 x context x block (zig-zag halves of whole blocks; the block shrinks to the
     half when that is smaller)."""
@@ -61,7 +66,7 @@ def check_fit(impl: str, t: int, context: int, block: int) -> int:
     bq = min(block, max(half, 1))
     if t % (2 * context * bq):
         raise ValueError(
-            f"model.attention_impl={impl}: the sequence length T={t} must be a multiple of 2 x mesh.context x "
+            f"model.attention_impl={impl}: the {what} T={t} must be a multiple of 2 x mesh.context x "
             f"block = 2 x {context} x {bq} = {2 * context * bq} (zig-zag halves of whole blocks; block = "
             f"min(model.attention_block, T / (2 x context)))"
         )
@@ -250,3 +255,30 @@ def _ring_attention_bwd(static: _Static, c: int, res, d_out):
 
 
 _ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
+
+
+def split_cached_attention(fold, q_btkgh, cache, kv, layer, q_pos_bt):
+    """Cached attention over a cache whose blocks' slots are split over the mesh's context axis (C ways:
+    `cache.context_split`, `context_parts`, `as_part`): every device runs `fold` (`attention._fold_cache`)
+    over its own slots of the blocks in use, giving the online softmax's (max m, normaliser l, weighted sum
+    acc) of its keys, and the C partial softmaxes are combined once: m* = max_r m_r, l = sum_r l_r e^(m_r -
+    m*), acc likewise (a pmax and two psums of (B, K, G, T[, H]), no key crosses a device). q (B, T, K, G,
+    H) scaled; returns (m*, l, acc) (B, K, G, T[, H]), rows and kv heads split as the queries'."""
+    mesh = jax.sharding.get_abstract_mesh()
+    tables, table_specs, kv_specs = cache.context_parts(kv)
+    q_spec = logical_spec(("batch", None, "kv_heads", None, None), q_btkgh.shape, mesh)
+    stat_spec = P(*q_spec[:1], q_spec[2], None, None)
+    split = cache.context_split
+
+    def local(q, q_pos, tables, kv):
+        m, l, acc = fold(q, cache.as_part(tables, kv, split), kv, layer, q_pos)[0]
+        m_all = jax.lax.pmax(m, AXIS)
+        scale = jnp.exp(m - m_all)  # 1 where this device holds the max, 0 where it saw no key
+        return m_all, jax.lax.psum(l * scale, AXIS), jax.lax.psum(acc * scale[..., None], AXIS)
+
+    pos_spec = P(q_spec[0], None)
+    sharded = jax.shard_map(
+        local, mesh=mesh, in_specs=(q_spec, pos_spec, table_specs, kv_specs),
+        out_specs=(stat_spec, stat_spec, P(*stat_spec, None)), check_vma=False,
+    )  # fmt: skip
+    return sharded(q_btkgh, q_pos_bt, tables, kv)

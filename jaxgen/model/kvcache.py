@@ -19,6 +19,11 @@ docs/performance.md, "KV cache layout"). Layers and blocks are indexed staticall
 layers as a Python loop. Ragged prompts leave empty slots (pos = -1) that attention masks out; each
 row's own positions (for RoPE / learned embeddings) live in `pos`, so a padded sequence computes exactly
 what it would alone.
+
+On a mesh with a context axis of C devices (dividing S / N) each block's slots are split C ways (device r
+holds slots [r S / (N C), (r + 1) S / (N C)) of every block; `pos` and `end` whole everywhere): each
+device writes the slots it holds (`write` under `shard_map`), and decode steps read them with a partial
+softmax per device (`context.split_cached_attention`), so a long sequence's cache takes 1/C per device.
 """
 
 from __future__ import annotations
@@ -26,16 +31,20 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxgen.config import ModelConfig
+from jaxgen.model.context import AXIS as CONTEXT
 from jaxgen.model.storage import dequantize_kv, quantize_kv, scale_buffer, storage_dtype, to_storage
-from jaxgen.sharding import constrain
+from jaxgen.sharding import constrain, context_size, logical_spec
 
 BLOCK = 64  # cache slots per block of cached attention (at most MAX_BLOCKS blocks: larger caches, larger blocks)
 MAX_BLOCKS = 16
-K_NAMES = ("batch", "kv_heads", "head_dim", "cache_seq")  # each layer's and block's key buffer
-V_NAMES = ("batch", "kv_heads", "cache_seq", "head_dim")  # and value buffer
-SCALE_NAMES = ("batch", "kv_heads", "cache_seq")  # int8 scales of either
+# A block's slots split over the mesh's context axis where it has one (device r: slots [r Sb / C, (r + 1)
+# Sb / C) of every block, `context_parts`); slot positions and `end` stay whole on every device.
+K_NAMES = ("batch", "kv_heads", "head_dim", "seq")  # each layer's and block's key buffer
+V_NAMES = ("batch", "kv_heads", "seq", "head_dim")  # and value buffer
+SCALE_NAMES = ("batch", "kv_heads", "seq")  # int8 scales of either
 POS_NAMES = ("batch", "cache_seq")
 
 
@@ -47,6 +56,7 @@ class KVCache:
     end: jax.Array  # () int32
     k_scale: tuple | None = None  # L x N x (B, K, S / N) float32 for an int8 cache (`quantize_kv`), else None
     v_scale: tuple | None = None
+    split: int = flax.struct.field(pytree_node=False, default=1)  # C inside `context_parts`' shard_map, else 1
 
     @classmethod
     def init(cls, cfg: ModelConfig, batch_size: int, max_len: int, dtype=jnp.float32) -> KVCache:
@@ -87,7 +97,7 @@ class KVCache:
         return _nbytes(self)
 
     def constrain(self) -> KVCache:
-        """Sharding constraints on the cache under the current mesh: batch over data, kv heads over tensor."""
+        """Sharding constraints under the current mesh: batch over data, kv heads over tensor, slots over context."""
         each = lambda xs, names: jax.tree.map(lambda x: constrain(x, names), xs)
         scales = {}
         if self.k_scale is not None:
@@ -127,9 +137,43 @@ class KVCache:
         """What the layers thread and write: keys, values and (int8) their scales, None otherwise."""
         return self.k, self.v, self.k_scale, self.v_scale
 
+    @property
+    def context_split(self) -> int:
+        """C when the mesh has a context axis of C > 1 devices that divides a block's slots: each device
+        then holds Sb / C slots of every block, writes its own (`write`) and attention reads them with a
+        partial softmax per device (`context.split_cached_attention`); else 1 (blocks whole everywhere)."""
+        c = context_size()
+        return c if self.split == 1 and c > 1 and self.block_size % c == 0 else 1
+
+    def context_parts(self, kv):
+        """For `shard_map` over the mesh: (tables, their specs, the specs of `kv`), where tables are the
+        slot positions and `end` (whole on every device) and `as_part(tables, kv, split)` rebuilds the
+        cache of a device's part: blocks of Sb / C slots."""
+        mesh = jax.sharding.get_abstract_mesh()
+        spec = lambda names: lambda x: logical_spec(names, x.shape, mesh)
+        k_all, v_all, k_scale, v_scale = kv
+        kv_specs = (jax.tree.map(spec(K_NAMES), k_all), jax.tree.map(spec(V_NAMES), v_all))
+        kv_specs += tuple(None if x is None else jax.tree.map(spec(SCALE_NAMES), x) for x in (k_scale, v_scale))
+        return (self.pos, self.end), (spec(POS_NAMES)(self.pos), P()), kv_specs
+
+    def as_part(self, tables, kv, split: int) -> KVCache:
+        """Inside `shard_map` over context: the cache of this device's part (see `context_parts`)."""
+        k_all, v_all, k_scale, v_scale = kv
+        pos, end = tables
+        return self.replace(k=k_all, v=v_all, k_scale=k_scale, v_scale=v_scale, pos=pos, end=end, split=split)
+
+    def _part_start(self, held: int):
+        """The first slot of this device's part of a block, counted from the block's start."""
+        return 0 if self.split == 1 else jax.lax.axis_index(CONTEXT) * held
+
     def write(self, kv, layer, k_btkh, v_btkh, positions_bt):
         """This call's keys and values of `layer` (a Python int) at slots [end, end + T), written into
-        the blocks holding those slots (`_write_blocks`); in place when donated."""
+        the blocks holding those slots (`_write_blocks`); in place when donated. With blocks split over
+        the context axis each device writes its own slots (under `shard_map`; the call's keys whole on
+        every device)."""
+        split = self.context_split
+        if split > 1:
+            return self._write_parts(kv, layer, k_btkh, v_btkh, positions_bt, split)
         i = _static_index(layer, "layer")
         k_new, v_new = k_btkh.transpose(0, 2, 1, 3), v_btkh.transpose(0, 2, 1, 3)  # (B, K, T, H)
         k_all, v_all, k_scale, v_scale = kv
@@ -142,21 +186,42 @@ class KVCache:
         v_all = _set(v_all, i, self._write_blocks(v_all[i], to_storage(v_new, v_all[i][0].dtype), 2))
         return k_all, v_all, k_scale, v_scale
 
+    def _write_parts(self, kv, layer, k_btkh, v_btkh, positions_bt, split: int):
+        """`write` with blocks split over the context axis: each device writes the slots it holds."""
+        i = _static_index(layer, "layer")
+        mesh = jax.sharding.get_abstract_mesh()
+        tables, table_specs, kv_specs = self.context_parts(kv)
+        layer_of = lambda x: None if x is None else x[i]
+        new_spec = logical_spec(("batch", None, "kv_heads", "head_dim"), k_btkh.shape, mesh)
+
+        def local(tables, kv_i, k, v, positions):
+            one = tuple(None if x is None else (x,) for x in kv_i)  # a one-layer cache of this device's part
+            written = self.as_part(tables, one, split).write(one, 0, k, v, positions)
+            return tuple(None if x is None else x[0] for x in written)
+
+        kv_i, specs_i = tuple(map(layer_of, kv)), tuple(map(layer_of, kv_specs))
+        new = jax.shard_map(
+            local, mesh=mesh, in_specs=(table_specs, specs_i, new_spec, new_spec, P(new_spec[0], None)),
+            out_specs=specs_i, check_vma=False,
+        )(tables, kv_i, k_btkh, v_btkh, positions_bt)  # fmt: skip
+        return tuple(x if x is None else _set(x, i, y) for x, y in zip(kv, new, strict=True))
+
     def _write_blocks(self, blocks: tuple, new, axis: int):
         """`blocks` (N buffers, slots along `axis`) with `new` (T slots along `axis`) written at slots
         [end, end + T): each block under a cond on whether it holds any of them, so a step touches one
-        or two."""
+        or two. (A device's part of split blocks: the slots of its part.)"""
         size, t = self.block_size, new.shape[axis]
+        held = blocks[0].shape[axis]  # size, or Sb / C slots of a device's part
         slots = self.end + jnp.arange(t)  # this call's slots
         out = []
         for j, block in enumerate(blocks):
-            first = self.end - j * size  # this call's first slot, counted from the block's start
-            owns = (first < size) & (first + t > 0)
+            first = self.end - j * size - self._part_start(held)  # this call's first slot, counted from ours
+            owns = (first < held) & (first + t > 0)
             if t == 1:
                 write = lambda b, first=first: jax.lax.dynamic_update_slice_in_dim(b, new, first, axis)
             else:
-                offset = slots - j * size
-                offset = jnp.where(offset < 0, size, offset)  # before this block: out of range, dropped
+                offset = slots - (self.end - first)
+                offset = jnp.where(offset < 0, held, offset)  # before this block: out of range, dropped
                 at = (slice(None),) * axis + (offset,)
                 write = lambda b, at=at: b.at[at].set(new, mode="drop", unique_indices=True)
             out.append(jax.lax.cond(owns, write, lambda b: b, block))
@@ -179,8 +244,10 @@ class KVCache:
         kb, vb = k_all[i][j], v_all[i][j]
         if k_scale is not None:
             kb, vb = dequantize_kv(kb, k_scale[i][j], axis=2), dequantize_kv(vb, v_scale[i][j])
-        size = self.block_size
-        return kb, vb, self.pos[:, j * size : (j + 1) * size]
+        size, held = self.block_size, kb.shape[-1]  # held: Sb / C slots of a device's part
+        if self.split == 1:
+            return kb, vb, self.pos[:, j * size : (j + 1) * size]
+        return kb, vb, jax.lax.dynamic_slice_in_dim(self.pos, j * size + self._part_start(held), held, axis=1)
 
     def filled(self, positions_bt):
         """() int32: the slots written so far, this call's included (slots [0, filled))."""

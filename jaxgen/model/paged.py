@@ -18,6 +18,10 @@ cached is host bookkeeping (`jaxgen.inference.pages.PagePool`). Kv heads lead so
 (K, L * Q, Z, H), a free reshape, is what the GPU Pallas paged-attention kernel reads in place, layer l's
 page p being page l * Q + p (`decode_inputs`, `jaxgen.model.kernels.paged_gpu`); a tensor-parallel shard
 of the kv heads is then one contiguous run of memory.
+
+On a mesh with a context axis of C devices (dividing Z) each page's offsets are split C ways (device r
+holds offsets [r Z / C, (r + 1) Z / C) of every page; tables whole everywhere): writes keep each device's
+offsets, and decode steps read them with a partial softmax per device (`context.split_cached_attention`).
 """
 
 from __future__ import annotations
@@ -27,12 +31,16 @@ import jax
 import jax.numpy as jnp
 
 from jaxgen.config import ModelConfig
+from jaxgen.model.context import AXIS
 from jaxgen.model.kernels import DecodeKernel, paged_gpu
 from jaxgen.model.storage import dequantize_kv, from_storage, quantize_kv, scale_buffer, storage_dtype, to_storage
-from jaxgen.sharding import constrain
+from jaxgen.sharding import constrain, context_size, logical_spec
 
 NULL_PAGE = 0
-PAGE_NAMES = ("kv_heads", "layers", None, None, "head_dim")  # a page pool is shared by all slots: not over batch
+# A page pool is shared by all slots: not over batch. Each page's offsets (its tokens) split over the mesh's
+# context axis, where it has one: every device holds Z / C tokens of every page (`context_parts`).
+PAGE_NAMES = ("kv_heads", "layers", None, "seq", "head_dim")
+TABLE_NAMES = ("batch", None)  # page tables and capacities: rows with the queries' rows (inside shard_map)
 
 
 @flax.struct.dataclass
@@ -43,6 +51,7 @@ class PagedCache:
     capacity: jax.Array  # (B,) int32
     k_scale: jax.Array | None = None  # (K, L, Q, Z) float32 for an int8 pool (`kvcache.quantize_kv`), else None
     v_scale: jax.Array | None = None
+    split: int = flax.struct.field(pytree_node=False, default=1)  # C inside `context_parts`' shard_map, else 1
 
     @classmethod
     def init(cls, cfg: ModelConfig, num_pages: int, page_size: int, slots: int, max_pages: int, dtype="float32"):
@@ -59,7 +68,37 @@ class PagedCache:
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[3]
+        return self.k.shape[3] * self.split
+
+    @property
+    def context_split(self) -> int:
+        """C when the mesh has a context axis of C > 1 devices that divides the page size: each device then
+        holds Z / C offsets of every page, and attention reads them with a partial softmax per device
+        (`context.split_cached_attention`); else 1 (pages whole on every device)."""
+        c = context_size()
+        return c if self.split == 1 and c > 1 and self.k.shape[3] % c == 0 else 1
+
+    def context_parts(self, kv):
+        """What `shard_map` over the mesh takes for a device's part of the pool: (tables, their specs, the
+        specs of `kv`) and `as_part(tables, kv)` rebuilds the cache view of a device's part: pools (K, L, Q,
+        Z / C, H) (Z / C offsets of every page: device r offsets [r Z / C, (r + 1) Z / C)), tables whole."""
+        mesh = jax.sharding.get_abstract_mesh()
+        spec = lambda x, names: None if x is None else logical_spec(names, x.shape, mesh)
+        tables = (self.page_table, self.capacity)
+        table_specs = (spec(self.page_table, TABLE_NAMES), spec(self.capacity, TABLE_NAMES[:1]))
+        k_all, v_all, k_scale, v_scale = kv
+        kv_specs = (spec(k_all, PAGE_NAMES), spec(v_all, PAGE_NAMES))
+        kv_specs += (spec(k_scale, PAGE_NAMES[:-1]), spec(v_scale, PAGE_NAMES[:-1]))
+        return tables, table_specs, kv_specs
+
+    def as_part(self, tables, kv, split: int) -> PagedCache:
+        """Inside `shard_map` over context: the cache of this device's part (see `context_parts`), `split`
+        its `context_split`."""
+        k_all, v_all, k_scale, v_scale = kv
+        return self.replace(
+            k=k_all, v=v_all, k_scale=k_scale, v_scale=v_scale, page_table=tables[0], capacity=tables[1],
+            split=split,
+        )  # fmt: skip
 
     def constrain(self) -> PagedCache:
         """Sharding constraints under the current mesh: kv heads over tensor, each device a slice of every page."""
@@ -119,7 +158,9 @@ class PagedCache:
         if k_scale is not None:
             kb, vb = dequantize_kv(kb, k_scale[:, layer, pages]), dequantize_kv(vb, v_scale[:, layer, pages])
         kb, vb = kb.transpose(1, 0, 3, 2), vb.swapaxes(0, 1)  # (B, K, H, Z), (B, K, Z, H)
-        pos = jnp.broadcast_to(j * z + jnp.arange(z), (self.page_table.shape[0], z))
+        held = k_all.shape[3]  # Z, or Z / C offsets of a device's part (`as_part`)
+        first = j * z + (0 if self.split == 1 else jax.lax.axis_index(AXIS) * held)
+        pos = jnp.broadcast_to(first + jnp.arange(held), (self.page_table.shape[0], held))
         return kb, vb, pos
 
     @property

@@ -35,6 +35,7 @@ def forward(
     cfg: ModelConfig,
     segment_ids: jax.Array | None = None,
     with_aux: bool = False,
+    fresh: bool = False,
 ):
     """Logits for every position, and the updated cache.
 
@@ -45,20 +46,29 @@ def forward(
         of the contract `jaxgen.model.cache.Cache`: a `KVCache`, whose slots [end, end + T)
         receive this call's keys and values, or the serving engine's `PagedCache`, where each token
         goes to its row's page for its position). The model never asks which.
+    fresh: a static promise that this call is a whole prompt's prefill: each row's tokens are its whole
+        sequence (positions 0, 1, ... then -1 padding) and the cache holds nothing of these rows (a
+        `KVCache` just made by `init`; a slot's own empty pages). Attention then runs over this call's
+        keys alone, by the implementation training uses (on a mesh with a context axis: ring or
+        allgather, each device its share of the prompt's queries), and the cache only stores the keys
+        (`attention.store_prompt`). Refused without a cache, with segment ids, or with a prompt length
+        the context axis does not split (the rule of `context.check_fit`).
     Returns logits (B, T, V) float32 and the cache (None when none was given); with `with_aux`, also
     the auxiliary losses {"router_aux": the load-balancing loss over all layers, "router_z": the
     z-loss's mean over layers} (mixture of experts; zeros for a dense model).
     """
-    x, cache, aux = _run(params, tokens, positions, cache, cfg, segment_ids)
+    x, cache, aux = _run(params, tokens, positions, cache, cfg, segment_ids, fresh)
     logits = lm_head(params, x, cfg)
     return (logits, cache, aux) if with_aux else (logits, cache)
 
 
-def hidden_states(params, tokens, positions, cache=None, *, cfg: ModelConfig, segment_ids=None, with_aux=False):
+def hidden_states(
+    params, tokens, positions, cache=None, *, cfg: ModelConfig, segment_ids=None, with_aux=False, fresh=False
+):
     """The final-normed hidden states (B, T, D) and the cache (and with `with_aux` the router losses, as
     in `forward`): `forward` without the LM head, for callers that need logits at a few positions only
     (prefill needs the last one) or compute the head in chunks (training's loss)."""
-    x, cache, aux = _run(params, tokens, positions, cache, cfg, segment_ids)
+    x, cache, aux = _run(params, tokens, positions, cache, cfg, segment_ids, fresh)
     return (x, cache, aux) if with_aux else (x, cache)
 
 
@@ -80,13 +90,15 @@ def layer_constants(cfg: ModelConfig) -> dict:
     return consts
 
 
-def _run(params, tokens, positions, cache, cfg: ModelConfig, segment_ids):
+def _run(params, tokens, positions, cache, cfg: ModelConfig, segment_ids, fresh=False):
     """The embedding, every layer and the final norm: (B, T, D), the cache, the mean auxiliary losses."""
+    if fresh:
+        attention.check_prompt(cache, segment_ids, tokens.shape[1], cfg)
     params = _cast(params, cfg)
     x = _embed(params, tokens, positions, cfg)
 
     t = tokens.shape[1]
-    if cache is None:  # whole sequences: the implementation for this backend (see attention.sequence_attention)
+    if cache is None or fresh:  # whole sequences (a fresh prompt's too): the backend's attention_impl
         impl = kernels.fit_length(kernels.choose(cfg), t, cfg)
         # dense: the whole (T, T) mask once, windowed per layer; cudnn: its segment mask once, shared by
         # every layer; blockwise and splash mask block by block
@@ -96,7 +108,7 @@ def _run(params, tokens, positions, cache, cfg: ModelConfig, segment_ids):
         elif impl == "cudnn":
             mask = kernels.cudnn_mask(positions, segment_ids)
         kv = None
-    else:  # decoding: masks are built block by block, over the cache blocks in use only
+    if cache is not None:  # decoding: masks are built block by block, over the cache blocks in use only
         cache = cache.with_positions(positions)
         kv = cache.arrays()  # keys, values (and int8 scales), written layer by layer
 
@@ -106,6 +118,10 @@ def _run(params, tokens, positions, cache, cfg: ModelConfig, segment_ids):
         if cache is None:
             attend = functools.partial(
                 _attend_plain, impl=impl, mask=mask, positions=positions, segment_ids=segment_ids, cfg=cfg
+            )
+        elif fresh:  # a whole prompt: attention as above, its keys then stored
+            attend = functools.partial(
+                _attend_prompt, cache=cache, kv=kv, impl=impl, mask=mask, positions=positions, cfg=cfg
             )
         else:
             attend = functools.partial(_attend_cache, cache=cache, kv=kv, positions=positions, cfg=cfg)
@@ -264,6 +280,13 @@ def _attend_plain(q, k, v, consts, *, impl, mask, positions, segment_ids, cfg: M
     if window is not None:  # this layer's window on top of the shared causal mask
         mask = mask & (positions[:, :, None] - positions[:, None, :] < window)
     return attention.dense_attention(q, k, v, mask, cfg), None
+
+
+def _attend_prompt(q, k, v, consts, *, cache, kv, positions, cfg: ModelConfig, **plain):
+    """A whole prompt (`forward`'s `fresh`): attention over its own keys as in training (context-parallel
+    on a context mesh), then its keys and values stored in the cache (`attention.store_prompt`)."""
+    out, _ = _attend_plain(q, k, v, consts, positions=positions, segment_ids=None, cfg=cfg, **plain)
+    return out, attention.store_prompt(cache, kv, consts["index"], k, v, positions)
 
 
 def remat_policy(name: str):
