@@ -330,3 +330,21 @@ def test_bad_prefill_is_refused_before_compiling():
         jax.eval_shape(prefill, params, tokens, None)
     with pytest.raises(ValueError, match="segment_ids"):
         jax.eval_shape(functools.partial(prefill, segment_ids=tokens), params, tokens, cache)
+
+
+def test_the_generator_on_a_context_mesh_prefills_context_parallel_and_equals_one_device():
+    """jaxgen's Generator on a context=4 mesh (its prefill a fresh one: ring attention, the cache split over
+    `context`) writes the same tokens as on one device, for ragged prompts, greedy."""
+    from jaxgen.inference.generator import Generator
+    from jaxgen.inference.sampling import SamplingConfig
+    from jaxgen.tokenizer import Tokenizer
+
+    cfg = ModelConfig(vocab_size=256, num_layers=1, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64, max_seq_len=64)
+    params = model.init_params(cfg, jax.random.key(1))
+    prompts, greedy = ["a longer prompt than the other", "short"], SamplingConfig(temperature=0, max_new_tokens=6)
+    one = Generator(params, cfg, Tokenizer.byte_level(), max_batch=2).generate(prompts, greedy)
+    mesh = make_mesh(CONTEXT4)
+    spread = jax.device_put(params, model.param_shardings(cfg, mesh))
+    got = Generator(spread, cfg, Tokenizer.byte_level(), max_batch=2, mesh=mesh).generate(prompts, greedy)
+    assert [c.tokens for c in got] == [c.tokens for c in one]
+    np.testing.assert_allclose([c.logprobs for c in got], [c.logprobs for c in one], atol=1e-4)

@@ -36,6 +36,7 @@ from jaxgen.inference.sampling import (
 )
 from jaxgen.model import lora
 from jaxgen.model.kvcache import KVCache
+from jaxgen.sharding import context_size
 from jaxgen.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -158,7 +159,10 @@ def prefill(params, tokens, positions, rows, lengths, cfg: ModelConfig, cache_le
     lengths: (P,) prompt lengths. Returns the (B, ...) cache and the next-token logits (B, V).
     """
     cache = KVCache.init(cfg, tokens.shape[0], cache_len, cache_dtype).constrain()
-    x, cache = model.hidden_states(params, tokens, positions, cache, cfg=cfg)
+    # on a context mesh the prompt is a fresh prefill (the cache was empty): attention context-parallel
+    # and the cache split over `context`; elsewhere cached attention, as the engine's chunks use
+    fresh = context_size() > 1
+    x, cache = model.hidden_states(params, tokens, positions, cache, cfg=cfg, fresh=fresh)
     x_last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # (P, 1, D)
     last = model.lm_head(params, x_last, cfg)[:, 0]  # (P, V): no logits for the rest of the prompt
     return cache.take_rows(rows).constrain(), last[rows]
