@@ -27,6 +27,7 @@ def _members() -> dict[str, object]:
 def test_the_contract_names_what_the_model_and_the_decode_core_ask():
     asked = {"with_positions", "arrays", "write", "num_blocks", "blocks_to_visit", "key_block", "filled", "advance"}
     asked |= {"is_full", "room", "forget_rejected", "decode_kernel", "decode_inputs", "constrain"}
+    asked |= {"context_split", "context_parts", "as_part"}  # context parallelism
     assert set(_members()) == asked
 
 

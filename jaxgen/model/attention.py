@@ -125,8 +125,8 @@ def cached_attention(q_btnh, cache, kv, layer, q_pos_bt, window, cfg):
     sliding window (an int, a traced scalar, or None). Returns (B, T, N, H) and `kv` (this call's keys
     already written by `cache.write`).
 
-    A cache whose blocks' slots are split over the mesh's context axis (`context_split` = C > 1, an
-    optional member: both caches on a context mesh) is read, for a call of fewer than C x
+    A cache whose blocks' slots are split over the mesh's context axis (`context_split` = C > 1: both
+    caches on a context mesh) is read, for a call of fewer than C x
     SPLIT_QUERIES_FROM queries (decode steps, speculative calls), by every device over its own slots with
     all the queries, the partial softmaxes combined once (`context.split_cached_attention`); a longer call
     (a prompt's chunk) keeps its queries split over context as its activations are, and GSPMD gathers each
@@ -135,7 +135,7 @@ def cached_attention(q_btnh, cache, kv, layer, q_pos_bt, window, cfg):
     b, t, n, h = q_btnh.shape
     k = cfg.kv_heads
     q = q_btnh.reshape(b, t, k, n // k, h).astype(jnp.float32) * logit_scale(cfg)
-    split = getattr(cache, "context_split", 1)
+    split = cache.context_split
     if split > 1 and t < split * SPLIT_QUERIES_FROM:  # few queries (decode): each device its keys
         fold = functools.partial(_fold_cache, window=window, cfg=cfg)
         _, l, acc = context.split_cached_attention(fold, q, cache, kv, layer, q_pos_bt)

@@ -95,3 +95,20 @@ class Cache(Protocol):
     def constrain(self) -> Cache:
         """The cache with sharding constraints under the current mesh."""
         ...
+
+    # On a mesh with a context axis: a cache whose blocks' slots are split over it (each device its share
+    # of every block's slots) is read by a partial softmax per device (`context.split_cached_attention`).
+
+    @property
+    def context_split(self) -> int:
+        """C > 1 when every block's slots are split over the mesh's context axis of C devices; else 1."""
+        ...
+
+    def context_parts(self, kv: tuple) -> tuple:
+        """For `shard_map` over the mesh: (tables, their specs, the specs of `kv`); the tables are what
+        every device holds whole (slot positions, page tables)."""
+        ...
+
+    def as_part(self, tables: tuple, kv: tuple, split: int) -> Cache:
+        """Inside that `shard_map`: the cache of this device's part (blocks of Sb / C slots)."""
+        ...
