@@ -30,8 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgen.config import Config, DataConfig, save_config
+from jaxgen.config import Config, DataConfig, LoraConfig, save_config
 from jaxgen.rl import objectives, tasks
+from jaxgen.rl.policy import Policy
 from jaxgen.training.checkpoint import Checkpointer
 from jaxgen.training.step import TrainState, apply_grads, create_train_state, make_optimizer
 
@@ -50,14 +51,16 @@ def settings_of(cfg: Config) -> objectives.RLSettings:
     return objectives.RLSettings(r.algorithm, r.clip_eps, r.kl_coef, r.averaging, r.normalize)
 
 
-def rl_step(state: TrainState, batch: dict, ref_logp, *, cfg: Config, tx, settings):
+def rl_step(state: TrainState, batch: dict, ref_logp, base=None, *, cfg: Config, tx, settings):
     """One policy-gradient update on a rollout batch (B = prompts x group rows, T = prompt + new tokens).
     batch: tokens, positions (B, T) int32; mask, old_logp (B, T - 1) float32; advantages (B,) float32.
-    ref_logp: (B, T - 1) the reference policy's log-probabilities (zeros without a KL penalty)."""
+    ref_logp: (B, T - 1) the reference policy's log-probabilities (zeros without a KL penalty).
+    base: LoRA's frozen base (the state's params are then the adapters, the only thing differentiated)."""
 
     def objective(params):
+        full = Policy.forward_params(params, base)
         logp, entropy = objectives.token_logprobs(
-            params, batch["tokens"], batch["positions"], cfg=cfg.model, temperature=cfg.rl.temperature
+            full, batch["tokens"], batch["positions"], cfg=cfg.model, temperature=cfg.rl.temperature
         )
         loss, metrics = objectives.policy_loss(
             logp, batch["old_logp"], batch["advantages"], batch["mask"], settings, ref_logp_bt=ref_logp
@@ -149,7 +152,7 @@ def starting_policy(cfg: Config, run_dir: Path, mesh, progress: bool):
 
         train(train_cfg, source, progress=progress)
     model_cfg, tokenizer, params = load_model(source, mesh, param_dtype="float32")
-    model_cfg = dataclasses.replace(model_cfg, dtype=cfg.model.dtype)
+    model_cfg = dataclasses.replace(model_cfg, dtype=cfg.model.dtype, lora=cfg.model.lora)  # RL's own adapters
     return dataclasses.replace(cfg, model=model_cfg), tokenizer, params
 
 
@@ -169,8 +172,9 @@ def warm_start_config(cfg: Config, folder: str | Path) -> Config:
     optimizer = dataclasses.replace(cfg.optimizer, learning_rate=cfg.rl.warm_start_learning_rate)
     training = dataclasses.replace(cfg.training, steps=cfg.rl.warm_start_steps, eval_every=cfg.rl.warm_start_steps)
     checkpoint = dataclasses.replace(cfg.checkpoint, every=max(cfg.rl.warm_start_steps // 4, 1))
-    return dataclasses.replace(cfg, name=f"{cfg.name}-warm-start", data=data, optimizer=optimizer, training=training,
-                               checkpoint=checkpoint)  # fmt: skip
+    model_cfg = dataclasses.replace(cfg.model, lora=LoraConfig())  # the whole model: RL's LoRA adapts it
+    return dataclasses.replace(cfg, name=f"{cfg.name}-warm-start", model=model_cfg, data=data, optimizer=optimizer,
+                               training=training, checkpoint=checkpoint)  # fmt: skip
 
 
 def _check_prompts(cfg: Config, tokenizer, records: list[dict]) -> None:
@@ -199,19 +203,18 @@ def _sampling(cfg: Config, step: int, count: int):
 def _loop(cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params, step, ckpt, progress, last):
     from tqdm import tqdm
 
-    from jaxgen.inference.llm import LLM
     from jaxgen.training.metrics import MetricsWriter
 
     r = cfg.rl
     tx = make_optimizer(cfg.optimizer, cfg.training.steps)
     settings = settings_of(cfg)
     update = jax.jit(functools.partial(rl_step, cfg=cfg, tx=tx, settings=settings), donate_argnums=0)
+    policy = Policy.of(cfg, mesh, start_params)
     score_ref = jax.jit(
         lambda p, t, pos: objectives.token_logprobs(p, t, pos, cfg=cfg.model, temperature=r.temperature)[0]
     )
     slots = r.prompts_per_step * r.group_size
-    llm = LLM(state.params, cfg=cfg.model, tokenizer=tokenizer, slots=slots, num_pages=rollout_pages(cfg),
-              max_logprobs=0)  # fmt: skip
+    llm = policy.engine(state, tokenizer, slots=slots, num_pages=rollout_pages(cfg), max_logprobs=0)
     workers = concurrent.futures.ThreadPoolExecutor(r.reward_workers, thread_name_prefix="reward")
     rewards_seen = []
     bar = tqdm(total=cfg.training.steps, initial=step, disable=not progress, unit="step", dynamic_ncols=True)
@@ -220,7 +223,7 @@ def _loop(cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params
             times = {}
             t0 = time.perf_counter()
             chosen = tasks.step_prompts(records, cfg.training.seed, step, r.prompts_per_step)
-            outputs = llm.generate([c["prompt"] for c in chosen], _sampling(cfg, step, len(chosen)))
+            outputs = llm.generate([c["prompt"] for c in chosen], _sampling(cfg, step, len(chosen)), policy.adapter)
             times["generate_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             jobs = [
@@ -232,17 +235,17 @@ def _loop(cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params
             t0 = time.perf_counter()
             batch = rollout_batch(cfg, outputs, rewards)
             ref = (
-                score_ref(start_params, batch["tokens"], batch["positions"])
+                score_ref(policy.reference, batch["tokens"], batch["positions"])
                 if r.kl_coef
                 else jnp.zeros(batch["mask"].shape, jnp.float32)
             )
             times["score_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
-            state, m = update(state, batch, ref)
+            state, m = update(state, batch, ref, policy.base)
             m = jax.device_get(m)
             times["update_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
-            llm.update_params(state.params)
+            policy.swap(llm, state)
             times["swap_s"] = time.perf_counter() - t0
             step += 1
             new_tokens = int(batch["mask"].sum())
