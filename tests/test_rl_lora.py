@@ -153,7 +153,7 @@ def uninterrupted(tmp_path_factory, token_cache):
 
 
 def test_rl_with_lora_raises_the_reward_and_the_sampler_agrees(uninterrupted):
-    cfg, run_dir = uninterrupted
+    _, run_dir = uninterrupted
     records = read_metrics(run_dir)
     rewards = [r["reward"] for r in records]
     assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.25, rewards  # a flipped sign drives it down
