@@ -7,6 +7,7 @@ built-in task raises its reward and resumes bitwise (adapters and optimizer stat
 
 import dataclasses
 import functools
+import shutil
 import types
 
 import jax
@@ -121,16 +122,21 @@ def test_the_samplers_logprobs_are_the_trainers_forward_with_the_adapters(policy
 
 TINY = [
     "model.num_layers=1", "model.d_model=64", "model.num_heads=2", "model.num_kv_heads=1", "model.d_ff=128",
-    "rl.warm_start_steps=10", "rl.prompts_per_step=4", "rl.group_size=8", "rl.max_new_tokens=3",
-    "rl.max_prompt_tokens=6", "checkpoint.every=2", "optimizer.warmup_steps=0",
+    "rl.warm_start_steps=60", "rl.prompts_per_step=4", "rl.group_size=16", "rl.max_new_tokens=3",
+    "rl.max_prompt_tokens=6", "checkpoint.every=2", "optimizer.warmup_steps=2", "optimizer.min_lr_ratio=1.0",
 ]  # fmt: skip
-STEPS = 12
-LORA = ["model.lora.rank=4", "model.lora.alpha=16", "model.lora.base_dtype=int8", "rl.kl_coef=0.01"]
-LEARN = ["rl.reward=tests.test_rl_lora:starts_with_a_digit", f"training.steps={STEPS}", "optimizer.learning_rate=2e-2"]
+STEPS = 16
+# rank 1 on the products that write the residual stream: few adapter weights, so Adam's early sign-like steps
+# add little noise; the warm start is long enough that the head is sharp (a LoRA cannot sharpen the head's
+# logits: with 20 warm steps the reward stayed flat while the full model's rose)
+LORA = ["model.lora.rank=1", "model.lora.alpha=4", "model.lora.targets=[o,down]", "model.lora.base_dtype=int8",
+        "rl.kl_coef=0.01"]  # fmt: skip
+LEARN = ["rl.reward=tests.test_rl_lora:starts_with_a_one", f"training.steps={STEPS}", "optimizer.learning_rate=3e-2"]
 
 
-def starts_with_a_digit(prompt: str, completion: str, **fields) -> float:
-    return float(completion[:1].isdigit())
+def starts_with_a_one(prompt: str, completion: str, **fields) -> float:
+    """A reward the warm policy earns about half the time (sums of 10 and more start with 1)."""
+    return float(completion[:1] == "1")
 
 
 def _config(token_cache, *overrides):
@@ -156,9 +162,11 @@ def test_rl_with_lora_raises_the_reward_and_the_sampler_agrees(uninterrupted):
     _, run_dir = uninterrupted
     records = read_metrics(run_dir)
     rewards = [r["reward"] for r in records]
-    assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.25, rewards  # a flipped sign drives it down
+    assert np.mean(rewards[-4:]) > np.mean(rewards[:4]) + 0.25, rewards  # a flipped sign drives it down
+    # int8 base: the product quantizes activations per row, and a 1e-7 difference can flip a rounding (gaps
+    # of 1e-3 seen on one token in a few steps; most steps 1e-6); float32 parity: the tests above
     gaps = [r["sampler_gap"] for r in records]
-    assert max(gaps) < 1e-4, gaps
+    assert np.median(gaps) < 1e-5 and max(gaps) < 5e-3, gaps
     kls = [r["kl"] for r in records]
     assert kls[0] < 1e-6 and max(kls) > 1e-4, kls  # the reference is the base: the starting policy exactly
 
@@ -173,18 +181,21 @@ def _checkpointed_state(cfg, run_dir, step):
         state, _ = ckpt.restore(step, create_train_state(cfg, make_mesh(cfg.mesh)), with_data=False)
     finally:
         ckpt.close()
-    return jax.tree.map(np.asarray, state)
+    return jax.tree.map(np.asarray, state.replace(rng=jax.random.key_data(state.rng)))
 
 
-def test_a_stopped_lora_run_resumes_to_the_adapters_and_optimizer_of_a_run_never_stopped(tmp_path, uninterrupted):
+def test_a_resumed_lora_run_ends_with_the_uninterrupted_adapters_and_optimizer_bitwise(tmp_path, uninterrupted):
+    """The run's folder with its last checkpoint removed, run again: it restores the one before (adapters,
+    AdamW moments, step, key; the base rebuilt from rl.init_from) and ends where the run never stopped, bitwise."""
     cfg, never = uninterrupted
-    stopped = tmp_path / "stopped"
-    assert loop.run_rl(cfg, stopped, progress=False, stop_after=5).step == 5
-    resumed = loop.run_rl(cfg, stopped, progress=False)
-    assert resumed.step == STEPS and len(resumed.rewards) == STEPS - 5
-    a, b = (_checkpointed_state(cfg, run, STEPS) for run in (stopped, never))
+    resumed = tmp_path / "resumed"
+    shutil.copytree(never, resumed)
+    shutil.rmtree(resumed / "checkpoints" / str(STEPS))
+    result = loop.run_rl(cfg, resumed, progress=False)
+    assert result.step == STEPS and len(result.rewards) == cfg.checkpoint.every
+    a, b = (_checkpointed_state(cfg, run, STEPS) for run in (resumed, never))
     assert set(a.params) == set(cfg.model.lora.targets)  # the checkpoint holds the adapters, no base
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):  # adapters, AdamW moments, step, key
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(x, y)
-    by_step = {run: {r["step"]: r["reward"] for r in read_metrics(run)} for run in (stopped, never)}
-    assert by_step[stopped] == by_step[never]
+    by_step = {r["step"]: r["reward"] for r in read_metrics(never)}
+    assert result.rewards == [by_step[s] for s in range(STEPS - cfg.checkpoint.every + 1, STEPS + 1)]
