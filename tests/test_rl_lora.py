@@ -199,3 +199,16 @@ def test_a_resumed_lora_run_ends_with_the_uninterrupted_adapters_and_optimizer_b
         np.testing.assert_array_equal(x, y)
     by_step = {r["step"]: r["reward"] for r in read_metrics(never)}
     assert result.rewards == [by_step[s] for s in range(STEPS - cfg.checkpoint.every + 1, STEPS + 1)]
+
+
+def test_the_lora_run_folder_loads_as_its_base_with_the_adapters_merged(uninterrupted):
+    from jaxgen.inference.loading import load_lora_run, load_model
+
+    cfg, run_dir = uninterrupted
+    _, _, base, adapters = load_lora_run(run_dir)
+    _, _, warm = load_model(cfg.rl.init_from, param_dtype="float32")
+    for x, y in zip(jax.tree.leaves(base), jax.tree.leaves(warm), strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert set(adapters) == set(cfg.model.lora.targets)
+    model_cfg, _, merged = load_model(run_dir)  # what serve.py --checkpoint runs/<rl run> serves
+    assert not model_cfg.lora.rank and jax.tree.structure(merged) == jax.tree.structure(warm)

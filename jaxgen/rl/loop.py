@@ -153,7 +153,10 @@ def starting_policy(cfg: Config, run_dir: Path, mesh, progress: bool):
         train(train_cfg, source, progress=progress)
     model_cfg, tokenizer, params = load_model(source, mesh, param_dtype="float32")
     model_cfg = dataclasses.replace(model_cfg, dtype=cfg.model.dtype, lora=cfg.model.lora)  # RL's own adapters
-    return dataclasses.replace(cfg, model=model_cfg), tokenizer, params
+    rl = cfg.rl
+    if model_cfg.lora.rank:  # the checkpoints hold the adapters only: config.yaml names their base for load_run
+        rl = dataclasses.replace(rl, init_from=str(Path(source).resolve()))
+    return dataclasses.replace(cfg, model=model_cfg, rl=rl), tokenizer, params
 
 
 def warm_start_config(cfg: Config, folder: str | Path) -> Config:
