@@ -17,8 +17,9 @@ Between steps, `update_params` swaps the weights in (nothing recompiles; sequenc
 recomputed on them, the prefix cache emptied) and `sleep` / `wake_up` free and allocate the decode state
 and page pool again (reinforcement learning: docs/serving.md).
 With `serve.max_loras` > 0 the params hold a bank of that many LoRA adapter slots (`jaxgen.model.lora.Bank`):
-`load_lora` writes one into a slot (no recompilation), `submit(..., lora=name)` runs a request with it, and
-rows with different adapters share every batch (`jaxgen.inference.adapters`).
+`load_lora` writes one into a slot (no recompilation; `update_lora` rewrites it in place), `submit(...,
+lora=name)` runs a request with it, and rows with different adapters share every batch
+(`jaxgen.inference.adapters`).
 """
 
 from __future__ import annotations
@@ -165,6 +166,25 @@ class Engine:
             self.params = lora.with_bank(self.params, written)
             with self.lock:
                 self.loras.add(ref)  # requests may name it from now on
+
+    def update_lora(self, name: str, adapters: dict, scale: float = 1.0) -> None:
+        """New weights for the loaded adapter `name` (reinforcement learning's LoRA-only swap), written into its
+        slot by `load_lora`'s jitted write with the bank donated: in place, nothing recompiles, the base and the
+        other slots untouched. As `update_params`: sequences in flight are preempted and recomputed on the new
+        weights, the prefix cache emptied. LoraNotFound when `name` is not loaded; LoraError when it does not fit."""
+        bank = lora.bank_of(self.params)
+        if bank is None:
+            raise LoraError("this engine serves no LoRA adapters: start it with serve.max_loras > 0")
+        try:
+            entry = lora.bank_entry(adapters, scale, bank)
+        except ValueError as e:
+            raise LoraError(f"cannot update lora_name={name!r}: {e}") from None
+        with self._exclusive:  # no step reads the bank meanwhile; an unload cannot free the slot under us
+            with self.lock:
+                ref = self.loras.resolve(name)
+            self._preempt_all()
+            written = self._write_slot(lora.bank_of(self.params), np.int32(ref.slot), decode.upload(entry))
+            self.params = lora.with_bank(self.params, written)
 
     def load_lora_folder(self, name: str, folder) -> None:
         """`load_lora` of a PEFT adapter folder (`adapter_config.json` + `adapter_model.safetensors`)."""

@@ -116,6 +116,11 @@ class LLM:
         else:
             self.engine.load_lora(name, source, 1.0 if scale is None else scale)
 
+    def update_lora(self, name: str, adapters: dict, scale: float = 1.0) -> None:
+        """New weights for the loaded adapter `name`, written into its slot in place (`Engine.update_lora`): the
+        LoRA-only swap of reinforcement learning, no recompilation, the base weights untouched."""
+        self.engine.update_lora(name, adapters, scale)
+
     def unload_lora(self, name: str) -> None:
         """Unloads an adapter: new requests cannot name it, those using it finish (`Engine.unload_lora`)."""
         self.engine.unload_lora(name)

@@ -146,7 +146,10 @@ def _restore_adapters(ckpt: Checkpointer, step: int, model_cfg: ModelConfig, mes
 
 
 def _lora_base(cfg: Config, mesh) -> dict:
-    """A LoRA run's float32 base: training.init_from's weights, else the seed's (drawn as training drew them)."""
+    """A LoRA run's float32 base: an RL run's rl.init_from, training.init_from's weights, else the seed's (drawn
+    as training drew them)."""
+    if cfg.rl.init_from:  # an RL run's adapters (rl.py): their base is the starting policy's folder
+        return load_model(cfg.rl.init_from, mesh, param_dtype="float32")[2]
     folder = cfg.training.init_from
     if folder is not None:
         if not hf.is_hf_folder(folder):

@@ -4,5 +4,7 @@ with the training forward, the new weights swapped into the same engine (`rl.py`
     objectives.py   advantages (group-relative, batch baseline), the training forward's token
                     log-probabilities and entropy, the clipped GRPO / REINFORCE loss with a KL penalty
     tasks.py        prompts and rewards: the built-in arithmetic task, JSONL prompt files, "module:function"
+    policy.py       what trains and how the engine gets it: the whole model, or LoRA adapters over a
+                    frozen base, served from the engine's adapter bank and swapped into its slot in place
     loop.py         the loop: run_rl(cfg, run_dir), one jitted update, checkpoints, metrics, reward.png
 """

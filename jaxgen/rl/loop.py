@@ -31,9 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgen.config import Config, DataConfig, save_config
+from jaxgen.config import Config, DataConfig, LoraConfig, save_config
 from jaxgen.distributed import barrier, is_main
 from jaxgen.rl import objectives, tasks
+from jaxgen.rl.policy import Policy
 from jaxgen.sharding import batch_sharding, check_spans_processes, process_rows, with_mesh
 from jaxgen.training.checkpoint import Checkpointer
 from jaxgen.training.step import TrainState, apply_grads, create_train_state, make_optimizer, state_shardings
@@ -53,14 +54,16 @@ def settings_of(cfg: Config) -> objectives.RLSettings:
     return objectives.RLSettings(r.algorithm, r.clip_eps, r.kl_coef, r.averaging, r.normalize)
 
 
-def rl_step(state: TrainState, batch: dict, ref_logp, *, cfg: Config, tx, settings):
+def rl_step(state: TrainState, batch: dict, ref_logp, base=None, *, cfg: Config, tx, settings):
     """One policy-gradient update on a rollout batch (B = prompts x group rows, T = prompt + new tokens).
     batch: tokens, positions (B, T) int32; mask, old_logp (B, T - 1) float32; advantages (B,) float32.
-    ref_logp: (B, T - 1) the reference policy's log-probabilities (zeros without a KL penalty)."""
+    ref_logp: (B, T - 1) the reference policy's log-probabilities (zeros without a KL penalty).
+    base: LoRA's frozen base (the state's params are then the adapters, the only thing differentiated)."""
 
     def objective(params):
+        full = Policy.forward_params(params, base)
         logp, entropy = objectives.token_logprobs(
-            params, batch["tokens"], batch["positions"], cfg=cfg.model, temperature=cfg.rl.temperature
+            full, batch["tokens"], batch["positions"], cfg=cfg.model, temperature=cfg.rl.temperature
         )
         loss, metrics = objectives.policy_loss(
             logp, batch["old_logp"], batch["advantages"], batch["mask"], settings, ref_logp_bt=ref_logp
@@ -75,10 +78,11 @@ def rl_step(state: TrainState, batch: dict, ref_logp, *, cfg: Config, tx, settin
     return state, metrics | {"loss": loss, "grad_norm": grad_norm, "finite": finite}
 
 
-def make_rl_update(cfg: Config, mesh, state: TrainState, tx=None):
-    """The jitted, state-donating `update(state, batch, ref_logp)` (rl_step) on `mesh`: the state in its own
-    shardings (params and AdamW moments as training shards them), the batch's rows over data and fsdp.
-    tx: the optimizer (default: the config's AdamW)."""
+def make_rl_update(cfg: Config, mesh, state: TrainState, tx=None, base=None):
+    """The jitted, state-donating `update(state, batch, ref_logp, base)` (rl_step) on `mesh`: the state in its
+    own shardings (params and AdamW moments as training shards them), the batch's rows over data and fsdp;
+    `base` LoRA's frozen base (in its own shardings, not donated) or None. tx: the optimizer (default: the
+    config's AdamW)."""
     r = cfg.rl
     B, T = r.prompts_per_step * r.group_size, r.max_prompt_tokens + r.max_new_tokens
     shapes = {"tokens": (B, T), "positions": (B, T), "mask": (B, T - 1), "old_logp": (B, T - 1), "advantages": (B,)}
@@ -87,7 +91,8 @@ def make_rl_update(cfg: Config, mesh, state: TrainState, tx=None):
     tx = make_optimizer(cfg.optimizer, cfg.training.steps) if tx is None else tx
     step = jax.jit(
         functools.partial(rl_step, cfg=cfg, tx=tx, settings=settings_of(cfg)),
-        in_shardings=(state_sh, batch_sh, batch_sh["mask"]), out_shardings=(state_sh, None), donate_argnums=0,
+        in_shardings=(state_sh, batch_sh, batch_sh["mask"], jax.tree.map(lambda x: x.sharding, base)),
+        out_shardings=(state_sh, None), donate_argnums=0,
     )  # fmt: skip
     return with_mesh(step, mesh)
 
@@ -206,8 +211,11 @@ def starting_policy(cfg: Config, run_dir: Path, mesh, progress: bool):
 
         train(train_cfg, source, progress=progress)
     model_cfg, tokenizer, params = load_model(source, mesh, param_dtype="float32")
-    model_cfg = dataclasses.replace(model_cfg, dtype=cfg.model.dtype)
-    return dataclasses.replace(cfg, model=model_cfg), tokenizer, params
+    model_cfg = dataclasses.replace(model_cfg, dtype=cfg.model.dtype, lora=cfg.model.lora)  # RL's own adapters
+    rl = cfg.rl
+    if model_cfg.lora.rank:  # the checkpoints hold the adapters only: config.yaml names their base for load_run
+        rl = dataclasses.replace(rl, init_from=str(Path(source).resolve()))
+    return dataclasses.replace(cfg, model=model_cfg, rl=rl), tokenizer, params
 
 
 def warm_start_config(cfg: Config, folder: str | Path) -> Config:
@@ -227,8 +235,9 @@ def warm_start_config(cfg: Config, folder: str | Path) -> Config:
     optimizer = dataclasses.replace(cfg.optimizer, learning_rate=cfg.rl.warm_start_learning_rate)
     training = dataclasses.replace(cfg.training, steps=cfg.rl.warm_start_steps, eval_every=cfg.rl.warm_start_steps)
     checkpoint = dataclasses.replace(cfg.checkpoint, every=max(cfg.rl.warm_start_steps // 4, 1))
-    return dataclasses.replace(cfg, name=f"{cfg.name}-warm-start", data=data, optimizer=optimizer, training=training,
-                               checkpoint=checkpoint)  # fmt: skip
+    model_cfg = dataclasses.replace(cfg.model, lora=LoraConfig())  # the whole model: RL's LoRA adapts it
+    return dataclasses.replace(cfg, name=f"{cfg.name}-warm-start", model=model_cfg, data=data, optimizer=optimizer,
+                               training=training, checkpoint=checkpoint)  # fmt: skip
 
 
 def _check_prompts(cfg: Config, tokenizer, records: list[dict]) -> None:
@@ -257,11 +266,11 @@ def _sampling(cfg: Config, step: int, count: int):
 def _loop(cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params, step, ckpt, progress, last):
     from tqdm import tqdm
 
-    from jaxgen.inference.llm import LLM
     from jaxgen.training.metrics import MetricsWriter
 
     r = cfg.rl
-    update = make_rl_update(cfg, mesh, state)
+    policy = Policy.of(cfg, mesh, start_params)
+    update = make_rl_update(cfg, mesh, state, base=policy.base)
     B = r.prompts_per_step * r.group_size
     score_ref = with_mesh(jax.jit(
         lambda p, t, pos: objectives.token_logprobs(p, t, pos, cfg=cfg.model, temperature=r.temperature)[0],
@@ -271,8 +280,9 @@ def _loop(cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params
     # like the update; the rewards are gathered so that every process forms the same advantages.
     rows = rollout_rows(cfg, mesh)
     mine = slice(rows.start // r.group_size, rows.stop // r.group_size)  # this process's prompts of the step
-    llm = LLM(engine_params(state.params, mesh), cfg=cfg.model, tokenizer=tokenizer, slots=rows.stop - rows.start,
-              num_pages=rollout_pages(cfg, rows=rows.stop - rows.start), max_logprobs=0)  # fmt: skip
+    place = functools.partial(engine_params, mesh=mesh)
+    llm = policy.engine(state, tokenizer, place, slots=rows.stop - rows.start,
+                        num_pages=rollout_pages(cfg, rows=rows.stop - rows.start), max_logprobs=0)  # fmt: skip
     workers = concurrent.futures.ThreadPoolExecutor(r.reward_workers, thread_name_prefix="reward")
     rewards_seen = []
     main = is_main()  # only process 0 writes metrics and shows the bar
@@ -283,7 +293,8 @@ def _loop(cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params
             times = {}
             t0 = time.perf_counter()
             chosen = tasks.step_prompts(records, cfg.training.seed, step, r.prompts_per_step)[mine]
-            outputs = llm.generate([c["prompt"] for c in chosen], _sampling(cfg, step, r.prompts_per_step)[mine])
+            sampling = _sampling(cfg, step, r.prompts_per_step)[mine]
+            outputs = llm.generate([c["prompt"] for c in chosen], sampling, policy.adapter)
             times["generate_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             jobs = [
@@ -299,14 +310,14 @@ def _loop(cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params
             batch = _global_rows(local | {"ref": np.zeros_like(local["mask"])}, mesh, B)
             ref = batch.pop("ref")  # no KL penalty: zeros, unread
             if r.kl_coef:
-                ref = score_ref(start_params, batch["tokens"], batch["positions"])
+                ref = score_ref(policy.reference, batch["tokens"], batch["positions"])
             times["score_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
-            state, m = update(state, batch, ref)
+            state, m = update(state, batch, ref, policy.base)
             m = jax.device_get(m)
             times["update_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
-            llm.update_params(engine_params(state.params, mesh))
+            policy.swap(llm, state, place)
             times["swap_s"] = time.perf_counter() - t0
             step += 1
             record = {
