@@ -153,19 +153,27 @@ def _grads(cfg, mesh, params, batch):
         return fn(jax.device_put(params, model.param_shardings(cfg.model, mesh)), step.put_batch(batch, mesh))
 
 
-def test_train_step_with_context_four_equals_one_device(tiny_cfg):
-    ring = dataclasses.replace(
-        tiny_cfg,
-        mesh=MeshConfig(data=2, context=4),
-        model=dataclasses.replace(tiny_cfg.model, attention_impl="ring", attention_block=8),
-    )
-    one, eight = make_mesh(tiny_cfg.mesh, jax.devices()[:1]), make_mesh(ring.mesh)
-    params = jax.jit(lambda: model.init_params(tiny_cfg.model, jax.random.key(0)))()
+@pytest.fixture(scope="module")
+def one_device(tiny_cfg):
+    """(params, packed batch, the loss total, token count and gradients on one device)."""
+    one = make_mesh(tiny_cfg.mesh, jax.devices()[:1])
+    # on the host: each mesh's train step donates the device copy it is given, never these
+    params = jax.tree.map(np.asarray, jax.jit(lambda: model.init_params(tiny_cfg.model, jax.random.key(0)))())
     batch = _packed_batch(tiny_cfg)
-    (total1, count1, grads1), (total8, count8, grads8) = (
-        _grads(tiny_cfg, one, params, batch),
-        _grads(ring, eight, params, batch),
+    return params, batch, *_grads(tiny_cfg, one, params, batch)
+
+
+@pytest.mark.parametrize(
+    "mesh_cfg", [MeshConfig(data=2, context=4), MeshConfig(data=1, fsdp=2, context=2, tensor=2)],
+    ids=["data2-context4", "fsdp2-context2-tensor2"],
+)  # fmt: skip
+def test_train_step_with_context_equals_one_device(tiny_cfg, one_device, mesh_cfg):
+    ring = dataclasses.replace(
+        tiny_cfg, mesh=mesh_cfg, model=dataclasses.replace(tiny_cfg.model, attention_impl="ring", attention_block=8)
     )
+    eight = make_mesh(ring.mesh)
+    params, batch, total1, count1, grads1 = one_device
+    total8, count8, grads8 = _grads(ring, eight, params, batch)
     assert float(count8) == float(count1)
     np.testing.assert_allclose(total8, total1, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(grads1), jax.tree.leaves(grads8), strict=True):

@@ -79,10 +79,10 @@ def rl_step(state: TrainState, batch: dict, ref_logp, base=None, *, cfg: Config,
 
 
 def make_rl_update(cfg: Config, mesh, state: TrainState, tx=None, base=None):
-    """The jitted, state-donating `update(state, batch, ref_logp, base)` (rl_step) on `mesh`: the state in its
-    own shardings (params and AdamW moments as training shards them), the batch's rows over data and fsdp;
-    `base` LoRA's frozen base (in its own shardings, not donated) or None. tx: the optimizer (default: the
-    config's AdamW)."""
+    """The jitted, state-donating `update(state, batch, ref_logp)` (rl_step) on `mesh`: the state in its own
+    shardings (params and AdamW moments as training shards them), the batch's rows over data and fsdp;
+    `base` LoRA's frozen base (an argument in its own shardings, not donated) or None. tx: the optimizer
+    (default: the config's AdamW)."""
     r = cfg.rl
     B, T = r.prompts_per_step * r.group_size, r.max_prompt_tokens + r.max_new_tokens
     shapes = {"tokens": (B, T), "positions": (B, T), "mask": (B, T - 1), "old_logp": (B, T - 1), "advantages": (B,)}
@@ -94,7 +94,8 @@ def make_rl_update(cfg: Config, mesh, state: TrainState, tx=None, base=None):
         in_shardings=(state_sh, batch_sh, batch_sh["mask"], jax.tree.map(lambda x: x.sharding, base)),
         out_shardings=(state_sh, None), donate_argnums=0,
     )  # fmt: skip
-    return with_mesh(step, mesh)
+    step = with_mesh(step, mesh)
+    return lambda state, batch, ref_logp: step(state, batch, ref_logp, base)
 
 
 def rollout_rows(cfg: Config, mesh) -> slice:
@@ -313,7 +314,7 @@ def _loop(cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params
                 ref = score_ref(policy.reference, batch["tokens"], batch["positions"])
             times["score_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
-            state, m = update(state, batch, ref, policy.base)
+            state, m = update(state, batch, ref)
             m = jax.device_get(m)
             times["update_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
