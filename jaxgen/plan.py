@@ -369,15 +369,16 @@ def search_longest(peak_at, capacity: float, granule: int, start: int, top: int)
             return Longest(t, fit[t], capped=True)
         t = min(max(2 * t, _secant(fit, capacity, granule, up)), down(top))
     if not fit:  # the start is too long: halve down to one granule
-        while t > granule and not fit:
-            t = down(t // 2)
+        while t > granule and not fit:  # or to where the line through the two shortest meets the capacity
+            line = _secant(dict(sorted(over.items())[:2]), capacity, granule, down) if len(over) > 1 else t
+            t = down(min(t // 2, max(line, granule)))
             probe(t)
         if not fit:
             return Longest(0, 0.0)
     lo, hi, halve = max(fit), min(over), False
     while hi - lo > granule:
-        t = 0 if halve else _secant({lo: fit[lo], hi: over[hi]}, capacity, granule, down)
-        t = t if lo < t < hi else down((lo + hi) // 2)
+        line = _secant({lo: fit[lo], hi: over[hi]}, capacity, granule, down)
+        t = down((lo + hi) // 2) if halve or not line else min(max(line, lo + granule), hi - granule)
         step = granule if probe(t) else -granule
         if lo < t + step < hi:  # the guess's neighbour: when the guess was good, this ends the search
             probe(t + step)
