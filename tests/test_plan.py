@@ -133,10 +133,10 @@ def test_max_seq_answer_fits_and_one_granule_more_does_not(cfg):
     granule = plan.seq_granule(run, mesh)
     assert granule == 2 * 2 * 64
     peak_at = plan.probe_fn(run, mesh, "train", chunk=512, dtype="bfloat16")
-    capacity = peak_at(3 * granule)  # off the doubling path 256, 512, 1024
-    found = plan.search_longest(peak_at, capacity, granule, start=granule, top=2**14)
+    capacity = peak_at(3 * granule)  # off the doubling path 512, 1024
+    found = plan.search_longest(peak_at, capacity, granule, start=2 * granule, top=2**14)
     assert found.length >= 3 * granule and found.length % granule == 0 and not found.capped
-    assert len(peak_at.memo) <= 6, sorted(peak_at.memo)
+    assert len(peak_at.memo) <= 4, sorted(peak_at.memo)  # few compiles: 768 (the capacity), 512, 1024
     at = lambda t: plan.train_program(plan._at_length(run, t, rows=1), mesh).peak
     assert at(found.length) == found.peak <= capacity < at(found.length + granule)
 
