@@ -2,6 +2,8 @@
 
     python -m jaxgen.plan --config configs/llama-3.1-8b.yaml --mesh fsdp=8 --device h100-80gb
     python -m jaxgen.plan --config configs/llama-3.2-1b.yaml --mesh data=2,fsdp=4 --device v5p model.remat=full
+    python -m jaxgen.plan --config configs/llama-3.2-1b.yaml --max-seq --mesh fsdp=8 --mesh fsdp=2,context=4 \
+        --device h100-80gb,v5p --remat none,full     # the longest sequence that fits (search_longest)
 
 The train step, and the prefill and decode programs of the generator for `--slots` x `--cache-len`, are
 lowered and compiled on a mesh of fake CPU devices from `jax.ShapeDtypeStruct` inputs carrying their
