@@ -2,6 +2,8 @@
 
     python -m jaxgen.plan --config configs/llama-3.1-8b.yaml --mesh fsdp=8 --device h100-80gb
     python -m jaxgen.plan --config configs/llama-3.2-1b.yaml --mesh data=2,fsdp=4 --device v5p model.remat=full
+    python -m jaxgen.plan --config configs/llama-3.2-1b.yaml --max-seq --mesh fsdp=8 --mesh fsdp=2,context=4 \
+        --device h100-80gb,v5p --remat none,full     # the longest sequence that fits (search_longest)
 
 The train step, and the prefill and decode programs of the generator for `--slots` x `--cache-len`, are
 lowered and compiled on a mesh of fake CPU devices from `jax.ShapeDtypeStruct` inputs carrying their
@@ -241,9 +243,11 @@ def _plannable(cfg, mesh):
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl=impl))
 
 
-def inference_programs(model_cfg, mesh, slots: int, cache_len: int, chunk: int, dtype: str) -> list[Program]:
-    """A prefill chunk of `chunk` tokens per slot at the end of a `cache_len` cache, and one decode
-    step, with weights and cache in `dtype` (what serving holds; see `--param-dtype`)."""
+def inference_programs(
+    model_cfg, mesh, slots: int, cache_len: int, chunk: int, dtype: str, decode: bool = True
+) -> list[Program]:
+    """A prefill chunk of `chunk` tokens per slot at the end of a `cache_len` cache, and (`decode`) one
+    decode step, with weights and cache in `dtype` (what serving holds; see `--param-dtype`)."""
     import jax
 
     from jaxgen import model
@@ -271,7 +275,8 @@ def inference_programs(model_cfg, mesh, slots: int, cache_len: int, chunk: int, 
 
     step = jax.jit(step, donate_argnums=3)
     out, chunk = [], min(chunk, cache_len)
-    for name, t in ((f"prefill ({chunk} tokens x {slots} slots)", chunk), (f"decode step ({slots} slots)", 1)):
+    wanted = [(f"prefill ({chunk} tokens x {slots} slots)", chunk)] + [(f"decode step ({slots} slots)", 1)] * decode
+    for name, t in wanted:
         tokens = jax.ShapeDtypeStruct((slots, t), jax.numpy.int32, sharding=batch_sharding(mesh, (slots, t)))
         with jax.set_mesh(mesh):
             mem = _compile_memory(step, params, tokens, tokens, cache)
@@ -317,6 +322,176 @@ def run_plan(cfg, mesh_sizes: dict, device: str, slots: int, cache_len: int, chu
     return programs, DEVICES[device][0] * HEADROOM
 
 
+# --- The longest sequence (--max-seq) ---------------------------------------------------------------
+
+REMATS = ("none", "full", "dots", "dots_no_batch", "offload_dots")  # model.remat's values
+MAX_SEQ_TOP = 2**20  # the longest length --max-seq tries unless told: a million tokens
+
+
+@dataclasses.dataclass
+class Longest:
+    """The answer of one search: the longest length that fits (0: not even one granule) and its peak."""
+
+    length: int
+    peak: float  # bytes per device at `length` (0.0 when nothing fits)
+    capped: bool = False  # still fits at the largest length tried: the real limit is further
+
+
+def seq_granule(cfg, mesh) -> int:
+    """The step of the search: what attention needs T to be a multiple of. Ring and allgather on a context
+    mesh: 2 x context x block (zig-zag halves of whole blocks, `context.check_fit`); else the block
+    (blockwise pads any T up to one; a multiple keeps the probes comparable)."""
+    from jaxgen.sharding import context_size
+
+    block, c = cfg.model.attention_block, context_size(mesh)
+    impl = _plannable(cfg, mesh).model.attention_impl
+    return 2 * c * block if c > 1 and impl in ("ring", "allgather") else block
+
+
+def search_longest(peak_at, capacity: float, granule: int, start: int, top: int) -> Longest:
+    """The largest multiple of `granule` in [granule, top] whose `peak_at(T)` (bytes per device; each
+    call a compiled program, so the caller memoizes) is <= `capacity`, assuming peak grows with T.
+
+    Up: doubling from `start`, or a jump to where the line through the last two probes meets the capacity
+    when that is further (memory is close to linear in T). Then bisection between the longest that fits
+    and the shortest that does not, at the secant point (rounded to the granule, kept inside) checked with
+    its neighbour, falling back to the midpoint: a handful of probes when the memory is near linear."""
+    up = lambda t: -(-t // granule) * granule
+    down = lambda t: max(t // granule * granule, granule)
+    fit, over = {}, {}  # length -> peak
+
+    def probe(t: int) -> bool:
+        peak = peak_at(t)
+        (fit if peak <= capacity else over)[t] = peak
+        return peak <= capacity
+
+    t = min(up(max(start, granule)), down(top))
+    while probe(t):  # up until something does not fit
+        if t >= down(top):
+            return Longest(t, fit[t], capped=True)
+        t = min(max(2 * t, _secant(fit, capacity, granule, up)), down(top))
+    if not fit:  # the start is too long: halve down to one granule
+        while t > granule and not fit:  # or to where the line through the two shortest meets the capacity
+            line = _secant(dict(sorted(over.items())[:2]), capacity, granule, down) if len(over) > 1 else t
+            t = down(min(t // 2, max(line, granule)))
+            probe(t)
+        if not fit:
+            return Longest(0, 0.0)
+    lo, hi, halve = max(fit), min(over), False
+    while hi - lo > granule:
+        line = _secant({lo: fit[lo], hi: over[hi]}, capacity, granule, down)
+        t = down((lo + hi) // 2) if halve or not line else min(max(line, lo + granule), hi - granule)
+        step = granule if probe(t) else -granule
+        if lo < t + step < hi:  # the guess's neighbour: when the guess was good, this ends the search
+            probe(t + step)
+        width, (lo, hi) = hi - lo, (max(fit), min(over))
+        halve = hi - lo > width // 2  # the secant crept (a curved peak): bisect once
+    return Longest(lo, fit[lo])
+
+
+def _secant(points: dict, capacity: float, granule: int, rounding) -> int:
+    """Where the line through the two longest probes meets `capacity`, rounded to the granule (0 when
+    there is no rising line)."""
+    if len(points) < 2:
+        return 0
+    (t0, p0), (t1, p1) = sorted(points.items())[-2:]
+    if p1 <= p0:
+        return 0
+    return rounding(int(t0 + (capacity - p0) * (t1 - t0) / (p1 - p0)))
+
+
+def probe_fn(cfg, mesh, program: str, chunk: int, dtype: str, log=None):
+    """T -> peak bytes per device of `program` (train or prefill) at sequence length T, memoized: the train
+    step with data x fsdp rows of T tokens (one sequence per batch shard); the prefill of a T-token prompt
+    in chunks of `chunk` tokens into a cache of T, as many slots (its last chunk: the largest)."""
+    import time
+
+    rows = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
+    memo = {}
+
+    def peak_at(t: int) -> float:
+        if t not in memo:
+            began = time.perf_counter()
+            run = _at_length(cfg, t, rows)
+            if program == "train":
+                memo[t] = train_program(run, mesh).peak
+            else:
+                memo[t] = inference_programs(run.model, mesh, rows, t, min(chunk, t), dtype, decode=False)[0].peak
+            if log:
+                log(f"  {program} T={t}: {_size(memo[t]).strip()} per device ({time.perf_counter() - began:.0f} s)")
+        return memo[t]
+
+    peak_at.memo = memo
+    return peak_at
+
+
+def _at_length(cfg, t: int, rows: int):
+    """`cfg` with sequences of `t` tokens, `rows` of them a step (the model's positions stretched to t)."""
+    model = dataclasses.replace(cfg.model, max_seq_len=max(cfg.model.max_seq_len, t))
+    return dataclasses.replace(
+        cfg, model=model, data=dataclasses.replace(cfg.data, seq_len=t),
+        training=dataclasses.replace(cfg.training, batch_size=rows),
+    )  # fmt: skip
+
+
+def max_seq_table(cfg, meshes: list[dict], remats: list[str], devices: list[str], top: int, chunk: int,
+                  dtype: str, prefill: bool = True, log=None) -> tuple[list[dict], int]:  # fmt: skip
+    """One row per (device, mesh, remat): the longest train and prefill lengths and their peaks. Probes are
+    shared across devices (the same program whatever the capacity) and the prefill across remat policies.
+    Returns (rows, programs compiled); a row's prefill is None without `prefill`."""
+    from jaxgen.config import MeshConfig
+    from jaxgen.sharding import make_mesh
+
+    if cfg.model.position == "learned":  # no positions beyond the table
+        top = min(top, cfg.model.max_seq_len)
+    rows, compiled = [], 0
+    for sizes in meshes:
+        mesh = make_mesh(MeshConfig(**sizes))
+        prefill = probe_fn(cfg, mesh, "prefill", chunk, dtype, log) if prefill else None
+        for remat in remats:
+            run = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=remat))
+            train, granule = probe_fn(run, mesh, "train", chunk, dtype, log), seq_granule(run, mesh)
+            for device in devices:
+                capacity = DEVICES[device][0] * HEADROOM
+                if log:
+                    log(f"{device}, mesh {_mesh_name(sizes)}, remat {remat}:")
+                found = [
+                    search_longest(f, capacity, granule, cfg.data.seq_len, top) if f else None for f in (train, prefill)
+                ]
+                rows.append({"device": device, "mesh": _mesh_name(sizes), "remat": remat, "train": found[0],
+                             "prefill": found[1]})  # fmt: skip
+            compiled += len(train.memo)
+        compiled += len(prefill.memo) if prefill else 0
+    return rows, compiled
+
+
+def _mesh_name(sizes: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "data=1"
+
+
+def format_max_seq(rows: list[dict], chunk: int, dtype: str, compiled: int) -> str:
+    def cell(found: Longest | None) -> tuple[str, str]:
+        if found is None:
+            return "not searched", ""
+        if not found.length:
+            return "nothing fits", ""
+        return (">= " if found.capped else "") + f"{found.length:,}", _size(found.peak).strip()
+
+    lines = [
+        "| device | mesh | model.remat | longest train sequence | per device | longest prefill | per device |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        train, prefill = cell(r["train"]), cell(r["prefill"])
+        lines.append(f"| {r['device']} | {r['mesh']} | {r['remat']} | {' | '.join(train)} | {' | '.join(prefill)} |")
+    lines.append(
+        f"\nRows per step: data x fsdp (one sequence per batch shard). Prefill: the prompt in chunks of {chunk} "
+        f"tokens into a {dtype} cache of its length. {compiled} programs compiled; usable memory "
+        f"{HEADROOM:.0%} of each device's."
+    )
+    return "\n".join(lines)
+
+
 def _size(n: float) -> str:
     """Bytes in GB, or MB below one GB (tiny configs)."""
     return f"{n / 1e9:7.2f} GB" if n >= 1e9 else f"{n / 1e6:7.1f} MB"
@@ -353,34 +528,75 @@ def build_parser() -> argparse.ArgumentParser:
         "for fake CPU devices (nothing is allocated). Overrides as in train.py: model.remat=full ...",
     )
     parser.add_argument("--config", required=True, help="a YAML config, e.g. configs/llama-3.1-8b.yaml")
-    parser.add_argument("--mesh", default="fsdp=8", help="data=D,fsdp=F,tensor=T,context=C (default: fsdp=8)")
-    parser.add_argument("--device", default="h100-80gb", choices=sorted(DEVICES), help="memory per device")
-    parser.add_argument("--slots", type=int, default=64, help="decode slots (rows) for serving (default 64)")
+    parser.add_argument("--mesh", action="append", help="data=D,fsdp=F,tensor=T,context=C (default: fsdp=8); "
+                        "with --max-seq it may be given again, one table row group per mesh")  # fmt: skip
+    parser.add_argument("--device", default="h100-80gb", help=f"memory per device: {', '.join(DEVICES)} "
+                        "(default h100-80gb); with --max-seq a comma list")  # fmt: skip
+    parser.add_argument("--slots", type=int, default=None, help="decode slots (rows) for serving (default 64)")
     parser.add_argument("--cache-len", type=int, default=None, help="KV cache length (default: data.seq_len)")
     parser.add_argument("--prefill-chunk", type=int, default=512, help="prefill tokens per slot per call (512)")
     parser.add_argument("--param-dtype", default="bfloat16", choices=["float32", "bfloat16"],
                         help="weights and KV cache for serving (training keeps float32 master weights)")  # fmt: skip
+    parser.add_argument(
+        "--max-seq", nargs="?", type=int, const=MAX_SEQ_TOP, default=None, metavar="TOP",
+        help="instead of one plan, search the longest sequence whose train step (and prefill) fits per device, "
+        f"up to TOP tokens (default {MAX_SEQ_TOP}), for each --mesh, --remat and --device: the train step has "
+        "data x fsdp rows (one sequence per batch shard); the prefill feeds a prompt of that length in "
+        "--prefill-chunk chunks into a cache of its length. Lengths are multiples of what attention needs "
+        "(2 x context x model.attention_block for ring and allgather, else the block). Each probe compiles "
+        "one program (tens of seconds for a 1B model): doubling from data.seq_len (or a jump along the line "
+        "through the last two probes), then bisection at the secant point: about 4-8 compiles per mesh and "
+        "remat, shared across devices, and as many for the prefill per mesh",
+    )  # fmt: skip
+    parser.add_argument("--remat", default=None, help="with --max-seq: model.remat policies to compare, a comma "
+                        f"list of {', '.join(REMATS)} (default: the config's)")  # fmt: skip
+    parser.add_argument("--no-prefill", action="store_true", help="with --max-seq: search the train step only "
+                        "(the prefill program holds every layer unrolled and compiles far slower)")  # fmt: skip
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. training.batch_size=16")
     return parser
+
+
+def check_args(args) -> None:
+    """Raises ValueError (one line: the option, the value, what is allowed) for a bad combination of options."""
+    devices = args.device.split(",")
+    for device in devices:
+        if device not in DEVICES:
+            raise ValueError(f"--device {device!r} is not allowed: one of {', '.join(DEVICES)}")
+    for name, top in LIMITS.items():
+        value = getattr(args, name)
+        if value is not None and not 1 <= value <= top:
+            raise ValueError(f"--{name.replace('_', '-')}={value} is not allowed: an integer from 1 to {top}")
+    if args.max_seq is None:
+        for given, why in ((len(args.mesh or ()) > 1, "one --mesh"), (len(devices) > 1, "one --device"),
+                           (args.remat is not None, "--remat"), (args.no_prefill, "--no-prefill")):  # fmt: skip
+            if given:
+                raise ValueError(f"more than {why} is only allowed with --max-seq" if why.startswith("one")
+                                 else f"{why} is only allowed with --max-seq (one plan: model.remat=...)")  # fmt: skip
+        return
+    if not 1 <= args.max_seq <= LIMITS["cache_len"]:
+        raise ValueError(f"--max-seq={args.max_seq} is not allowed: an integer from 1 to {LIMITS['cache_len']}")
+    for name in ("slots", "cache_len"):
+        if getattr(args, name) is not None:
+            flag = f"--{name.replace('_', '-')}"
+            raise ValueError(f"{flag} is not allowed with --max-seq: the search sets it (data x fsdp rows, "
+                             "a cache of the sequence's length)")  # fmt: skip
+    for policy in (args.remat or "none").split(","):
+        if policy not in REMATS:
+            raise ValueError(f"--remat {policy!r} is not allowed: a comma list of {', '.join(REMATS)}")
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_intermixed_args(argv)  # overrides may stand among the flags
     try:
-        mesh_sizes = parse_mesh(args.mesh)
+        meshes = [parse_mesh(m) for m in args.mesh or ["fsdp=8"]]
+        check_args(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for name, top in LIMITS.items():
-        value = getattr(args, name)
-        if value is not None and not 1 <= value <= top:
-            print(f"error: --{name.replace('_', '-')}={value} is not allowed: an integer from 1 to {top}",
-                  file=sys.stderr)  # fmt: skip
-            return 2
     import jax
 
     jax.config.update("jax_platforms", "cpu")  # fake devices, whatever this machine has
-    jax.config.update("jax_num_cpu_devices", math.prod(mesh_sizes.values()))
+    jax.config.update("jax_num_cpu_devices", max(math.prod(m.values()) for m in meshes))
     from jaxgen.config import ConfigError, load_config
 
     try:
@@ -388,12 +604,26 @@ def main(argv=None) -> int:
     except (ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.max_seq is not None:
+        return _main_max_seq(cfg, args, meshes)
+    mesh_sizes = meshes[0]
     cache_len = args.cache_len or cfg.data.seq_len
     programs, capacity = run_plan(
-        cfg, mesh_sizes, args.device, args.slots, cache_len, args.prefill_chunk, args.param_dtype
+        cfg, mesh_sizes, args.device, args.slots or 64, cache_len, args.prefill_chunk, args.param_dtype
     )
     print(format_plan(cfg, programs, capacity, mesh_sizes, args.device))
     return 0 if all(p.peak <= capacity for p in programs if not p.reference) else 1
+
+
+def _main_max_seq(cfg, args, meshes) -> int:
+    remats = args.remat.split(",") if args.remat else [cfg.model.remat]
+    log = lambda line: print(line, file=sys.stderr, flush=True)
+    rows, compiled = max_seq_table(
+        cfg, meshes, remats, args.device.split(","), args.max_seq, args.prefill_chunk, args.param_dtype,
+        prefill=not args.no_prefill, log=log,
+    )  # fmt: skip
+    print(format_max_seq(rows, args.prefill_chunk, args.param_dtype, compiled))
+    return 0
 
 
 if __name__ == "__main__":

@@ -105,3 +105,57 @@ def test_lora_step_is_planned_beside_the_full_fine_tune(cfg):
     int8_base = plan.train_program(int8, mesh).parts["base (int8, frozen)"]
     held = quant.weight_bytes(create_base(int8, mesh))  # what training really holds: int8 matrices, scales
     assert int8_base == held < 4 * model.count_params(cfg.model)
+
+
+def test_search_longest_equals_brute_force_on_curves():
+    """The search (no compiles: peaks from formulas) finds the last multiple of the granule under the capacity,
+    linear, curved or flat, in few probes where the peak is near linear."""
+    curves = [lambda t: 1000 + 3 * t, lambda t: 50 + t + t * t / 4096, lambda t: 7.0]
+    for curve in curves:
+        for capacity in (5.0, 2000.0, 9000.0, 40000.0, 1e9):
+            for start in (64, 448, 8192):
+                probed = []
+                peak_at = lambda t, probed=probed, curve=curve: probed.append(t) or curve(t)
+                found = plan.search_longest(peak_at, capacity, 64, start, 8192)
+                fitting = [t for t in range(64, 8193, 64) if curve(t) <= capacity]
+                assert found.length == (fitting[-1] if fitting else 0), (capacity, start)
+                assert found.capped == (found.length == 8192)
+                assert found.peak == (curve(found.length) if fitting else 0.0)
+                if curve is curves[0]:
+                    assert len(probed) <= 6, probed
+
+
+def test_max_seq_answer_fits_and_one_granule_more_does_not(cfg):
+    """Issue 35: the longest train sequence on a context=2 mesh is a multiple of 2 x context x block (ring's
+    zig-zag rule), fits the capacity, and one granule more does not, by a fresh compile of the same measure."""
+    mesh = make_mesh(MeshConfig(data=1, context=2))
+    run = _with_model(cfg, attention_impl="ring", attention_block=64)
+    granule = plan.seq_granule(run, mesh)
+    assert granule == 2 * 2 * 64
+    peak_at = plan.probe_fn(run, mesh, "train", chunk=512, dtype="bfloat16")
+    capacity = peak_at(3 * granule)  # off the doubling path 512, 1024
+    found = plan.search_longest(peak_at, capacity, granule, start=2 * granule, top=2**14)
+    assert found.length >= 3 * granule and found.length % granule == 0 and not found.capped
+    assert len(peak_at.memo) <= 4, sorted(peak_at.memo)  # few compiles: 768 (the capacity), 512, 1024
+    assert peak_at.memo[found.length] == found.peak <= capacity
+    longer = plan.train_program(plan._at_length(run, found.length + granule, rows=1), mesh).peak  # compiled anew
+    assert longer > capacity
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--max-seq", "--slots", "8"], "--slots is not allowed with --max-seq"),
+        (["--max-seq", "--cache-len", "64"], "--cache-len is not allowed with --max-seq"),
+        (["--max-seq", "--remat", "full,some"], "--remat 'some' is not allowed: a comma list of none, full"),
+        (["--max-seq", "0"], "--max-seq=0 is not allowed: an integer from 1 to 16777216"),
+        (["--remat", "full"], "--remat is only allowed with --max-seq"),
+        (["--mesh", "fsdp=2", "--mesh", "context=2"], "more than one --mesh is only allowed with --max-seq"),
+        (["--device", "v5p,h100-80gb"], "more than one --device is only allowed with --max-seq"),
+        (["--max-seq", "--device", "v5p,tpu9"], "--device 'tpu9' is not allowed: one of h100-80gb"),
+    ],
+)
+def test_max_seq_refuses_bad_combinations_in_one_line(args, message, capsys):
+    assert plan.main(["--config", "configs/tiny.yaml", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
