@@ -165,12 +165,13 @@ def test_the_launcher_refuses_hundreds_of_processes(capsys):
     assert "--num-processes=400 is not allowed: an integer from 1 to 64" in capsys.readouterr().err
 
 
-def test_a_mesh_that_leaves_a_process_out_is_refused(monkeypatch):
+@pytest.mark.parametrize("mesh_cfg", [MeshConfig(data=2), MeshConfig(data=1, context=2)], ids=["data", "context"])
+def test_a_mesh_that_leaves_a_process_out_is_refused(monkeypatch, mesh_cfg):
     from jaxgen import sharding
 
     monkeypatch.setattr(sharding.jax, "process_count", lambda: 2)  # this process's 8 devices, as if of 2
     with pytest.raises(ValueError, match=r"every process needs devices in it"):
-        sharding.check_spans_processes(make_mesh(MeshConfig(data=2)), "the mesh")
+        sharding.check_spans_processes(make_mesh(mesh_cfg), "the mesh")
 
 
 def test_several_processes_do_not_fall_back_to_an_older_checkpoint(monkeypatch, tmp_path):
