@@ -100,11 +100,11 @@ def _rl_py(run_dir, overrides, log, **env):
     return subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def _reap(child) -> tuple[int, int]:
-    """Waits for `child`: (its exit code, its peak resident memory in bytes; Linux's ru_maxrss is in KiB)."""
-    _, status, usage = os.wait4(child.pid, 0)
+def _reap(child) -> int:
+    """Waits for `child`: its exit code."""
+    _, status = os.waitpid(child.pid, 0)
     child.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
-    return child.returncode, usage.ru_maxrss * 1024
+    return child.returncode
 
 
 def test_a_run_killed_with_sigkill_resumes_to_the_parameters_of_a_run_never_killed(tmp_path, uninterrupted, overrides):
@@ -125,12 +125,14 @@ def test_a_run_killed_with_sigkill_resumes_to_the_parameters_of_a_run_never_kill
         finally:
             if child.poll() is None:
                 os.kill(child.pid, signal.SIGKILL)
-                assert _reap(child)[0] == -signal.SIGKILL
+                assert _reap(child) == -signal.SIGKILL
     assert max(_finished_steps(run_dir)) <= 4  # killed before step 6's checkpoint
+    peak_file = tmp_path / "peak_kb"
     with open(tmp_path / "resumed.log", "w") as log:
-        status, peak = _reap(_rl_py(run_dir, overrides, log))
+        status = _reap(_rl_py(run_dir, overrides, log, JAXGEN_TEST_PEAK_FILE=str(peak_file)))
     out = (tmp_path / "resumed.log").read_text()
     assert status == 0 and "resuming" in out and f"step {STEPS}:" in out, out[-3000:]
+    peak = int(peak_file.read_text()) * 1024  # at its last step's rewards (measured alone: 0.86 GB)
     assert peak < 3 * 2**30, f"rl.py peaked at {peak / 2**30:.1f} GiB"
     a, b = (_final_params(run) for run in (run_dir, never))
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
