@@ -152,18 +152,11 @@ class Engine:
         as `name`, their product scaled by `scale` (alpha / rank), into a free slot of the bank: a jitted write,
         nothing recompiles. LoraError (a ValueError) when it does not fit: no free slot (serve.max_loras), a
         rank above serve.max_lora_rank, a target the bank lacks, shapes of another model, a name in use."""
-        bank = lora.bank_of(self.params)
-        if bank is None:
-            raise LoraError("this engine serves no LoRA adapters: start it with serve.max_loras > 0")
-        try:
-            entry = lora.bank_entry(adapters, scale, bank)
-        except ValueError as e:
-            raise LoraError(f"cannot load lora_name={name!r}: {e}") from None
+        entry = self._bank_entry(name, adapters, scale, "load")
         with self._exclusive:  # no step runs meanwhile (it would read the donated bank), nor another load
             with self.lock:
                 ref = self.loras.reserve(name, self._lora_slots_in_use())
-            written = self._write_slot(lora.bank_of(self.params), np.int32(ref.slot), decode.upload(entry))
-            self.params = lora.with_bank(self.params, written)
+            self._write_entry(ref.slot, entry)
             with self.lock:
                 self.loras.add(ref)  # requests may name it from now on
 
@@ -172,19 +165,27 @@ class Engine:
         slot by `load_lora`'s jitted write with the bank donated: in place, nothing recompiles, the base and the
         other slots untouched. As `update_params`: sequences in flight are preempted and recomputed on the new
         weights, the prefix cache emptied. LoraNotFound when `name` is not loaded; LoraError when it does not fit."""
-        bank = lora.bank_of(self.params)
-        if bank is None:
-            raise LoraError("this engine serves no LoRA adapters: start it with serve.max_loras > 0")
-        try:
-            entry = lora.bank_entry(adapters, scale, bank)
-        except ValueError as e:
-            raise LoraError(f"cannot update lora_name={name!r}: {e}") from None
+        entry = self._bank_entry(name, adapters, scale, "update")
         with self._exclusive:  # no step reads the bank meanwhile; an unload cannot free the slot under us
             with self.lock:
                 ref = self.loras.resolve(name)
             self._preempt_all()
-            written = self._write_slot(lora.bank_of(self.params), np.int32(ref.slot), decode.upload(entry))
-            self.params = lora.with_bank(self.params, written)
+            self._write_entry(ref.slot, entry)
+
+    def _bank_entry(self, name: str, adapters: dict, scale: float, verb: str):
+        """The bank slot's contents for `adapters` (host arrays), or LoraError saying why they do not fit."""
+        bank = lora.bank_of(self.params)
+        if bank is None:
+            raise LoraError("this engine serves no LoRA adapters: start it with serve.max_loras > 0")
+        try:
+            return lora.bank_entry(adapters, scale, bank)
+        except ValueError as e:
+            raise LoraError(f"cannot {verb} lora_name={name!r}: {e}") from None
+
+    def _write_entry(self, slot: int, entry) -> None:
+        """The jitted write of `entry` into bank slot `slot`, the bank donated. The caller holds `_exclusive`."""
+        written = self._write_slot(lora.bank_of(self.params), np.int32(slot), decode.upload(entry))
+        self.params = lora.with_bank(self.params, written)
 
     def load_lora_folder(self, name: str, folder) -> None:
         """`load_lora` of a PEFT adapter folder (`adapter_config.json` + `adapter_model.safetensors`)."""
