@@ -396,28 +396,16 @@ def _fields(record: dict) -> dict:
 
 def plot_reward(run_dir: str | Path) -> Path:
     """Writes `<run_dir>/reward.png`: the mean reward per RL step and its moving average over 10 steps."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from jaxgen.training.metrics import read_metrics
+    from jaxgen.training.metrics import read_metrics, save_plot
 
     by_step = {r["step"]: r for r in read_metrics(run_dir) if r.get("reward") is not None}
     steps = sorted(by_step)
     mean = np.asarray([by_step[s]["reward"] for s in steps])
     window = min(10, max(len(mean), 1))
     smooth = np.convolve(mean, np.ones(window) / window, mode="valid") if len(mean) else mean
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    ax.plot(steps, mean, lw=1, alpha=0.5, label="mean reward of the step's samples")
-    ax.plot(steps[window - 1 :], smooth, lw=2, label=f"moving average over {window} steps")
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("reward")
-    ax.set_title(f"{Path(run_dir).name}: reward")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    out = Path(run_dir) / "reward.png"
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+
+    def draw(ax):
+        ax.plot(steps, mean, lw=1, alpha=0.5, label="mean reward of the step's samples")
+        ax.plot(steps[window - 1 :], smooth, lw=2, label=f"moving average over {window} steps")
+
+    return save_plot(Path(run_dir) / "reward.png", draw, "reward", "RL step", "reward")

@@ -91,26 +91,35 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 def plot_loss(run_dir: str | Path) -> Path:
     """Writes `<run_dir>/loss.png`: training loss per step and held-out loss at each evaluation."""
+    records = _latest_per_step(read_metrics(run_dir))
+    train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]  # null: non-finite
+    evals = [(r["step"], r["eval_loss"]) for r in records if r.get("eval_loss") is not None]
+
+    def draw(ax):
+        if train:
+            ax.plot(*zip(*train, strict=True), lw=1, alpha=0.8, label="train loss")
+        if evals:
+            ax.plot(*zip(*evals, strict=True), "o-", lw=2, label="held-out loss")
+
+    return save_plot(Path(run_dir) / "loss.png", draw, "loss", "step", "cross-entropy (nats / token)")
+
+
+def save_plot(out: Path, draw, what: str, xlabel: str, ylabel: str) -> Path:
+    """A run's line plot at `out` (`<run folder>/<name>.png`): `draw(ax)` adds the lines, titled with the
+    run folder's name and `what`, with a grid and a legend."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = _latest_per_step(read_metrics(run_dir))
-    train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]  # null: non-finite
-    evals = [(r["step"], r["eval_loss"]) for r in records if r.get("eval_loss") is not None]
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    if train:
-        ax.plot(*zip(*train, strict=True), lw=1, alpha=0.8, label="train loss")
-    if evals:
-        ax.plot(*zip(*evals, strict=True), "o-", lw=2, label="held-out loss")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats / token)")
-    ax.set_title(f"{Path(run_dir).name}: loss")
+    draw(ax)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{out.parent.name}: {what}")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    out = Path(run_dir) / "loss.png"
     fig.savefig(out)
     plt.close(fig)
     return out
