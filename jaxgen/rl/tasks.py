@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import glob
 import importlib
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from jaxgen.config import RLConfig
+from jaxgen.training.data.sources import jsonl_records
 
 
 def arithmetic_records(seed: int, count: int, max_operand: int = 9) -> list[dict]:
@@ -67,17 +67,10 @@ def load_prompts(cfg: RLConfig, seed: int) -> list[dict]:
     if not paths:
         raise ValueError(f"rl.prompts={list(cfg.prompts)} matches no file")
     for path in paths:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
-                if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-                    raise ValueError(f"{path}:{lineno}: a prompt record is an object with a string 'prompt'")
-                records.append(record)
+        for lineno, record in jsonl_records(path):
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+                raise ValueError(f"{path}:{lineno}: a prompt record is an object with a string 'prompt'")
+            records.append(record)
     return records
 
 

@@ -55,22 +55,26 @@ def iter_documents(cfg: DataConfig) -> Iterator[Document]:
             yield Document(path.read_text(encoding="utf-8", errors="replace"))
 
 
-def _jsonl_documents(path: Path, cfg: DataConfig) -> Iterator[Document]:
-    with path.open(encoding="utf-8") as f:
+def jsonl_records(path: str | Path) -> Iterator[tuple[int, object]]:
+    """(line number, parsed value) of each non-blank line of a JSONL file; ValueError naming file and line
+    for a line that is not JSON."""
+    with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
-            fields = [cfg.prompt_field, cfg.response_field] if cfg.prompt_field else [cfg.text_field]
-            missing = [k for k in fields if not isinstance(record.get(k), str)]
-            if missing:
-                raise ValueError(
-                    f"{path}:{lineno}: field {missing[0]!r} missing or not a string; keys: {sorted(record)}"
-                )
-            if cfg.prompt_field:
-                yield Document(record[cfg.response_field], prompt=record[cfg.prompt_field])
-            else:
-                yield Document(record[cfg.text_field])
+
+
+def _jsonl_documents(path: Path, cfg: DataConfig) -> Iterator[Document]:
+    for lineno, record in jsonl_records(path):
+        fields = [cfg.prompt_field, cfg.response_field] if cfg.prompt_field else [cfg.text_field]
+        missing = [k for k in fields if not isinstance(record.get(k), str)]
+        if missing:
+            raise ValueError(f"{path}:{lineno}: field {missing[0]!r} missing or not a string; keys: {sorted(record)}")
+        if cfg.prompt_field:
+            yield Document(record[cfg.response_field], prompt=record[cfg.prompt_field])
+        else:
+            yield Document(record[cfg.text_field])
