@@ -1,7 +1,7 @@
-"""The RL loop end to end: GRPO raises a reward on a live engine whose weights are swapped every step; the
-sampler's log-probabilities are the trainer's; a run killed with SIGKILL resumes to the parameters of a run never
-killed; two processes over a (data=2, fsdp=2, tensor=2) mesh run like one device; and an update on that mesh
-equals one on one device. The module's runs are on one device (cheapest to compile)."""
+"""The RL loop end to end: GRPO raises the built-in task's reward on a live engine whose weights are swapped
+every step; the sampler's log-probabilities are the trainer's; a run killed with SIGKILL resumes to the parameters
+of a run never killed; two processes over a (data=2, fsdp=2, tensor=2) mesh run like one device; and an update on
+that mesh equals one on one device. The module's runs are on one device (cheapest to compile)."""
 
 import os
 import signal
@@ -119,10 +119,9 @@ def test_a_run_killed_with_sigkill_resumes_to_the_parameters_of_a_run_never_kill
     run's parameters, bitwise, and its rewards step for step (prompts, seeds and the reference are functions of
     the step). The child's peak memory stays small (the engine's page pool is sized to the rollouts)."""
     _, never = uninterrupted
-    run_dir = tmp_path / "killed"
+    run_dir, overrides = tmp_path / "killed", [*overrides, *PAUSING]
     with open(tmp_path / "killed.log", "w") as log:
-        child = _rl_py(run_dir, [*overrides, *PAUSING], log, JAXGEN_TEST_PAUSE_AFTER="5",
-                       JAXGEN_TEST_ROWS_PER_STEP=str(ROWS))
+        child = _rl_py(run_dir, overrides, log, JAXGEN_TEST_PAUSE_AFTER="5", JAXGEN_TEST_ROWS_PER_STEP=str(ROWS))
         try:
             deadline = time.monotonic() + 900
             while not _finished_steps(run_dir):
@@ -136,7 +135,7 @@ def test_a_run_killed_with_sigkill_resumes_to_the_parameters_of_a_run_never_kill
     assert max(_finished_steps(run_dir)) <= 4  # killed before step 6's checkpoint
     peak_file = tmp_path / "peak_kb"
     with open(tmp_path / "resumed.log", "w") as log:
-        status = _reap(_rl_py(run_dir, [*overrides, *PAUSING], log, JAXGEN_TEST_PEAK_FILE=str(peak_file)))
+        status = _reap(_rl_py(run_dir, overrides, log, JAXGEN_TEST_PEAK_FILE=str(peak_file)))
     out = (tmp_path / "resumed.log").read_text()
     assert status == 0 and "resuming" in out and f"step {STEPS}:" in out, out[-3000:]
     peak = int(peak_file.read_text()) * 1024  # at its last step's rewards (measured alone: 0.86 GB)
