@@ -19,7 +19,8 @@ from jaxgen.rl import loop
 from jaxgen.training.metrics import read_metrics
 from tests.conftest import ROOT
 
-# a tiny policy, small rollouts: under a second a step on 2 cores
+# a tiny policy, small rollouts: under a second a step on 2 cores; every checkpoint kept (the two-process test
+# reads step 4's)
 TINY = [
     "model.num_layers=1", "model.d_model=64", "model.num_heads=2", "model.num_kv_heads=1", "model.d_ff=128",
     "rl.prompts_per_step=16", "rl.group_size=8", "rl.max_new_tokens=3", "rl.max_prompt_tokens=6",
