@@ -1,4 +1,4 @@
-"""Rewards for tests/test_rl_loop.py that can stop a run mid-way: in a process started with
+"""The built-in task's reward for tests/test_rl_loop.py, able to stop a run mid-way: in a process started with
 $JAXGEN_TEST_PAUSE_AFTER=K (and $JAXGEN_TEST_ROWS_PER_STEP), the reward sleeps until the process is killed once
 K steps' rewards are done, so that the kill -9 test kills the run mid-way however fast or slow the machine is;
 with $JAXGEN_TEST_PEAK_FILE, each call writes the process's peak resident memory so far (VmHWM, in kB) there.
@@ -32,12 +32,6 @@ def _note_peak() -> None:
 
 
 def exact_match_pausing(prompt: str, completion: str, **fields) -> float:
-    """The built-in task's reward (1.0 for the exact answer)."""
+    """The built-in task's reward (1.0 for the exact answer), so a run with it is a run with the task's own."""
     _pause_when_asked()
     return exact_match(prompt, completion, **fields)
-
-
-def starts_with_a_digit(prompt: str, completion: str, **fields) -> float:
-    """A reward the barely warm policy of the tests earns a third of the time and a working gradient raises fast."""
-    _pause_when_asked()
-    return float(completion[:1].isdigit())
