@@ -249,13 +249,8 @@ def _keys(path) -> tuple:
 
 
 def _plannable(cfg, mesh):
-    """The config compiled on fake CPU devices: a fused kernel (cudnn, splash) is planned as blockwise;
-    on a mesh with a context axis, auto as ring (what `kernels.choose` picks there)."""
-    impl = cfg.model.attention_impl
-    if impl in ("dense", "blockwise", "ring", "allgather"):
-        return cfg
-    impl = "ring" if impl == "auto" and "context" in mesh.axis_names else "blockwise"
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl=impl))
+    """The config compiled on fake CPU devices (its model as `_plannable_model` plans it on `mesh`)."""
+    return dataclasses.replace(cfg, model=_plannable_model(cfg.model, mesh))
 
 
 def inference_programs(
@@ -379,8 +374,8 @@ def by_depth(compile_at, model_cfg) -> list[Program]:
 
 def _plannable_model(model_cfg, mesh=None):
     """The model compiled on fake CPU devices: a fused kernel (cudnn, splash) planned as blockwise; on a
-    mesh with a context axis (`mesh`) ring and allgather kept and auto as ring (`kernels.choose`), elsewhere
-    (the cached prefill and decode, which attend over the cache) blockwise."""
+    mesh with a context axis ring and allgather kept and auto as ring (what `kernels.choose` picks there),
+    elsewhere blockwise (also without `mesh`: the cached prefill and decode, which attend over the cache)."""
     impl = model_cfg.attention_impl
     if impl in ("dense", "blockwise"):
         return model_cfg
