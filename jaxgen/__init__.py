@@ -11,6 +11,7 @@ The package is laid out by concern; imports only point down this list:
     inference/                    sampling, the decode core, Generator, beam search, the engine, LLM
     serving/                      the HTTP server and the batch job
     rl/                           reinforcement learning: policy-gradient objectives over sampled completions
+    plan_length                   the longest sequence that fits: the search and its table (`--max-seq`)
     plan                          `python -m jaxgen.plan`: per-device memory of a config on a mesh
     evaluation/                   the lm-evaluation-harness model, `python -m jaxgen.evaluation`
 

@@ -12,6 +12,21 @@ cache and gradients are counted exactly from shapes and shardings; activations a
 are XLA:CPU's buffer assignment for the same program (an estimate of what a GPU or TPU compiler
 assigns: same algorithm, different fusion and scheduling). Fused attention kernels (cudnn, splash) are
 planned with `blockwise`, which keeps the same O(T) residuals; `dense` is planned as itself.
+
+Prefill and decode run their layers unrolled (a Python loop: each layer its own cache buffers), so their
+compile time grows with depth. A model deeper than 3 layers is compiled at 2 and 3 layers and every byte
+count extrapolated along the line through them (`by_depth`): inference keeps no per-layer residuals, so
+parameters and cache grow by one layer's share a layer, exactly, and temporaries by a fixed amount a layer.
+tests/test_plan_prefill.py checks it against the full compile of a 4-layer model, with and without a
+context axis (tolerance 1%; equal to the byte when measured). Against full compiles of Llama 3.1 8B (32
+layers) at 188k tokens and 3.2 1B at 128k: within 0.01% (24 s against 140 s to compile the 8B); at 8k
+tokens the 1B's full program holds one more buffer: 2.1% under (docs/accelerators.md). It assumes layers
+alike in memory.
+
+On a mesh with a context axis the prefill planned by `--max-seq` is the Generator's (`inference.decode.
+prefill`: the whole prompt at once, `fresh=True`, ring or allgather attention over the split prompt, the
+cache split over context); elsewhere the engine's chunked prefill (`--prefill-chunk`). The search itself
+lives in `jaxgen.plan_length`.
 """
 
 from __future__ import annotations
@@ -21,6 +36,8 @@ import dataclasses
 import functools
 import math
 import sys
+
+from jaxgen.plan_length import MAX_SEQ_TOP, REMATS, at_length, format_max_seq, max_seq_table, size_text
 
 # device kind -> (bytes of memory per device, backend); vendors' decimal figures
 DEVICES = {
@@ -234,40 +251,29 @@ def _keys(path) -> tuple:
 
 
 def _plannable(cfg, mesh):
-    """The config compiled on fake CPU devices: a fused kernel (cudnn, splash) is planned as blockwise;
-    on a mesh with a context axis, auto as ring (what `kernels.choose` picks there)."""
-    impl = cfg.model.attention_impl
-    if impl in ("dense", "blockwise", "ring", "allgather"):
-        return cfg
-    impl = "ring" if impl == "auto" and "context" in mesh.axis_names else "blockwise"
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl=impl))
+    """The config compiled on fake CPU devices (its model as `_plannable_model` plans it on `mesh`)."""
+    return dataclasses.replace(cfg, model=_plannable_model(cfg.model, mesh))
 
 
 def inference_programs(
     model_cfg, mesh, slots: int, cache_len: int, chunk: int, dtype: str, decode: bool = True
 ) -> list[Program]:
     """A prefill chunk of `chunk` tokens per slot at the end of a `cache_len` cache, and (`decode`) one
-    decode step, with weights and cache in `dtype` (what serving holds; see `--param-dtype`)."""
+    decode step, with weights and cache in `dtype` (what serving holds; see `--param-dtype`): the engine's
+    programs. A model deeper than PROBE_DEPTHS[-1] layers is compiled at PROBE_DEPTHS and extrapolated
+    (`by_depth`)."""
+    return by_depth(lambda m: _inference_programs(m, mesh, slots, cache_len, chunk, dtype, decode), model_cfg)
+
+
+def _inference_programs(model_cfg, mesh, slots, cache_len, chunk, dtype, decode) -> list[Program]:
     import jax
 
     from jaxgen import model
-    from jaxgen.model.kvcache import K_NAMES, POS_NAMES, V_NAMES, KVCache
-    from jaxgen.sharding import batch_sharding, named_sharding
+    from jaxgen.sharding import batch_sharding
 
     model_cfg = dataclasses.replace(_plannable_model(model_cfg), dtype=dtype)
     params = _per_layer(abstract_params(model_cfg, mesh, dtype), mesh)
-    shapes = jax.eval_shape(lambda: KVCache.init(model_cfg, slots, cache_len, dtype))
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-
-    def placed(buffers, names):  # each layer's and block's buffer
-        return jax.tree.map(lambda x: x.update(sharding=named_sharding(mesh, names, x.shape)), buffers)
-
-    cache = shapes.replace(
-        k=placed(shapes.k, K_NAMES),
-        v=placed(shapes.v, V_NAMES),
-        pos=shapes.pos.update(sharding=named_sharding(mesh, POS_NAMES, shapes.pos.shape)),
-        end=shapes.end.update(sharding=replicated),
-    )
+    cache = _abstract_cache(model_cfg, mesh, slots, cache_len, dtype)
 
     def step(params, tokens, positions, cache):  # what the generator and engine run: the head at the last token only
         x, cache = model.hidden_states(params, tokens, positions, cache, cfg=model_cfg)
@@ -286,10 +292,100 @@ def inference_programs(
     return out
 
 
-def _plannable_model(model_cfg):
-    if model_cfg.attention_impl in ("dense", "blockwise"):
+def _abstract_cache(model_cfg, mesh, slots: int, cache_len: int, dtype: str):
+    """The contiguous KV cache as ShapeDtypeStructs, placed as `KVCache.constrain` places it."""
+    import jax
+
+    from jaxgen.model.kvcache import K_NAMES, POS_NAMES, V_NAMES, KVCache
+    from jaxgen.sharding import named_sharding
+
+    shapes = jax.eval_shape(lambda: KVCache.init(model_cfg, slots, cache_len, dtype))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def placed(buffers, names):  # each layer's and block's buffer
+        return jax.tree.map(lambda x: x.update(sharding=named_sharding(mesh, names, x.shape)), buffers)
+
+    return shapes.replace(
+        k=placed(shapes.k, K_NAMES),
+        v=placed(shapes.v, V_NAMES),
+        pos=shapes.pos.update(sharding=named_sharding(mesh, POS_NAMES, shapes.pos.shape)),
+        end=shapes.end.update(sharding=replicated),
+    )
+
+
+def prefill_program(model_cfg, mesh, rows: int, t: int, chunk: int, dtype: str) -> Program:
+    """The prefill of a `t`-token prompt in each of `rows` rows into a cache of `t` slots, as serving runs it
+    on `mesh`: on a mesh with a context axis the Generator's (`inference.decode.prefill`: the whole prompt at
+    once, `fresh=True`, attention ring or allgather over the split prompt, the cache split over `context`);
+    elsewhere the engine's, in chunks of `chunk` tokens (its last chunk, the largest). Extrapolated in depth
+    from PROBE_DEPTHS layers (`by_depth`)."""
+    from jaxgen.sharding import context_size
+
+    if context_size(mesh) == 1:
+        return inference_programs(model_cfg, mesh, rows, t, min(chunk, t), dtype, decode=False)[0]
+    return by_depth(lambda m: [_fresh_prefill(m, mesh, rows, t, dtype)], model_cfg)[0]
+
+
+def _fresh_prefill(model_cfg, mesh, rows: int, t: int, dtype: str) -> Program:
+    """`inference.decode.prefill` compiled as the Generator jits it (one sample per prompt)."""
+    import jax
+
+    from jaxgen.inference import decode
+    from jaxgen.sharding import batch_sharding
+
+    model_cfg = dataclasses.replace(_plannable_model(model_cfg, mesh), dtype=dtype)
+    params = _per_layer(abstract_params(model_cfg, mesh, dtype), mesh)
+    tokens = jax.ShapeDtypeStruct((rows, t), jax.numpy.int32, sharding=batch_sharding(mesh, (rows, t)))
+    per_row = jax.ShapeDtypeStruct((rows,), jax.numpy.int32, sharding=batch_sharding(mesh, (rows,)))
+    run = jax.jit(decode.prefill, static_argnames=("cfg", "cache_len", "cache_dtype"))
+    with jax.set_mesh(mesh):
+        lowered = run.lower(params, tokens, tokens, per_row, per_row, cfg=model_cfg, cache_len=t, cache_dtype=dtype)
+        mem = lowered.compile().memory_analysis()
+    cache = _abstract_cache(model_cfg, mesh, rows, t, dtype)
+    cache_bytes = per_device_bytes(cache)
+    parts = {f"parameters ({dtype})": per_device_bytes(params), f"KV cache ({dtype}, returned)": cache_bytes}
+    name = f"prefill ({t} tokens x {rows} rows, whole prompt, {model_cfg.attention_impl} over context)"
+    temps, args = float(mem.temp_size_in_bytes), float(mem.argument_size_in_bytes)
+    return Program(name, parts, temps, args, holds="activations, workspace", outputs=_new_outputs(mem))
+
+
+PROBE_DEPTHS = (2, 3)  # layers an inference program of a deeper model is compiled with (`by_depth`)
+
+
+def by_depth(compile_at, model_cfg) -> list[Program]:
+    """`compile_at(model_cfg)` (-> Programs whose layers run unrolled: prefill, decode) for a model of L
+    layers, from compiles of the same model at the two PROBE_DEPTHS, every byte count extrapolated along
+    the line through them: inference keeps no per-layer residuals, so parameters and cache grow by one
+    layer's share a layer (exactly) and temporaries by a fixed amount a layer (XLA:CPU keeps each layer's
+    gathered weights). A model no deeper than the second depth is compiled as it is. Assumes layers alike
+    in memory (MoE or local/global patterns: the first layers' kinds). Tested: equal to the full compile
+    of a 4-layer model to 1% (tests/test_plan_prefill.py)."""
+    depth = model_cfg.num_layers
+    if depth <= PROBE_DEPTHS[-1]:
+        return compile_at(model_cfg)
+    (d0, d1), slope = PROBE_DEPTHS, depth - PROBE_DEPTHS[0]
+    lows, highs = (compile_at(dataclasses.replace(model_cfg, num_layers=d)) for d in PROBE_DEPTHS)
+    line = lambda a, b: a + (b - a) * slope / (d1 - d0)
+    out = []
+    for lo, hi in zip(lows, highs, strict=True):
+        parts = {k: line(lo.parts[k], hi.parts[k]) for k in lo.parts}
+        fields = {f: line(getattr(lo, f), getattr(hi, f)) for f in ("temporaries", "arguments", "outputs")}
+        out.append(dataclasses.replace(lo, parts=parts, **fields))
+    return out
+
+
+def _plannable_model(model_cfg, mesh=None):
+    """The model compiled on fake CPU devices: a fused kernel (cudnn, splash) planned as blockwise; on a
+    mesh with a context axis ring and allgather kept and auto as ring (what `kernels.choose` picks there),
+    elsewhere blockwise (also without `mesh`: the cached prefill and decode, which attend over the cache)."""
+    impl = model_cfg.attention_impl
+    if impl in ("dense", "blockwise"):
         return model_cfg
-    return dataclasses.replace(model_cfg, attention_impl="blockwise")
+    if mesh is not None and "context" in mesh.axis_names:
+        impl = {"auto": "ring", "ring": "ring", "allgather": "allgather"}.get(impl, "blockwise")
+    else:
+        impl = "blockwise"
+    return dataclasses.replace(model_cfg, attention_impl=impl)
 
 
 def advice(cfg, program: Program, capacity: float, mesh_sizes: dict) -> list[str]:
@@ -322,19 +418,7 @@ def run_plan(cfg, mesh_sizes: dict, device: str, slots: int, cache_len: int, chu
     return programs, DEVICES[device][0] * HEADROOM
 
 
-# --- The longest sequence (--max-seq) ---------------------------------------------------------------
-
-REMATS = ("none", "full", "dots", "dots_no_batch", "offload_dots")  # model.remat's values
-MAX_SEQ_TOP = 2**20  # the longest length --max-seq tries unless told: a million tokens
-
-
-@dataclasses.dataclass
-class Longest:
-    """The answer of one search: the longest length that fits (0: not even one granule) and its peak."""
-
-    length: int
-    peak: float  # bytes per device at `length` (0.0 when nothing fits)
-    capped: bool = False  # still fits at the largest length tried: the real limit is further
+# --- The longest sequence (--max-seq): the programs the search in jaxgen.plan_length probes -----------
 
 
 def seq_granule(cfg, mesh) -> int:
@@ -348,153 +432,32 @@ def seq_granule(cfg, mesh) -> int:
     return 2 * c * block if c > 1 and impl in ("ring", "allgather") else block
 
 
-def search_longest(peak_at, capacity: float, granule: int, start: int, top: int) -> Longest:
-    """The largest multiple of `granule` in [granule, top] whose `peak_at(T)` (bytes per device; each
-    call a compiled program, so the caller memoizes) is <= `capacity`, assuming peak grows with T.
-
-    Up: doubling from `start`, or a jump to where the line through the last two probes meets the capacity
-    when that is further (memory is close to linear in T). Then bisection between the longest that fits
-    and the shortest that does not, at the secant point (rounded to the granule, kept inside) checked with
-    its neighbour, falling back to the midpoint: a handful of probes when the memory is near linear."""
-    up = lambda t: -(-t // granule) * granule
-    down = lambda t: max(t // granule * granule, granule)
-    fit, over = {}, {}  # length -> peak
-
-    def probe(t: int) -> bool:
-        peak = peak_at(t)
-        (fit if peak <= capacity else over)[t] = peak
-        return peak <= capacity
-
-    t = min(up(max(start, granule)), down(top))
-    while probe(t):  # up until something does not fit
-        if t >= down(top):
-            return Longest(t, fit[t], capped=True)
-        t = min(max(2 * t, _secant(fit, capacity, granule, up)), down(top))
-    if not fit:  # the start is too long: halve down to one granule
-        while t > granule and not fit:  # or to where the line through the two shortest meets the capacity
-            line = _secant(dict(sorted(over.items())[:2]), capacity, granule, down) if len(over) > 1 else t
-            t = down(min(t // 2, max(line, granule)))
-            probe(t)
-        if not fit:
-            return Longest(0, 0.0)
-    lo, hi, halve = max(fit), min(over), False
-    while hi - lo > granule:
-        line = _secant({lo: fit[lo], hi: over[hi]}, capacity, granule, down)
-        t = down((lo + hi) // 2) if halve or not line else min(max(line, lo + granule), hi - granule)
-        step = granule if probe(t) else -granule
-        if lo < t + step < hi:  # the guess's neighbour: when the guess was good, this ends the search
-            probe(t + step)
-        width, (lo, hi) = hi - lo, (max(fit), min(over))
-        halve = hi - lo > width // 2  # the secant crept (a curved peak): bisect once
-    return Longest(lo, fit[lo])
-
-
-def _secant(points: dict, capacity: float, granule: int, rounding) -> int:
-    """Where the line through the two longest probes meets `capacity`, rounded to the granule (0 when
-    there is no rising line)."""
-    if len(points) < 2:
-        return 0
-    (t0, p0), (t1, p1) = sorted(points.items())[-2:]
-    if p1 <= p0:
-        return 0
-    return rounding(int(t0 + (capacity - p0) * (t1 - t0) / (p1 - p0)))
-
-
 def probe_fn(cfg, mesh, program: str, chunk: int, dtype: str, log=None):
-    """T -> peak bytes per device of `program` (train or prefill) at sequence length T, memoized: the train
-    step with data x fsdp rows of T tokens (one sequence per batch shard); the prefill of a T-token prompt
-    in chunks of `chunk` tokens into a cache of T, as many slots (its last chunk: the largest)."""
+    """T -> peak bytes per device of `program` (train or prefill) at sequence length T, memoized (`.memo`;
+    `.compiles[0]`: programs compiled): the train step with data x fsdp rows of T tokens (one sequence per
+    batch shard); the prefill of a T-token prompt in as many rows into a cache of T (`prefill_program`: on a
+    context mesh the whole prompt at once, else in chunks of `chunk` tokens)."""
     import time
 
     rows = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
-    memo = {}
+    memo, compiles = {}, [0]
+    per_probe = 1 if program == "train" or cfg.model.num_layers <= PROBE_DEPTHS[-1] else len(PROBE_DEPTHS)
 
     def peak_at(t: int) -> float:
         if t not in memo:
             began = time.perf_counter()
-            run = _at_length(cfg, t, rows)
+            run = at_length(cfg, t, rows)
             if program == "train":
                 memo[t] = train_program(run, mesh).peak
             else:
-                memo[t] = inference_programs(run.model, mesh, rows, t, min(chunk, t), dtype, decode=False)[0].peak
+                memo[t] = prefill_program(run.model, mesh, rows, t, chunk, dtype).peak
+            compiles[0] += per_probe
             if log:
-                log(f"  {program} T={t}: {_size(memo[t]).strip()} per device ({time.perf_counter() - began:.0f} s)")
+                log(f"  {program} T={t}: {size_text(memo[t]).strip()} per device ({time.perf_counter() - began:.0f} s)")
         return memo[t]
 
-    peak_at.memo = memo
+    peak_at.memo, peak_at.compiles = memo, compiles
     return peak_at
-
-
-def _at_length(cfg, t: int, rows: int):
-    """`cfg` with sequences of `t` tokens, `rows` of them a step (the model's positions stretched to t)."""
-    model = dataclasses.replace(cfg.model, max_seq_len=max(cfg.model.max_seq_len, t))
-    return dataclasses.replace(
-        cfg, model=model, data=dataclasses.replace(cfg.data, seq_len=t),
-        training=dataclasses.replace(cfg.training, batch_size=rows),
-    )  # fmt: skip
-
-
-def max_seq_table(cfg, meshes: list[dict], remats: list[str], devices: list[str], top: int, chunk: int,
-                  dtype: str, prefill: bool = True, log=None) -> tuple[list[dict], int]:  # fmt: skip
-    """One row per (device, mesh, remat): the longest train and prefill lengths and their peaks. Probes are
-    shared across devices (the same program whatever the capacity) and the prefill across remat policies.
-    Returns (rows, programs compiled); a row's prefill is None without `prefill`."""
-    from jaxgen.config import MeshConfig
-    from jaxgen.sharding import make_mesh
-
-    if cfg.model.position == "learned":  # no positions beyond the table
-        top = min(top, cfg.model.max_seq_len)
-    rows, compiled = [], 0
-    for sizes in meshes:
-        mesh = make_mesh(MeshConfig(**sizes))
-        prefill = probe_fn(cfg, mesh, "prefill", chunk, dtype, log) if prefill else None
-        for remat in remats:
-            run = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=remat))
-            train, granule = probe_fn(run, mesh, "train", chunk, dtype, log), seq_granule(run, mesh)
-            for device in devices:
-                capacity = DEVICES[device][0] * HEADROOM
-                if log:
-                    log(f"{device}, mesh {_mesh_name(sizes)}, remat {remat}:")
-                found = [
-                    search_longest(f, capacity, granule, cfg.data.seq_len, top) if f else None for f in (train, prefill)
-                ]
-                rows.append({"device": device, "mesh": _mesh_name(sizes), "remat": remat, "train": found[0],
-                             "prefill": found[1]})  # fmt: skip
-            compiled += len(train.memo)
-        compiled += len(prefill.memo) if prefill else 0
-    return rows, compiled
-
-
-def _mesh_name(sizes: dict) -> str:
-    return ",".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "data=1"
-
-
-def format_max_seq(rows: list[dict], chunk: int, dtype: str, compiled: int) -> str:
-    def cell(found: Longest | None) -> tuple[str, str]:
-        if found is None:
-            return "not searched", ""
-        if not found.length:
-            return "nothing fits", ""
-        return (">= " if found.capped else "") + f"{found.length:,}", _size(found.peak).strip()
-
-    lines = [
-        "| device | mesh | model.remat | longest train sequence | per device | longest prefill | per device |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        train, prefill = cell(r["train"]), cell(r["prefill"])
-        lines.append(f"| {r['device']} | {r['mesh']} | {r['remat']} | {' | '.join(train)} | {' | '.join(prefill)} |")
-    lines.append(
-        f"\nRows per step: data x fsdp (one sequence per batch shard). Prefill: the prompt in chunks of {chunk} "
-        f"tokens into a {dtype} cache of its length. {compiled} programs compiled; usable memory "
-        f"{HEADROOM:.0%} of each device's."
-    )
-    return "\n".join(lines)
-
-
-def _size(n: float) -> str:
-    """Bytes in GB, or MB below one GB (tiny configs)."""
-    return f"{n / 1e9:7.2f} GB" if n >= 1e9 else f"{n / 1e6:7.1f} MB"
 
 
 def format_plan(cfg, programs, capacity, mesh_sizes, device) -> str:
@@ -505,18 +468,18 @@ def format_plan(cfg, programs, capacity, mesh_sizes, device) -> str:
     count = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
     mesh = ", ".join(f"{k}={v}" for k, v in mesh_sizes.items())
     lines = [
-        f"{count} parameters on {n} x {device} (mesh {mesh}); usable per device {_size(capacity).strip()} "
+        f"{count} parameters on {n} x {device} (mesh {mesh}); usable per device {size_text(capacity).strip()} "
         f"({HEADROOM:.0%} of {DEVICES[device][0] / 1e9:.0f} GB)"
     ]
     for p in programs:
         verdict = "fits" if p.peak <= capacity else "DOES NOT FIT"
-        lines.append(f"\n{p.name}: {_size(p.peak).strip()} per device, {verdict}")
+        lines.append(f"\n{p.name}: {size_text(p.peak).strip()} per device, {verdict}")
         for name, value in p.parts.items():
-            lines.append(f"  {name:<28} {_size(value)}")
+            lines.append(f"  {name:<28} {size_text(value)}")
         temps = "temporaries (XLA:CPU)"
-        lines.append(f"  {temps:<28} {_size(p.temporaries)}   {p.holds}")
+        lines.append(f"  {temps:<28} {size_text(p.temporaries)}   {p.holds}")
         if p.outputs:
-            lines.append(f"  {'outputs (XLA:CPU)':<28} {_size(p.outputs)}   returned beside the donated state")
+            lines.append(f"  {'outputs (XLA:CPU)':<28} {size_text(p.outputs)}   returned beside the donated state")
         lines += [f"  -> {tip}" for tip in advice(cfg, p, capacity, mesh_sizes)]
     return "\n".join(lines)
 
@@ -542,16 +505,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead of one plan, search the longest sequence whose train step (and prefill) fits per device, "
         f"up to TOP tokens (default {MAX_SEQ_TOP}), for each --mesh, --remat and --device: the train step has "
         "data x fsdp rows (one sequence per batch shard); the prefill feeds a prompt of that length in "
-        "--prefill-chunk chunks into a cache of its length. Lengths are multiples of what attention needs "
+        "--prefill-chunk chunks into a cache of its length (on a context mesh: the whole prompt at once, as the "
+        "Generator prefills there). Lengths are multiples of what attention needs "
         "(2 x context x model.attention_block for ring and allgather, else the block). Each probe compiles "
         "one program (tens of seconds for a 1B model): doubling from data.seq_len (or a jump along the line "
         "through the last two probes), then bisection at the secant point: about 4-8 compiles per mesh and "
-        "remat, shared across devices, and as many for the prefill per mesh",
+        "remat, shared across devices, and as many for the prefill per mesh (two compiles each: 2 and 3 layers)",
     )  # fmt: skip
     parser.add_argument("--remat", default=None, help="with --max-seq: model.remat policies to compare, a comma "
                         f"list of {', '.join(REMATS)} (default: the config's)")  # fmt: skip
     parser.add_argument("--no-prefill", action="store_true", help="with --max-seq: search the train step only "
-                        "(the prefill program holds every layer unrolled and compiles far slower)")  # fmt: skip
+                        "(each prefill probe: two compiles, at 2 and 3 layers)")  # fmt: skip
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. training.batch_size=16")
     return parser
 
@@ -618,11 +582,12 @@ def main(argv=None) -> int:
 def _main_max_seq(cfg, args, meshes) -> int:
     remats = args.remat.split(",") if args.remat else [cfg.model.remat]
     log = lambda line: print(line, file=sys.stderr, flush=True)
+    capacities = {device: DEVICES[device][0] * HEADROOM for device in args.device.split(",")}
+    probe = lambda run, mesh, program: probe_fn(run, mesh, program, args.prefill_chunk, args.param_dtype, log)
     rows, compiled = max_seq_table(
-        cfg, meshes, remats, args.device.split(","), args.max_seq, args.prefill_chunk, args.param_dtype,
-        prefill=not args.no_prefill, log=log,
-    )  # fmt: skip
-    print(format_max_seq(rows, args.prefill_chunk, args.param_dtype, compiled))
+        cfg, meshes, remats, capacities, args.max_seq, probe, seq_granule, prefill=not args.no_prefill, log=log
+    )
+    print(format_max_seq(rows, args.prefill_chunk, args.param_dtype, compiled, HEADROOM))
     return 0
 
 

@@ -6,7 +6,8 @@ Axis glossary (used in names, einsum strings and shape comments across jaxgen):
     M tokens flattened (B * T), A (token, expert) assignments (M * k).
 
 Mesh axes: data (batch rows), fsdp (batch rows and parameter rows), context (a sequence's tokens:
-context parallelism, only in a mesh whose `mesh.context` > 1), tensor (heads, MLP width, vocab).
+context parallelism, only in a mesh whose `mesh.context` > 1; parameter rows too, with fsdp), tensor
+(heads, MLP width, vocab).
 
 Every parameter and the main activations carry logical names (below); `RULES` maps each to mesh
 axes. A dimension that the mesh axes do not divide is replicated instead (e.g. one kv head under
@@ -29,7 +30,9 @@ MESH_AXES = ("data", "fsdp", "context", "tensor")  # every axis a mesh may have 
 # logical name -> mesh axes (None: replicated)
 RULES: dict[str, tuple[str, ...] | str | None] = {
     "batch": ("data", "fsdp"),
-    "embed": "fsdp",  # parameter rows are split by FSDP, gathered for compute
+    # parameter rows (and their gradients and moments) are split by FSDP, gathered for compute; on a
+    # context mesh over fsdp x context too (activations keep context for their tokens), as MaxText does
+    "embed": ("fsdp", "context"),
     "vocab": "tensor",
     "heads": "tensor",
     "kv_heads": "tensor",
@@ -62,7 +65,16 @@ def _present(axes, mesh):
     kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if a in mesh.axis_names)
     if not kept:
         return None
-    return kept[0] if isinstance(axes, str) else kept
+    return kept[0] if isinstance(axes, str) or (len(kept) == 1 and len(axes) > 1) else kept
+
+
+def _dividing(axes, size: int, mesh):
+    """The longest leading run of `axes` whose product divides `size` (a single axis as its name), or None:
+    a parameter row that fsdp x context does not divide splits over fsdp alone."""
+    for n in range(len(axes) - 1, 0, -1):
+        if size % _axis_size(mesh, axes[:n]) == 0:
+            return axes[0] if n == 1 else axes[:n]
+    return None
 
 
 def context_size(mesh=None) -> int:
@@ -81,7 +93,7 @@ def logical_spec(names: tuple[str | None, ...], shape: tuple[int, ...] | None = 
         if axes is not None and mesh is not None:
             axes = _present(axes, mesh)
         if axes is not None and mesh is not None and shape[i] % _axis_size(mesh, axes) != 0:
-            axes = None
+            axes = _dividing(axes, shape[i], mesh) if name == "embed" else None
         if axes is not None and used & set((axes,) if isinstance(axes, str) else axes):
             axes = None
         if axes is not None:

@@ -9,7 +9,7 @@ import sys
 import jax
 import pytest
 
-from jaxgen import model, plan
+from jaxgen import model, plan, plan_length
 from jaxgen.config import MeshConfig, load_config
 from jaxgen.model.kvcache import cache_memory_bytes
 from jaxgen.sharding import make_mesh
@@ -116,7 +116,7 @@ def test_search_longest_equals_brute_force_on_curves():
             for start in (64, 448, 8192):
                 probed = []
                 peak_at = lambda t, probed=probed, curve=curve: probed.append(t) or curve(t)
-                found = plan.search_longest(peak_at, capacity, 64, start, 8192)
+                found = plan_length.search_longest(peak_at, capacity, 64, start, 8192)
                 fitting = [t for t in range(64, 8193, 64) if curve(t) <= capacity]
                 assert found.length == (fitting[-1] if fitting else 0), (capacity, start)
                 assert found.capped == (found.length == 8192)
@@ -134,11 +134,11 @@ def test_max_seq_answer_fits_and_one_granule_more_does_not(cfg):
     assert granule == 2 * 2 * 64
     peak_at = plan.probe_fn(run, mesh, "train", chunk=512, dtype="bfloat16")
     capacity = peak_at(3 * granule)  # off the doubling path 512, 1024
-    found = plan.search_longest(peak_at, capacity, granule, start=2 * granule, top=2**14)
+    found = plan_length.search_longest(peak_at, capacity, granule, start=2 * granule, top=2**14)
     assert found.length >= 3 * granule and found.length % granule == 0 and not found.capped
     assert len(peak_at.memo) <= 4, sorted(peak_at.memo)  # few compiles: 768 (the capacity), 512, 1024
     assert peak_at.memo[found.length] == found.peak <= capacity
-    longer = plan.train_program(plan._at_length(run, found.length + granule, rows=1), mesh).peak  # compiled anew
+    longer = plan.train_program(plan_length.at_length(run, found.length + granule, rows=1), mesh).peak  # compiled anew
     assert longer > capacity
 
 
