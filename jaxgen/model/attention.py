@@ -73,7 +73,10 @@ def dense_attention(q_btnh, k_bskh, v_bskh, mask_bts, cfg):
 def sequence_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, window, cfg, impl: str):
     """Attention of a whole sequence over itself (training, scoring) by `impl` (see
     `kernels.choose`): blockwise, cudnn or splash; each equals `dense_attention` under
-    `attention_mask(positions, positions, segment_ids, segment_ids, window)`. (B, T, N, H)."""
+    `attention_mask(positions, positions, segment_ids, segment_ids, window)`. (B, T, N, H).
+    Deterministic mode (`model.deterministic`): `tiled_attention` whatever `impl` says."""
+    if cfg.deterministic:
+        return _tiled_sequence(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, window, cfg)
     if impl == "cudnn":
         mask = kernels.cudnn_mask(positions_bt, segment_ids_bt)
         return kernels.cudnn_attention(q_btnh, k_btkh, v_btkh, mask, window, cfg, scale=logit_scale(cfg))
@@ -132,6 +135,8 @@ def cached_attention(q_btnh, cache, kv, layer, q_pos_bt, window, cfg):
     (a prompt's chunk) keeps its queries split over context as its activations are, and GSPMD gathers each
     block it reads (measured at T=4096, C=4: 257 MiB of temporaries per device the first way, where XLA
     kept every block's (T, Sb / C) scores alive, against 8.1 MiB the second)."""
+    if cfg.deterministic:  # the fold training runs too, tile by tile (see tiled_attention)
+        return _tiled_cached(q_btnh, cache, kv, layer, q_pos_bt, window, cfg), kv
     b, t, n, h = q_btnh.shape
     k = cfg.kv_heads
     q = q_btnh.reshape(b, t, k, n // k, h).astype(jnp.float32) * logit_scale(cfg)
@@ -206,3 +211,105 @@ def _online_softmax_step(carry, q_btkgh, k_bkhs, v_bksh, mask_bts, softcap):
     corr = jnp.exp(m - m_new)
     pv = cpu.values_as_sums(p, v_bksh) if as_sums else jnp.einsum("bkgts,bksh->bkgth", p, v_bksh)
     return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
+
+
+# --- deterministic mode (model.deterministic) ------------------------------------------------------
+
+
+def tiled_attention(q_btnh, fetch, num_blocks: int, block: int, q_pos_bt, window, cfg):
+    """Attention computed for each query by the same float operations wherever it runs: training's
+    forward, a prefill chunk of any length, a decode step, any batch. (B, T, N, H) -> (B, T, N, H).
+
+    Queries (every row's, flattened) go by tiles of `layers.TILE` (`layers.per_tile`); each tile folds the
+    key blocks j = 0 .. num_blocks - 1, `block` keys each, aligned to positions (block j: positions
+    [j block, (j + 1) block)), with the online softmax of `_tile_step`, skipping (`lax.cond`) those past
+    its furthest query. A block no query of the tile may see leaves its (max, normaliser, sum) bitwise as
+    they were (scores at NEG_INF: the max stays, exp(0) = 1 scales, zeros add), so how many blocks a tile
+    visits (what else shares it) changes nothing. `fetch(j, rows)`: block j of the queries' rows (R,) ->
+    keys (R, K, H, block), values (R, K, block, H), positions (R, block)."""
+    b, t, n, h = q_btnh.shape
+    k, g, tile = cfg.kv_heads, n // cfg.kv_heads, layers.TILE
+    q = q_btnh.reshape(b * t, k, g, h).astype(jnp.float32) * logit_scale(cfg)
+    pad = -(b * t) % tile
+    q = jnp.pad(q, ((0, pad), (0, 0), (0, 0), (0, 0)))
+    pos = jnp.pad(q_pos_bt.reshape(-1), (0, pad), constant_values=-1)  # padding queries see nothing
+    rows = jnp.pad(jnp.repeat(jnp.arange(b, dtype=jnp.int32), t), (0, pad))
+
+    def one_tile(q_t, pos_t, rows_t):
+        furthest = jnp.max(pos_t) // block  # the last block a query of the tile may see (-1: none)
+
+        def step(j, stats):
+            def fold(stats):
+                k_t, v_t, k_pos = fetch(j, rows_t)
+                mask = attention_mask(pos_t[:, None], k_pos, window=window)[:, 0]  # (R, block)
+                return _tile_step(stats, q_t, k_t, v_t, mask, cfg.attn_softcap)
+
+            return jax.lax.cond(j <= furthest, fold, _same, stats)
+
+        stats = (
+            jnp.full((tile, k, g), NEG_INF, jnp.float32),
+            jnp.zeros((tile, k, g), jnp.float32),
+            jnp.zeros((tile, k, g, h), jnp.float32),
+        )
+        _, l, acc = jax.lax.fori_loop(0, num_blocks, step, stats)
+        return acc / jnp.maximum(l, 1e-30)[..., None]  # rows with no key at all (padding) give 0
+
+    out = layers.per_tile(one_tile, q, pos, rows)  # (B T, K, G, H)
+    return out[: b * t].reshape(b, t, n, h).astype(q_btnh.dtype)
+
+
+def _tile_step(carry, q_rkgh, k_rkhs, v_rksh, mask_rs, softcap):
+    """`_online_softmax_step` for a tile of R queries, each with its own block of keys: products batched
+    over (query, kv head), so a query's numbers do not depend on the others'."""
+    m, l, acc = carry  # (R, K, G), (R, K, G), (R, K, G, H)
+    mask = mask_rs[:, None, None]
+    k_rkhs, v_rksh = from_storage(k_rkhs).astype(jnp.float32), from_storage(v_rksh).astype(jnp.float32)
+    s = layers.softcap(jnp.einsum("rkgh,rkhs->rkgs", q_rkgh, k_rkhs), softcap)
+    s = jnp.where(mask, s, NEG_INF)
+    m_new = jnp.maximum(m, s.max(-1))
+    p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+    corr = jnp.exp(m - m_new)
+    pv = jnp.einsum("rkgs,rksh->rkgh", p, v_rksh)
+    return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
+
+
+def _tiled_sequence(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, window, cfg):
+    """`tiled_attention` of whole sequences over themselves (training, scoring): key block j is columns
+    [j block, (j + 1) block) of each row, the engine's page blocks when a row's positions are 0, 1, ...
+    (its columns; padding at the end). Other positions give correct attention, not the engine's bits."""
+    if segment_ids_bt is not None:
+        raise ValueError("model.deterministic: packed documents (segment_ids) are not supported")
+    block, s = cfg.attention_block, k_btkh.shape[1]
+    pad = -s % block
+    k = jnp.pad(k_btkh, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    v = jnp.pad(v_btkh, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    k_pos = jnp.pad(positions_bt, ((0, 0), (0, pad)), constant_values=-1)
+
+    def fetch(j, rows):
+        cols = j * block + jnp.arange(block)
+        take = lambda x: x[rows[:, None], cols[None]]  # (R, block, ...)
+        return take(k).transpose(0, 2, 3, 1), take(v).transpose(0, 2, 1, 3), take(k_pos)
+
+    return tiled_attention(q_btnh, fetch, (s + pad) // block, block, positions_bt, window, cfg)
+
+
+def _tiled_cached(q_btnh, cache, kv, layer, q_pos_bt, window, cfg):
+    """`tiled_attention` over a paged cache (`jaxgen.model.paged`): key block j is part j % (Z / block) of
+    page j // (Z / block) of the query's row; Z must be a multiple of attention_block (the engine checks)."""
+    from jaxgen.model.paged import PagedCache  # the one cache whose blocks align to positions by pages
+
+    if not isinstance(cache, PagedCache) or cache.context_split > 1:
+        raise ValueError("model.deterministic: cached attention over the engine's paged cache only (one device)")
+    block, z = cfg.attention_block, cache.page_size
+    if z % block:
+        raise ValueError(f"model.deterministic: page_size={z} must be a multiple of model.attention_block={block}")
+    parts = z // block
+
+    def fetch(j, rows):
+        sub = cache.replace(page_table=cache.page_table[rows], capacity=cache.capacity[rows])
+        k_t, v_t, k_pos = sub.key_block(kv, layer, j // parts)  # (R, K, H, Z), (R, K, Z, H), (R, Z)
+        start = (j % parts) * block
+        part = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, start, block, axis)
+        return part(k_t, 3), part(v_t, 2), part(k_pos, 1)
+
+    return tiled_attention(q_btnh, fetch, cache.page_table.shape[1] * parts, block, q_pos_bt, window, cfg)

@@ -17,8 +17,36 @@ from jaxgen.config import ModelConfig
 from jaxgen.model import layout, lora, quant
 
 
-def dense(x, w, in_axes: int = 1):
-    """x (..., *w.shape[:in_axes]) times w -> (..., *w.shape[in_axes:]), as one 2-D matrix product.
+TILE = 8  # tokens per tile in deterministic mode (`per_tile`)
+
+
+def per_tile(fn, *xs, tile: int = TILE):
+    """`fn` over fixed tiles of `tile` rows: xs (M, ...) each (the same M) are padded with zero rows to a
+    multiple of `tile`, cut into (M / tile, tile, ...) and mapped (`lax.map`); fn's outputs (tile, ...)
+    come back as (M, ...). Model deterministic mode (`ModelConfig.deterministic`) runs every per-token
+    product and reduction this way.
+
+    Why: XLA:CPU computes a row of a matrix product, or a row's sum, in an order that depends on how many
+    rows the operation has (measured: x @ w's row i changed by ~1e-5 between 2 and 64 rows; a sum over
+    257 columns is split into windows of 32 below 16 rows). A loop body of fixed shape is one program,
+    whatever the row count, and a row's result does not depend on its place in the tile."""
+    m = xs[0].shape[0]
+    pad = -m % tile
+    tiles = tuple(jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape(-1, tile, *x.shape[1:]) for x in xs)
+    out = jax.lax.map(lambda t: fn(*t), tiles)
+    return jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:])[:m], out)
+
+
+def over_rows(fn, x, axes: int = 1):
+    """fn of x's trailing `axes` axes, per row of the rest, by `per_tile`: (..., *tail) -> (..., *tail')."""
+    lead, tail = x.shape[: x.ndim - axes], x.shape[x.ndim - axes :]
+    y = per_tile(fn, x.reshape(-1, *tail))
+    return y.reshape(*lead, *y.shape[1:])
+
+
+def dense(x, w, in_axes: int = 1, cfg: ModelConfig | None = None):
+    """x (..., *w.shape[:in_axes]) times w -> (..., *w.shape[in_axes:]), as one 2-D matrix product
+    (deterministic mode: one per tile of rows, `per_tile`; `cfg` None: not deterministic).
 
     Flattening first matters on XLA:CPU: the backward pass of a multi-axis einsum such as
     "btd,dnh->btnh" inside the layer scan turned into slow transposing copies (a SwiGLU layer's
@@ -26,6 +54,11 @@ def dense(x, w, in_axes: int = 1):
     """
     n_in = math.prod(w.shape[:in_axes])
     lead = x.shape[: x.ndim - in_axes]
+    if cfg is not None and cfg.deterministic:
+        if layout.is_out_major(w) or quant.is_q(w):
+            raise ValueError(f"model.deterministic: float (I, O) weights only, got {type(w).__name__}")
+        w2 = w.reshape(n_in, -1)
+        return per_tile(lambda t: t @ w2, x.reshape(-1, n_in)).reshape(*lead, *w.shape[in_axes:])
     if layout.is_out_major(w):  # decoding's (O, I) layout: see jaxgen.model.layout
         return layout.product(x.reshape(-1, n_in), w).reshape(*lead, *w.shape[in_axes:])
     if quant.is_q(w):  # int8 weights (inference): an int8 x int8 product
@@ -35,7 +68,14 @@ def dense(x, w, in_axes: int = 1):
 
 
 def norm(x_btd, p: dict, cfg: ModelConfig):
-    """LayerNorm (scale and bias) or RMSNorm (scale only), computed in float32."""
+    """LayerNorm (scale and bias) or RMSNorm (scale only), computed in float32 (per tile of rows in
+    deterministic mode)."""
+    if cfg.deterministic:
+        return over_rows(functools.partial(_norm, p=p, cfg=cfg), x_btd)
+    return _norm(x_btd, p, cfg)
+
+
+def _norm(x_btd, p: dict, cfg: ModelConfig):
     x = x_btd.astype(jnp.float32)
     if cfg.norm == "layernorm":
         x = x - x.mean(-1, keepdims=True)
@@ -48,11 +88,25 @@ def norm(x_btd, p: dict, cfg: ModelConfig):
 def rms_norm(x, scale, cfg: ModelConfig):
     """RMSNorm over the trailing `scale.ndim` axes (one head's H, or a whole projection's N x H), in
     float32; Gemma's norms multiply by (1 + scale)."""
+    if cfg.deterministic:
+        return over_rows(functools.partial(_rms_norm, scale=scale, cfg=cfg), x, scale.ndim)
+    return _rms_norm(x, scale, cfg)
+
+
+def _rms_norm(x, scale, cfg: ModelConfig):
     axes = tuple(range(x.ndim - scale.ndim, x.ndim))
     y = x.astype(jnp.float32)
     y = y * jax.lax.rsqrt((y * y).mean(axes, keepdims=True) + cfg.norm_eps)
     scale = scale.astype(jnp.float32)
     return (y * (1.0 + scale if cfg.norm_unit_offset else scale)).astype(x.dtype)
+
+
+def log_softmax(x, cfg: ModelConfig):
+    """jax.nn.log_softmax over the last axis; per tile of rows in deterministic mode (`per_tile`: the
+    engine's and the training forward's log-probabilities are then the same numbers)."""
+    if cfg.deterministic:
+        return over_rows(lambda t: jax.nn.log_softmax(t, axis=-1), x)
+    return jax.nn.log_softmax(x, axis=-1)
 
 
 def softcap(x, cap: float | None):
@@ -119,17 +173,17 @@ def gelu(x):
 def mlp(x_btd, p: dict, cfg: ModelConfig, adapters: dict | None = None):
     """GELU MLP (GPT-2), SwiGLU (Llama) or GeGLU (Gemma; tanh-approximated GELU gate). adapters: the
     layer's low-rank adapters (jaxgen.model.lora), of which gate, up and down apply here."""
-    up = lora.add(dense(x_btd, p["w_up_df"]), x_btd, adapters, "up", cfg)
+    up = lora.add(dense(x_btd, p["w_up_df"], cfg=cfg), x_btd, adapters, "up", cfg)
     if "b_up_f" in p:
         up = up + p["b_up_f"]
     if cfg.mlp in ("swiglu", "geglu"):
-        gate = lora.add(dense(x_btd, p["w_gate_df"]), x_btd, adapters, "gate", cfg)
+        gate = lora.add(dense(x_btd, p["w_gate_df"], cfg=cfg), x_btd, adapters, "gate", cfg)
         if "b_gate_f" in p:
             gate = gate + p["b_gate_f"]
         hidden = gated(gate, up, cfg.mlp)
     else:
         hidden = gelu(up)
-    out = lora.add(dense(hidden, p["w_down_fd"]), hidden, adapters, "down", cfg)
+    out = lora.add(dense(hidden, p["w_down_fd"], cfg=cfg), hidden, adapters, "down", cfg)
     if "b_down_d" in p:
         out = out + p["b_down_d"]
     return out
