@@ -177,7 +177,8 @@ def decode_loop(params, state: DecodeState, cfg: ModelConfig) -> DecodeState:
         return (s.step < s.limit) & ~jnp.all(s.done)
 
     def body(s: DecodeState):
-        tok = sample(s.logits, s.sampling, s.generated, s.seen, s.counts, allowed(s))  # keyed by (seed, index)
+        # keyed by (seed, index); per tile of rows in deterministic mode
+        tok = sample(s.logits, s.sampling, s.generated, s.seen, s.counts, allowed(s), tiled=cfg.deterministic)
         tok = jnp.where(s.done, 0, tok)
         scored = policy_logits(s.logits, s.sampling, s.seen, s.counts, allowed(s))  # logprobs_mode
         s = record(s, tok, scored, ~s.done, cfg, base, full=s.cache.is_full(s.positions))

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from jaxgen.model import blockwise, context, kernels, layers
 from jaxgen.model.kernels import cpu
+from jaxgen.model.paged import PagedCache
 from jaxgen.model.storage import from_storage
 from jaxgen.sharding import constrain, context_size
 
@@ -296,8 +297,6 @@ def _tiled_sequence(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, window
 def _tiled_cached(q_btnh, cache, kv, layer, q_pos_bt, window, cfg):
     """`tiled_attention` over a paged cache (`jaxgen.model.paged`): key block j is part j % (Z / block) of
     page j // (Z / block) of the query's row; Z must be a multiple of attention_block (the engine checks)."""
-    from jaxgen.model.paged import PagedCache  # the one cache whose blocks align to positions by pages
-
     if not isinstance(cache, PagedCache) or cache.context_split > 1:
         raise ValueError("model.deterministic: cached attention over the engine's paged cache only (one device)")
     block, z = cfg.attention_block, cache.page_size
