@@ -181,8 +181,8 @@ class ModelConfig:
             _number(self, name, "null or a finite number > 0", lambda x: x > 0, optional=True)
         for name in ("router_aux_coef", "router_z_coef", "init_std"):
             _number(self, name, "a finite number >= 0", lambda x: x >= 0)
-        for name in ("norm_unit_offset", "use_bias", "qkv_bias", "embed_scale", "tie_embeddings", "router_renormalize",
-                     "deterministic"):
+        flags = ("norm_unit_offset", "use_bias", "qkv_bias", "embed_scale", "tie_embeddings", "router_renormalize")
+        for name in (*flags, "deterministic"):
             check(isinstance(getattr(self, name), bool), f"model.{name}", getattr(self, name), "true or false")
         check(self.family is None or isinstance(self.family, str), "model.family", self.family, "null or a string")
 

@@ -16,7 +16,6 @@ import numpy as np
 from jaxgen.config import ModelConfig
 from jaxgen.model import layout, lora, quant
 
-
 TILE = 8  # tokens per tile in deterministic mode (`per_tile`)
 
 
