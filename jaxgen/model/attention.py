@@ -241,7 +241,7 @@ def tiled_attention(q_btnh, fetch, num_blocks: int, block: int, q_pos_bt, window
 
         def step(j, stats):
             def fold(stats):
-                k_t, v_t, k_pos = fetch(j, rows_t)
+                k_t, v_t, k_pos = jax.lax.optimization_barrier(fetch(j, rows_t))  # gathered apart from the math
                 mask = attention_mask(pos_t[:, None], k_pos, window=window)[:, 0]  # (R, block)
                 return _tile_step(stats, q_t, k_t, v_t, mask, cfg.attn_softcap)
 

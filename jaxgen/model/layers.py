@@ -28,11 +28,16 @@ def per_tile(fn, *xs, tile: int = TILE):
     Why: XLA:CPU computes a row of a matrix product, or a row's sum, in an order that depends on how many
     rows the operation has (measured: x @ w's row i changed by ~1e-5 between 2 and 64 rows; a sum over
     257 columns is split into windows of 32 below 16 rows). A loop body of fixed shape is one program,
-    whatever the row count, and a row's result does not depend on its place in the tile."""
+    whatever the row count, and a row's result does not depend on its place in the tile. There are always
+    two tiles at least: XLA removes a loop of one iteration, and its body's operations then fuse with their
+    neighbours, which differ from program to program (measured: a decode step of 4 rows gave other bits
+    with a post-norm model, even with the body's inputs and outputs behind optimization barriers, which
+    stay to keep the body apart from what surrounds the loop)."""
     m = xs[0].shape[0]
-    pad = -m % tile
+    pad = -m % tile + (tile if m <= tile else 0)  # at least two tiles: a loop of one is removed (see above)
     tiles = tuple(jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape(-1, tile, *x.shape[1:]) for x in xs)
-    out = jax.lax.map(lambda t: fn(*t), tiles)
+    barrier = jax.lax.optimization_barrier  # a map of one tile is inlined: keep its body apart all the same
+    out = jax.lax.map(lambda t: barrier(fn(*barrier(t))), tiles)
     return jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:])[:m], out)
 
 
@@ -78,7 +83,7 @@ def _norm(x_btd, p: dict, cfg: ModelConfig):
     x = x_btd.astype(jnp.float32)
     if cfg.norm == "layernorm":
         x = x - x.mean(-1, keepdims=True)
-    x = rms_norm(x, p["scale_d"], cfg)
+    x = _rms_norm(x, p["scale_d"], cfg)  # (in deterministic mode this runs on a tile already)
     if "bias_d" in p:
         x = x + p["bias_d"].astype(jnp.float32)
     return x.astype(x_btd.dtype)
@@ -140,8 +145,18 @@ def rope_frequencies(cfg: ModelConfig, theta: float | None = None):
     return inv_freq
 
 
-def rope(x_btnh, positions_bt, inv_freq):
-    """Rotary position embedding, rotate-half convention (as in Llama); inv_freq from `rope_frequencies`."""
+def rope(x_btnh, positions_bt, inv_freq, cfg: ModelConfig | None = None):
+    """Rotary position embedding, rotate-half convention (as in Llama); inv_freq from `rope_frequencies`.
+    Deterministic mode (`cfg.deterministic`): per tile of tokens (`per_tile`), as every transcendental
+    function is (XLA:CPU's sin, cos and tanh gave other bits for the same input in another program)."""
+    if cfg is not None and cfg.deterministic:
+        b, t, n, h = x_btnh.shape
+        tokens = lambda x, p: _rope(x[:, None], p[:, None], inv_freq)[:, 0]  # a tile's tokens as (R, 1) rows
+        return per_tile(tokens, x_btnh.reshape(b * t, n, h), positions_bt.reshape(-1)).reshape(x_btnh.shape)
+    return _rope(x_btnh, positions_bt, inv_freq)
+
+
+def _rope(x_btnh, positions_bt, inv_freq):
     angles = positions_bt.astype(jnp.float32)[..., None] * inv_freq  # (B, T, H/2)
     cos = jnp.cos(angles)[:, :, None, :]
     sin = jnp.sin(angles)[:, :, None, :]
@@ -179,9 +194,13 @@ def mlp(x_btd, p: dict, cfg: ModelConfig, adapters: dict | None = None):
         gate = lora.add(dense(x_btd, p["w_gate_df"], cfg=cfg), x_btd, adapters, "gate", cfg)
         if "b_gate_f" in p:
             gate = gate + p["b_gate_f"]
-        hidden = gated(gate, up, cfg.mlp)
+        if cfg.deterministic:  # per tile, as every transcendental function (see `rope`)
+            rows = lambda x: x.reshape(-1, x.shape[-1])
+            hidden = per_tile(lambda g, u: gated(g, u, cfg.mlp), rows(gate), rows(up)).reshape(up.shape)
+        else:
+            hidden = gated(gate, up, cfg.mlp)
     else:
-        hidden = gelu(up)
+        hidden = over_rows(gelu, up) if cfg.deterministic else gelu(up)
     out = lora.add(dense(hidden, p["w_down_fd"], cfg=cfg), hidden, adapters, "down", cfg)
     if "b_down_d" in p:
         out = out + p["b_down_d"]

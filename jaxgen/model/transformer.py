@@ -202,8 +202,7 @@ def lm_head(params, x_btd, cfg: ModelConfig):
     x = x_btd.reshape(-1, x_btd.shape[-1])  # 2-D products: see layers.dense
     w = params["embed_vd"] if cfg.tie_embeddings else params["head_dv"]
     if cfg.deterministic:  # per tile of rows (layers.per_tile), the weight as trained
-        return constrain(layers.softcap(_head_tiles(x, w, cfg).reshape(*x_btd.shape[:-1], -1), cfg.final_softcap),
-                         ("batch", "seq", "vocab"))  # fmt: skip
+        return constrain(_head_tiles(x, w, cfg).reshape(*x_btd.shape[:-1], -1), ("batch", "seq", "vocab"))
     if quant.is_q(w):  # int8 (inference, `quant.quantize_params(embedding=True)`)
         logits = quant.head(x, w, cfg.tie_embeddings)
     elif cfg.tie_embeddings:  # contract with the embedding's rows as stored: `.T` made XLA copy it each step
@@ -218,13 +217,16 @@ def lm_head(params, x_btd, cfg: ModelConfig):
 
 
 def _head_tiles(x, w, cfg: ModelConfig):
-    """Deterministic mode's head: (R, D) -> (R, V) float32, one product per tile of rows."""
+    """Deterministic mode's head: (R, D) -> (R, V) float32, one product (and softcap) per tile of rows."""
     if quant.is_q(w) or layout.is_out_major(w):
         raise ValueError(f"model.deterministic: a float head as trained only, got {type(w).__name__}")
-    if cfg.tie_embeddings:
-        contract_d = (((1,), (1,)), ((), ()))
-        return layers.per_tile(lambda t: jax.lax.dot_general(t, w, contract_d, preferred_element_type=jnp.float32), x)
-    return layers.per_tile(lambda t: jnp.matmul(t, w, preferred_element_type=jnp.float32), x)
+    contract = (((1,), (1 if cfg.tie_embeddings else 0,)), ((), ()))  # the embedding's rows as stored
+
+    def head(t):
+        logits = jax.lax.dot_general(t, w, contract, preferred_element_type=jnp.float32)
+        return layers.softcap(logits, cfg.final_softcap)
+
+    return layers.per_tile(head, x)
 
 
 def _cast(params, cfg: ModelConfig):
@@ -252,8 +254,8 @@ def _qkv(x, p, positions, consts, cfg: ModelConfig):
         q = layers.rms_norm(q, p.get("q_norm_h", p.get("q_norm_nh")), cfg)
         k = layers.rms_norm(k, p.get("k_norm_h", p.get("k_norm_kh")), cfg)
     if cfg.position == "rope":
-        q = layers.rope(q, positions, consts["inv_freq"])
-        k = layers.rope(k, positions, consts["inv_freq"])
+        q = layers.rope(q, positions, consts["inv_freq"], cfg)
+        k = layers.rope(k, positions, consts["inv_freq"], cfg)
     return q, k, v
 
 
