@@ -33,7 +33,6 @@ import jax.numpy as jnp
 
 from jaxgen.model import blockwise, context, kernels, layers
 from jaxgen.model.kernels import cpu
-from jaxgen.model.paged import PagedCache
 from jaxgen.model.storage import from_storage
 from jaxgen.sharding import constrain, context_size
 
@@ -217,46 +216,54 @@ def _online_softmax_step(carry, q_btkgh, k_bkhs, v_bksh, mask_bts, softcap):
 # --- deterministic mode (model.deterministic) ------------------------------------------------------
 
 
-def tiled_attention(q_btnh, fetch, num_blocks: int, block: int, q_pos_bt, window, cfg):
+def tiled_attention(q_btnh, key_block, num_blocks, q_pos_bt, window, cfg):
     """Attention computed for each query by the same float operations wherever it runs: training's
     forward, a prefill chunk of any length, a decode step, any batch. (B, T, N, H) -> (B, T, N, H).
 
-    Queries (every row's, flattened) go by tiles of `layers.TILE` (`layers.per_tile`); each tile folds the
-    key blocks j = 0 .. num_blocks - 1, `block` keys each, aligned to positions (block j: positions
-    [j block, (j + 1) block)), with the online softmax of `_tile_step`, skipping (`lax.cond`) those past
-    its furthest query. A block no query of the tile may see leaves its (max, normaliser, sum) bitwise as
-    they were (scores at NEG_INF: the max stays, exp(0) = 1 scales, zeros add), so how many blocks a tile
-    visits (what else shares it) changes nothing. `fetch(j, rows)`: block j of the queries' rows (R,) ->
-    keys (R, K, H, block), values (R, K, block, H), positions (R, block)."""
+    The key blocks j = 0 .. num_blocks - 1 of `model.attention_block` keys, aligned to positions (block j:
+    positions [j block, (j + 1) block)), are folded in order by the online softmax of `_tile_step`; for
+    each block, the queries (every row's, flattened) go by tiles of `layers.TILE` (a `lax.map` of at least
+    two: see `layers.per_tile`), each tile its rows' keys. Blocks past every query, and for a tile those
+    past its furthest query, are skipped (`lax.cond`). A block no query of a tile may see leaves its (max,
+    normaliser, sum) bitwise as they were (scores at NEG_INF: the max stays, exp(0) = 1 scales, zeros add),
+    so how many blocks a tile folds (what else shares it) changes nothing. `key_block(j)`: block j of
+    every row: keys (B, K, H, block), values (B, K, block, H), positions (B, block); `num_blocks`: an int
+    or a traced () int32."""
     b, t, n, h = q_btnh.shape
-    k, g, tile = cfg.kv_heads, n // cfg.kv_heads, layers.TILE
+    k, g, tile, block = cfg.kv_heads, n // cfg.kv_heads, layers.TILE, cfg.attention_block
+    tiles = max(-(-b * t // tile), 2)  # a map of one iteration is removed (layers.per_tile)
+    pad = tiles * tile - b * t
     q = q_btnh.reshape(b * t, k, g, h).astype(jnp.float32) * logit_scale(cfg)
-    pad = -(b * t) % tile
-    q = jnp.pad(q, ((0, pad), (0, 0), (0, 0), (0, 0)))
-    pos = jnp.pad(q_pos_bt.reshape(-1), (0, pad), constant_values=-1)  # padding queries see nothing
-    rows = jnp.pad(jnp.repeat(jnp.arange(b, dtype=jnp.int32), t), (0, pad))
+    q = jnp.pad(q, ((0, pad), (0, 0), (0, 0), (0, 0))).reshape(tiles, tile, k, g, h)
+    pos = jnp.pad(q_pos_bt.reshape(-1), (0, pad), constant_values=-1).reshape(tiles, tile)  # padding: sees nothing
+    rows = jnp.pad(jnp.repeat(jnp.arange(b, dtype=jnp.int32), t), (0, pad)).reshape(tiles, tile)
+    barrier = jax.lax.optimization_barrier  # each tile's math apart from what gathers its keys
 
-    def one_tile(q_t, pos_t, rows_t):
-        furthest = jnp.max(pos_t) // block  # the last block a query of the tile may see (-1: none)
+    def fold_block(j, stats):
+        keys, values, k_pos = key_block(j)
 
-        def step(j, stats):
-            def fold(stats):
-                k_t, v_t, k_pos = jax.lax.optimization_barrier(fetch(j, rows_t))  # gathered apart from the math
-                mask = attention_mask(pos_t[:, None], k_pos, window=window)[:, 0]  # (R, block)
-                return _tile_step(stats, q_t, k_t, v_t, mask, cfg.attn_softcap)
+        def one_tile(xs):
+            q_t, pos_t, rows_t, stats_t = barrier(xs)
 
-            return jax.lax.cond(j <= furthest, fold, _same, stats)
+            def fold(stats_t):
+                k_t, v_t, kp_t = barrier((keys[rows_t], values[rows_t], k_pos[rows_t]))
+                mask = attention_mask(pos_t[:, None], kp_t, window=window)[:, 0]  # (R, block)
+                return _tile_step(stats_t, q_t, k_t, v_t, mask, cfg.attn_softcap)
 
-        stats = (
-            jnp.full((tile, k, g), NEG_INF, jnp.float32),
-            jnp.zeros((tile, k, g), jnp.float32),
-            jnp.zeros((tile, k, g, h), jnp.float32),
-        )
-        _, l, acc = jax.lax.fori_loop(0, num_blocks, step, stats)
-        return acc / jnp.maximum(l, 1e-30)[..., None]  # rows with no key at all (padding) give 0
+            return barrier(jax.lax.cond(j <= jnp.max(pos_t) // block, fold, _same, stats_t))
 
-    out = layers.per_tile(one_tile, q, pos, rows)  # (B T, K, G, H)
-    return out[: b * t].reshape(b, t, n, h).astype(q_btnh.dtype)
+        return jax.lax.map(one_tile, (q, pos, rows, stats))
+
+    stats = (
+        jnp.full((tiles, tile, k, g), NEG_INF, jnp.float32),  # running max
+        jnp.zeros((tiles, tile, k, g), jnp.float32),  # running normaliser
+        jnp.zeros((tiles, tile, k, g, h), jnp.float32),  # running weighted sum of values
+    )
+    furthest = jnp.max(q_pos_bt) // block
+    step = lambda j, stats: jax.lax.cond(j <= furthest, functools.partial(fold_block, j), _same, stats)
+    _, l, acc = jax.lax.fori_loop(0, num_blocks, step, stats)  # an int count (training): differentiable
+    out = acc / jnp.maximum(l, 1e-30)[..., None]  # rows with no key at all (padding) give 0
+    return out.reshape(tiles * tile, n, h)[: b * t].reshape(b, t, n, h).astype(q_btnh.dtype)
 
 
 def _tile_step(carry, q_rkgh, k_rkhs, v_rksh, mask_rs, softcap):
@@ -286,29 +293,29 @@ def _tiled_sequence(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, window
     v = jnp.pad(v_btkh, ((0, 0), (0, pad), (0, 0), (0, 0)))
     k_pos = jnp.pad(positions_bt, ((0, 0), (0, pad)), constant_values=-1)
 
-    def fetch(j, rows):
-        cols = j * block + jnp.arange(block)
-        take = lambda x: x[rows[:, None], cols[None]]  # (R, block, ...)
-        return take(k).transpose(0, 2, 3, 1), take(v).transpose(0, 2, 1, 3), take(k_pos)
+    def key_block(j):
+        cols = lambda x: jax.lax.dynamic_slice_in_dim(x, j * block, block, axis=1)
+        return cols(k).transpose(0, 2, 3, 1), cols(v).transpose(0, 2, 1, 3), cols(k_pos)
 
-    return tiled_attention(q_btnh, fetch, (s + pad) // block, block, positions_bt, window, cfg)
+    return tiled_attention(q_btnh, key_block, (s + pad) // block, positions_bt, window, cfg)
 
 
 def _tiled_cached(q_btnh, cache, kv, layer, q_pos_bt, window, cfg):
-    """`tiled_attention` over a paged cache (`jaxgen.model.paged`): key block j is part j % (Z / block) of
-    page j // (Z / block) of the query's row; Z must be a multiple of attention_block (the engine checks)."""
-    if not isinstance(cache, PagedCache) or cache.context_split > 1:
+    """`tiled_attention` over a cache whose blocks are gathered by a traced index and hold positions
+    [j Sb, (j + 1) Sb) (the engine's paged cache: a block is a page): key block j is part j % (Sb / block)
+    of cache block j // (Sb / block); Sb must be a multiple of attention_block (the engine checks first)."""
+    if cache.num_blocks is not None or cache.context_split > 1:
         raise ValueError("model.deterministic: cached attention over the engine's paged cache only (one device)")
-    block, z = cfg.attention_block, cache.page_size
-    if z % block:
-        raise ValueError(f"model.deterministic: page_size={z} must be a multiple of model.attention_block={block}")
-    parts = z // block
+    block = cfg.attention_block
+    size = cache.key_block(kv, layer, 0)[2].shape[-1]  # Sb (traced once more; XLA drops the unused gather)
+    if size % block:
+        raise ValueError(f"model.deterministic: page_size={size} must be a multiple of model.attention_block={block}")
+    parts = size // block
 
-    def fetch(j, rows):
-        sub = cache.replace(page_table=cache.page_table[rows], capacity=cache.capacity[rows])
-        k_t, v_t, k_pos = sub.key_block(kv, layer, j // parts)  # (R, K, H, Z), (R, K, Z, H), (R, Z)
-        start = (j % parts) * block
-        part = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, start, block, axis)
-        return part(k_t, 3), part(v_t, 2), part(k_pos, 1)
+    def key_block(j):
+        keys, values, k_pos = cache.key_block(kv, layer, j // parts)  # (B, K, H, Sb), (B, K, Sb, H), (B, Sb)
+        part = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, (j % parts) * block, block, axis)
+        return part(keys, 3), part(values, 2), part(k_pos, 1)
 
-    return tiled_attention(q_btnh, fetch, cache.page_table.shape[1] * parts, block, q_pos_bt, window, cfg)
+    visit = cache.blocks_to_visit(q_pos_bt) * parts  # traced: a while loop (nothing differentiates a cache)
+    return tiled_attention(q_btnh, key_block, visit, q_pos_bt, window, cfg)
