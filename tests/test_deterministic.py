@@ -19,9 +19,10 @@ from jaxgen.inference.sampling import SamplingConfig
 from jaxgen.rl.objectives import token_logprobs
 from jaxgen.tokenizer import Tokenizer
 
+# post-norms (OLMo 2) and a final softcap (Gemma 2): each broke the bits once (see docs/rl.md)
 CFG = ModelConfig(
     vocab_size=257, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, max_seq_len=128,
-    attention_block=8, deterministic=True,
+    norm_placement="post", qk_norm="head", final_softcap=30.0, attention_block=8, deterministic=True,
 )  # fmt: skip
 SERVE = ServeConfig(slots=4, page_size=8, num_pages=26, chunk_steps=4, prefill_chunk=32)
 T = 128  # the reference forward's padded length (one compiled shape)
