@@ -36,7 +36,7 @@ def per_tile(fn, *xs, tile: int = TILE):
     m = xs[0].shape[0]
     pad = -m % tile + (tile if m <= tile else 0)  # at least two tiles: a loop of one is removed (see above)
     tiles = tuple(jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape(-1, tile, *x.shape[1:]) for x in xs)
-    barrier = jax.lax.optimization_barrier  # a map of one tile is inlined: keep its body apart all the same
+    barrier = jax.lax.optimization_barrier  # the body apart from what surrounds the loop
     out = jax.lax.map(lambda t: barrier(fn(*barrier(t))), tiles)
     return jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:])[:m], out)
 
