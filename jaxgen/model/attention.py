@@ -20,6 +20,9 @@ The mask rule (`attention_mask`) is by position: a query at position p sees the 
 (padding, an empty slot) and never one of another packed document (segment ids). Within a row,
 positions grow with the order tokens were written, so this is causal attention.
 
+Deterministic mode (`model.deterministic`): both paths run `tiled_attention`, one fold over key blocks
+aligned to positions, per tile of queries, so a query's numbers are the same in training and decoding.
+
 `kv` is the cache's (keys, values) pair threaded through the layer loop's carry: as a loop-invariant
 operand XLA would copy the whole cache every step.
 """

@@ -1,5 +1,6 @@
 """The building blocks of the transformer: norms, rotary positions, the MLP, 2-D weight products.
-Attention and its mask are `jaxgen.model.attention`.
+Attention and its mask are `jaxgen.model.attention`. In deterministic mode (`model.deterministic`) each
+runs per tile of tokens (`per_tile`).
 
 Shapes use the glossary in `jaxgen.sharding` (B, T, S, D, N, K, G, H, F).
 """
