@@ -123,6 +123,11 @@ class ModelConfig:
     #   input (recompute the rest); dots: matrix-product outputs; dots_no_batch: those without a batch
     #   axis (weights-only products); offload_dots: dots moved to host memory (GPU/TPU)
     init_std: float = 0.02
+    deterministic: bool = False  # every token's numbers by the same float operations whatever else is in
+    #   the call (batch, chunk, training or decoding): products, norms and softmaxes over fixed tiles of
+    #   tokens, attention as one fold over key blocks of attention_block aligned to positions
+    #   (jaxgen.model.layers.per_tile, attention.tiled_attention). The engine's log-probabilities then equal
+    #   the training forward's bitwise; float32 dense models only; slower (docs/rl.md, "Deterministic mode")
     lora: LoraConfig = LoraConfig()  # low-rank adapters for fine-tuning (rank 0: none)
 
     def __post_init__(self):
@@ -154,6 +159,7 @@ class ModelConfig:
         self._check_attention_extras()
         self._check_experts()
         self._check_lora()
+        self._check_deterministic()
 
     def _check_types(self):
         """Every number of the right type and in the range where the model computes finite values (a norm
@@ -175,7 +181,8 @@ class ModelConfig:
             _number(self, name, "null or a finite number > 0", lambda x: x > 0, optional=True)
         for name in ("router_aux_coef", "router_z_coef", "init_std"):
             _number(self, name, "a finite number >= 0", lambda x: x >= 0)
-        for name in ("norm_unit_offset", "use_bias", "qkv_bias", "embed_scale", "tie_embeddings", "router_renormalize"):
+        flags = ("norm_unit_offset", "use_bias", "qkv_bias", "embed_scale", "tie_embeddings", "router_renormalize")
+        for name in (*flags, "deterministic"):
             check(isinstance(getattr(self, name), bool), f"model.{name}", getattr(self, name), "true or false")
         check(self.family is None or isinstance(self.family, str), "model.family", self.family, "null or a string")
 
@@ -215,6 +222,19 @@ class ModelConfig:
             )
         if self.lora.rank and self.mlp == "gelu":
             check("gate" not in self.lora.targets, "model.lora.targets", self.lora.targets, "no gate with mlp=gelu")
+
+    def _check_deterministic(self):
+        """What deterministic mode computes bitwise alike everywhere: float32, dense MLPs, no adapters, the
+        deterministic fold for attention."""
+        if not self.deterministic:
+            return
+        allowed = "with model.deterministic=true: "
+        check(self.dtype == "float32", "model.dtype", self.dtype, allowed + "float32")
+        check(not self.num_experts, "model.num_experts", self.num_experts, allowed + "0 (dense MLPs only)")
+        check(not self.lora.rank, "model.lora.rank", self.lora.rank, allowed + "0 (no adapters)")
+        impl = self.attention_impl
+        check(impl in ("auto", "blockwise"), "model.attention_impl", impl, allowed + "auto or blockwise "
+              "(both run the deterministic fold over blocks of attention_block keys)")  # fmt: skip
 
     @property
     def kv_heads(self) -> int:

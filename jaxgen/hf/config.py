@@ -72,7 +72,7 @@ _WINDOWED = ("mistral", "phi3", "mixtral", "gemma2", "gemma3_text")  # families 
 # Fields a round trip through config.json need not keep: how jaxgen computes, not what the model is.
 _NOT_ARCHITECTURE = (
     "dtype", "init_std", "family", "moe_impl", "router_z_coef", "attention_impl", "attention_block", "remat",
-    "decode_impl", "lora",
+    "decode_impl", "lora", "deterministic",
 )  # fmt: skip
 
 

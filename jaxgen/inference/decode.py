@@ -34,7 +34,7 @@ from jaxgen.inference.sampling import (
     sample,
     shown,
 )
-from jaxgen.model import lora
+from jaxgen.model import layers, lora
 from jaxgen.model.kvcache import KVCache
 from jaxgen.sharding import context_size
 from jaxgen.tokenizer import Tokenizer
@@ -177,7 +177,8 @@ def decode_loop(params, state: DecodeState, cfg: ModelConfig) -> DecodeState:
         return (s.step < s.limit) & ~jnp.all(s.done)
 
     def body(s: DecodeState):
-        tok = sample(s.logits, s.sampling, s.generated, s.seen, s.counts, allowed(s))  # keyed by (seed, index)
+        # keyed by (seed, index); per tile of rows in deterministic mode
+        tok = sample(s.logits, s.sampling, s.generated, s.seen, s.counts, allowed(s), tiled=cfg.deterministic)
         tok = jnp.where(s.done, 0, tok)
         scored = policy_logits(s.logits, s.sampling, s.seen, s.counts, allowed(s))  # logprobs_mode
         s = record(s, tok, scored, ~s.done, cfg, base, full=s.cache.is_full(s.positions))
@@ -206,15 +207,16 @@ def record(s: DecodeState, tok, logits, active, cfg: ModelConfig, base, full=Fal
     too_long = (generated >= s.max_new) | full | (s.positions + 1 >= cfg.max_seq_len)
     finish = finish_code(s.finish, active, stop_hit(s.stop_seqs, recent), too_long)
     s = s.replace(grammar=jnp.where(active, s.grammar_table[s.grammar, tok], s.grammar))
-    return append(s, jnp.arange(tok.shape[0]), column, tok, logits, active, generated, finish, recent)
+    return append(s, jnp.arange(tok.shape[0]), column, tok, logits, active, generated, finish, recent, cfg)
 
 
-def append(s: DecodeState, rows, column, tok, logits, kept, generated, finish, recent) -> DecodeState:
+def append(s: DecodeState, rows, column, tok, logits, kept, generated, finish, recent, cfg=None) -> DecodeState:
     """The state with `tok` written at (`rows`, `column`) of the token buffers where `kept` (columns past
     the end are dropped), with its log-probability and top alternatives under `logits` (..., V), the
     penalties' counts of the kept tokens, and the new `generated`, `finish` and `recent`. `tok` is (B,) for
-    one token a row or (B, W) for a speculative step's drafts (`rows` (B, 1) then)."""
-    logp = jax.nn.log_softmax(logits, axis=-1)
+    one token a row or (B, W) for a speculative step's drafts (`rows` (B, 1) then). `cfg`: the model's, for
+    its deterministic log-softmax (`layers.log_softmax`); None: jax.nn's."""
+    logp = jax.nn.log_softmax(logits, axis=-1) if cfg is None else layers.log_softmax(logits, cfg)
     chosen = jnp.take_along_axis(logp, tok[..., None], axis=-1)[..., 0]
     top_lp, top_ids = jax.lax.top_k(logp, s.top_ids.shape[-1])
     added = jnp.where(kept, tok, logits.shape[-1])  # out of range: dropped

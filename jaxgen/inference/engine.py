@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen import model
-from jaxgen.config import ModelConfig, ServeConfig
+from jaxgen.config import ConfigError, ModelConfig, ServeConfig
 from jaxgen.inference import decode, grammar, speculative, steps
 from jaxgen.inference.adapters import LoraError, LoraRegistry, read_adapter_folder
 from jaxgen.inference.budget import check_serving
@@ -69,7 +69,8 @@ class Engine:
         if draft is not None:
             self.draft_cfg = speculative.check_draft(draft[1], cfg)
         check_serving(cfg, serve, self.draft_cfg, mesh)  # ConfigError before anything is allocated or compiled
-        self.params = model.decode_params(params, serve.slots)  # see model.decode_params
+        _check_deterministic(cfg, serve, draft, mesh)
+        self.params = model.decode_params(params, _layout_rows(cfg, serve))  # see model.decode_params
         self._to_decode = None  # update_params' jitted layout conversion
         self.cfg, self.tokenizer, self.serve = cfg, tokenizer, serve
         self.loras = LoraRegistry(serve.max_loras)  # adapter names -> slots of the params' bank
@@ -294,7 +295,7 @@ class Engine:
 
     def _checked_params(self, params, donate: bool):
         """`params` in the decode layout and the current shardings; ValueError for another structure."""
-        rows = self.serve.slots
+        rows = _layout_rows(self.cfg, self.serve)
         current = lora.without_bank(self.params)  # the weights the caller gives (the LoRA bank is the engine's)
         try:
             got = jax.eval_shape(lambda p: model.decode_params(p, rows), params)  # nothing computed yet
@@ -636,3 +637,28 @@ def _with_empty_bank(params: dict, cfg: ModelConfig, serve: ServeConfig, mesh) -
     if mesh is not None:
         layers_ = jax.device_put(layers_, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     return lora.with_bank(params, layers_)
+
+
+def _layout_rows(cfg: ModelConfig, serve: ServeConfig) -> int:
+    """The rows `model.decode_params` lays the weights out for: the slots, or 1 in deterministic mode, whose
+    products take the weights as trained (the training forward's numbers)."""
+    return 1 if cfg.deterministic else serve.slots
+
+
+def _check_deterministic(cfg: ModelConfig, serve: ServeConfig, draft, mesh) -> None:
+    """ConfigError, before anything compiles, for serving settings deterministic mode cannot keep bitwise."""
+    if not cfg.deterministic:
+        return
+    why = "with model.deterministic=true"
+    refused = [
+        (serve.page_size % cfg.attention_block != 0, "serve.page_size", serve.page_size,
+         f"a multiple of model.attention_block={cfg.attention_block} (key blocks align to pages)"),
+        (serve.cache_dtype != "float32", "serve.cache_dtype", serve.cache_dtype, "float32"),
+        (serve.quantize != "none", "serve.quantize", serve.quantize, "none"),
+        (draft is not None, "draft", "a draft model", "none (speculative decoding)"),
+        (serve.max_loras > 0, "serve.max_loras", serve.max_loras, "0 (no adapters)"),
+        (mesh is not None and mesh.size > 1, "mesh", f"{mesh.size if mesh else 1} devices", "one device"),
+    ]  # fmt: skip
+    for bad, field, value, allowed in refused:
+        if bad:
+            raise ConfigError(f"{field}={value} is not allowed {why}: {allowed}")

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen.inference.errors import SamplingError, shown
+from jaxgen.model.layers import per_tile
 
 if TYPE_CHECKING:
     from jaxgen.inference.grammar import Structured
@@ -341,13 +342,17 @@ def truncated_logits(logits_bv, sp: SamplingArrays):
     return jnp.where(keep, sorted_logits, -jnp.inf), order
 
 
-def sample(logits_bv, sp: SamplingArrays, step, seen_bv, counts_bv, allowed_bv=None):
+def sample(logits_bv, sp: SamplingArrays, step, seen_bv, counts_bv, allowed_bv=None, tiled: bool = False):
     """Next token per row: (B,) int32. Greedy rows (temperature 0) take the processed argmax.
 
     step: () or (B,) int32, the index of the token being drawn; with the row's seed it keys the draw,
     so a request's samples do not depend on its batch or on when it started. allowed_bv: (B, V) bool,
-    the tokens each row's constraint allows (None: all).
+    the tokens each row's constraint allows (None: all). tiled: per tile of rows (`layers.per_tile`,
+    model deterministic mode): the softmax and cumulative sums of the truncation then sum each row in
+    the same order whatever the batch (XLA:CPU's order depends on the row count).
     """
+    if tiled:
+        return _sample_tiles(logits_bv, sp, step, seen_bv, counts_bv, allowed_bv)
     if allowed_bv is not None:
         logits_bv = jnp.where(allowed_bv, logits_bv, -jnp.inf)
     logits = process_logits(logits_bv, sp, seen_bv, counts_bv)
@@ -363,3 +368,15 @@ def sample(logits_bv, sp: SamplingArrays, step, seen_bv, counts_bv, allowed_bv=N
 
     # An all-greedy batch skips the sort over the vocabulary (a value-dependent branch: no recompile).
     return jax.lax.cond(jnp.all(sp.temperature == 0), lambda _: greedy, draw, None)
+
+
+def _sample_tiles(logits_bv, sp: SamplingArrays, step, seen_bv, counts_bv, allowed_bv):
+    """`sample` over tiles of `layers.TILE` rows."""
+    steps = jnp.broadcast_to(step, sp.seed.shape)
+    allowed = jnp.ones(logits_bv.shape, bool) if allowed_bv is None else allowed_bv
+    leaves, tree = jax.tree.flatten(sp)
+
+    def tile(logits, steps, seen, counts, allowed, *leaves):
+        return sample(logits, jax.tree.unflatten(tree, leaves), steps, seen, counts, allowed)
+
+    return per_tile(tile, logits_bv, steps, seen_bv, counts_bv, allowed, *leaves)

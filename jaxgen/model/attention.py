@@ -20,6 +20,9 @@ The mask rule (`attention_mask`) is by position: a query at position p sees the 
 (padding, an empty slot) and never one of another packed document (segment ids). Within a row,
 positions grow with the order tokens were written, so this is causal attention.
 
+Deterministic mode (`model.deterministic`): both paths run `tiled_attention`, one fold over key blocks
+aligned to positions, per tile of queries, so a query's numbers are the same in training and decoding.
+
 `kv` is the cache's (keys, values) pair threaded through the layer loop's carry: as a loop-invariant
 operand XLA would copy the whole cache every step.
 """
@@ -73,7 +76,10 @@ def dense_attention(q_btnh, k_bskh, v_bskh, mask_bts, cfg):
 def sequence_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, window, cfg, impl: str):
     """Attention of a whole sequence over itself (training, scoring) by `impl` (see
     `kernels.choose`): blockwise, cudnn or splash; each equals `dense_attention` under
-    `attention_mask(positions, positions, segment_ids, segment_ids, window)`. (B, T, N, H)."""
+    `attention_mask(positions, positions, segment_ids, segment_ids, window)`. (B, T, N, H).
+    Deterministic mode (`model.deterministic`): `tiled_attention` whatever `impl` says."""
+    if cfg.deterministic:
+        return _tiled_sequence(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, window, cfg)
     if impl == "cudnn":
         mask = kernels.cudnn_mask(positions_bt, segment_ids_bt)
         return kernels.cudnn_attention(q_btnh, k_btkh, v_btkh, mask, window, cfg, scale=logit_scale(cfg))
@@ -132,6 +138,8 @@ def cached_attention(q_btnh, cache, kv, layer, q_pos_bt, window, cfg):
     (a prompt's chunk) keeps its queries split over context as its activations are, and GSPMD gathers each
     block it reads (measured at T=4096, C=4: 257 MiB of temporaries per device the first way, where XLA
     kept every block's (T, Sb / C) scores alive, against 8.1 MiB the second)."""
+    if cfg.deterministic:  # the fold training runs too, tile by tile (see tiled_attention)
+        return _tiled_cached(q_btnh, cache, kv, layer, q_pos_bt, window, cfg), kv
     b, t, n, h = q_btnh.shape
     k = cfg.kv_heads
     q = q_btnh.reshape(b, t, k, n // k, h).astype(jnp.float32) * logit_scale(cfg)
@@ -206,3 +214,111 @@ def _online_softmax_step(carry, q_btkgh, k_bkhs, v_bksh, mask_bts, softcap):
     corr = jnp.exp(m - m_new)
     pv = cpu.values_as_sums(p, v_bksh) if as_sums else jnp.einsum("bkgts,bksh->bkgth", p, v_bksh)
     return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
+
+
+# --- deterministic mode (model.deterministic) ------------------------------------------------------
+
+
+def tiled_attention(q_btnh, key_block, num_blocks, q_pos_bt, window, cfg):
+    """Attention computed for each query by the same float operations wherever it runs: training's
+    forward, a prefill chunk of any length, a decode step, any batch. (B, T, N, H) -> (B, T, N, H).
+
+    The key blocks j = 0 .. num_blocks - 1 of `model.attention_block` keys, aligned to positions (block j:
+    positions [j block, (j + 1) block)), are folded in order by the online softmax of `_tile_step`; for
+    each block, the queries (every row's, flattened) go by tiles of `layers.TILE` (a `lax.map` of at least
+    two: see `layers.per_tile`), each tile its rows' keys. Blocks past every query, and for a tile those
+    past its furthest query, are skipped (`lax.cond`). A block no query of a tile may see leaves its (max,
+    normaliser, sum) bitwise as they were (scores at NEG_INF: the max stays, exp(0) = 1 scales, zeros add),
+    so how many blocks a tile folds (what else shares it) changes nothing. `key_block(j)`: block j of
+    every row: keys (B, K, H, block), values (B, K, block, H), positions (B, block); `num_blocks`: an int
+    or a traced () int32."""
+    b, t, n, h = q_btnh.shape
+    k, g, tile, block = cfg.kv_heads, n // cfg.kv_heads, layers.TILE, cfg.attention_block
+    tiles = max(-(-b * t // tile), 2)  # a map of one iteration is removed (layers.per_tile)
+    pad = tiles * tile - b * t
+    q = q_btnh.reshape(b * t, k, g, h).astype(jnp.float32) * logit_scale(cfg)
+    q = jnp.pad(q, ((0, pad), (0, 0), (0, 0), (0, 0))).reshape(tiles, tile, k, g, h)
+    pos = jnp.pad(q_pos_bt.reshape(-1), (0, pad), constant_values=-1).reshape(tiles, tile)  # padding: sees nothing
+    rows = jnp.pad(jnp.repeat(jnp.arange(b, dtype=jnp.int32), t), (0, pad)).reshape(tiles, tile)
+    barrier = jax.lax.optimization_barrier  # each tile's math apart from what gathers its keys
+
+    def fold_block(j, stats):
+        keys, values, k_pos = key_block(j)
+
+        def one_tile(xs):
+            q_t, pos_t, rows_t, stats_t = barrier(xs)
+
+            def fold(stats_t):
+                k_t, v_t, kp_t = barrier((keys[rows_t], values[rows_t], k_pos[rows_t]))
+                mask = attention_mask(pos_t[:, None], kp_t, window=window)[:, 0]  # (R, block)
+                return _tile_step(stats_t, q_t, k_t, v_t, mask, cfg.attn_softcap)
+
+            return barrier(jax.lax.cond(j <= jnp.max(pos_t) // block, fold, _same, stats_t))
+
+        return jax.lax.map(one_tile, (q, pos, rows, stats))
+
+    stats = (
+        jnp.full((tiles, tile, k, g), NEG_INF, jnp.float32),  # running max
+        jnp.zeros((tiles, tile, k, g), jnp.float32),  # running normaliser
+        jnp.zeros((tiles, tile, k, g, h), jnp.float32),  # running weighted sum of values
+    )
+    furthest = jnp.max(q_pos_bt) // block
+    step = lambda j, stats: jax.lax.cond(j <= furthest, functools.partial(fold_block, j), _same, stats)
+    _, l, acc = jax.lax.fori_loop(0, num_blocks, step, stats)  # an int count (training): differentiable
+    out = acc / jnp.maximum(l, 1e-30)[..., None]  # rows with no key at all (padding) give 0
+    return out.reshape(tiles * tile, n, h)[: b * t].reshape(b, t, n, h).astype(q_btnh.dtype)
+
+
+def _tile_step(carry, q_rkgh, k_rkhs, v_rksh, mask_rs, softcap):
+    """`_online_softmax_step` for a tile of R queries, each with its own block of keys: products batched
+    over (query, kv head), so a query's numbers do not depend on the others'."""
+    m, l, acc = carry  # (R, K, G), (R, K, G), (R, K, G, H)
+    mask = mask_rs[:, None, None]
+    k_rkhs, v_rksh = from_storage(k_rkhs).astype(jnp.float32), from_storage(v_rksh).astype(jnp.float32)
+    s = layers.softcap(jnp.einsum("rkgh,rkhs->rkgs", q_rkgh, k_rkhs), softcap)
+    s = jnp.where(mask, s, NEG_INF)
+    m_new = jnp.maximum(m, s.max(-1))
+    p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+    corr = jnp.exp(m - m_new)
+    pv = jnp.einsum("rkgs,rksh->rkgh", p, v_rksh)
+    return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
+
+
+def _tiled_sequence(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, window, cfg):
+    """`tiled_attention` of whole sequences over themselves (training, scoring): key block j is columns
+    [j block, (j + 1) block) of each row, the engine's page blocks when a row's positions are 0, 1, ...
+    (its columns; padding at the end). Other positions give correct attention, not the engine's bits."""
+    if segment_ids_bt is not None:
+        raise ValueError("model.deterministic: packed documents (segment_ids) are not supported")
+    block, s = cfg.attention_block, k_btkh.shape[1]
+    pad = -s % block
+    k = jnp.pad(k_btkh, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    v = jnp.pad(v_btkh, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    k_pos = jnp.pad(positions_bt, ((0, 0), (0, pad)), constant_values=-1)
+
+    def key_block(j):
+        cols = lambda x: jax.lax.dynamic_slice_in_dim(x, j * block, block, axis=1)
+        return cols(k).transpose(0, 2, 3, 1), cols(v).transpose(0, 2, 1, 3), cols(k_pos)
+
+    return tiled_attention(q_btnh, key_block, (s + pad) // block, positions_bt, window, cfg)
+
+
+def _tiled_cached(q_btnh, cache, kv, layer, q_pos_bt, window, cfg):
+    """`tiled_attention` over a cache whose blocks are gathered by a traced index and hold positions
+    [j Sb, (j + 1) Sb) (the engine's paged cache: a block is a page): key block j is part j % (Sb / block)
+    of cache block j // (Sb / block); Sb must be a multiple of attention_block (the engine checks first)."""
+    if cache.num_blocks is not None or cache.context_split > 1:
+        raise ValueError("model.deterministic: cached attention over the engine's paged cache only (one device)")
+    block = cfg.attention_block
+    size = cache.key_block(kv, layer, 0)[2].shape[-1]  # Sb (traced once more; XLA drops the unused gather)
+    if size % block:
+        raise ValueError(f"model.deterministic: page_size={size} must be a multiple of model.attention_block={block}")
+    parts = size // block
+
+    def key_block(j):
+        keys, values, k_pos = cache.key_block(kv, layer, j // parts)  # (B, K, H, Sb), (B, K, Sb, H), (B, Sb)
+        part = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, (j % parts) * block, block, axis)
+        return part(keys, 3), part(values, 2), part(k_pos, 1)
+
+    visit = cache.blocks_to_visit(q_pos_bt) * parts  # traced: a while loop (nothing differentiates a cache)
+    return tiled_attention(q_btnh, key_block, visit, q_pos_bt, window, cfg)

@@ -1,5 +1,6 @@
 """The building blocks of the transformer: norms, rotary positions, the MLP, 2-D weight products.
-Attention and its mask are `jaxgen.model.attention`.
+Attention and its mask are `jaxgen.model.attention`. In deterministic mode (`model.deterministic`) each
+runs per tile of tokens (`per_tile`).
 
 Shapes use the glossary in `jaxgen.sharding` (B, T, S, D, N, K, G, H, F).
 """
@@ -16,9 +17,41 @@ import numpy as np
 from jaxgen.config import ModelConfig
 from jaxgen.model import layout, lora, quant
 
+TILE = 8  # tokens per tile in deterministic mode (`per_tile`)
 
-def dense(x, w, in_axes: int = 1):
-    """x (..., *w.shape[:in_axes]) times w -> (..., *w.shape[in_axes:]), as one 2-D matrix product.
+
+def per_tile(fn, *xs, tile: int = TILE):
+    """`fn` over fixed tiles of `tile` rows: xs (M, ...) each (the same M) are padded with zero rows to a
+    multiple of `tile`, cut into (M / tile, tile, ...) and mapped (`lax.map`); fn's outputs (tile, ...)
+    come back as (M, ...). Model deterministic mode (`ModelConfig.deterministic`) runs every per-token
+    product and reduction this way.
+
+    Why: XLA:CPU computes a row of a matrix product, or a row's sum, in an order that depends on how many
+    rows the operation has (measured: x @ w's row i changed by ~1e-5 between 2 and 64 rows; a sum over
+    257 columns is split into windows of 32 below 16 rows). A loop body of fixed shape is one program,
+    whatever the row count, and a row's result does not depend on its place in the tile. There are always
+    two tiles at least: XLA removes a loop of one iteration, and its body's operations then fuse with their
+    neighbours, which differ from program to program (measured: a decode step of 4 rows gave other bits
+    with a post-norm model, even with the body's inputs and outputs behind optimization barriers, which
+    stay to keep the body apart from what surrounds the loop)."""
+    m = xs[0].shape[0]
+    pad = -m % tile + (tile if m <= tile else 0)  # at least two tiles: a loop of one is removed (see above)
+    tiles = tuple(jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape(-1, tile, *x.shape[1:]) for x in xs)
+    barrier = jax.lax.optimization_barrier  # the body apart from what surrounds the loop
+    out = jax.lax.map(lambda t: barrier(fn(*barrier(t))), tiles)
+    return jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:])[:m], out)
+
+
+def over_rows(fn, x, axes: int = 1):
+    """fn of x's trailing `axes` axes, per row of the rest, by `per_tile`: (..., *tail) -> (..., *tail')."""
+    lead, tail = x.shape[: x.ndim - axes], x.shape[x.ndim - axes :]
+    y = per_tile(fn, x.reshape(-1, *tail))
+    return y.reshape(*lead, *y.shape[1:])
+
+
+def dense(x, w, in_axes: int = 1, cfg: ModelConfig | None = None):
+    """x (..., *w.shape[:in_axes]) times w -> (..., *w.shape[in_axes:]), as one 2-D matrix product
+    (deterministic mode: one per tile of rows, `per_tile`; `cfg` None: not deterministic).
 
     Flattening first matters on XLA:CPU: the backward pass of a multi-axis einsum such as
     "btd,dnh->btnh" inside the layer scan turned into slow transposing copies (a SwiGLU layer's
@@ -26,6 +59,11 @@ def dense(x, w, in_axes: int = 1):
     """
     n_in = math.prod(w.shape[:in_axes])
     lead = x.shape[: x.ndim - in_axes]
+    if cfg is not None and cfg.deterministic:
+        if layout.is_out_major(w) or quant.is_q(w):
+            raise ValueError(f"model.deterministic: float (I, O) weights only, got {type(w).__name__}")
+        w2 = w.reshape(n_in, -1)
+        return per_tile(lambda t: t @ w2, x.reshape(-1, n_in)).reshape(*lead, *w.shape[in_axes:])
     if layout.is_out_major(w):  # decoding's (O, I) layout: see jaxgen.model.layout
         return layout.product(x.reshape(-1, n_in), w).reshape(*lead, *w.shape[in_axes:])
     if quant.is_q(w):  # int8 weights (inference): an int8 x int8 product
@@ -35,11 +73,18 @@ def dense(x, w, in_axes: int = 1):
 
 
 def norm(x_btd, p: dict, cfg: ModelConfig):
-    """LayerNorm (scale and bias) or RMSNorm (scale only), computed in float32."""
+    """LayerNorm (scale and bias) or RMSNorm (scale only), computed in float32 (per tile of rows in
+    deterministic mode)."""
+    if cfg.deterministic:
+        return over_rows(functools.partial(_norm, p=p, cfg=cfg), x_btd)
+    return _norm(x_btd, p, cfg)
+
+
+def _norm(x_btd, p: dict, cfg: ModelConfig):
     x = x_btd.astype(jnp.float32)
     if cfg.norm == "layernorm":
         x = x - x.mean(-1, keepdims=True)
-    x = rms_norm(x, p["scale_d"], cfg)
+    x = _rms_norm(x, p["scale_d"], cfg)  # (in deterministic mode this runs on a tile already)
     if "bias_d" in p:
         x = x + p["bias_d"].astype(jnp.float32)
     return x.astype(x_btd.dtype)
@@ -48,11 +93,25 @@ def norm(x_btd, p: dict, cfg: ModelConfig):
 def rms_norm(x, scale, cfg: ModelConfig):
     """RMSNorm over the trailing `scale.ndim` axes (one head's H, or a whole projection's N x H), in
     float32; Gemma's norms multiply by (1 + scale)."""
+    if cfg.deterministic:
+        return over_rows(functools.partial(_rms_norm, scale=scale, cfg=cfg), x, scale.ndim)
+    return _rms_norm(x, scale, cfg)
+
+
+def _rms_norm(x, scale, cfg: ModelConfig):
     axes = tuple(range(x.ndim - scale.ndim, x.ndim))
     y = x.astype(jnp.float32)
     y = y * jax.lax.rsqrt((y * y).mean(axes, keepdims=True) + cfg.norm_eps)
     scale = scale.astype(jnp.float32)
     return (y * (1.0 + scale if cfg.norm_unit_offset else scale)).astype(x.dtype)
+
+
+def log_softmax(x, cfg: ModelConfig):
+    """jax.nn.log_softmax over the last axis; per tile of rows in deterministic mode (`per_tile`: the
+    engine's and the training forward's log-probabilities are then the same numbers)."""
+    if cfg.deterministic:
+        return over_rows(lambda t: jax.nn.log_softmax(t, axis=-1), x)
+    return jax.nn.log_softmax(x, axis=-1)
 
 
 def softcap(x, cap: float | None):
@@ -87,8 +146,18 @@ def rope_frequencies(cfg: ModelConfig, theta: float | None = None):
     return inv_freq
 
 
-def rope(x_btnh, positions_bt, inv_freq):
-    """Rotary position embedding, rotate-half convention (as in Llama); inv_freq from `rope_frequencies`."""
+def rope(x_btnh, positions_bt, inv_freq, cfg: ModelConfig | None = None):
+    """Rotary position embedding, rotate-half convention (as in Llama); inv_freq from `rope_frequencies`.
+    Deterministic mode (`cfg.deterministic`): per tile of tokens (`per_tile`), as every transcendental
+    function is (XLA:CPU's sin, cos and tanh gave other bits for the same input in another program)."""
+    if cfg is not None and cfg.deterministic:
+        b, t, n, h = x_btnh.shape
+        tokens = lambda x, p: _rope(x[:, None], p[:, None], inv_freq)[:, 0]  # a tile's tokens as (R, 1) rows
+        return per_tile(tokens, x_btnh.reshape(b * t, n, h), positions_bt.reshape(-1)).reshape(x_btnh.shape)
+    return _rope(x_btnh, positions_bt, inv_freq)
+
+
+def _rope(x_btnh, positions_bt, inv_freq):
     angles = positions_bt.astype(jnp.float32)[..., None] * inv_freq  # (B, T, H/2)
     cos = jnp.cos(angles)[:, :, None, :]
     sin = jnp.sin(angles)[:, :, None, :]
@@ -119,17 +188,21 @@ def gelu(x):
 def mlp(x_btd, p: dict, cfg: ModelConfig, adapters: dict | None = None):
     """GELU MLP (GPT-2), SwiGLU (Llama) or GeGLU (Gemma; tanh-approximated GELU gate). adapters: the
     layer's low-rank adapters (jaxgen.model.lora), of which gate, up and down apply here."""
-    up = lora.add(dense(x_btd, p["w_up_df"]), x_btd, adapters, "up", cfg)
+    up = lora.add(dense(x_btd, p["w_up_df"], cfg=cfg), x_btd, adapters, "up", cfg)
     if "b_up_f" in p:
         up = up + p["b_up_f"]
     if cfg.mlp in ("swiglu", "geglu"):
-        gate = lora.add(dense(x_btd, p["w_gate_df"]), x_btd, adapters, "gate", cfg)
+        gate = lora.add(dense(x_btd, p["w_gate_df"], cfg=cfg), x_btd, adapters, "gate", cfg)
         if "b_gate_f" in p:
             gate = gate + p["b_gate_f"]
-        hidden = gated(gate, up, cfg.mlp)
+        if cfg.deterministic:  # per tile, as every transcendental function (see `rope`)
+            rows = lambda x: x.reshape(-1, x.shape[-1])
+            hidden = per_tile(lambda g, u: gated(g, u, cfg.mlp), rows(gate), rows(up)).reshape(up.shape)
+        else:
+            hidden = gated(gate, up, cfg.mlp)
     else:
-        hidden = gelu(up)
-    out = lora.add(dense(hidden, p["w_down_fd"]), hidden, adapters, "down", cfg)
+        hidden = over_rows(gelu, up) if cfg.deterministic else gelu(up)
+    out = lora.add(dense(hidden, p["w_down_fd"], cfg=cfg), hidden, adapters, "down", cfg)
     if "b_down_d" in p:
         out = out + p["b_down_d"]
     return out

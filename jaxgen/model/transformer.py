@@ -99,7 +99,7 @@ def _run(params, tokens, positions, cache, cfg: ModelConfig, segment_ids, fresh=
 
     t = tokens.shape[1]
     if cache is None or fresh:  # whole sequences (a fresh prompt's too): the backend's attention_impl
-        impl = kernels.fit_length(kernels.choose(cfg), t, cfg)
+        impl = "blockwise" if cfg.deterministic else kernels.fit_length(kernels.choose(cfg), t, cfg)
         # dense: the whole (T, T) mask once, windowed per layer; cudnn: its segment mask once, shared by
         # every layer; blockwise and splash mask block by block
         mask = None
@@ -201,6 +201,8 @@ def lm_head(params, x_btd, cfg: ModelConfig):
     params = _cast(params, cfg)
     x = x_btd.reshape(-1, x_btd.shape[-1])  # 2-D products: see layers.dense
     w = params["embed_vd"] if cfg.tie_embeddings else params["head_dv"]
+    if cfg.deterministic:  # per tile of rows (layers.per_tile), the weight as trained
+        return constrain(_head_tiles(x, w, cfg).reshape(*x_btd.shape[:-1], -1), ("batch", "seq", "vocab"))
     if quant.is_q(w):  # int8 (inference, `quant.quantize_params(embedding=True)`)
         logits = quant.head(x, w, cfg.tie_embeddings)
     elif cfg.tie_embeddings:  # contract with the embedding's rows as stored: `.T` made XLA copy it each step
@@ -212,6 +214,19 @@ def lm_head(params, x_btd, cfg: ModelConfig):
         logits = jnp.matmul(x, params["head_dv"], preferred_element_type=jnp.float32)
     logits = layers.softcap(logits.reshape(*x_btd.shape[:-1], -1), cfg.final_softcap)
     return constrain(logits, ("batch", "seq", "vocab"))
+
+
+def _head_tiles(x, w, cfg: ModelConfig):
+    """Deterministic mode's head: (R, D) -> (R, V) float32, one product (and softcap) per tile of rows."""
+    if quant.is_q(w) or layout.is_out_major(w):
+        raise ValueError(f"model.deterministic: a float head as trained only, got {type(w).__name__}")
+    contract = (((1,), (1 if cfg.tie_embeddings else 0,)), ((), ()))  # the embedding's rows as stored
+
+    def head(t):
+        logits = jax.lax.dot_general(t, w, contract, preferred_element_type=jnp.float32)
+        return layers.softcap(logits, cfg.final_softcap)
+
+    return layers.per_tile(head, x)
 
 
 def _cast(params, cfg: ModelConfig):
@@ -230,17 +245,17 @@ def _qkv(x, p, positions, consts, cfg: ModelConfig):
     normed (qk_norm), then rotated (RoPE, with this layer's frequencies)."""
     h = layers.norm(x, p["attn_norm"], cfg) if "attn_norm" in p else x
     adapters = p.get("lora")  # low-rank adapters (jaxgen.model.lora); None: the products alone
-    q = lora.add(layers.dense(h, p["w_q_dnh"]), h, adapters, "q", cfg)  # (B, T, N, H)
-    k = lora.add(layers.dense(h, p["w_k_dkh"]), h, adapters, "k", cfg)  # (B, T, K, H)
-    v = lora.add(layers.dense(h, p["w_v_dkh"]), h, adapters, "v", cfg)
+    q = lora.add(layers.dense(h, p["w_q_dnh"], cfg=cfg), h, adapters, "q", cfg)  # (B, T, N, H)
+    k = lora.add(layers.dense(h, p["w_k_dkh"], cfg=cfg), h, adapters, "k", cfg)  # (B, T, K, H)
+    v = lora.add(layers.dense(h, p["w_v_dkh"], cfg=cfg), h, adapters, "v", cfg)
     if "b_q_nh" in p:
         q, k, v = q + p["b_q_nh"], k + p["b_k_kh"], v + p["b_v_kh"]
     if cfg.qk_norm != "none":
         q = layers.rms_norm(q, p.get("q_norm_h", p.get("q_norm_nh")), cfg)
         k = layers.rms_norm(k, p.get("k_norm_h", p.get("k_norm_kh")), cfg)
     if cfg.position == "rope":
-        q = layers.rope(q, positions, consts["inv_freq"])
-        k = layers.rope(k, positions, consts["inv_freq"])
+        q = layers.rope(q, positions, consts["inv_freq"], cfg)
+        k = layers.rope(k, positions, consts["inv_freq"], cfg)
     return q, k, v
 
 
@@ -251,7 +266,7 @@ def _block(x, p, positions, consts, attend, cfg: ModelConfig):
     q, k, v = _qkv(x, p, positions, consts, cfg)
     out, kv = attend(q, k, v, consts)
     adapters = p.get("lora")
-    out = lora.add(layers.dense(out, p["w_o_nhd"], in_axes=2), out, adapters, "o", cfg, in_axes=2)  # (B, T, D)
+    out = lora.add(layers.dense(out, p["w_o_nhd"], in_axes=2, cfg=cfg), out, adapters, "o", cfg, in_axes=2)  # (B, T, D)
     if "b_o_d" in p:
         out = out + p["b_o_d"]
     if "post_attn_norm" in p:

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgen.config import ModelConfig
-from jaxgen.model import forward
+from jaxgen.model import forward, layers
 
 ALGORITHMS = ("grpo", "reinforce")
 AVERAGING = ("token", "sequence")
@@ -59,7 +59,7 @@ def token_logprobs(params, tokens_bt, positions_bt, *, cfg: ModelConfig, tempera
     tokens, positions: (B, T) int32 (position -1 marks padding). Returns (logp, entropy), each (B, T - 1)
     float32: column t scores token t + 1. `temperature` must match the sampler's for the two to agree."""
     logits, _ = forward(params, tokens_bt[:, :-1], positions_bt[:, :-1], cfg=cfg)
-    logp_all = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+    logp_all = layers.log_softmax(logits.astype(jnp.float32) / temperature, cfg)  # (deterministic: per row tile)
     logp = jnp.take_along_axis(logp_all, tokens_bt[:, 1:, None], axis=-1)[..., 0]
     entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
     return logp, entropy
