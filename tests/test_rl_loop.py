@@ -88,6 +88,18 @@ def test_grpo_raises_the_built_in_tasks_reward_and_the_sampler_agrees_with_the_t
     assert loop.run_rl(cfg, run_dir, progress=False).status == "already finished"
 
 
+def test_in_deterministic_mode_the_trainer_scores_the_samplers_log_probabilities_bitwise(tmp_path, overrides):
+    """model.deterministic (docs/rl.md): the trainer's log-probabilities of the rollouts are the engine's to the
+    bit, so the importance ratio of the first update is exactly 1 (the warm start, a run folder without the
+    setting, gets it from the RL config)."""
+    bitwise = ["training.steps=2", "model.deterministic=true", "model.attention_block=8"]
+    cfg = load_config(ROOT / "configs" / "rl-arithmetic.yaml", [*overrides, *bitwise])
+    assert loop.run_rl(cfg, tmp_path / "run", progress=False).status == "finished"
+    records = read_metrics(tmp_path / "run")
+    assert [r["sampler_gap"] for r in records] == [0.0, 0.0]
+    assert [r["clip_frac"] for r in records] == [0.0, 0.0]
+
+
 def _finished_steps(run_dir):
     folder = run_dir / "checkpoints"
     return [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if folder.exists() else []

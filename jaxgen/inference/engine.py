@@ -70,7 +70,7 @@ class Engine:
             self.draft_cfg = speculative.check_draft(draft[1], cfg)
         check_serving(cfg, serve, self.draft_cfg, mesh)  # ConfigError before anything is allocated or compiled
         _check_deterministic(cfg, serve, draft, mesh)
-        self.params = model.decode_params(params, _layout_rows(cfg, serve))  # see model.decode_params
+        self.params = model.decode_params(params, layout_rows(cfg, serve))  # see model.decode_params
         self._to_decode = None  # update_params' jitted layout conversion
         self.cfg, self.tokenizer, self.serve = cfg, tokenizer, serve
         self.loras = LoraRegistry(serve.max_loras)  # adapter names -> slots of the params' bank
@@ -295,7 +295,7 @@ class Engine:
 
     def _checked_params(self, params, donate: bool):
         """`params` in the decode layout and the current shardings; ValueError for another structure."""
-        rows = _layout_rows(self.cfg, self.serve)
+        rows = layout_rows(self.cfg, self.serve)
         current = lora.without_bank(self.params)  # the weights the caller gives (the LoRA bank is the engine's)
         try:
             got = jax.eval_shape(lambda p: model.decode_params(p, rows), params)  # nothing computed yet
@@ -639,7 +639,7 @@ def _with_empty_bank(params: dict, cfg: ModelConfig, serve: ServeConfig, mesh) -
     return lora.with_bank(params, layers_)
 
 
-def _layout_rows(cfg: ModelConfig, serve: ServeConfig) -> int:
+def layout_rows(cfg: ModelConfig, serve: ServeConfig) -> int:
     """The rows `model.decode_params` lays the weights out for: the slots, or 1 in deterministic mode, whose
     products take the weights as trained (the training forward's numbers)."""
     return 1 if cfg.deterministic else serve.slots

@@ -212,7 +212,11 @@ def starting_policy(cfg: Config, run_dir: Path, mesh, progress: bool):
 
         train(train_cfg, source, progress=progress)
     model_cfg, tokenizer, params = load_model(source, mesh, param_dtype="float32")
-    model_cfg = dataclasses.replace(model_cfg, dtype=cfg.model.dtype, lora=cfg.model.lora)  # RL's own adapters
+    # RL's own adapters, dtype and deterministic mode (not architecture: a Hugging Face folder has none of them)
+    model_cfg = dataclasses.replace(model_cfg, dtype=cfg.model.dtype, lora=cfg.model.lora,
+                                    deterministic=cfg.model.deterministic)  # fmt: skip
+    if cfg.model.deterministic:  # its key blocks must divide the engine's pages
+        model_cfg = dataclasses.replace(model_cfg, attention_block=cfg.model.attention_block)
     rl = cfg.rl
     if model_cfg.lora.rank:  # the checkpoints hold the adapters only: config.yaml names their base for load_run
         rl = dataclasses.replace(rl, init_from=str(Path(source).resolve()))
@@ -236,7 +240,8 @@ def warm_start_config(cfg: Config, folder: str | Path) -> Config:
     optimizer = dataclasses.replace(cfg.optimizer, learning_rate=cfg.rl.warm_start_learning_rate)
     training = dataclasses.replace(cfg.training, steps=cfg.rl.warm_start_steps, eval_every=cfg.rl.warm_start_steps)
     checkpoint = dataclasses.replace(cfg.checkpoint, every=max(cfg.rl.warm_start_steps // 4, 1))
-    model_cfg = dataclasses.replace(cfg.model, lora=LoraConfig())  # the whole model: RL's LoRA adapts it
+    # the whole model (RL's LoRA adapts it); packed documents, which deterministic mode does not take
+    model_cfg = dataclasses.replace(cfg.model, lora=LoraConfig(), deterministic=False)
     return dataclasses.replace(cfg, name=f"{cfg.name}-warm-start", model=model_cfg, data=data, optimizer=optimizer,
                                training=training, checkpoint=checkpoint)  # fmt: skip
 
