@@ -127,6 +127,15 @@ def test_missing_config_file_lists_shipped_configs():
         load_config("configs/nope.yaml")
 
 
+def test_a_shipped_config_named_relative_loads_from_any_folder(tmp_path, monkeypatch):
+    """`python /path/to/rl.py` from another folder: its default `configs/rl-arithmetic.yaml` is the shipped one."""
+    monkeypatch.chdir(tmp_path)
+    assert load_config("configs/tiny.yaml") == load_config(ROOT / "configs" / "tiny.yaml")
+    (tmp_path / "configs").mkdir()  # a folder's own configs/ comes first
+    (tmp_path / "configs" / "tiny.yaml").write_text("model:\n  num_layers: 3\n")
+    assert load_config("configs/tiny.yaml").model.num_layers == 3
+
+
 def test_mesh_shape():
     from jaxgen.config import MeshConfig
 

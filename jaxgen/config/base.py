@@ -158,10 +158,18 @@ def _deep_copy(data: dict) -> dict:
     return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in data.items()}
 
 
+SHIPPED = Path(__file__).parents[2] / "configs"  # the repository's configs/
+
+
 def read_yaml(path: str | Path) -> dict:
+    """A YAML file's mapping; a relative `configs/X.yaml` that is not under the working folder is the shipped
+    one (the command lines' defaults name them so, and work from any folder)."""
     path = Path(path)
+    relative = not path.is_absolute() and path.parts[:1] == ("configs",)
+    if relative and not path.exists() and (SHIPPED.parent / path).exists():
+        path = SHIPPED.parent / path
     if not path.exists():
-        shipped = sorted(p.name for p in Path(__file__).parents[2].joinpath("configs").glob("*.yaml"))
+        shipped = sorted(p.name for p in SHIPPED.glob("*.yaml"))
         raise ConfigError(f"config file {str(path)!r} does not exist; shipped configs: {', '.join(shipped)}")
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
