@@ -145,3 +145,14 @@ def test_rollout_batch_puts_each_completion_token_where_the_forward_scores_it():
     np.testing.assert_array_equal(b["mask"][2], [0, 0, 1, 1, 1, 0])
     assert b["mask"][3].sum() == 0
     np.testing.assert_allclose(b["advantages"], [1.0, -1.0, 0.0, 0.0], atol=1e-5)
+
+
+def test_deterministic_rollouts_with_blocks_that_do_not_divide_the_pages_are_refused_before_any_work(tmp_path):
+    from jaxgen.config import ConfigError, load_config
+    from jaxgen.rl import loop
+    from tests.conftest import ROOT
+
+    cfg = load_config(ROOT / "configs" / "rl-arithmetic.yaml", ["model.deterministic=true"])  # blocks of 512
+    with pytest.raises(ConfigError, match=r"serve.page_size=16 is not allowed with model.deterministic=true"):
+        loop.run_rl(cfg, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()  # no warm start trained, no folder made

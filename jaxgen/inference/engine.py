@@ -69,7 +69,7 @@ class Engine:
         if draft is not None:
             self.draft_cfg = speculative.check_draft(draft[1], cfg)
         check_serving(cfg, serve, self.draft_cfg, mesh)  # ConfigError before anything is allocated or compiled
-        _check_deterministic(cfg, serve, draft, mesh)
+        check_deterministic(cfg, serve, draft, mesh)
         self.params = model.decode_params(params, layout_rows(cfg, serve))  # see model.decode_params
         self._to_decode = None  # update_params' jitted layout conversion
         self.cfg, self.tokenizer, self.serve = cfg, tokenizer, serve
@@ -645,7 +645,7 @@ def layout_rows(cfg: ModelConfig, serve: ServeConfig) -> int:
     return 1 if cfg.deterministic else serve.slots
 
 
-def _check_deterministic(cfg: ModelConfig, serve: ServeConfig, draft, mesh) -> None:
+def check_deterministic(cfg: ModelConfig, serve: ServeConfig, draft, mesh) -> None:
     """ConfigError, before anything compiles, for serving settings deterministic mode cannot keep bitwise."""
     if not cfg.deterministic:
         return

@@ -161,6 +161,11 @@ def run_rl(cfg: Config, run_dir: str | Path, progress: bool = True, stop_after: 
     (default: training.steps_per_run, as train.py; 0 = run to the end)."""
     from jaxgen.sharding import make_mesh
 
+    if cfg.model.deterministic:  # the rollout engine's settings, refused before the warm start trains
+        from jaxgen.config import ServeConfig
+        from jaxgen.inference.engine import check_deterministic
+
+        check_deterministic(cfg.model, ServeConfig(), None, None)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = dataclasses.replace(
