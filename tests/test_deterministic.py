@@ -132,3 +132,19 @@ def test_settings_that_would_break_it_are_refused_before_compiling(params):
         Engine(params, CFG, Tokenizer.byte_level(), dataclasses.replace(SERVE, page_size=12))
     with pytest.raises(ConfigError, match=r"serve.cache_dtype"):
         Engine(params, CFG, Tokenizer.byte_level(), dataclasses.replace(SERVE, cache_dtype="bfloat16"))
+
+
+def test_teacher_forced_scoring_reads_the_weights_as_trained(params):
+    """`Generator.score` (what `LLM.score` runs) in deterministic mode: the weights stay in the training layout
+    (`model.decode_params` with the config; before, the generator's output-major layout was refused by the
+    tiled products) and the scores are the training forward's log-probabilities."""
+    from jaxgen.inference.generator import Generator
+
+    prompt, continuation = _prompts(5)[1], _prompts(6)[0]
+    got = Generator(params, CFG, Tokenizer.byte_level(), max_batch=8).score([prompt], [continuation])[0]
+    seq = prompt + continuation
+    tokens = np.zeros((1, T), np.int32)
+    tokens[0, : len(seq)] = seq
+    positions = np.where(np.arange(T) < len(seq), np.arange(T), -1)[None].astype(np.int32)
+    want = np.asarray(_logprobs(params, tokens, positions, np.float32(1.0), cfg=CFG))[0]
+    np.testing.assert_allclose(got["token_logprobs"], want[len(prompt) - 1 : len(seq) - 1], atol=1e-5)

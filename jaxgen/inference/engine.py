@@ -70,7 +70,7 @@ class Engine:
             self.draft_cfg = speculative.check_draft(draft[1], cfg)
         check_serving(cfg, serve, self.draft_cfg, mesh)  # ConfigError before anything is allocated or compiled
         check_deterministic(cfg, serve, draft, mesh)
-        self.params = model.decode_params(params, layout_rows(cfg, serve))  # see model.decode_params
+        self.params = model.decode_params(params, serve.slots, cfg)  # see model.decode_params
         self._to_decode = None  # update_params' jitted layout conversion
         self.cfg, self.tokenizer, self.serve = cfg, tokenizer, serve
         self.loras = LoraRegistry(serve.max_loras)  # adapter names -> slots of the params' bank
@@ -295,10 +295,10 @@ class Engine:
 
     def _checked_params(self, params, donate: bool):
         """`params` in the decode layout and the current shardings; ValueError for another structure."""
-        rows = layout_rows(self.cfg, self.serve)
+        to_decode = functools.partial(model.decode_params, rows=self.serve.slots, cfg=self.cfg)
         current = lora.without_bank(self.params)  # the weights the caller gives (the LoRA bank is the engine's)
         try:
-            got = jax.eval_shape(lambda p: model.decode_params(p, rows), params)  # nothing computed yet
+            got = jax.eval_shape(to_decode, params)  # nothing computed yet
         except Exception as e:
             message = f"update_params: params do not have the model's structure ({type(e).__name__}: {e})"
             raise ValueError(message) from None
@@ -316,9 +316,9 @@ class Engine:
         if not donate:  # one program lays them out into new buffers in the engine's shardings (no aliasing)
             if self._to_decode is None:  # made once: compiled at the first swap of each layout, then reused
                 shardings = jax.tree.map(lambda x: x.sharding, current)
-                self._to_decode = jax.jit(functools.partial(model.decode_params, rows=rows), out_shardings=shardings)
+                self._to_decode = jax.jit(to_decode, out_shardings=shardings)
             return self._to_decode(params)
-        return jax.tree.map(lambda x, old: jax.device_put(x, old.sharding), model.decode_params(params, rows), current)
+        return jax.tree.map(lambda x, old: jax.device_put(x, old.sharding), to_decode(params), current)
 
     def _preempt_all(self) -> None:
         """Every sequence in a slot back to the queue (recomputed later, its tokens kept); the prefix cache
@@ -637,12 +637,6 @@ def _with_empty_bank(params: dict, cfg: ModelConfig, serve: ServeConfig, mesh) -
     if mesh is not None:
         layers_ = jax.device_put(layers_, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     return lora.with_bank(params, layers_)
-
-
-def layout_rows(cfg: ModelConfig, serve: ServeConfig) -> int:
-    """The rows `model.decode_params` lays the weights out for: the slots, or 1 in deterministic mode, whose
-    products take the weights as trained (the training forward's numbers)."""
-    return 1 if cfg.deterministic else serve.slots
 
 
 def check_deterministic(cfg: ModelConfig, serve: ServeConfig, draft, mesh) -> None:

@@ -97,7 +97,7 @@ class Generator:
             self.draft_cfg = speculative.check_draft(draft[1], cfg)
             self.draft_params = model.decode_params(draft[0], config.max_batch)
         # per-layer weights, output-major from 8 rows on: see model.decode_params
-        self.params = model.decode_params(params, config.max_batch)
+        self.params = model.decode_params(params, config.max_batch, cfg)
         self.cfg, self.tokenizer, self.config = cfg, tokenizer, config
         self.max_batch, self.chunk_steps, self.cache_dtype = config.max_batch, config.chunk_steps, config.cache_dtype
         self.min_cache_len = config.min_cache_len

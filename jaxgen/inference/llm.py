@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from jaxgen import model
 from jaxgen.config import ConfigError, ModelConfig, ServeConfig
-from jaxgen.inference.engine import Engine, layout_rows
+from jaxgen.inference.engine import Engine
 from jaxgen.inference.sampling import SamplingConfig, SamplingError, per_prompt
 from jaxgen.inference.textstream import TextDeltas
 from jaxgen.tokenizer import Tokenizer
@@ -79,7 +79,7 @@ class LLM:
             source = _placed(source, cfg, mesh)
         loaded = load_for_serving(source, self.serve, mesh, cfg=cfg, tokenizer=tokenizer, draft=draft)
         # laid out for decoding once here; Engine and Generator take them as they are (idempotent)
-        self.params = model.decode_params(loaded.params, layout_rows(loaded.cfg, self.serve))
+        self.params = model.decode_params(loaded.params, self.serve.slots, loaded.cfg)
         self.cfg, self.tokenizer = loaded.cfg, loaded.tokenizer
         self.engine = Engine(self.params, self.cfg, self.tokenizer, self.serve, mesh=mesh if mesh.size > 1 else None,
                              draft=loaded.draft)  # fmt: skip

@@ -176,11 +176,12 @@ def unstack_layers(params: dict) -> dict:
     return params | {"layers": [jax.tree.map(lambda w, i=i: w[i], stacked) for i in range(num_layers)]}
 
 
-def decode_params(params: dict, rows: int) -> dict:
+def decode_params(params: dict, rows: int, cfg: ModelConfig | None = None) -> dict:
     """The params as decoding reads them: per-layer (`unstack_layers`) and, for products of at least
     `layout.OUT_MAJOR_ROWS` rows (`rows`: the batch decoded together), output-major weights
-    (`layout.decode_layout`). Idempotent; `layout.train_layout` undoes the second step."""
-    return layout.decode_layout(unstack_layers(params), rows)
+    (`layout.decode_layout`). Idempotent; `layout.train_layout` undoes the second step. A deterministic
+    `cfg` keeps the weights as trained: its tiled products are the training forward's (`layers.dense`)."""
+    return layout.decode_layout(unstack_layers(params), 1 if cfg is not None and cfg.deterministic else rows)
 
 
 def stack_layers(params: dict) -> dict:
