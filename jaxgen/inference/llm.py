@@ -26,11 +26,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import jax
+
 from jaxgen import model
 from jaxgen.config import ConfigError, ModelConfig, ServeConfig
 from jaxgen.inference.engine import Engine
 from jaxgen.inference.sampling import SamplingConfig, SamplingError, per_prompt
 from jaxgen.inference.textstream import TextDeltas
+from jaxgen.sharding import make_mesh
 from jaxgen.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -230,16 +233,11 @@ def _serving_mesh(serve: ServeConfig):
     """The engine's devices, as serve.py picks them: serve.data_parallel x serve.tensor_parallel of this
     process's devices (by default one). Not the training default (every device on data), which would
     run the engine, and hold its page pool, once on each device."""
-    import jax
-
-    from jaxgen.sharding import make_mesh
-
     return make_mesh(serve.mesh, jax.local_devices())
 
 
 def _placed(params, cfg: ModelConfig, mesh):
-    import jax
-
+    """Params handed in, moved onto the engine's mesh (one device: onto it whole)."""
     if mesh.size == 1:
         return jax.device_put(params, mesh.devices.flat[0])
     return jax.device_put(params, model.param_shardings(cfg, mesh))

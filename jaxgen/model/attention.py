@@ -234,7 +234,7 @@ def tiled_attention(q_btnh, key_block, num_blocks, q_pos_bt, window, cfg):
     or a traced () int32."""
     b, t, n, h = q_btnh.shape
     k, g, tile, block = cfg.kv_heads, n // cfg.kv_heads, layers.TILE, cfg.attention_block
-    tiles = max(-(-b * t // tile), 2)  # a map of one iteration is removed (layers.per_tile)
+    tiles = layers.num_tiles(b * t)  # as layers.per_tile cuts them
     pad = tiles * tile - b * t
     q = q_btnh.reshape(b * t, k, g, h).astype(jnp.float32) * logit_scale(cfg)
     q = jnp.pad(q, ((0, pad), (0, 0), (0, 0), (0, 0))).reshape(tiles, tile, k, g, h)

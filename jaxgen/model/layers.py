@@ -35,11 +35,16 @@ def per_tile(fn, *xs, tile: int = TILE):
     with a post-norm model, even with the body's inputs and outputs behind optimization barriers, which
     stay to keep the body apart from what surrounds the loop)."""
     m = xs[0].shape[0]
-    pad = -m % tile + (tile if m <= tile else 0)  # at least two tiles: a loop of one is removed (see above)
+    pad = num_tiles(m, tile) * tile - m
     tiles = tuple(jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape(-1, tile, *x.shape[1:]) for x in xs)
     barrier = jax.lax.optimization_barrier  # the body apart from what surrounds the loop
     out = jax.lax.map(lambda t: barrier(fn(*barrier(t))), tiles)
     return jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:])[:m], out)
+
+
+def num_tiles(m: int, tile: int = TILE) -> int:
+    """How many tiles of `tile` rows `per_tile` cuts M rows into: at least two (a loop of one is removed)."""
+    return max(-(-m // tile), 2)
 
 
 def over_rows(fn, x, axes: int = 1):
