@@ -99,7 +99,7 @@ def _run(params, tokens, positions, cache, cfg: ModelConfig, segment_ids, fresh=
 
     t = tokens.shape[1]
     if cache is None or fresh:  # whole sequences (a fresh prompt's too): the backend's attention_impl
-        impl = "blockwise" if cfg.deterministic else kernels.fit_length(kernels.choose(cfg), t, cfg)
+        impl = kernels.fit_length(kernels.choose(cfg), t, cfg)
         # dense: the whole (T, T) mask once, windowed per layer; cudnn: its segment mask once, shared by
         # every layer; blockwise and splash mask block by block
         mask = None

@@ -65,7 +65,10 @@ def choose(cfg: ModelConfig, backend: str | None = None) -> str:
     """The implementation that runs for `cfg.attention_impl` on `backend` (default: jax's):
     dense, blockwise, cudnn or splash; ring or allgather (jaxgen.model.context) under a mesh with a
     context axis, where auto means ring (without one they mean blockwise). A fused kernel whose
-    constraints do not hold falls back to blockwise, with the reason logged once."""
+    constraints do not hold falls back to blockwise, with the reason logged once. A deterministic model
+    runs blockwise everywhere: that path is its tiled fold (attention.tiled_attention)."""
+    if cfg.deterministic:
+        return "blockwise"
     backend = backend or jax.default_backend()
     impl = cfg.attention_impl
     if impl in ("ring", "allgather") or (impl == "auto" and context_size() > 1):
