@@ -71,6 +71,7 @@ def _present(axes, mesh):
 def _dividing(axes, size: int, mesh):
     """The longest leading run of `axes` whose product divides `size` (a single axis as its name), or None:
     a parameter row that fsdp x context does not divide splits over fsdp alone."""
+    axes = (axes,) if isinstance(axes, str) else axes  # one axis (no context on the mesh): nothing shorter
     for n in range(len(axes) - 1, 0, -1):
         if size % _axis_size(mesh, axes[:n]) == 0:
             return axes[0] if n == 1 else axes[:n]
