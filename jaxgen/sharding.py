@@ -61,11 +61,11 @@ def _axis_size(mesh, axes) -> int:
 
 
 def _present(axes, mesh):
-    """`axes` less those `mesh` lacks (None when none is left)."""
+    """`axes` less those `mesh` lacks (None when none is left; one axis as its name)."""
     kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if a in mesh.axis_names)
     if not kept:
         return None
-    return kept[0] if isinstance(axes, str) or (len(kept) == 1 and len(axes) > 1) else kept
+    return kept[0] if len(kept) == 1 else kept
 
 
 def _dividing(axes, size: int, mesh):
