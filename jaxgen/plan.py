@@ -531,11 +531,13 @@ def check_args(args) -> None:
         if value is not None and not 1 <= value <= top:
             raise ValueError(f"--{name.replace('_', '-')}={value} is not allowed: an integer from 1 to {top}")
     if args.max_seq is None:
-        for given, why in ((len(args.mesh or ()) > 1, "one --mesh"), (len(devices) > 1, "one --device"),
-                           (args.remat is not None, "--remat"), (args.no_prefill, "--no-prefill")):  # fmt: skip
+        one_plan = "is only allowed with --max-seq (one plan: model.remat=...)"
+        for given, what in ((len(args.mesh or ()) > 1, "more than one --mesh is only allowed with --max-seq"),
+                            (len(devices) > 1, "more than one --device is only allowed with --max-seq"),
+                            (args.remat is not None, f"--remat {one_plan}"),
+                            (args.no_prefill, f"--no-prefill {one_plan}")):  # fmt: skip
             if given:
-                raise ValueError(f"more than {why} is only allowed with --max-seq" if why.startswith("one")
-                                 else f"{why} is only allowed with --max-seq (one plan: model.remat=...)")  # fmt: skip
+                raise ValueError(what)
         return
     if not 1 <= args.max_seq <= LIMITS["cache_len"]:
         raise ValueError(f"--max-seq={args.max_seq} is not allowed: an integer from 1 to {LIMITS['cache_len']}")

@@ -61,16 +61,17 @@ def _axis_size(mesh, axes) -> int:
 
 
 def _present(axes, mesh):
-    """`axes` less those `mesh` lacks (None when none is left)."""
+    """`axes` less those `mesh` lacks (None when none is left; one axis as its name)."""
     kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if a in mesh.axis_names)
     if not kept:
         return None
-    return kept[0] if isinstance(axes, str) or (len(kept) == 1 and len(axes) > 1) else kept
+    return kept[0] if len(kept) == 1 else kept
 
 
 def _dividing(axes, size: int, mesh):
     """The longest leading run of `axes` whose product divides `size` (a single axis as its name), or None:
     a parameter row that fsdp x context does not divide splits over fsdp alone."""
+    axes = (axes,) if isinstance(axes, str) else axes  # one axis (no context on the mesh): nothing shorter
     for n in range(len(axes) - 1, 0, -1):
         if size % _axis_size(mesh, axes[:n]) == 0:
             return axes[0] if n == 1 else axes[:n]

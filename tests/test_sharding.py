@@ -98,3 +98,13 @@ def test_newer_layer_features_on_eight_devices_equal_one_device(features):
     with jax.set_mesh(mesh):
         got = forward(jax.device_put(params, model.param_shardings(cfg, mesh)))
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_an_embed_dimension_fsdp_does_not_divide_is_replicated_without_a_context_axis():
+    """The `embed` rule falls back to a leading part of fsdp x context; on a mesh without context it is fsdp
+    alone, and a dimension fsdp does not divide stays whole (as every rule's does)."""
+    from jaxgen.sharding import logical_spec
+
+    mesh = make_mesh(MeshConfig(data=2, fsdp=4))
+    assert tuple(logical_spec(("embed",), (6,), mesh)) == (None,)
+    assert tuple(logical_spec(("embed",), (8,), mesh)) == ("fsdp",)
