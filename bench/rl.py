@@ -123,7 +123,8 @@ def overlap(run_dir: str, iterations: int) -> None:
 
     def rollout(step: int) -> dict:
         chosen = tasks.step_prompts(records, cfg.training.seed, step, r.prompts_per_step)
-        outputs = llm.generate([c["prompt"] for c in chosen], loop._sampling(cfg, step, r.prompts_per_step))
+        outputs = llm.generate([c["prompt"] for c in chosen], loop._sampling(cfg, step, r.prompts_per_step),
+                               policy.adapter)  # fmt: skip
         rewards = np.asarray(
             [[reward_fn(rec["prompt"], c.text, **loop._fields(rec)) for c in out.outputs]
              for rec, out in zip(chosen, outputs, strict=True)], np.float32,

@@ -6,7 +6,6 @@ log-probabilities against the training forward with the adapters attached; then 
 built-in task raises its reward and resumes bitwise (adapters and optimizer state) after a stop."""
 
 import dataclasses
-import functools
 import shutil
 import types
 
@@ -14,23 +13,19 @@ import jax
 import numpy as np
 import pytest
 
-from jaxgen import model
-from jaxgen.config import Config, LoraConfig, ModelConfig, load_config
+from jaxgen.config import Config, LoraConfig, load_config
 from jaxgen.inference.llm import LLM
 from jaxgen.inference.sampling import SamplingConfig
 from jaxgen.model import lora
 from jaxgen.rl import loop
-from jaxgen.rl.objectives import token_logprobs
 from jaxgen.rl.policy import ADAPTER, Policy
 from jaxgen.tokenizer import Tokenizer
 from jaxgen.training.metrics import read_metrics
 from tests.conftest import ROOT
+from tests.test_rl_engine import CFG, GREEDY, _logprobs, _padded, _params, _prompts  # the same tiny model
 
-CFG = ModelConfig(vocab_size=257, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, max_seq_len=128)
 LORA_CFG = dataclasses.replace(CFG, lora=LoraConfig(rank=4, alpha=8.0, targets=("q", "v", "o", "up", "down")))
 SERVE = dict(slots=4, page_size=8, num_pages=26, chunk_steps=4, prefill_chunk=32, max_logprobs=0)
-T = 128  # the reference forward's padded length (one compiled shape)
-GREEDY = SamplingConfig(max_new_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 def _adapters(seed: int) -> dict:
@@ -42,8 +37,7 @@ def _adapters(seed: int) -> dict:
 
 @pytest.fixture(scope="module")
 def base():
-    p = model.init_params(CFG, jax.random.key(0))
-    return jax.tree.map(lambda w: w * 5.0 if w.ndim > 1 else w, p)  # sharper logits: no near-ties in argmax
+    return _params(0)  # sharper logits: no near-ties in argmax
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +52,6 @@ def llm(policy):
 
 def _state(adapters):
     return types.SimpleNamespace(params=adapters)  # what Policy reads of a TrainState
-
-
-def _prompts(seed: int = 0) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, k).tolist() for k in (5, 23, 40, 61)]  # ragged; 40 and 61 in two chunks
 
 
 def test_the_lora_swap_gives_the_merged_models_outputs_without_compiling(policy, llm, base):
@@ -84,11 +73,6 @@ def test_the_lora_swap_gives_the_merged_models_outputs_without_compiling(policy,
     ]
 
 
-@functools.partial(jax.jit, static_argnames="cfg")
-def _logprobs(params, tokens, positions, temperature, cfg):
-    return token_logprobs(params, tokens, positions, cfg=cfg, temperature=temperature)[0]
-
-
 def test_the_samplers_logprobs_are_the_trainers_forward_with_the_adapters(policy, llm, base, capsys):
     ad = _adapters(3)
     policy.swap(llm, _state(ad))
@@ -97,11 +81,7 @@ def test_the_samplers_logprobs_are_the_trainers_forward_with_the_adapters(policy
                 for i in range(len(prompts))]  # fmt: skip
     outs = llm.generate(prompts, sampling, ADAPTER)
     rows = [(o.prompt_token_ids, c) for o in outs for c in o.outputs]
-    tokens = np.zeros((len(rows), T), np.int32)
-    positions = np.full((len(rows), T), -1, np.int32)
-    for i, (p, c) in enumerate(rows):
-        seq = p + c.tokens
-        tokens[i, : len(seq)], positions[i, : len(seq)] = seq, np.arange(len(seq))
+    tokens, positions = _padded([p + c.tokens for p, c in rows])
     ref = np.asarray(_logprobs(policy.forward_params(ad, base), tokens, positions, np.float32(t), cfg=LORA_CFG))
     diffs = np.concatenate(
         [np.abs(np.asarray(c.logprobs) - lp[len(p) - 1 : len(p) - 1 + len(c.tokens)]) for (p, c), lp in zip(rows, ref)]

@@ -37,7 +37,7 @@ from jaxgen.rl import objectives, tasks
 from jaxgen.rl.policy import Policy
 from jaxgen.sharding import batch_sharding, check_spans_processes, process_rows, with_mesh
 from jaxgen.training.checkpoint import Checkpointer
-from jaxgen.training.step import TrainState, apply_grads, create_train_state, make_optimizer, state_shardings
+from jaxgen.training.step import TrainState, apply_grads, create_train_state, make_optimizer, put_batch, state_shardings
 
 BATCH_KEYS = ("tokens", "positions", "mask", "old_logp", "advantages")
 
@@ -318,7 +318,7 @@ def _loop(cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params
             times["reward_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             local = rollout_batch(cfg, outputs, rewards, rows)
-            batch = _global_rows(local | {"ref": np.zeros_like(local["mask"])}, mesh, B)
+            batch = put_batch(local | {"ref": np.zeros_like(local["mask"])}, mesh, B, keys=(*BATCH_KEYS, "ref"))
             ref = batch.pop("ref")  # no KL penalty: zeros, unread
             if r.kl_coef:
                 ref = score_ref(policy.reference, batch["tokens"], batch["positions"])
@@ -378,15 +378,6 @@ def _gathered(cfg: Config, rows: slice, rewards: np.ndarray, new_tokens: int) ->
         tokens[first] = int(row[1])  # keyed by rows: processes that share rows (no data axis over them) count once
     assert not np.isnan(out).any(), "the processes' rows do not cover the step"
     return out, sum(tokens.values())
-
-
-def _global_rows(local: dict, mesh, rows: int) -> dict:
-    """This process's rows of each (B, ...) array placed as one global array, rows sharded over data and fsdp."""
-    out = {}
-    for k, v in local.items():
-        shape = (rows, *v.shape[1:])
-        out[k] = jax.make_array_from_process_local_data(batch_sharding(mesh, shape), v, shape)
-    return out
 
 
 def _reward_of(cfg: Config, job) -> float:

@@ -291,11 +291,12 @@ def _with_base(jitted, base: dict, mesh):
     return call
 
 
-def put_batch(batch: dict, mesh, global_batch: int | None = None) -> dict:
+def put_batch(batch: dict, mesh, global_batch: int | None = None, keys: tuple[str, ...] = BATCH_KEYS) -> dict:
     """Places this process's numpy rows (`process_rows` of the global batch) as global arrays sharded over
-    the batch axis. global_batch: rows in all (default: this process's rows, i.e. a single process)."""
+    the batch axis. global_batch: rows in all (default: this process's rows, i.e. a single process).
+    keys: the arrays of `batch` placed (default: a training batch's)."""
     out = {}
-    for k in BATCH_KEYS:
+    for k in keys:
         local = batch[k]
         global_shape = (global_batch or local.shape[0], *local.shape[1:])
         out[k] = jax.make_array_from_process_local_data(batch_sharding(mesh, global_shape), local, global_shape)
