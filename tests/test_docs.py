@@ -102,3 +102,41 @@ def test_nothing_cites_a_file_outside_the_repository():
             if OUTSIDE.search(line):
                 hits.append(f"{p.relative_to(ROOT)}:{number}: {line.strip()[:100]}")
     assert not hits, "cites a file outside the repository:\n" + "\n".join(hits)
+
+
+# --- the two maps no package docstring holds: README's Layout block and docs/architecture.md -------------
+
+MAPPED_FROM_LINES = 100  # a module this long is a place a reader looks for; it must be on both maps
+
+
+def _mapped_names() -> list[str]:
+    """Every subpackage of jaxgen (by name) and every module of MAPPED_FROM_LINES lines or more (by stem)."""
+    names = {p.name for p in PACKAGES if p != ROOT / "jaxgen"}
+    for p in (ROOT / "jaxgen").rglob("*.py"):
+        if p.stem != "__init__" and "__pycache__" not in p.parts and len(p.read_text().splitlines()) >= MAPPED_FROM_LINES:
+            names.add(p.stem)
+    return sorted(names)
+
+
+def _layout_block() -> str:
+    """The fenced block under README's `## Layout` heading."""
+    section = re.search(r"^## Layout\n(.*?)^## ", (ROOT / "README.md").read_text(), re.MULTILINE | re.DOTALL)
+    assert section, "README.md has no '## Layout' section"
+    block = re.search(r"^```\n(.*?)^```", section.group(1), re.MULTILINE | re.DOTALL)
+    assert block, "README.md's Layout section has no fenced block"
+    return block.group(1)
+
+
+@pytest.mark.parametrize("where", ["README.md Layout", "docs/architecture.md"])
+def test_the_maps_name_every_package_and_every_long_module(where):
+    """A package, or a module of 100 lines or more, that one of the two maps leaves out fails here."""
+    text = _layout_block() if where == "README.md Layout" else (ROOT / "docs" / "architecture.md").read_text()
+    names = _mapped_names()
+    assert len(names) > 20, f"expected the tree's packages and long modules, found {names}"
+    missing = [name for name in names if not _on_map(name, text)]
+    assert not missing, f"{where} does not name {missing}"
+
+
+def _on_map(name: str, text: str) -> bool:
+    """`_named`, also as the last part of a path (`jaxgen/hf/`)."""
+    return _named(name, text) or re.search(rf"/{re.escape(name)}(?:\.py|/)(?=$|[\s,)`:;])", text, re.MULTILINE) is not None
