@@ -113,7 +113,8 @@ def _mapped_names() -> list[str]:
     """Every subpackage of jaxgen (by name) and every module of MAPPED_FROM_LINES lines or more (by stem)."""
     names = {p.name for p in PACKAGES if p != ROOT / "jaxgen"}
     for p in (ROOT / "jaxgen").rglob("*.py"):
-        if p.stem != "__init__" and "__pycache__" not in p.parts and len(p.read_text().splitlines()) >= MAPPED_FROM_LINES:
+        long = len(p.read_text().splitlines()) >= MAPPED_FROM_LINES
+        if long and p.stem != "__init__" and "__pycache__" not in p.parts:
             names.add(p.stem)
     return sorted(names)
 
@@ -139,4 +140,5 @@ def test_the_maps_name_every_package_and_every_long_module(where):
 
 def _on_map(name: str, text: str) -> bool:
     """`_named`, also as the last part of a path (`jaxgen/hf/`)."""
-    return _named(name, text) or re.search(rf"/{re.escape(name)}(?:\.py|/)(?=$|[\s,)`:;])", text, re.MULTILINE) is not None
+    as_path = re.search(rf"/{re.escape(name)}(?:\.py|/)(?=$|[\s,)`:;])", text, re.MULTILINE)
+    return _named(name, text) or as_path is not None
