@@ -14,11 +14,12 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from jaxgen.inference import grammar
 from jaxgen.inference.sampling import SamplingConfig
-from jaxgen.serving import server, tools
+from jaxgen.inference.structured import compiler
+from jaxgen.serving import chat, protocol, tools
 from jaxgen.serving.batch_job import run_job
-from jaxgen.serving.server import ChatTemplate, create_app
+from jaxgen.serving.chat import ChatTemplate
+from jaxgen.serving.server import create_app
 from tests.live import live_server, serving, tiny_engine
 
 NAME = "tiny"
@@ -177,7 +178,7 @@ def test_hostile_constraints_are_refused_or_bounded(stack, monkeypatch):
     digits = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 30}
     r = _post(url, "/v1/completions", {"prompt": "x", "max_tokens": 5, "guided_json": digits})  # needs 61 tokens
     assert r.json()["choices"][0]["finish_reason"] == "length"
-    monkeypatch.setattr(grammar, "COMPILE_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(compiler, "COMPILE_TIMEOUT_S", 3.0)
     start = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:  # while it compiles, free requests are served
         exploding = pool.submit(_post, url, "/v1/completions", {"prompt": "x", "guided_regex": "(a|b)*a(a|b){24}"})
@@ -361,7 +362,7 @@ def test_auto_parses_calls_out_of_the_text_whole_and_streamed(stack):
 
 
 def _tools(fmt):
-    return tools.Tools([tools.Tool.model_validate(t) for t in TOOLS], "auto", fmt)
+    return tools.Tools([protocol.Tool.model_validate(t) for t in TOOLS], "auto", fmt)
 
 
 @pytest.mark.parametrize(
@@ -460,10 +461,10 @@ QWEN_LIKE = """
 def test_a_qwen_like_template_renders_tools_and_earlier_calls_as_hermes():
     assert tools.format_of(QWEN_LIKE) == tools.HERMES
     call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": 1}'}}
-    assistant = server.Message.model_validate({"role": "assistant", "tool_calls": [call]})
-    answer = server.Message.model_validate({"role": "tool", "tool_call_id": "call_1", "content": "12:00"})
-    messages = [server._message(0, server.Message.model_validate(ASK[0])), server._message(1, assistant),
-                server._message(2, answer)]  # fmt: skip
+    assistant = protocol.Message.model_validate({"role": "assistant", "tool_calls": [call]})
+    answer = protocol.Message.model_validate({"role": "tool", "tool_call_id": "call_1", "content": "12:00"})
+    messages = [chat.template_message(0, protocol.Message.model_validate(ASK[0])), chat.template_message(1, assistant),
+                chat.template_message(2, answer)]  # fmt: skip
     text = ChatTemplate(QWEN_LIKE).render(messages, TOOLS)
     assert json.dumps(WEATHER) in text and "<tool_response>12:00</tool_response>" in text
     written = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
