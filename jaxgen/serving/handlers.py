@@ -42,7 +42,7 @@ class Handlers:
         raise APIError(404, f"the model {shown(name)} does not exist; this server serves {self.model_name!r}"
                        f"{adapters}", "model", code="model_not_found")  # fmt: skip
 
-    async def completion(self, body: CompletionRequest) -> Job:
+    async def completion_job(self, body: CompletionRequest) -> Job:
         """The Job of a /v1/completions request."""
         adapter = self.check_model(body.model)
         if body.best_of is not None and body.best_of != body.n:
@@ -59,7 +59,7 @@ class Handlers:
         return Job(self.engine, self.serve, ids, sampling, body, COMPLETION, adapter or self.model_name, body.echo,
                    want, lora=adapter)  # fmt: skip
 
-    async def chat(self, body: ChatRequest) -> Job:
+    async def chat_job(self, body: ChatRequest) -> Job:
         """The Job of a /v1/chat/completions request."""
         adapter = self.check_model(body.model)
         top = body.top_logprobs or 0

@@ -110,11 +110,11 @@ def _generation_routes(app: FastAPI, handlers: Handlers) -> None:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        return await (await handlers.completion(body)).respond(request)
+        return await (await handlers.completion_job(body)).respond(request)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
-        return await (await handlers.chat(body)).respond(request)
+        return await (await handlers.chat_job(body)).respond(request)
 
 
 def _tokenizer_routes(app: FastAPI, handlers: Handlers) -> None:
