@@ -27,10 +27,10 @@ import numpy as np
 
 from jaxgen import model
 from jaxgen.config import load_config
-from jaxgen.inference import grammar
+from jaxgen.inference import structured
 from jaxgen.inference.generator import Generator
-from jaxgen.inference.grammar import Structured
 from jaxgen.inference.sampling import SamplingConfig
+from jaxgen.inference.structured import Structured
 from jaxgen.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,7 +53,7 @@ COMPILE_SCHEMAS = {
         },
         "required": ["point"],
     },
-    "json_object (any object)": grammar.JSON_OBJECT,
+    "json_object (any object)": structured.JSON_OBJECT,
     "date (format)": {"type": "string", "format": "date"},
 }
 
@@ -81,15 +81,15 @@ def main(argv=None):
     cfg = dataclasses.replace(cfg, num_layers=args.layers)
     params = model.init_params(cfg, jax.random.key(0))
     tok = Tokenizer.byte_level()
-    vocab = grammar.Vocabulary.of(tok, cfg.vocab_size)
+    vocab = structured.Vocabulary.of(tok, cfg.vocab_size)
 
     print(f"{args.config} with {args.layers} layers, vocabulary {cfg.vocab_size}, float32; {args.new_tokens} "
           "new tokens a row")  # fmt: skip
     print("grammar compile (warm worker), ms:")
-    grammar.compile_automaton(Structured(regex="warm"), vocab)  # starts the worker
+    structured.compile_automaton(Structured(regex="warm"), vocab)  # starts the worker
     for name, schema in COMPILE_SCHEMAS.items():
         t0 = time.perf_counter()
-        a = grammar.compile_automaton(Structured(json=schema), vocab)
+        a = structured.compile_automaton(Structured(json=schema), vocab)
         print(f"  {name:<48}{(time.perf_counter() - t0) * 1e3:8.1f}  ({a.num_states} states)")
 
     # the forced string leaves room for the braces and the key: every constrained row runs to max_new_tokens
@@ -150,7 +150,7 @@ def jump_forward(params, cfg, tok, vocab, b: int) -> None:
     """The person schema at temperature 1 with and without num_speculative_tokens=4: forced tokens (one
     allowed) become drafts that verification keeps, so a run of them costs one model step."""
     schema = COMPILE_SCHEMAS["person (string, bounded int, enum array, bool)"]
-    automaton = grammar.compile_automaton(Structured(json=schema), vocab)
+    automaton = structured.compile_automaton(Structured(json=schema), vocab)
     prompts = [f"person {i}: " for i in range(b)]
     print(f"jump-forward, batch {b}, the person schema:")
     print(f"{'num_speculative_tokens':>24}{'tok/s':>8}{'tokens/target step':>20}{'forced tokens':>15}")

@@ -1,5 +1,5 @@
 """Chat templates in jinja2's immutable sandbox, as transformers renders them: the one environment that
-the server's prompts (`jaxgen.serving.server`) and chat SFT data (`jaxgen.training.data.chat`) share.
+the server's prompts (`jaxgen.serving.chat`) and chat SFT data (`jaxgen.training.data.chat`) share.
 
 A template from a model folder can format messages but cannot reach Python's internals (no code runs).
 `raise_exception(message)` refuses a conversation (TemplateRefused); `tojson` is transformers' filter;

@@ -317,7 +317,7 @@ def test_a_template_without_a_generation_prompt_marks_the_answers():
 
 def test_the_server_renders_prompts_as_training_renders_them(family):
     """One sandbox: a prompt the server renders is the training render of the same messages, marks and all."""
-    from jaxgen.serving.server import ChatTemplate
+    from jaxgen.serving.chat import ChatTemplate
 
     _, _, hf = family
     for chat in CHATS:

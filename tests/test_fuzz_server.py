@@ -37,6 +37,7 @@ from hypothesis import strategies as st
 
 from jaxgen.config import ServeConfig
 from jaxgen.inference.engine import Engine
+from jaxgen.serving import responses
 from jaxgen.serving.responses import ClientGone, Job
 from jaxgen.serving.server import create_app
 from tests.live import live_server, tiny_engine
@@ -563,7 +564,7 @@ def test_a_client_that_left_or_ran_out_of_time_is_seen_while_tokens_keep_coming(
             return self.gone
 
     async def main():
-        job = Job(None, ServeConfig(), [[1]], None, None, "text_completion", NAME, False, False)
+        job = Job(None, ServeConfig(), [[1]], None, None, responses.COMPLETION, NAME, False, False)
         job.updates.put_nowait("a snapshot")  # an update is there at once: no quiet wait
         with pytest.raises(ClientGone):
             await job._next_update(Client(gone=True), None)

@@ -1,4 +1,4 @@
-"""Structured output (jaxgen.inference.grammar): constraints compiled to token automata and enforced in the
+"""Structured output (jaxgen.inference.structured): constraints compiled to token automata and enforced in the
 decode loop of Generator and the engine, with and without speculative decoding."""
 
 import dataclasses
@@ -12,11 +12,12 @@ import pytest
 
 from jaxgen import model
 from jaxgen.config import ModelConfig, ServeConfig
-from jaxgen.inference import cfg, grammar
 from jaxgen.inference.engine import Engine
 from jaxgen.inference.generator import Generator
-from jaxgen.inference.grammar import Structured
 from jaxgen.inference.sampling import SamplingConfig, SamplingError
+from jaxgen.inference.structured import GrammarPool, Structured, Vocabulary, compile_automaton, grammar
+from jaxgen.inference.structured.automaton import token_bytes
+from jaxgen.inference.structured.spec import integer_regex
 from jaxgen.tokenizer import Tokenizer, train_bpe
 
 CFG = ModelConfig(vocab_size=260, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, max_seq_len=512)
@@ -46,7 +47,7 @@ SCHEMAS = [
         "required": ["point", "label"],
     },
 ]
-# context-free grammars (jaxgen.inference.cfg): left recursion, nesting, %ignore, GBNF; each output is parsed by lark
+# context-free grammars (structured/grammar.py): left recursion, nesting, %ignore, GBNF; each output is parsed by lark
 ARITH = """
 ?start: expr
 ?expr: expr "+" term | expr "-" term | term
@@ -105,7 +106,7 @@ def _configs(**kw):
 
 
 def _parse(grammar_text: str, text: str):
-    """lark's own parse of `text` (Earley reads terminals as the grammar means them: see cfg.py)."""
+    """lark's own parse of `text` (Earley reads terminals as the grammar means them: see structured/grammar.py)."""
     import lark
 
     lark_text = GRAMMARS[grammar_text]
@@ -140,7 +141,7 @@ def _check(outs, configs):
 
 def test_integer_ranges_are_exact():
     for lo, hi in [(0, 120), (5, None), (None, -3), (-15, 7), (None, None), (100, 100), (7, 2345)]:
-        rx = grammar.integer_regex(lo, hi)
+        rx = integer_regex(lo, hi)
         got = [n for n in range(-3000, 3000) if re.fullmatch(rx, str(n))]
         assert got == [n for n in range(-3000, 3000) if (lo is None or n >= lo) and (hi is None or n <= hi)]
         assert not re.fullmatch(rx, "007") and not re.fullmatch(rx, "-0")
@@ -178,7 +179,7 @@ def test_bad_constraints_are_named_before_anything_runs(parts):
 def test_token_bytes_of_a_bpe_tokenizer_rebuild_its_text():
     text = 'naïve café ✓ 日本語 déjà vu, {"k": [1, 2]}\n' * 20
     tok = train_bpe([text], 320)
-    pieces = grammar.token_bytes(tok)
+    pieces = token_bytes(tok)
     ids = tok.encode(text)
     assert any(len(pieces[i]) > 1 for i in ids)  # multi-byte tokens
     assert b"".join(pieces[i] for i in ids).decode() == tok.decode(ids)
@@ -209,12 +210,12 @@ def test_grammar_outputs_parse_with_lark_greedy_sampled_and_speculative(parts):
 
 def test_grammar_automata_write_sentences_only_and_nest_to_the_bound():
     """Random walks through each grammar's automaton (no model) parse with lark; sentences nested up to
-    cfg.DEPTH are accepted, deeper ones and non-sentences are not."""
+    grammar.DEPTH are accepted, deeper ones and non-sentences are not."""
     tok = Tokenizer.byte_level()
-    vocab = grammar.Vocabulary.of(tok, CFG.vocab_size)
+    vocab = Vocabulary.of(tok, CFG.vocab_size)
     rng = np.random.default_rng(0)
     for text in GRAMMARS:
-        a = grammar.compile_automaton(Structured(grammar=text), vocab)
+        a = compile_automaton(Structured(grammar=text), vocab)
         for _ in range(40):
             state, out = 0, []
             while len(out) < 200:
@@ -226,10 +227,10 @@ def test_grammar_automata_write_sentences_only_and_nest_to_the_bound():
                 state = a.next_state[state, out[-1]]
 
     def complete(text: str, sentence: str) -> bool:
-        state = grammar.compile_automaton(Structured(grammar=text), vocab).walk(tok.encode(sentence))
-        return state >= 0 and tok.eos_id in grammar.compile_automaton(Structured(grammar=text), vocab).allowed(state)
+        state = compile_automaton(Structured(grammar=text), vocab).walk(tok.encode(sentence))
+        return state >= 0 and tok.eos_id in compile_automaton(Structured(grammar=text), vocab).allowed(state)
 
-    assert cfg.DEPTH == 3
+    assert grammar.DEPTH == 3
     for sentence in ["1", "1+2*3-4/5", "-(-3)", "(((1)))", "((1+2)*3)-(4)", "1-2-3-4-5-6-7-8-9-1-2-3-4-5-6-7"]:
         assert complete(ARITH, sentence), sentence
     for sentence in ["((((1))))", "1+", "(1", "1 + 2", "0", ""]:
@@ -240,7 +241,7 @@ def test_grammar_automata_write_sentences_only_and_nest_to_the_bound():
 
 
 def test_gbnf_and_lark_terminals_read_as_their_languages():
-    """cfg.py's regular expressions (no automaton): GBNF classes, escapes, repetition; Lark flags and lazy
+    """grammar.py's regular expressions (no automaton): GBNF classes, escapes, repetition; Lark flags and lazy
     quantifiers; Python's fullmatch reads them as outlines-core does, for these."""
     cases = [
         (r'root ::= [a\-z]{2} "\"" ([0-9] | "x")+ # ok', ['a-"1x', 'zz"0'], ['ab"1', 'a-"', 'a-"y']),
@@ -248,10 +249,10 @@ def test_gbnf_and_lark_terminals_read_as_their_languages():
         ('start: "select"i WORD\nWORD: /[a-z]+?/', ["SELECTab", "sElEcTx"], ["select", "SELECTAB"]),
         ("start: A B\nA: /a|ab/\nB: /b?c/", ["ac", "abc", "abbc"], ["abbbc", "a"]),
         ('start: a\na: b "x" | "y"\nb: a "z"', ["y", "yzx", "yzxzxzx"], ["yz", "x", "yzxzxzxzx"]),  # indirect left
-        # recursion: unrolled cfg.DEPTH levels
+        # recursion: unrolled grammar.DEPTH levels
     ]
     for text, good, bad in cases:
-        pattern = cfg.grammar_regex(text)
+        pattern = grammar.grammar_regex(text)
         assert all(re.fullmatch(pattern, g) for g in good), (pattern, good)
         assert not any(re.fullmatch(pattern, b) for b in bad), (pattern, bad)
 
@@ -294,17 +295,17 @@ def test_engine_enforces_constraints_under_preemption_and_speculation_and_equals
 
 
 def test_an_exploding_automaton_is_stopped_by_the_time_limit():
-    vocab = grammar.Vocabulary.of(Tokenizer.byte_level(), CFG.vocab_size)
+    vocab = Vocabulary.of(Tokenizer.byte_level(), CFG.vocab_size)
     with pytest.raises(SamplingError, match="did not compile in 2 s"):
-        grammar.compile_automaton(Structured(regex="(a|b)*a(a|b){40}"), vocab, timeout=2.0)
-    a = grammar.compile_automaton(Structured(regex="ok|no"), vocab)  # a fresh worker takes over
+        compile_automaton(Structured(regex="(a|b)*a(a|b){40}"), vocab, timeout=2.0)
+    a = compile_automaton(Structured(regex="ok|no"), vocab)  # a fresh worker takes over
     assert a.walk(b"ok") > 0 and a.walk(b"x") == -1
 
 
 def test_grammar_pool_shares_reuses_and_grows():
-    vocab = grammar.Vocabulary.of(Tokenizer.byte_level(), CFG.vocab_size)
-    a, b = (grammar.compile_automaton(Structured(regex=r), vocab) for r in ("yes|no", "[0-9]{3}"))
-    pool = grammar.GrammarPool(CFG.vocab_size)
+    vocab = Vocabulary.of(Tokenizer.byte_level(), CFG.vocab_size)
+    a, b = (compile_automaton(Structured(regex=r), vocab) for r in ("yes|no", "[0-9]{3}"))
+    pool = GrammarPool(CFG.vocab_size)
     assert pool.assign(0, a) == 1 and pool.assign(1, a) == 1  # one range for both slots
     off_b = pool.assign(2, b)
     assert off_b == 1 + a.num_states and pool.table.shape[0] >= off_b + b.num_states
@@ -313,7 +314,7 @@ def test_grammar_pool_shares_reuses_and_grows():
         b.next_state >= 0, b.next_state, -1 - off_b))  # fmt: skip
     pool.assign(0, None)
     pool.assign(1, None)  # a's range is free again: the next automaton of its size or less goes there
-    assert pool.assign(3, grammar.compile_automaton(Structured(regex="y"), vocab)) == 1
+    assert pool.assign(3, compile_automaton(Structured(regex="y"), vocab)) == 1
     assert np.all(pool.table[0] == 0)  # the free row
 
 
@@ -346,7 +347,7 @@ def test_byte_fallback_tokenizer_outputs_whole_characters():
     tok = _sentencepiece_like()
     text = 'ab abc é ✓ {"a": 1}'
     ids = tok.encode(text)
-    pieces = grammar.token_bytes(tok)
+    pieces = token_bytes(tok)
     assert b"".join(pieces[i] for i in ids).decode() == " " + tok.decode(ids)  # the decoder strips one space
     cfg = dataclasses.replace(CFG, vocab_size=tok.vocab_size)
     params = jax.tree.map(lambda w: w * 3 if w.ndim > 1 else w, model.init_params(cfg, jax.random.key(4)))
@@ -357,3 +358,9 @@ def test_byte_fallback_tokenizer_outputs_whole_characters():
     outs = gen.generate(["ab"] * 8, configs)
     assert all(o.finish_reason == "stop" for o in outs)
     assert all(o.text in choices for o in outs[:4]) and all(re.fullmatch("(✓|é){2,4}", o.text) for o in outs[4:])
+
+
+def test_the_import_path_the_docs_showed_still_gives_structured():
+    from jaxgen.inference import grammar, structured
+
+    assert grammar.Structured is structured.Structured

@@ -14,11 +14,13 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from jaxgen.inference import grammar
+from jaxgen.inference import structured
 from jaxgen.inference.sampling import SamplingConfig
-from jaxgen.serving import server, tools
+from jaxgen.inference.structured import compiler
+from jaxgen.serving import chat, protocol, structured_fields, tools
 from jaxgen.serving.batch_job import run_job
-from jaxgen.serving.server import ChatTemplate, create_app
+from jaxgen.serving.chat import ChatTemplate
+from jaxgen.serving.server import create_app
 from tests.live import live_server, serving, tiny_engine
 
 NAME = "tiny"
@@ -177,7 +179,7 @@ def test_hostile_constraints_are_refused_or_bounded(stack, monkeypatch):
     digits = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 30}
     r = _post(url, "/v1/completions", {"prompt": "x", "max_tokens": 5, "guided_json": digits})  # needs 61 tokens
     assert r.json()["choices"][0]["finish_reason"] == "length"
-    monkeypatch.setattr(grammar, "COMPILE_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(compiler, "COMPILE_TIMEOUT_S", 3.0)
     start = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:  # while it compiles, free requests are served
         exploding = pool.submit(_post, url, "/v1/completions", {"prompt": "x", "guided_regex": "(a|b)*a(a|b){24}"})
@@ -361,7 +363,7 @@ def test_auto_parses_calls_out_of_the_text_whole_and_streamed(stack):
 
 
 def _tools(fmt):
-    return tools.Tools([tools.Tool.model_validate(t) for t in TOOLS], "auto", fmt)
+    return tools.Tools([protocol.Tool.model_validate(t) for t in TOOLS], "auto", fmt)
 
 
 @pytest.mark.parametrize(
@@ -398,6 +400,26 @@ def test_llama3_calls_and_the_format_rule():
     assert not re.fullmatch(regex, "; ".join([call] * (tools.MAX_CALLS + 1)))
     single = tools.Tools(t.tools, "required", tools.LLAMA3, parallel=False).constraint().regex
     assert re.fullmatch(single, call) and not re.fullmatch(single, f"{call}; {call}")
+
+
+@pytest.mark.parametrize("fmt", tools.FORMATS, ids=lambda f: f.name)
+def test_each_format_in_the_table_is_found_constrains_parses_and_streams_its_calls(fmt):
+    """The formats table drives every step for each family: a template naming its marker selects it, the
+    text it writes for two calls fits the "required" constraint (built from the tools' schemas), parses
+    back to those calls (and under no other format), and is held back whole from a stream."""
+    calls = [("get_time", {"zone": -3}), ("get_weather", {"city": "Oslo", "unit": "c"})]
+    assert tools.format_of(f"{{{{ messages }}}} {fmt.markers[0]} {{{{ tools }}}}") is fmt
+    required = tools.Tools([protocol.Tool.model_validate(t) for t in TOOLS], "required", fmt)
+    text = fmt.render(calls)
+    assert re.fullmatch(required.constraint().regex, text)
+    assert not re.fullmatch(required.constraint().regex, fmt.render([("get_time", {"zone": 13})]))  # the bounds
+    parsed = _tools(fmt).parse(text)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed] == calls
+    assert [f for f in tools.FORMATS if f.parse(text) is not None] == [fmt]
+    stream = _tools(fmt).streamer()
+    assert "".join(stream.feed(text[i : i + 3]) for i in range(0, len(text), 3)) == ""
+    rest, streamed, finish = stream.end("stop")
+    assert (rest, finish) == ("", "tool_calls") and [c["function"] for c in streamed] == [c["function"] for c in parsed]
 
 
 def test_a_stream_holds_back_text_from_where_a_call_may_start():
@@ -460,10 +482,10 @@ QWEN_LIKE = """
 def test_a_qwen_like_template_renders_tools_and_earlier_calls_as_hermes():
     assert tools.format_of(QWEN_LIKE) == tools.HERMES
     call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": 1}'}}
-    assistant = server.Message.model_validate({"role": "assistant", "tool_calls": [call]})
-    answer = server.Message.model_validate({"role": "tool", "tool_call_id": "call_1", "content": "12:00"})
-    messages = [server._message(0, server.Message.model_validate(ASK[0])), server._message(1, assistant),
-                server._message(2, answer)]  # fmt: skip
+    assistant = protocol.Message.model_validate({"role": "assistant", "tool_calls": [call]})
+    answer = protocol.Message.model_validate({"role": "tool", "tool_call_id": "call_1", "content": "12:00"})
+    messages = [chat.template_message(0, protocol.Message.model_validate(ASK[0])), chat.template_message(1, assistant),
+                chat.template_message(2, answer)]  # fmt: skip
     text = ChatTemplate(QWEN_LIKE).render(messages, TOOLS)
     assert json.dumps(WEATHER) in text and "<tool_response>12:00</tool_response>" in text
     written = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
@@ -499,3 +521,21 @@ def test_a_llama3_family_gets_and_parses_llama3_calls(stack):
         assert not any(c.choices[0].delta.content for c in chunks if c.choices)
         (streamed,) = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
         assert streamed.function.arguments == message.tool_calls[0].function.arguments
+
+
+# one example value of each kind of structured.KINDS, as a client sends it
+KIND_EXAMPLES = {"json": {"type": "string"}, "regex": "[ab]", "choice": ["yes", "no"], "grammar": 'start: "a"'}
+
+
+def test_the_server_takes_exactly_the_constraint_kinds_of_the_spec():
+    """The kinds a client may send (guided_<kind>, structured_outputs' keys, the batch job's fields) are
+    Structured's fields, read once as KINDS: each reaches Structured as that kind."""
+    guided = {f.removeprefix("guided_") for f in protocol.GenerationRequest.model_fields if f.startswith("guided_")}
+    assert guided == set(structured.KINDS) == set(KIND_EXAMPLES)
+    assert set(structured_fields.FIELDS) <= set(protocol.GenerationRequest.model_fields)  # completions' and chat's
+    for kind, value in KIND_EXAMPLES.items():
+        body = protocol.CompletionRequest.model_validate({"prompt": "x", f"guided_{kind}": value})
+        via_guided, field = structured_fields.requested(body)
+        via_outputs, _ = structured_fields.requested({"structured_outputs": {kind: value}})
+        assert field == f"guided_{kind}" and via_guided == via_outputs
+        assert [k for k in structured.KINDS if getattr(via_guided, k) is not None] == [kind]

@@ -1,6 +1,6 @@
 """Inference: sampling, the decode loop, Generator, beam search and the continuous-batching engine.
 
-errors.py      SamplingError, the error every request setting raises (a leaf: sampling and grammar share it)
+errors.py      SamplingError, the error every request setting raises (a leaf: sampling and structured share it)
 sampling.py    per-request settings (the one validation every door shares) and the sampling function
 decode.py      the decode core: DecodeState, prefill, the while_loop, recording tokens, finishing a row
 generator.py   Generator: static batches through the decode core, the tool beneath LLM
@@ -8,9 +8,8 @@ llm.py         LLM, the Python front door: a model loaded once, generate / strea
 loading.py     loading for inference: run and Hugging Face folders, int8 weights, the draft model
 beam.py        beam search
 speculative.py speculative decoding, n-gram or draft-model drafts (the speculating loop of Generator and engine)
-grammar.py     structured output: JSON schema, regex, choice, grammar as token automata whose tables live on the device
-automaton_worker.py  the process that compiles them (outlines-core), run as a script
-cfg.py         context-free grammars (Lark, GBNF) as regular expressions, recursion unrolled to a bounded depth
+structured/    structured output: JSON schema, regex, choice, grammar as token automata whose tables live on the device
+grammar.py     the old import path of `Structured` (the docs showed it): kept for user code, not used inside
 scoring.py     log-probabilities of known tokens (score, prompt logprobs), the head run in blocks
 engine.py      the serving engine: its API, thread and queues; runs each step's plan on the device
 budget.py      the settings checked against the model and the memory before the engine allocates anything

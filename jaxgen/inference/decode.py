@@ -70,7 +70,7 @@ class DecodeState:
     seen: jax.Array  # (B, V) bool, tokens in prompt or output (repetition penalty)
     counts: jax.Array  # (B, V) int32, occurrences in the output (presence / frequency penalties)
     grammar: jax.Array  # (B,) int32, each row's state in grammar_table (0: unconstrained)
-    grammar_table: jax.Array  # (S, V) int32, the state after each token, -1 where not allowed (grammar.py)
+    grammar_table: jax.Array  # (S, V) int32, the state after each token, -1 where not allowed (structured/pool.py)
     sampling: SamplingArrays
     cache: KVCache
     adapter: jax.Array | None = None  # (B,) int32, each row's slot in the params' LoRA bank (engine; 0: none)

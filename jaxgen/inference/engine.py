@@ -36,7 +36,8 @@ import numpy as np
 
 from jaxgen import model
 from jaxgen.config import ConfigError, ModelConfig, ServeConfig
-from jaxgen.inference import decode, grammar, speculative, steps
+from jaxgen.inference import decode, speculative, steps
+from jaxgen.inference import structured as grammar
 from jaxgen.inference.adapters import LoraError, LoraRegistry, read_adapter_folder
 from jaxgen.inference.budget import check_serving
 from jaxgen.inference.decode import Completion, HostRows

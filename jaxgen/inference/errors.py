@@ -1,5 +1,5 @@
-"""SamplingError and how a bad value is quoted back: a leaf module, so that sampling.py and grammar.py (which
-sampling.py reads constraints with) both import it without importing each other."""
+"""SamplingError and how a bad value is quoted back: a leaf module, so that sampling.py and structured/spec.py
+(which sampling.py reads constraints with) both import it without importing each other."""
 
 SHOWN = 100  # characters of a bad value quoted back in an error
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxgen import model
 from jaxgen.config import ModelConfig
-from jaxgen.inference import grammar, scoring, speculative
+from jaxgen.inference import scoring, speculative, structured
 from jaxgen.inference.decode import (
     FINISH_LENGTH,
     FINISH_NAMES,
@@ -47,6 +47,7 @@ from jaxgen.inference.decode import (
     upload,
 )
 from jaxgen.inference.sampling import SamplingArrays, SamplingConfig, SamplingError, per_prompt
+from jaxgen.inference.structured import pool
 from jaxgen.sharding import with_mesh
 from jaxgen.tokenizer import Tokenizer
 
@@ -102,7 +103,7 @@ class Generator:
         self.max_batch, self.chunk_steps, self.cache_dtype = config.max_batch, config.chunk_steps, config.cache_dtype
         self.min_cache_len = config.min_cache_len
         self.compilations = 0  # programs traced (each trace is one XLA compilation)
-        self.constraints = grammar.Constraints(tokenizer, cfg.vocab_size)  # structured output's automata
+        self.constraints = structured.Constraints(tokenizer, cfg.vocab_size)  # structured output's automata
         self._table = None  # (automata ids, device table, automata) of the last batch
         # With a mesh, place params with `model.param_shardings`; batch rows and the cache's kv heads
         # follow the sharding rules (jaxgen.sharding) through the constraints in the model and cache.
@@ -161,7 +162,7 @@ class Generator:
         for start in range(0, len(rows), self.max_batch):
             yield from self._stream_group(ids, configs, automata, rows[start : start + self.max_batch])
 
-    def automaton(self, c: SamplingConfig) -> grammar.Automaton | None:
+    def automaton(self, c: SamplingConfig) -> structured.Automaton | None:
         """The token automaton of `c.structured` (None when free), compiled once per constraint."""
         return self.constraints.automaton(c.structured)
 
@@ -256,7 +257,7 @@ class Generator:
         stop_seqs, recent, seen, counts = (np.stack(x) for x in zip(*rows, strict=True))
         row_configs = [sample_config(configs[p], s) for p, s in batch_rows]
         done = (np.arange(b) >= live) | np.asarray([configs[p].max_new_tokens == 0 for p, _ in batch_rows])
-        distinct, starts = grammar.layout([automata[p] for p, _ in batch_rows])
+        distinct, starts = pool.layout([automata[p] for p, _ in batch_rows])
         host = dict(  # built here and sent in one transfer: each eager jnp op would dispatch on its own
             step=np.int32(0), limit=np.int32(0),
             tokens=np.zeros((b, longest_new), np.int32), logprobs=np.zeros((b, longest_new), np.float32),
@@ -277,7 +278,7 @@ class Generator:
         kept = self._table
         if kept is not None and kept[0] == tuple(map(id, distinct)) and not kept[1].is_deleted():
             return kept[1]
-        table = upload(grammar.stack(distinct, self.cfg.vocab_size))
+        table = upload(pool.stack(distinct, self.cfg.vocab_size))
         self._table = (tuple(map(id, distinct)), table, distinct)  # the automata kept alive: ids stay theirs
         return table
 

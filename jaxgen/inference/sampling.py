@@ -24,7 +24,7 @@ from jaxgen.inference.errors import SamplingError, shown
 from jaxgen.model.layers import per_tile
 
 if TYPE_CHECKING:
-    from jaxgen.inference.grammar import Structured
+    from jaxgen.inference.structured.spec import Structured
 
 INT32_MAX = 2**31 - 1  # every count and token id ends up in an int32 device array
 MAX_N = 128  # samples per prompt
@@ -102,7 +102,7 @@ class SamplingConfig:
     prompt_logprobs: int | None = None  # per prompt token: its logprob and top-N alternatives (None = off)
     # draft tokens checked per target step by n-gram lookup (Generator; 0 = off): the output is unchanged
     num_speculative_tokens: int = 0
-    # what the output must be: a JSON schema, a regular expression or a choice (jaxgen.inference.grammar)
+    # what the output must be: a JSON schema, a regex, a choice or a grammar (jaxgen.inference.structured)
     structured: Structured | None = None
     # which distribution `logprobs` (and the alternatives) are taken from: "raw", the model's; "processed",
     # the one the token was drawn from before truncation (constraint, bias, penalties, then temperature;
@@ -177,12 +177,12 @@ class SamplingConfig:
         _require(ok, "stop_token_sequences", seqs, allowed)
 
     def _check_structured(self) -> None:
-        from jaxgen.inference.grammar import Structured
+        from jaxgen.inference.structured.spec import KINDS, Structured
 
         if isinstance(self.structured, dict):
             object.__setattr__(self, "structured", Structured.from_dict(self.structured))
         ok = self.structured is None or isinstance(self.structured, Structured)
-        _require(ok, "structured", self.structured, "a Structured (json, regex or choice) or None")
+        _require(ok, "structured", self.structured, f"a Structured ({', '.join(KINDS)}) or None")
         if self.structured is not None and self.ignore_eos:
             raise SamplingError("ignore_eos=true cannot be combined with structured: a constrained output ends "
                                 "with the end-of-sequence token once it is complete", "ignore_eos")  # fmt: skip
@@ -234,7 +234,7 @@ def _from_json(k: str, v):
     if k == "stop_token_sequences":
         return tuple(tuple(q) for q in v)
     if k == "structured" and v is not None:
-        from jaxgen.inference.grammar import Structured
+        from jaxgen.inference.structured.spec import Structured
 
         return Structured.from_dict(v)
     return v

@@ -5,7 +5,7 @@
     prefill_chunk(params, state, slot, tokens, positions, last, cfg) -> (state, logits)   (`prefill_inputs`)
     prefill_chunk_scored(..., targets, cfg, top) -> (state, logits, TokenScores)        prompt log-probabilities
     activate(state, slot, row: SlotRow) -> state               a slot starts (or resumes) decoding
-    set_grammar_table(state, table) -> state                   the constraints of the slots (grammar.py)
+    set_grammar_table(state, table) -> state                   the constraints of the slots (structured/pool.py)
     retire(state, slot) -> state                               a slot stops
     decode_chunk(params, state, limit, cfg) -> state           up to `limit` decode steps, every active slot
     init_spec(cfg, serve, draft_cfg=None, num_pages=0, max_pages=0) -> spec   speculative decoding's state
@@ -161,7 +161,7 @@ def activate(state: DecodeState, slot, row: SlotRow) -> DecodeState:
 
 
 def set_grammar_table(state: DecodeState, table) -> DecodeState:
-    """The engine's grammar table (S, V) int32 (`grammar.GrammarPool`): every slot's constraint at once."""
+    """The engine's grammar table (S, V) int32 (`structured.GrammarPool`): every slot's constraint at once."""
     return state.replace(grammar_table=table)
 
 

@@ -32,7 +32,7 @@ from tqdm import tqdm
 from jaxgen.distributed import barrier, is_main
 from jaxgen.inference.engine import Engine
 from jaxgen.inference.sampling import SamplingConfig, SamplingError
-from jaxgen.serving import constraints
+from jaxgen.serving import structured_fields
 
 log = logging.getLogger(__name__)
 COMPLETE = ("stop", "length")  # finish reasons of a sample that completed
@@ -135,7 +135,7 @@ def parse_line(raw: bytes | str, lineno: int, engine: Engine, defaults: Sampling
         raise SamplingError(f"line {lineno}: missing field 'id'")
     if not isinstance(record.get("prompt"), str):
         raise SamplingError("field 'prompt' is missing or not a string")
-    settings = {k: v for k, v in record.items() if k not in ("id", "prompt", "model", *constraints.FIELDS)}
+    settings = {k: v for k, v in record.items() if k not in ("id", "prompt", "model", *structured_fields.FIELDS)}
     adapter = _adapter(record.get("model"), engine)
     field = _constraint(record, settings)
     sampling = _sampling(settings, defaults)
@@ -161,8 +161,8 @@ def _constraint(record: dict, settings: dict) -> str:
     """Puts the line's constraint into `settings` as `structured`, from whichever field carried it
     (`structured`, or OpenAI's response_format, or vLLM's structured_outputs / guided_*); returns that field."""
     try:
-        structured, field = constraints.requested(record)
-    except constraints.ConstraintError as e:
+        structured, field = structured_fields.requested(record)
+    except structured_fields.ConstraintError as e:
         raise SamplingError(str(e), e.field) from None
     if field is None:
         return "structured"

@@ -1,5 +1,9 @@
 """One request's answer: its sequences in the engine, answered whole or streamed as server-sent events
-(exact text deltas with their tokens' logprobs; every stream ends with a final event and [DONE])."""
+(exact text deltas with their tokens' logprobs; every stream ends with a final event and [DONE]).
+
+What differs between /v1/completions and /v1/chat/completions is a format object (`COMPLETION`, `CHAT`): the
+objects' names, the id's prefix, a choice whole and as a stream's delta, and the logprobs' shape. `Job` is
+the same for both."""
 
 from __future__ import annotations
 
@@ -29,16 +33,16 @@ class Job:
     starts with its prompt, and with logprobs too (sampling.prompt_logprobs set) its logprobs cover the
     prompt's tokens first (null for the first), as scoring harnesses such as lm-evaluation-harness read them."""
 
-    def __init__(self, engine, serve, prompts, sampling, body, kind, model_name, echo: bool, want_logprobs,
-                 tools=None, lora: str | None = None):  # fmt: skip
+    def __init__(self, engine, serve, prompts, sampling, body, fmt: AnswerFormat, model_name, echo: bool,
+                 want_logprobs, tools=None, lora: str | None = None):  # fmt: skip
         self.engine, self.serve, self.prompts, self.sampling, self.body = engine, serve, prompts, sampling, body
         self.lora = lora  # the LoRA adapter the request's model names (None: the base model)
         self.tools = tools  # a chat request's `tools.Tools` whose answer may hold calls, else None
-        self.kind, self.model_name, self.want_logprobs, self.echo = kind, model_name, want_logprobs, echo
+        self.fmt, self.model_name, self.want_logprobs, self.echo = fmt, model_name, want_logprobs, echo
         self.max_field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None \
             else "max_tokens"  # fmt: skip
         self.prefixes: list[str] = []  # each prompt's text with echo (decoded in a thread, in `respond`)
-        self.rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + secrets.token_hex(12)
+        self.rid = fmt.id_prefix + secrets.token_hex(12)
         self.created = int(time.time())
         self.updates: asyncio.Queue = asyncio.Queue()
         self.seqs: list[Sequence] = []
@@ -62,7 +66,7 @@ class Job:
                      for p in self.prompts)  # fmt: skip
         entries = tokens * self.sampling.n * (top + 1)
         if entries > MAX_LOGPROB_ENTRIES:
-            what = "top_logprobs" if self.kind == "chat.completion" else "logprobs"
+            what = self.fmt.logprobs_field
             raise APIError(400, f"the answer would hold up to {entries} log-probabilities (prompts x n x (prompt "
                            f"with echo + {self.max_field}) tokens x ({what} + 1)); at most {MAX_LOGPROB_ENTRIES}: "
                            f"lower n, {self.max_field} or {what}, or send fewer prompts", what)  # fmt: skip
@@ -76,7 +80,7 @@ class Job:
         loop = asyncio.get_running_loop()
 
         def on_update(seq: Sequence):  # engine thread -> event loop: a snapshot, not the live object
-            snap = _Snapshot(self._index(seq), seq.text, list(seq.tokens), list(seq.logprobs),
+            snap = _Snapshot(self.index(seq), seq.text, list(seq.tokens), list(seq.logprobs),
                              list(seq.top_logprobs), seq.finish_reason, seq.error)  # fmt: skip
             loop.call_soon_threadsafe(self.updates.put_nowait, snap)
 
@@ -96,7 +100,7 @@ class Job:
         finally:
             self._cancel_unfinished()
 
-    def _index(self, seq: Sequence) -> int:
+    def index(self, seq: Sequence) -> int:
         return seq.prompt_index * self.sampling.n + seq.sample_index
 
     def _cancel_unfinished(self) -> None:
@@ -134,7 +138,7 @@ class Job:
             while pending:
                 snap = await self._next_update(request, deadline)
                 if snap is None:  # a quiet moment: look at the sequences themselves
-                    pending = {self._index(s) for s in self.seqs if not s.done_event.is_set()}
+                    pending = {self.index(s) for s in self.seqs if not s.done_event.is_set()}
                 elif snap.finish:
                     pending.discard(snap.index)
         except ClientGone:
@@ -155,39 +159,23 @@ class Job:
         prompt_tokens = sum(len(ids) for ids in self.prompts)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                  "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
-        head = {"id": self.rid, "object": self.kind, "created": self.created, "model": self.model_name}
-        choices = ",".join(json.dumps(self._choice(s)) for s in self.seqs)
+        head = {"id": self.rid, "object": self.fmt.object, "created": self.created, "model": self.model_name}
+        choices = ",".join(json.dumps(self.fmt.choice(self, s)) for s in self.seqs)
         return f'{json.dumps(head)[:-1]}, "choices": [{choices}], "usage": {json.dumps(usage)}}}'.encode()
-
-    def _choice(self, s: Sequence) -> dict:
-        logprobs, index = None, self._index(s)
-        if self.kind == "chat.completion":
-            if self.want_logprobs:
-                logprobs = _chat_logprobs(self.engine, s.tokens, s.logprobs, s.top_logprobs)
-            message, finish = {"role": "assistant", "content": s.text}, s.finish_reason
-            if self.tools is not None:
-                message, finish = self.tools.answer(s.text, finish)
-            return {"index": index, "message": message, "finish_reason": finish, "logprobs": logprobs}
-        prefix = self.prefixes[s.prompt_index]
-        if self.want_logprobs:
-            logprobs = _completion_logprobs(self.engine, s.tokens, s.logprobs, s.top_logprobs, len(prefix))[0]
-            if self.sampling.prompt_logprobs is not None:  # echo: the prompt's tokens first
-                logprobs = _joined(_prompt_logprobs(self.engine, s), logprobs)
-        return {"index": index, "text": prefix + s.text, "finish_reason": s.finish_reason, "logprobs": logprobs}
 
     async def _stream(self, request: Request):
         """Server-sent events: exact text deltas (with their tokens' logprobs) per sequence, a final event
         for each, then [DONE], however the request ends (an error event first when it failed)."""
         hold = max((len(x) for x in self.sampling.stop), default=1) - 1  # a stop string may be half-decoded
-        streams = {self._index(s): TextDeltas(self.engine.tokenizer, hold) for s in self.seqs}
-        offsets = {self._index(s): len(self.prefixes[s.prompt_index]) for s in self.seqs}
+        streams = {self.index(s): TextDeltas(self.engine.tokenizer, hold) for s in self.seqs}
+        offsets = {self.index(s): len(self.prefixes[s.prompt_index]) for s in self.seqs}
         held = {i: self.tools.streamer() for i in streams} if self.tools is not None else {}  # calls held back
         finished: set[int] = set()
         generated: dict[int, int] = {}  # tokens of each sequence that finished
         deadline = self._deadline()
         try:
             for s in self.seqs:  # with echo, the prompt's text (a stream does not carry the prompt's logprobs)
-                yield self._event(self._index(s), self.prefixes[s.prompt_index], None, None, first=True)
+                yield self._event(self.index(s), self.prefixes[s.prompt_index], None, None, first=True)
             while len(finished) < len(self.seqs):
                 try:
                     snap = await self._next_update(request, deadline)
@@ -233,33 +221,89 @@ class Job:
         if not self.want_logprobs or end <= start:
             return None, offset
         toks, lps, tops = snap.tokens[start:end], snap.logprobs[start:end], snap.top_logprobs[start:end]
-        if self.kind == "chat.completion":
-            return _chat_logprobs(self.engine, toks, lps, tops), offset
-        return _completion_logprobs(self.engine, toks, lps, tops, offset, snap.tokens[max(0, start - 4) : start])
+        return self.fmt.logprobs(self.engine, toks, lps, tops, offset, snap.tokens[max(0, start - 4) : start])
 
     def _usage_event(self, completion_tokens: int) -> str:
         """stream_options.include_usage: a last chunk with no choices and the request's usage (OpenAI's)."""
         prompt_tokens = sum(len(ids) for ids in self.prompts)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                  "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
-        kind = "chat.completion.chunk" if self.kind == "chat.completion" else "text_completion"
-        return _sse({"id": self.rid, "object": kind, "created": self.created, "model": self.model_name,
-                     "choices": [], "usage": usage})  # fmt: skip
+        return _sse({"id": self.rid, "object": self.fmt.chunk_object, "created": self.created,
+                     "model": self.model_name, "choices": [], "usage": usage})  # fmt: skip
 
     def _event(self, index: int, text: str, finish: str | None, logprobs, first: bool = False, calls=None) -> str:
-        if self.kind == "chat.completion":
-            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
-            if text and not first:
-                delta = {"content": text}
-            if calls:  # OpenAI's delta shape: each call whole, with its index among the choice's calls
-                delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
-            choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
-            kind = "chat.completion.chunk"
-        else:
-            choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
-            kind = "text_completion"
-        return _sse({"id": self.rid, "object": kind, "created": self.created, "model": self.model_name,
-                     "choices": [choice]})  # fmt: skip
+        choice = self.fmt.delta_choice(index, text, finish, logprobs, first, calls)
+        return _sse({"id": self.rid, "object": self.fmt.chunk_object, "created": self.created,
+                     "model": self.model_name, "choices": [choice]})  # fmt: skip
+
+
+class AnswerFormat:
+    """What a completions or a chat answer looks like: `object` and `chunk_object` (the answer's and a stream
+    event's "object"), `id_prefix`, `logprobs_field` (the request's name for the number of alternatives)."""
+
+    object: str
+    chunk_object: str
+    id_prefix: str
+    logprobs_field: str
+
+    def choice(self, job: Job, s: Sequence) -> dict:
+        """Sequence `s`'s choice in the whole answer."""
+        raise NotImplementedError
+
+    def delta_choice(self, index: int, text: str, finish: str | None, logprobs, first: bool, calls) -> dict:
+        """A stream event's choice: `text` new since the last (`first`: the choice's first event; `calls`: the
+        tool calls it ended with, chat only)."""
+        raise NotImplementedError
+
+    def logprobs(self, engine, tokens, logprobs, top_logprobs, offset: int, before=()) -> tuple[dict, int]:
+        """The logprobs of streamed `tokens` (from character `offset` on, after the tokens `before`), and the
+        offset after them."""
+        raise NotImplementedError
+
+
+class _Completion(AnswerFormat):
+    object = chunk_object = "text_completion"
+    id_prefix, logprobs_field = "cmpl-", "logprobs"
+
+    def choice(self, job: Job, s: Sequence) -> dict:
+        logprobs, prefix = None, job.prefixes[s.prompt_index]
+        if job.want_logprobs:
+            logprobs = _completion_logprobs(job.engine, s.tokens, s.logprobs, s.top_logprobs, len(prefix))[0]
+            if job.sampling.prompt_logprobs is not None:  # echo: the prompt's tokens first
+                logprobs = _joined(_prompt_logprobs(job.engine, s), logprobs)
+        return {"index": job.index(s), "text": prefix + s.text, "finish_reason": s.finish_reason, "logprobs": logprobs}
+
+    def delta_choice(self, index: int, text: str, finish: str | None, logprobs, first: bool, calls) -> dict:
+        return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
+
+    def logprobs(self, engine, tokens, logprobs, top_logprobs, offset: int, before=()) -> tuple[dict, int]:
+        return _completion_logprobs(engine, tokens, logprobs, top_logprobs, offset, before)
+
+
+class _Chat(AnswerFormat):
+    object, chunk_object = "chat.completion", "chat.completion.chunk"
+    id_prefix, logprobs_field = "chatcmpl-", "top_logprobs"
+
+    def choice(self, job: Job, s: Sequence) -> dict:
+        logprobs = _chat_logprobs(job.engine, s.tokens, s.logprobs, s.top_logprobs) if job.want_logprobs else None
+        message, finish = {"role": "assistant", "content": s.text}, s.finish_reason
+        if job.tools is not None:
+            message, finish = job.tools.answer(s.text, finish)
+        return {"index": job.index(s), "message": message, "finish_reason": finish, "logprobs": logprobs}
+
+    def delta_choice(self, index: int, text: str, finish: str | None, logprobs, first: bool, calls) -> dict:
+        delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
+        if text and not first:
+            delta = {"content": text}
+        if calls:  # OpenAI's delta shape: each call whole, with its index among the choice's calls
+            delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+        return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+
+    def logprobs(self, engine, tokens, logprobs, top_logprobs, offset: int, before=()) -> tuple[dict, int]:
+        return _chat_logprobs(engine, tokens, logprobs, top_logprobs), offset
+
+
+COMPLETION, CHAT = _Completion(), _Chat()
 
 
 class _Snapshot:

@@ -5,16 +5,19 @@ call one, and the calls parsed out of its text.
     tool_choice  "none" | "auto" (the default with tools) | "required" | {"type": "function", "function": {"name"}}
 
 The chat template gets the tools as given (transformers' `tools=` convention) and writes them into the prompt
-its own way. What a model writes back depends on its family; the format is chosen from the template's text:
-    - it mentions "<tool_call>"                       -> Hermes/Qwen: `<tool_call>\\n{"name": ..., "arguments":
-                                                         {...}}\\n</tool_call>`, possibly several
-    - else it mentions "<|python_tag|>" or "parameters" -> Llama 3: the whole message is `{"name": ...,
-                                                         "parameters": {...}}` (several joined by ";")
-    - else                                             -> Hermes (the default)
-With "required" or a named function the output is constrained (`grammar.Structured`) to calls whose
+its own way. What a model writes back depends on its family: one `ToolFormat` object each, in FORMATS, chosen
+by the first whose marker the template's text mentions (the first, Hermes, when none does):
+    HERMES   "<tool_call>"                  Hermes/Qwen: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n
+                                            </tool_call>`, possibly several
+    LLAMA3   "<|python_tag|>", "parameters" Llama 3: the whole message is `{"name": ..., "parameters": {...}}`
+                                            (several joined by ";")
+A new family (Mistral, Qwen3-coder, GLM) is one object: its markers, argument key, how one call is written
+(`call_regex`, `render`), how calls are read back (`parse`), the text before them, and how much of a stream
+can go out before a call may start (`safe_end`); `tests/test_structured_server.py` runs each one in FORMATS.
+With "required" or a named function the output is constrained (`structured.Structured`) to calls whose
 arguments satisfy their function's schema: one to MAX_CALLS of them ("required" with parallel_tool_calls not
-false; Hermes: blocks joined by "\n", Llama 3: calls joined by "; "), else exactly one; with "auto" the text
-is parsed after generation, and holds calls only when all of it parses (else it stays text). Calls carry ids
+false; joined by the format's `glue`), else exactly one; with "auto" the text is parsed after generation, and
+holds calls only when all of it parses (else it stays text). Calls carry ids
 `call_<hex>` (one each), arguments as JSON text, and finish_reason "tool_calls". A stream holds text back from
 where a call may start, and sends the calls at the end.
 """
@@ -25,48 +28,116 @@ import contextlib
 import json
 import re
 import secrets
-from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from jaxgen.inference import grammar
-from jaxgen.inference.grammar import Structured
 from jaxgen.inference.sampling import SamplingError
+from jaxgen.inference.structured import Structured, schema_regex
+from jaxgen.serving.protocol import NamedChoice, Tool
 
-HERMES, LLAMA3 = "hermes", "llama3"
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
-NAME = r"[A-Za-z0-9_-]{1,64}"  # OpenAI's rule for a function's name
 MAX_CALLS = 4  # calls in a constrained answer ("required", parallel_tool_calls not false); each grows the automaton
 
 
-class Function(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    name: str = Field(pattern=f"^{NAME}$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments (an object); none: no arguments
-    strict: bool | None = None
-
-
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    type: Literal["function"]
-    function: Function
-
-
-class _Named(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class ToolFormat:
+    """How one model family writes tool calls. A call is `(name, arguments)`; in the text it is a JSON object
+    {"name": ..., <key>: {...}}."""
 
     name: str
+    markers: tuple[str, ...]  # text that marks the family in a chat template
+    key: str  # the arguments' key in a call's JSON object
+    glue: str  # between two calls of a constrained answer
+
+    def call_regex(self, call: str) -> str:
+        """One call as the constraint writes it, `call` the regular expression of its JSON object."""
+        raise NotImplementedError
+
+    def render(self, calls: list[tuple[str, dict]]) -> str:
+        """The text the family writes for `calls` (what `call_regex` and `glue` allow, what `parse` reads)."""
+        raise NotImplementedError
+
+    def parse(self, text: str) -> list[tuple[str, dict]] | None:
+        """The calls in `text`, None when it holds none or does not parse whole."""
+        raise NotImplementedError
+
+    def content(self, text: str) -> str:
+        """The text of a message that holds calls, before them ("" when calls are the whole message)."""
+        raise NotImplementedError
+
+    def safe_end(self, text: str) -> int:
+        """How much of a streamed `text` can go out: everything before where a call may have started."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<tool format {self.name}>"
+
+    def _json(self, name: str, args: dict) -> str:
+        return json.dumps({"name": name, self.key: args}, separators=(",", ":"))
 
 
-class NamedChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class Hermes(ToolFormat):
+    """Hermes and Qwen: each call in a `<tool_call>` block; text may come before the first."""
 
-    type: Literal["function"]
-    function: _Named
+    name, markers, key, glue = "hermes", (OPEN,), "arguments", "\n"
+
+    def call_regex(self, call: str) -> str:
+        return f"{re.escape(OPEN)}\n{call}\n{re.escape(CLOSE)}"
+
+    def render(self, calls: list[tuple[str, dict]]) -> str:
+        return self.glue.join(f"{OPEN}\n{self._json(name, args)}\n{CLOSE}" for name, args in calls)
+
+    def parse(self, text: str) -> list[tuple[str, dict]] | None:
+        if OPEN not in text:
+            return None
+        rest = text[text.index(OPEN) :]
+        bodies = re.findall(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), rest, re.DOTALL)
+        leftover = re.sub(re.escape(OPEN) + r".*?" + re.escape(CLOSE), "", rest, flags=re.DOTALL)
+        if not bodies or leftover.strip():
+            return None  # an unclosed call, or text between calls: not a clean set of calls
+        calls = [_call(b, self.key) for b in bodies]
+        return None if None in calls else calls
+
+    def content(self, text: str) -> str:
+        return text.split(OPEN, 1)[0].strip()
+
+    def safe_end(self, text: str) -> int:
+        at = text.find(OPEN)
+        if at >= 0:
+            return at
+        for k in range(min(len(OPEN) - 1, len(text)), 0, -1):  # a tag cut in two by the stream
+            if OPEN.startswith(text[-k:]):
+                return len(text) - k
+        return len(text)
+
+
+class Llama3(ToolFormat):
+    """Llama 3: the whole message is the calls (JSON objects joined by ";"), maybe after `<|python_tag|>`."""
+
+    name, markers, key, glue = "llama3", (PYTHON_TAG, "parameters"), "parameters", "; "
+
+    def call_regex(self, call: str) -> str:
+        return call
+
+    def render(self, calls: list[tuple[str, dict]]) -> str:
+        return self.glue.join(self._json(name, args) for name, args in calls)
+
+    def parse(self, text: str) -> list[tuple[str, dict]] | None:
+        body = text.strip().removeprefix(PYTHON_TAG).strip()
+        if not body.startswith("{"):
+            return None
+        calls = [_call(part, self.key) for part in _split_calls(body)]
+        return None if not calls or None in calls else calls
+
+    def content(self, text: str) -> str:
+        return ""
+
+    def safe_end(self, text: str) -> int:  # a call is the whole message: hold all while it may be one
+        head = text.lstrip()
+        maybe_call = head.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(head)
+        return 0 if maybe_call else len(text)
+
+
+HERMES, LLAMA3 = Hermes(), Llama3()
+FORMATS = (HERMES, LLAMA3)  # looked for in this order; the first is the default
 
 
 class ToolError(Exception):
@@ -77,20 +148,16 @@ class ToolError(Exception):
         self.field = field
 
 
-def format_of(template: str | None) -> str:
+def format_of(template: str | None) -> ToolFormat:
     """The tool-call format of a model family, from its chat template's text (see the module docstring)."""
     text = template or ""
-    if OPEN in text:
-        return HERMES
-    if PYTHON_TAG in text or "parameters" in text:
-        return LLAMA3
-    return HERMES
+    return next((f for f in FORMATS if any(m in text for m in f.markers)), FORMATS[0])
 
 
 class Tools:
     """One request's tools and tool_choice: what the template gets, the constraint, and the answer's calls."""
 
-    def __init__(self, tools: list[Tool], choice, fmt: str, parallel: bool = True):
+    def __init__(self, tools: list[Tool], choice, fmt: ToolFormat, parallel: bool = True):
         self.tools, self.fmt, self.parallel = tools, fmt, parallel
         self.names = [t.function.name for t in tools]
         self.choice = choice if choice is not None else "auto"
@@ -114,17 +181,17 @@ class Tools:
         if self.choice in ("auto", "none"):
             return None
         named = self.choice.function.name if isinstance(self.choice, NamedChoice) else None
-        key = "parameters" if self.fmt == LLAMA3 else "arguments"
+        key = self.fmt.key
         calls = [
             {"type": "object", "properties": {"name": {"const": t.function.name}, key: _params(t)},
              "required": ["name", key]}
             for t in self.tools if named in (None, t.function.name)
         ]  # fmt: skip
         try:
-            call = grammar.schema_regex(calls[0] if len(calls) == 1 else {"anyOf": calls})
+            call = schema_regex(calls[0] if len(calls) == 1 else {"anyOf": calls})
         except SamplingError as e:
             raise ToolError(f"tools: a function's parameters cannot be enforced: {e}", "tools") from None
-        one, glue = (call, "; ") if self.fmt == LLAMA3 else (f"{re.escape(OPEN)}\n{call}\n{re.escape(CLOSE)}", "\n")
+        one, glue = self.fmt.call_regex(call), self.fmt.glue
         most = MAX_CALLS if named is None and self.parallel else 1
         return Structured(regex=one if most == 1 else f"({one})({re.escape(glue)}({one})){{0,{most - 1}}}")
 
@@ -133,12 +200,11 @@ class Tools:
         calls = self.parse(text) if self.active and finish == "stop" else None
         if not calls:
             return {"role": "assistant", "content": text}, finish
-        before = text.split(OPEN, 1)[0].strip() if self.fmt == HERMES else ""
-        return {"role": "assistant", "content": before or None, "tool_calls": calls}, "tool_calls"
+        return {"role": "assistant", "content": self.fmt.content(text) or None, "tool_calls": calls}, "tool_calls"
 
     def parse(self, text: str) -> list[dict] | None:
         """The calls in `text` (OpenAI's shape), None when it holds none or does not parse whole."""
-        found = _hermes(text) if self.fmt == HERMES else _llama3(text)
+        found = self.fmt.parse(text)
         if not found or any(name not in self.names for name, _ in found):
             return None
         return [
@@ -152,8 +218,9 @@ class Tools:
 
 
 class ToolStream:
-    """A streamed choice's text with calls held back: text goes out until a call may have started (from
-    "<tool_call>", or a prefix of it at the end; Llama 3: a message that starts with "{"), then waits for the end."""
+    """A streamed choice's text with calls held back: text goes out until a call may have started (the format's
+    `safe_end`: Hermes from "<tool_call>", or a prefix of it at the end; Llama 3: a message that starts with
+    "{"), then waits for the end."""
 
     def __init__(self, tools: Tools):
         self.tools, self.text, self.sent = tools, "", 0
@@ -174,19 +241,7 @@ class ToolStream:
         return rest, None, finish
 
     def _safe_end(self) -> int:
-        if not self.tools.active:
-            return len(self.text)
-        if self.tools.fmt == LLAMA3:  # a call is the whole message: hold all while it may be one
-            head = self.text.lstrip()
-            maybe_call = head.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(head)
-            return 0 if maybe_call else len(self.text)
-        at = self.text.find(OPEN)
-        if at >= 0:
-            return at
-        for k in range(min(len(OPEN) - 1, len(self.text)), 0, -1):  # a tag cut in two by the stream
-            if OPEN.startswith(self.text[-k:]):
-                return len(self.text) - k
-        return len(self.text)
+        return self.tools.fmt.safe_end(self.text) if self.tools.active else len(self.text)
 
 
 def tools_of(tools: list[Tool] | None, choice, template: str | None, parallel: bool | None = None) -> Tools | None:
@@ -219,26 +274,6 @@ def _call_for_template(call: dict) -> dict:
 
 def _params(tool: Tool) -> dict:
     return tool.function.parameters if tool.function.parameters is not None else {"type": "object", "properties": {}}
-
-
-def _hermes(text: str) -> list[tuple[str, dict]] | None:
-    if OPEN not in text:
-        return None
-    rest = text[text.index(OPEN) :]
-    bodies = re.findall(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), rest, re.DOTALL)
-    leftover = re.sub(re.escape(OPEN) + r".*?" + re.escape(CLOSE), "", rest, flags=re.DOTALL)
-    if not bodies or leftover.strip():
-        return None  # an unclosed call, or text between calls: not a clean set of calls
-    calls = [_call(b, "arguments") for b in bodies]
-    return None if None in calls else calls
-
-
-def _llama3(text: str) -> list[tuple[str, dict]] | None:
-    body = text.strip().removeprefix(PYTHON_TAG).strip()
-    if not body.startswith("{"):
-        return None
-    calls = [_call(part, "parameters") for part in _split_calls(body)]
-    return None if not calls or None in calls else calls
 
 
 def _split_calls(body: str) -> list[str]:

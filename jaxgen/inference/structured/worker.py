@@ -1,8 +1,8 @@
-"""The compile worker of `grammar.py`, run as a script (`python automaton_worker.py`) so that it imports
+"""The compile worker of `compiler.py`, run as a script (`python worker.py`) so that it imports
 neither jaxgen nor JAX, nor the caller's main module (multiprocessing's spawn would re-run a user's script
 that has no `if __name__ == "__main__"` guard). It reads (kind, text, token bytes, end-of-sequence ids, width)
 requests as pickles on stdin, kind "regex" or "grammar" (a context-free grammar, turned into a regular
-expression here by cfg.py, under the same time and memory limits), and answers each with ("ok", edges),
+expression here by grammar.py, under the same time and memory limits), and answers each with ("ok", edges),
 ("grammar", what was wrong with a grammar) or ("error", message) on stdout.
 """
 
@@ -126,14 +126,14 @@ MEMORY_LIMIT = 4 * 2**30  # address space: a pattern whose automaton explodes fa
 
 
 def answer(kind: str, text: str, tokens, eos_ids, size: int):
-    """("ok", edges) for a regular expression or a grammar (`cfg.py`, beside this file, unrolls it to one);
+    """("ok", edges) for a regular expression or a grammar (`grammar.py`, beside this file, unrolls it to one);
     ("grammar", what was wrong) for a grammar that cannot be used."""
     if kind == "grammar":
-        import cfg
+        import grammar
 
         try:
-            text = cfg.grammar_regex(text)
-        except cfg.GrammarError as e:
+            text = grammar.grammar_regex(text)
+        except grammar.GrammarError as e:
             return "grammar", str(e)
     return "ok", edges(text, tokens, eos_ids, size)
 

@@ -1,4 +1,5 @@
-"""Context-free grammars as regular expressions, so that they run as grammar.py's token automata on the device.
+"""Context-free grammars as regular expressions, so that they run as token automata on the device (the
+front end of the `grammar` kind: `Structured(grammar=...)`).
 
     grammar_regex(text) -> str       a Lark grammar (`start: ...`) or GBNF/EBNF (`root ::= ...`)
 
@@ -17,7 +18,7 @@ the output holds no ignored text between tokens, and a grammar that ignores whit
 Adjacent terminals are not separated: a greedy lexer may split `NAME NAME` ("ab" "cd" written "abcd")
 differently, which Lark's Earley parser with `lexer="dynamic_complete"` reads as the grammar means.
 
-This module imports neither jaxgen nor JAX: the compile worker (automaton_worker.py) runs it, under its time
+This module imports neither jaxgen nor JAX: the compile worker (worker.py) runs it, under its time
 and memory limits. Errors are `GrammarError`, one line saying what was wrong.
 """
 

@@ -1,11 +1,12 @@
 """The structured-output fields of an HTTP request or a batch line, turned into one `Structured`.
 
-Every door reads the same constraint (`jaxgen.inference.grammar.Structured`), whatever the client sent:
+Every door reads the same constraint (`jaxgen.inference.structured.Structured`), whatever the client sent:
     response_format      OpenAI: {"type": "json_schema", "json_schema": {"name", "schema", "strict"}},
                          {"type": "json_object"}, or {"type": "text"} (no constraint)
-    structured_outputs   vLLM: {"json" | "json_object" | "regex" | "choice" | "grammar": ...}
-    guided_json, guided_regex, guided_choice, guided_grammar   vLLM's older fields, still sent by clients
-At most one of them; an error names the field the client used (its `param`), with what grammar.py said.
+    structured_outputs   vLLM: {<kind>: ...} for a kind of `structured.KINDS` (json, regex, choice, grammar),
+                         or {"json_object": true}
+    guided_<kind>        vLLM's older fields, still sent by clients (guided_json, guided_regex, ...)
+At most one of them; an error names the field the client used (its `param`), with what structured/ said.
 """
 
 from __future__ import annotations
@@ -13,33 +14,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel
 
-from jaxgen.inference.grammar import JSON_OBJECT, Structured
 from jaxgen.inference.sampling import SamplingError, shown
+from jaxgen.inference.structured import JSON_OBJECT, KINDS, Structured
+from jaxgen.serving.protocol import ResponseFormat
 
-GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+GUIDED = {f"guided_{kind}": kind for kind in KINDS}  # vLLM's older fields, one per kind
 FIELDS = ("response_format", "structured_outputs", *GUIDED)
-
-
-class JsonSchemaFormat(BaseModel):
-    """OpenAI's response_format.json_schema (`schema` is a pydantic name: kept under an alias)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
-
-    name: str
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-    description: str | None = None
-
-
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
 
 
 class ConstraintError(Exception):
@@ -74,7 +57,7 @@ class Compiles:
     last failures are remembered, so the same bad constraint sent again is refused at once."""
 
     def __init__(self, automaton, remember: int = 256):
-        self._automaton = automaton  # Engine.automaton: SamplingConfig -> Automaton | None (cached by grammar.py)
+        self._automaton = automaton  # Engine.automaton: SamplingConfig -> Automaton | None (cached)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxgen-compile")
         self._failed: collections.OrderedDict[Structured, str] = collections.OrderedDict()
         self._remember = remember
