@@ -358,9 +358,3 @@ def test_byte_fallback_tokenizer_outputs_whole_characters():
     outs = gen.generate(["ab"] * 8, configs)
     assert all(o.finish_reason == "stop" for o in outs)
     assert all(o.text in choices for o in outs[:4]) and all(re.fullmatch("(✓|é){2,4}", o.text) for o in outs[4:])
-
-
-def test_the_import_path_the_docs_showed_still_gives_structured():
-    from jaxgen.inference import grammar, structured
-
-    assert grammar.Structured is structured.Structured

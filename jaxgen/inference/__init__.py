@@ -9,7 +9,6 @@ loading.py     loading for inference: run and Hugging Face folders, int8 weights
 beam.py        beam search
 speculative.py speculative decoding, n-gram or draft-model drafts (the speculating loop of Generator and engine)
 structured/    structured output: JSON schema, regex, choice, grammar as token automata whose tables live on the device
-grammar.py     the old import path of `Structured` (the docs showed it): kept for user code, not used inside
 scoring.py     log-probabilities of known tokens (score, prompt logprobs), the head run in blocks
 engine.py      the serving engine: its API, thread and queues; runs each step's plan on the device
 budget.py      the settings checked against the model and the memory before the engine allocates anything
