@@ -1,0 +1,91 @@
+"""Compiling for an NVIDIA GPU this machine lacks, and counting what a compiled loop launches per step.
+
+    device = cuda_device(spec_text)       # None (and why: `unavailable`) without the CUDA plugin
+    text = jax.jit(f).lower(*args_placed_on(device)).compile().as_text()
+    loop_ops(text)                        # Counter of the decode loop body's operations by opcode
+
+The CUDA plugin (`pip install '.[gpu-compile]'`) compiles for a GPU described by a target config, a
+`GpuTargetConfigProto` text (bench/gpu_specs/), under `JAX_PLATFORMS=cpu` and without a device:
+`jax.experimental.topologies` gives a device of that GPU to place abstract arguments on, and the program
+is XLA:GPU's optimised HLO, the kernels a real GPU would launch.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+import jax
+
+# Instructions that launch nothing: they name buffers, pieces of tuples or views of them.
+FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier", "after-all"}
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+ = .*? ([a-z][\w\-]*)\(")
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+) .*\{\s*$")
+
+
+def unavailable() -> str | None:
+    """Why this machine cannot compile for a CUDA target (the plugin is not installed), or None."""
+    try:
+        import jax_plugins.xla_cuda12  # noqa: F401
+    except ImportError:
+        return "the CUDA plugin is not installed (pip install '.[gpu-compile]')"
+    return None
+
+
+def cuda_device(spec_text: str):
+    """A device of the GPU that `spec_text` (a GpuTargetConfigProto text) describes, to place abstract
+    arguments on for `lower(...).compile()`; None where the plugin is not installed (`unavailable`)."""
+    if unavailable():
+        return None
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc(platform="cuda", target_config=spec_text, topology="1x1x1").devices[0]
+
+
+def placed(tree, device):
+    """`tree`'s arrays as `jax.ShapeDtypeStruct`s on `device` (nothing allocated)."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
+def computations(hlo_text: str) -> dict[str, list[str]]:
+    """Optimised HLO text as {computation name: its instruction lines}; the entry one also under "ENTRY"."""
+    out, name = {}, None
+    for line in hlo_text.splitlines():
+        header = _HEADER.match(line)
+        if header and not line.startswith(" "):
+            name = header.group(1)
+            out[name] = []
+            if line.startswith("ENTRY"):
+                out["ENTRY"] = out[name]
+        elif line.strip() == "}":
+            name = None
+        elif name is not None and _INSTRUCTION.match(line):
+            out[name].append(line)
+    return out
+
+
+def ops(comps: dict[str, list[str]], name: str) -> collections.Counter:
+    """The operations computation `name` runs, by opcode: one each (a fusion is one kernel, a cuBLAS
+    call one custom-call, a conditional or a nested while one launch of their own), free ones (`FREE`)
+    left out, and the computations a `call` runs (XLA:GPU's command buffers) counted in its place."""
+    counts = collections.Counter()
+    for line in comps[name]:
+        op = _INSTRUCTION.match(line).group(1)
+        if op == "call":
+            counts += ops(comps, re.search(r"to_apply=%?([\w.\-]+)", line).group(1))
+        elif op not in FREE:
+            counts[op] += 1
+    return counts
+
+
+def loop_ops(hlo_text: str) -> collections.Counter:
+    """The operations of one iteration of the largest `while` loop the entry computation runs (the
+    decode loop), by opcode (`ops`), with "total" the sum: what a step launches."""
+    comps = computations(hlo_text)
+    bodies = [re.search(r"body=%?([\w.\-]+)", line).group(1) for line in comps["ENTRY"] if " while(" in line]
+    if not bodies:
+        raise ValueError("the compiled program runs no while loop")
+    counts = max((ops(comps, body) for body in bodies), key=lambda c: sum(c.values()))
+    counts["total"] = sum(counts.values())
+    return counts
