@@ -1,18 +1,20 @@
 """Compiling for an NVIDIA GPU this machine lacks, and counting what a compiled loop launches per step.
 
-    device = cuda_device(spec_text)       # None (and why: `unavailable`) without the CUDA plugin
-    text = jax.jit(f).lower(*args_placed_on(device)).compile().as_text()
-    loop_ops(text)                        # Counter of the decode loop body's operations by opcode
+    device = cuda_device(spec_text)                  # None (and why: `unavailable`) without the plugin
+    text = decode_loop_text(generator, prompts, sampling, device)
+    loop_ops(text)                                   # the decode loop body's operations, by opcode
 
 The CUDA plugin (`pip install '.[gpu-compile]'`) compiles for a GPU described by a target config, a
 `GpuTargetConfigProto` text (bench/gpu_specs/), under `JAX_PLATFORMS=cpu` and without a device:
 `jax.experimental.topologies` gives a device of that GPU to place abstract arguments on, and the program
-is XLA:GPU's optimised HLO, the kernels a real GPU would launch.
+is XLA:GPU's optimised HLO, the kernels a real GPU would launch (bench/decode.py, tests/test_gpu_compile.py).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import importlib.util
 import re
 
 import jax
@@ -25,9 +27,7 @@ _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+) .*\{\s*$")
 
 def unavailable() -> str | None:
     """Why this machine cannot compile for a CUDA target (the plugin is not installed), or None."""
-    try:
-        import jax_plugins.xla_cuda12  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
         return "the CUDA plugin is not installed (pip install '.[gpu-compile]')"
     return None
 
@@ -40,6 +40,47 @@ def cuda_device(spec_text: str):
     from jax.experimental import topologies
 
     return topologies.get_topology_desc(platform="cuda", target_config=spec_text, topology="1x1x1").devices[0]
+
+
+@contextlib.contextmanager
+def traced_for(backend: str):
+    """Within: `jax.default_backend()` answers `backend`. jaxgen's per-backend choices (`kernels.choose`,
+    `kernels.cache_layout`, `storage.storage_dtype`, `kernels.cpu`'s tuning) ask it while tracing; under
+    `JAX_PLATFORMS=cpu` it says cpu, so a program traced for a GPU target would take the CPU paths."""
+    real = jax.default_backend
+    jax.default_backend = lambda: backend
+    try:
+        yield
+    finally:
+        jax.default_backend = real
+
+
+class _Caught(Exception):
+    pass
+
+
+def decode_loop_text(generator, prompts, sampling, device) -> str:
+    """Optimised HLO text of the decode loop (`inference.decode.decode_loop`, its `lax.while_loop`) that
+    `generator` (a `Generator`) runs for `prompts` under `sampling`, compiled for `device` (`cuda_device`)
+    and traced as a GPU traces it (`traced_for`). The loop's arguments are caught on their way in (the
+    prompts' prefill runs here; the loop does not), so the cache has the layout `generator`'s config
+    builds on this machine: set `model.cache_layout` to compile the other."""
+    caught, loop = {}, generator._loop
+
+    def catch(params, state, cfg):
+        caught.update(params=params, state=state, cfg=cfg)
+        raise _Caught
+
+    generator._loop = catch
+    try:
+        generator.generate(prompts, sampling)
+    except _Caught:
+        pass
+    finally:
+        generator._loop = loop
+    args = placed(caught["params"], device), placed(caught["state"], device)
+    with traced_for("gpu"):
+        return loop.jitted.lower(*args, cfg=caught["cfg"]).compile().as_text()
 
 
 def placed(tree, device):
