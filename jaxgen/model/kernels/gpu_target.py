@@ -4,18 +4,28 @@
     text = decode_loop_text(generator, prompts, sampling, device)
     loop_ops(text)                                   # the decode loop body's operations, by opcode
 
+    python -m jaxgen.model.kernels.gpu_target [--config configs/tiny.yaml] [--slots 512] [--rows 1]
+        # JSON: per cache layout, the conditionals and kernels a layer adds to a decode step (sm_90)
+
 The CUDA plugin (`pip install '.[gpu-compile]'`) compiles for a GPU described by a target config, a
 `GpuTargetConfigProto` text (bench/gpu_specs/), under `JAX_PLATFORMS=cpu` and without a device:
 `jax.experimental.topologies` gives a device of that GPU to place abstract arguments on, and the program
 is XLA:GPU's optimised HLO, the kernels a real GPU would launch (bench/decode.py, tests/test_gpu_compile.py).
+The plugin registers only where jax's platforms are cpu (elsewhere its CUDA version check fails without a
+GPU), so the command line sets them and a process whose backends already started runs it as a subprocess.
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
 import contextlib
+import dataclasses
 import importlib.util
+import json
 import re
+import sys
+from pathlib import Path
 
 import jax
 
@@ -27,9 +37,11 @@ _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+) .*\{\s*$")
 
 def unavailable() -> str | None:
     """Why this machine cannot compile for a CUDA target (the plugin is not installed), or None."""
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
-        return "the CUDA plugin is not installed (pip install '.[gpu-compile]')"
-    return None
+    try:
+        found = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except ModuleNotFoundError:  # no jax_plugins package at all
+        found = False
+    return None if found else "the CUDA plugin is not installed (pip install '.[gpu-compile]')"
 
 
 def cuda_device(spec_text: str):
@@ -130,3 +142,54 @@ def loop_ops(hlo_text: str) -> collections.Counter:
     counts = max((ops(comps, body) for body in bodies), key=lambda c: sum(c.values()))
     counts["total"] = sum(counts.values())
     return counts
+
+
+def per_layer(layout: str, cfg, slots: int, rows: int, device) -> dict:
+    """For the contiguous cache's `layout`: the operations of a decode step of `cfg` at 1 layer (`rows`
+    rows, a cache of `slots`), and what each further layer adds ("conditional", "kernels": all but the free
+    ones), from compiles at 1 and 2 layers. The prompts' prefill runs here, on CPU."""
+    from jaxgen import model
+    from jaxgen.inference.generator import Generator
+    from jaxgen.inference.sampling import SamplingConfig
+    from jaxgen.tokenizer import Tokenizer
+
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    steps = []
+    for layers in (1, 2):
+        c = dataclasses.replace(cfg, num_layers=layers, cache_layout=layout, max_seq_len=max(cfg.max_seq_len, slots))
+        gen = Generator(model.init_params(c, jax.random.key(0)), c, Tokenizer.byte_level(), max_batch=rows,
+                        chunk_steps=8, min_cache_len=slots)  # fmt: skip
+        steps.append(loop_ops(decode_loop_text(gen, [[1, 2, 3]] * rows, greedy, device)))
+    one, two = steps
+    return {
+        "step": dict(one),
+        "conditional": two["conditional"] - one["conditional"],
+        "kernels": two["total"] - one["total"],
+    }
+
+
+def main(argv=None) -> int:
+    root = Path(__file__).resolve().parents[3]
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--spec", default=str(root / "bench" / "gpu_specs" / "h200.txtpb"))
+    parser.add_argument("--config", default=str(root / "configs" / "tiny.yaml"))
+    parser.add_argument("--slots", type=int, default=512, help="cache slots (the Generator's min_cache_len)")
+    parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--layouts", nargs="+", default=["flat", "blocks"], choices=["flat", "blocks"])
+    args = parser.parse_args(argv)
+    jax.config.update("jax_platforms", "cpu")  # before any backend starts: the plugin then registers
+    reason = unavailable()
+    if reason:
+        print(f"error: {reason}", file=sys.stderr)
+        return 2
+    from jaxgen.config import load_config
+
+    cfg = load_config(args.config).model
+    device = cuda_device(Path(args.spec).read_text())
+    out = {layout: per_layer(layout, cfg, args.slots, args.rows, device) for layout in args.layouts}
+    print(json.dumps({"device": device.device_kind, "slots": args.slots, "rows": args.rows, **out}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
