@@ -1,15 +1,22 @@
 """Generation speed: prefill, decode at several batch sizes, compilations of a mixed job, and the
-batch-1 decode step against its memory-bandwidth floor.
+batch-1 decode step against its memory-bandwidth floor; and what a decode step launches on an H200.
 
     python bench/decode.py [--configs gpt2-124m llama-small] [--new-tokens 128] [--job-prompts 200]
+        [--cache-layout auto|blocks|flat] [--sm90-slots 512]
 
 The floor of a decode step is (bytes of weights + bytes of KV cache read) / memory bandwidth, with the
 bandwidth measured in the same run (a large array copy). Models use random weights, float32.
+`--cache-layout` sets `model.cache_layout` (auto: blocks on CPU). The sm_90 line: the tiny model's decode
+loop compiled for an H200 without a GPU (`jaxgen.model.kernels.gpu_target`, needs `.[gpu-compile]`), the
+conditionals and kernels each layer adds to a step, for both layouts of the contiguous cache.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -41,8 +48,23 @@ def _timed(fn, *args) -> float:
     return time.perf_counter() - t0
 
 
-def bench_model(name: str, new_tokens: int, batches: list[int], bandwidth: float) -> None:
-    cfg = load_config(ROOT / "configs" / f"{name}.yaml").model
+def sm90_counts(slots: int) -> None:
+    """The conditionals and kernels a layer adds to the tiny model's decode step compiled for sm_90 (batch
+    1, `slots` cache slots), per cache layout: `kernels.gpu_target`'s command line, a process of its own
+    (the CUDA plugin registers only where jax starts on the cpu platform alone)."""
+    cmd = [sys.executable, "-m", "jaxgen.model.kernels.gpu_target", "--slots", str(slots)]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if out.returncode:
+        print(f"sm_90 decode step: not compiled ({(out.stderr.strip().splitlines() or ['no output'])[-1]})")
+        return
+    counts = json.loads(out.stdout.strip().splitlines()[-1])
+    each = lambda k: f"{k}: {counts[k]['conditional']} conds, {counts[k]['kernels']} kernels"
+    row = ", ".join(map(each, ("flat", "blocks")))
+    print(f"sm_90 decode step ({counts['device']}, tiny model, batch 1, {slots} slots), per layer: {row}")
+
+
+def bench_model(name: str, new_tokens: int, batches: list[int], bandwidth: float, layout: str = "auto") -> None:
+    cfg = load_config(ROOT / "configs" / f"{name}.yaml", [f"model.cache_layout={layout}"]).model
     params = model.init_params(cfg, jax.random.key(0))
     tok = Tokenizer.byte_level()
     rng = np.random.default_rng(0)
@@ -128,11 +150,15 @@ def main() -> None:
         default=[256, 4096],
         help="allocated cache lengths to compare at batch 32 with 160 tokens in use",
     )
+    parser.add_argument("--cache-layout", default="auto", choices=["auto", "blocks", "flat"])
+    parser.add_argument("--sm90-slots", type=int, default=512, help="cache slots of the sm_90 count (0: skip it)")
     args = parser.parse_args()
+    if args.sm90_slots:
+        sm90_counts(args.sm90_slots)
     bw = memory_bandwidth()
     print(f"memory bandwidth (512 MiB numpy copy, best of 5): {bw / 1e9:.1f} GB/s")
     for name in args.configs if args.batches else []:
-        bench_model(name, args.new_tokens, args.batches, bw)
+        bench_model(name, args.new_tokens, args.batches, bw, args.cache_layout)
     if args.cache_lengths:
         bench_cache_length(args.configs[-1], 32, 160, args.cache_lengths, args.repeats)
     if args.job_prompts:

@@ -227,10 +227,12 @@ def _prompt():
 
 
 def _empty_cache(kind: str, cfg):
-    """A contiguous cache of 128 slots, or a pool of 8-token pages with 16 pages per row, handed out
-    interleaved and in reverse (a row's pages are neither adjacent nor in order)."""
-    if kind == "contiguous":
-        return KVCache.init(cfg, 2, 128)
+    """A contiguous cache of 128 slots (contiguous: two blocks, its CPU layout; flat: one block, its
+    accelerator layout: `kernels.cache_layout`), or a pool of 8-token pages with 16 pages per row, handed
+    out interleaved and in reverse (a row's pages are neither adjacent nor in order)."""
+    if kind in ("contiguous", "flat"):
+        layout = "blocks" if kind == "contiguous" else "flat"
+        return KVCache.init(dataclasses.replace(cfg, cache_layout=layout), 2, 128)
     pool = PagedCache.init(cfg, num_pages=33, page_size=8, slots=2, max_pages=16)
     table = np.arange(1, 33, dtype=np.int32).reshape(16, 2).T[:, ::-1]
     return pool.replace(page_table=jnp.asarray(table.copy()), capacity=jnp.full((2,), 128, jnp.int32))
@@ -267,7 +269,7 @@ def _prefill_and_decode(kind: str, cfg, fresh: bool, params, steps: int = 4):
     return prefilled, np.stack(tokens, 1), logits, cache
 
 
-@pytest.mark.parametrize("kind, impl", [("contiguous", "ring"), ("paged", "allgather")])
+@pytest.mark.parametrize("kind, impl", [("contiguous", "ring"), ("flat", "ring"), ("paged", "allgather")])
 def test_context_parallel_prefill_writes_the_cache_of_one_device_and_decode_continues(kind, impl):
     """A ragged two-row prompt with a sliding window: prefilled with `fresh=True` on a context=4 mesh (its
     attention ring or allgather over the split prompt) it leaves the same cache as one device's cached
@@ -282,7 +284,7 @@ def test_context_parallel_prefill_writes_the_cache_of_one_device_and_decode_cont
         got = _prefill_and_decode(kind, cfg, True, jax.device_put(params, model.param_shardings(cfg, mesh)))
     (cache1, tokens1, logits1, end1), (cache4, tokens4, logits4, end4) = want, got
     for cache in (cache4, end4):  # split over context: keys (B, K, H, S / N) along slots, (K, L, Q, Z, H) offsets
-        sharding = jax.tree.leaves(cache)[1].sharding
+        sharding = jax.tree.leaves(cache.k)[0].sharding
         assert (*sharding.spec, None, None, None, None)[3] == "context", sharding
     np.testing.assert_array_equal(tokens4, tokens1)
     np.testing.assert_allclose(logits4, logits1, atol=1e-5, rtol=1e-5)

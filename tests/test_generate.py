@@ -171,11 +171,15 @@ def test_score_shared_equals_score(gen):
     assert small.score_shared([contexts[1]], [greedy])[0]["greedy"]
 
 
-@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
-def testdecode_loop_updates_the_cache_in_place(gen, cache_dtype):
+@pytest.mark.parametrize(
+    "cache_dtype, cache_layout", [("float32", "blocks"), ("bfloat16", "blocks"), ("bfloat16", "flat")]
+)
+def testdecode_loop_updates_the_cache_in_place(gen, cache_dtype, cache_layout):
     """The compiled loop writes the cache with dynamic-update-slice and never copies a block or writes
-    one back as floats (a block is read as floats by the products: that is the one conversion allowed)."""
-    gen = Generator(gen.params, CFG, gen.tokenizer, max_batch=8, chunk_steps=5, cache_dtype=cache_dtype)
+    one back as floats (a block is read as floats by the products: that is the one conversion allowed),
+    in either layout of the cache (`kernels.cache_layout`)."""
+    cfg = dataclasses.replace(CFG, cache_layout=cache_layout)
+    gen = Generator(gen.params, cfg, gen.tokenizer, max_batch=8, chunk_steps=5, cache_dtype=cache_dtype)
     captured = {}
     real = gen._loop
 
@@ -189,7 +193,8 @@ def testdecode_loop_updates_the_cache_in_place(gen, cache_dtype):
     finally:
         gen._loop = real
     state = captured["state"]
-    hlo = jax.jit(decode_loop, static_argnames="cfg", donate_argnums=1).lower(gen.params, state, cfg=CFG)
+    assert state.cache.num_blocks == (1 if cache_layout == "flat" else 2)
+    hlo = jax.jit(decode_loop, static_argnames="cfg", donate_argnums=1).lower(gen.params, state, cfg=cfg)
     text = hlo.compile().as_text()
     dims = ",".join(map(str, state.cache.k[0][0].shape))  # each layer's and block's buffer
     shape = {"float32": "f32", "bfloat16": "u16"}[cache_dtype] + f"[{dims}]"
@@ -301,12 +306,14 @@ def test_beam_search_keeps_the_best_finished_hypotheses(gen):
         beam_search(gen, PROMPTS, width=0)
 
 
-@pytest.mark.parametrize("end, tokens", [(60, 9), (64, 1), (63, 1), (0, 200)])
-def test_cache_writes_land_in_the_right_blocks(end, tokens):
+@pytest.mark.parametrize("cache_layout", ["blocks", "flat"])
+@pytest.mark.parametrize("end, tokens", [(60, 9), (64, 1), (63, 1), (0, 200), (250, 9)])
+def test_cache_writes_land_in_the_right_blocks(end, tokens, cache_layout):
     """A write of T tokens at slot `end` lands at slots [end, end + T) whichever blocks they straddle,
-    and nowhere else: the blocks, laid side by side, equal one buffer written with a plain slice."""
-    cache = KVCache.init(CFG, 2, 256)
-    assert cache.num_blocks == 4 and cache.block_size == 64
+    and nowhere else (slots past the cache's end are dropped, never clamped onto earlier ones): the
+    blocks, laid side by side, equal one buffer written with a plain slice. The flat layout: one block."""
+    cache = KVCache.init(dataclasses.replace(CFG, cache_layout=cache_layout), 2, 256)
+    assert (cache.num_blocks, cache.block_size) == ((1, 256) if cache_layout == "flat" else (4, 64))
     cache = cache.replace(end=jnp.int32(end))
     r = np.random.default_rng(end)
     k_new, v_new = (r.normal(size=(2, tokens, CFG.kv_heads, CFG.head_size)).astype(np.float32) for _ in range(2))
@@ -315,9 +322,31 @@ def test_cache_writes_land_in_the_right_blocks(end, tokens):
     values = lambda blocks: np.concatenate(blocks, axis=2)  # stored (B, K, S / N, H)
     for got, new, joined in [(k_all, k_new, keys), (v_all, v_new, values)]:
         want = np.zeros((2, CFG.kv_heads, 256, CFG.head_size), np.float32)
-        want[:, :, end : end + tokens] = new.transpose(0, 2, 1, 3)
+        want[:, :, end : end + tokens] = new.transpose(0, 2, 1, 3)[:, :, : 256 - end]
         np.testing.assert_array_equal(joined(got[1]), want)
         assert not np.any(joined(got[0]))  # the other layer untouched
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "int8"])
+def test_flat_cache_layout_generates_what_the_blocks_layout_does(gen, cache_dtype):
+    """The contiguous cache's two layouts (`kernels.cache_layout`: blocks on CPU, flat on accelerators)
+    store the same values and attend over the same slots: ragged prompts, greedy and sampled (n=2: the
+    prompt's cache rows taken twice) and penalised, give the same tokens and log-probabilities. (A
+    bfloat16 cache: `testdecode_loop_updates_the_cache_in_place`.)"""
+    make = lambda cfg: Generator(gen.params, cfg, gen.tokenizer, max_batch=8, chunk_steps=5, cache_dtype=cache_dtype)
+    configs = [
+        GREEDY,
+        SamplingConfig(temperature=0.9, top_k=40, seed=5, max_new_tokens=12, n=2, ignore_eos=True),
+        SamplingConfig(temperature=0.7, seed=3, max_new_tokens=20, frequency_penalty=0.3, ignore_eos=True),
+        GREEDY,
+    ]
+    blocks = gen if cache_dtype == "float32" else make(CFG)  # CFG: auto, blocks on CPU
+    want = blocks.generate(PROMPTS, configs)
+    got = make(dataclasses.replace(CFG, cache_layout="flat")).generate(PROMPTS, configs)
+    assert len(got) == len(want) == 5
+    for a, b in zip(got, want, strict=True):
+        assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-5)
 
 
 def test_bfloat16_cache_is_uint16_on_cpu_close_and_in_place(gen):

@@ -69,6 +69,29 @@ def test_prefill_then_decode_equals_full_forward(style, layout):
     assert int(cache.end) == 24
 
 
+@pytest.mark.parametrize("cache_layout", ["blocks", "flat"])
+def test_cache_layouts_decode_ragged_windowed_rows_as_the_full_forward(cache_layout):
+    """Either layout of the contiguous cache (`kernels.cache_layout`), with a sliding window on every
+    other layer and a ragged batch (row 1 ends at 15 tokens: padding, position -1, from there): a
+    prefill of 6 tokens, a call of 5, then one token at a time up to the cache's last slot give the full
+    forward's logits at every real position."""
+    cfg = small(sliding_window=4, global_every=2, cache_layout=cache_layout)
+    params = random_params(cfg)
+    tokens = jax.random.randint(jax.random.key(8), (2, 32), 0, cfg.vocab_size)
+    positions = jnp.stack([jnp.arange(32), jnp.where(jnp.arange(32) < 15, jnp.arange(32), -1)])
+    full, _ = model.forward(params, tokens, positions, cfg=cfg)
+    cache = KVCache.init(cfg, batch_size=2, max_len=32)
+    assert cache.num_blocks == (1 if cache_layout == "flat" else 2)
+    first, cache = jax.jit(lambda p, t, pos, c: model.forward(p, t, pos, c, cfg=cfg))(
+        params, tokens[:, :6], positions[:, :6], cache
+    )
+    rest, cache = prefill_then_decode(params, cfg, tokens[:, 6:], positions[:, 6:], cache, 5)
+    logits = jnp.concatenate([first, rest], axis=1)
+    assert int(cache.end) == 32
+    np.testing.assert_allclose(logits[0], full[0], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(logits[1, :15], full[1, :15], atol=1e-5, rtol=1e-5)
+
+
 def prefill_then_decode(params, cfg, tokens_bt, positions_bt, cache, prefill: int):
     """Logits (B, T, V) of `prefill` tokens in one cached call, then the rest one at a time; and the cache."""
     step = jax.jit(lambda p, t, pos, c: model.forward(p, t, pos, c, cfg=cfg))

@@ -23,6 +23,9 @@ CONFIGS = {
     ),
     "gpt2": ModelConfig(vocab_size=257, num_layers=2, d_model=64, num_heads=4, d_ff=128, max_seq_len=128),
 }  # fmt: skip
+# the contiguous cache as accelerators lay it out (kernels.cache_layout): verification's writes of W + 1
+# tokens by one dropping scatter, no cond
+CONFIGS["llama-flat"] = dataclasses.replace(CONFIGS["llama"], cache_layout="flat")
 # copy-heavy prompts (drafts find matches), ragged, one near the end of the context
 PROMPTS = ["abcabcabcabcabc", "the cat sat on the mat; the cat sat on", "x" * 110]
 

@@ -118,6 +118,10 @@ class ModelConfig:
     decode_impl: Literal["auto", "xla", "pallas"] = "auto"  # attention of a decode step over the engine's
     #   paged cache: xla: the blockwise loop over pages (jaxgen.model.attention); pallas: the GPU Pallas
     #   paged-attention kernel (interpret mode elsewhere; not for sliding windows); auto: pallas on GPU
+    cache_layout: Literal["auto", "blocks", "flat"] = "auto"  # how the Generator's contiguous cache holds a
+    #   layer's slots (jaxgen.model.kvcache): blocks: up to 16 buffers, each written and read under a lax.cond
+    #   (what XLA:CPU runs fastest); flat: one buffer written without a cond and read in one masked pass (a
+    #   few kernels per layer on GPU and TPU); auto: blocks on CPU, flat elsewhere (kernels.cache_layout)
     remat: Literal["none", "full", "dots", "dots_no_batch", "offload_dots"] = "none"  # what the scanned
     #   layer keeps for the backward pass (jax.checkpoint policies): none: everything; full: only its
     #   input (recompute the rest); dots: matrix-product outputs; dots_no_batch: those without a batch

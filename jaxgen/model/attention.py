@@ -5,7 +5,8 @@ its keys live: `write` stores a call's keys, `key_block` hands block j of a laye
 `blocks_to_visit` says how many blocks any query can see. `cached_attention` runs the one online-softmax
 step over those blocks with the one mask rule, so the model never asks which cache it holds. A cache
 whose blocks are buffers of their own (`num_blocks` an int) is read by a Python loop of `lax.cond`s with
-static j, so each product reads its block in place; one whose blocks are gathered (None) by a
+static j, so each product reads its block in place (a lone block, the contiguous cache's flat layout on
+accelerators: one masked pass, no cond, no loop); one whose blocks are gathered (None) by a
 `fori_loop` over a traced j. A decode step over a cache that names a fused decode kernel may run that
 kernel instead (`kernels.decode_kernel`); on CPU a decode step's products run as `kernels.cpu` says.
 
@@ -175,8 +176,8 @@ def _fold_cache(q, cache, kv, layer, q_pos_bt, *, window, cfg):
 
     def fold(j, stats, kv):
         block = cache.key_block(kv, layer, j)
-        if cache.num_blocks is None:  # a gathered block: its slots were copied anyway
-            return fold_block(stats, *block)
+        if cache.num_blocks in (None, 1):  # a gathered block (its slots copied anyway), or a lone block
+            return fold_block(stats, *block)  # (the flat layout, `kernels.cache_layout`): one masked pass
         filled = cache.filled(q_pos_bt) - j * block[0].shape[-1]  # from the block's first slot
         return cpu.fold_parts(fold_block, stats, block, filled)
 

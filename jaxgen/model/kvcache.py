@@ -1,16 +1,25 @@
 """The contiguous KV cache (`jaxgen.model.cache.Cache`) of the Generator and beam search: an immutable
 pytree passed into `forward` and returned updated.
 
-Layout (glossary in `jaxgen.sharding`; the S slots cut into N blocks of S / N):
+Layout (glossary in `jaxgen.sharding`; the S slots cut into N blocks of S / N, N = 1 in the flat layout):
     k:    L x N x (B, K, H, S / N)  keys, slots minor: a buffer of their own for every layer and block
     v:    L x N x (B, K, S / N, H)  values, head dim minor
     k_scale, v_scale: L x N x (B, K, S / N) float32, int8 caches only: one scale per token and kv head
     pos:  (B, S) int32     the token position held in each slot; -1 marks an empty slot
     end:  () int32         the next slot to write; all sequences of a batch write the same slot
 
-Why this layout: all rows write the shared slot `end`, so a call touches only the block(s) holding slots
-[end, end + T), each under a `lax.cond` (a `dynamic_update_slice` for one token, a dropping scatter for
-more), in place when the cache is donated. Each block being a buffer of its own, cached attention reads
+Two layouts, chosen per backend in one place (`kernels.cache_layout`, `model.cache_layout`):
+
+- blocks (XLA:CPU): N = `num_blocks(S)` blocks of BLOCK slots or more. All rows write the shared slot
+  `end`, so a call touches only the block(s) holding slots [end, end + T), each under a `lax.cond` (a
+  `dynamic_update_slice` for one token, a dropping scatter for more), in place when the cache is donated.
+- flat (GPU, TPU): N = 1, one buffer per layer for keys and one for values, written without a cond (one
+  `dynamic_update_slice` for one token, one dropping scatter for more: slots past S are dropped, never
+  clamped onto earlier ones) and read by attention in one masked pass over all S slots. A step is then
+  a few kernels per layer; with N blocks it carried 3N - 1 conds per layer, each a dependent launch on a
+  GPU (bench/decode.py counts both, compiled for sm_90).
+
+In the blocks layout, Each block being a buffer of its own, cached attention reads
 the blocks in use in place, where blocks sliced out of one buffer per layer were copied by XLA:CPU before
 every product. Keys are stored (H, slots) and values (slots, H), each block in its product's
 (contracted, columns) order, which CPU decoding's written-out sums (`kernels.cpu`) read along contiguous
@@ -28,12 +37,15 @@ softmax per device (`context.split_cached_attention`), so a long sequence's cach
 
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxgen.config import ModelConfig
+from jaxgen.model import kernels
 from jaxgen.model.context import AXIS as CONTEXT
 from jaxgen.model.storage import dequantize_kv, quantize_kv, scale_buffer, storage_dtype, to_storage
 from jaxgen.sharding import constrain, context_size, logical_spec
@@ -60,9 +72,10 @@ class KVCache:
 
     @classmethod
     def init(cls, cfg: ModelConfig, batch_size: int, max_len: int, dtype=jnp.float32) -> KVCache:
-        """An empty cache; `dtype` float32, bfloat16 (held as uint16 bits on CPU, see `storage_dtype`) or
-        int8 (one float32 scale per token and kv head: `quantize_kv`)."""
-        blocks = num_blocks(max_len)
+        """An empty cache, laid out as `kernels.cache_layout(cfg)` says; `dtype` float32, bfloat16 (held as
+        uint16 bits on CPU, see `storage_dtype`) or int8 (one float32 scale per token and kv head:
+        `quantize_kv`)."""
+        blocks = num_blocks(max_len, kernels.cache_layout(cfg))
         shape = (batch_size, cfg.kv_heads, max_len // blocks, cfg.head_size)  # values; keys (B, K, H, S / N)
         key_shape = (*shape[:2], shape[3], shape[2])
         dtype = storage_dtype(dtype)
@@ -209,21 +222,20 @@ class KVCache:
     def _write_blocks(self, blocks: tuple, new, axis: int):
         """`blocks` (N buffers, slots along `axis`) with `new` (T slots along `axis`) written at slots
         [end, end + T): each block under a cond on whether it holds any of them, so a step touches one
-        or two. (A device's part of split blocks: the slots of its part.)"""
+        or two; a lone block (the flat layout) without one. (A device's part of split blocks: the slots of
+        its part.)"""
         size, t = self.block_size, new.shape[axis]
         held = blocks[0].shape[axis]  # size, or Sb / C slots of a device's part
-        slots = self.end + jnp.arange(t)  # this call's slots
         out = []
         for j, block in enumerate(blocks):
             first = self.end - j * size - self._part_start(held)  # this call's first slot, counted from ours
+            if len(blocks) == 1:  # the flat layout: a whole layer (slot `end` inside it but on the step
+                # a full cache's finished rows run as padding, whose write clamps onto the last slot as
+                # `with_positions` does its position: nobody reads it), or a device's part of one
+                out.append(_write_at(block, new, first, axis, inside=self.split == 1))
+                continue
             owns = (first < held) & (first + t > 0)
-            if t == 1:
-                write = lambda b, first=first: jax.lax.dynamic_update_slice_in_dim(b, new, first, axis)
-            else:
-                offset = slots - (self.end - first)
-                offset = jnp.where(offset < 0, held, offset)  # before this block: out of range, dropped
-                at = (slice(None),) * axis + (offset,)
-                write = lambda b, at=at: b.at[at].set(new, mode="drop", unique_indices=True)
+            write = functools.partial(_write_at, new=new, first=first, axis=axis, inside=True)
             out.append(jax.lax.cond(owns, write, lambda b: b, block))
         return tuple(out)
 
@@ -271,12 +283,26 @@ class KVCache:
         )  # fmt: skip
 
 
-def num_blocks(max_len: int) -> int:
-    """How many blocks a cache of `max_len` slots is cut into: blocks of BLOCK slots, at most
-    MAX_BLOCKS of them, and at least two, so that a short sequence in a small cache reads half of it;
-    blocks always tile the slots exactly. (Two was first the fix for XLA:CPU copying a single block that
-    spanned a layer's whole buffer every step at batch 1; with a buffer per block a one-block cache
-    compiled without copies at batch 1 and 2.)"""
+def _write_at(block, new, first, axis: int, inside: bool):
+    """`block` with `new`'s T slots (along `axis`) written at slots [first, first + T) of it (`first`
+    traced); slots outside the block are dropped. One token known to lie `inside` the block: a
+    `dynamic_update_slice`; else a dropping scatter, which never clamps a slot onto another (T > 1 near
+    the end; a device's part of split slots, which holds slot `first` or not)."""
+    if new.shape[axis] == 1 and inside:
+        return jax.lax.dynamic_update_slice_in_dim(block, new, first, axis)
+    offset = first + jnp.arange(new.shape[axis])
+    offset = jnp.where(offset < 0, block.shape[axis], offset)  # before this block: out of range, dropped
+    return block.at[(slice(None),) * axis + (offset,)].set(new, mode="drop", unique_indices=True)
+
+
+def num_blocks(max_len: int, layout: str = "blocks") -> int:
+    """How many blocks a cache of `max_len` slots is cut into: one in the flat layout; in the blocks
+    layout, blocks of BLOCK slots, at most MAX_BLOCKS of them, and at least two, so that a short sequence
+    in a small cache reads half of it; blocks always tile the slots exactly. (Two was first the fix for
+    XLA:CPU copying a single block that spanned a layer's whole buffer every step at batch 1; with a
+    buffer per block a one-block cache compiled without copies at batch 1 and 2.)"""
+    if layout == "flat":
+        return 1
     if max_len <= BLOCK:
         return 2 if max_len % 2 == 0 else 1
     blocks = min(max_len // BLOCK, MAX_BLOCKS)

@@ -5,8 +5,10 @@
     splash.py     the Pallas splash kernel for whole sequences (TPU; elsewhere in interpret mode)
     paged_gpu.py  the GPU Pallas paged-attention kernel for a decode step over the engine's page pool
     cpu.py        XLA:CPU-only tuning of cached attention's decode step (products as sums, 64-slot parts)
+    gpu_target.py the decode loop compiled for an NVIDIA GPU without one (CUDA plugin), its kernels counted
 
 `choose(cfg)` and `fit_length` pick the whole-sequence implementation (`model.attention_impl`);
+`cache_layout(cfg)` how the contiguous cache holds a layer's slots (`model.cache_layout`);
 `decode_kernel(cfg, cache, T)` says whether a cached call runs the fused decode kernel its cache names
 (`Cache.decode_kernel`, a key of `DECODE_KERNELS`: the one registration a decode kernel needs) or
 attention's XLA block loop (`model.decode_impl`). A reason a kernel cannot run is logged once.
@@ -39,6 +41,7 @@ paged_unfit = paged_gpu.unfit
 __all__ = [
     "DECODE_KERNELS",
     "DecodeKernel",
+    "cache_layout",
     "choose",
     "cpu",
     "cudnn_attention",
@@ -84,6 +87,19 @@ def choose(cfg: ModelConfig, backend: str | None = None) -> str:
         _warn_once(f"model.attention_impl={cfg.attention_impl}: {impl} cannot run ({reason}); using blockwise")
         return "blockwise"
     return impl
+
+
+def cache_layout(cfg: ModelConfig, backend: str | None = None) -> str:
+    """How the contiguous cache (`jaxgen.model.kvcache.KVCache`) holds a layer's slots on `backend`
+    (default: jax's), for `cfg.cache_layout`: "blocks" (up to MAX_BLOCKS buffers, each written and read
+    under a `lax.cond`, so a step touches the blocks in use only) or "flat" (one buffer, written without a
+    cond and read in one masked pass). auto: blocks on XLA:CPU, where they were measured faster (a bf16
+    cache updated in place, products over the blocks in use only: docs/performance.md, "KV cache
+    layout"); flat on GPU and TPU, where every cond is a dependent launch (3N - 1 per layer with N blocks)
+    and reading the whole layer in one pass costs little. The one place this choice is made."""
+    if cfg.cache_layout != "auto":
+        return cfg.cache_layout
+    return "blocks" if (backend or jax.default_backend()) == "cpu" else "flat"
 
 
 @functools.cache

@@ -1,0 +1,195 @@
+"""Compiling for an NVIDIA GPU this machine lacks, and counting what a compiled loop launches per step.
+
+    device = cuda_device(spec_text)                  # None (and why: `unavailable`) without the plugin
+    text = decode_loop_text(generator, prompts, sampling, device)
+    loop_ops(text)                                   # the decode loop body's operations, by opcode
+
+    python -m jaxgen.model.kernels.gpu_target [--config configs/tiny.yaml] [--slots 512] [--rows 1]
+        # JSON: per cache layout, the conditionals and kernels a layer adds to a decode step (sm_90)
+
+The CUDA plugin (`pip install '.[gpu-compile]'`) compiles for a GPU described by a target config, a
+`GpuTargetConfigProto` text (bench/gpu_specs/), under `JAX_PLATFORMS=cpu` and without a device:
+`jax.experimental.topologies` gives a device of that GPU to place abstract arguments on, and the program
+is XLA:GPU's optimised HLO, the kernels a real GPU would launch (bench/decode.py, tests/test_gpu_compile.py).
+The plugin registers only where jax's platforms are cpu (elsewhere its CUDA version check fails without a
+GPU), so the command line sets them and a process whose backends already started runs it as a subprocess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import jax
+
+# Instructions that launch nothing: they name buffers, pieces of tuples or views of them.
+FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier", "after-all"}
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+ = .*? ([a-z][\w\-]*)\(")
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+) .*\{\s*$")
+
+
+def unavailable() -> str | None:
+    """Why this machine cannot compile for a CUDA target (the plugin is not installed), or None."""
+    try:
+        found = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except ModuleNotFoundError:  # no jax_plugins package at all
+        found = False
+    return None if found else "the CUDA plugin is not installed (pip install '.[gpu-compile]')"
+
+
+def cuda_device(spec_text: str):
+    """A device of the GPU that `spec_text` (a GpuTargetConfigProto text) describes, to place abstract
+    arguments on for `lower(...).compile()`; None where the plugin is not installed (`unavailable`)."""
+    if unavailable():
+        return None
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc(platform="cuda", target_config=spec_text, topology="1x1x1").devices[0]
+
+
+@contextlib.contextmanager
+def traced_for(backend: str):
+    """Within: `jax.default_backend()` answers `backend`. jaxgen's per-backend choices (`kernels.choose`,
+    `kernels.cache_layout`, `storage.storage_dtype`, `kernels.cpu`'s tuning) ask it while tracing; under
+    `JAX_PLATFORMS=cpu` it says cpu, so a program traced for a GPU target would take the CPU paths."""
+    real = jax.default_backend
+    jax.default_backend = lambda: backend
+    try:
+        yield
+    finally:
+        jax.default_backend = real
+
+
+class _Caught(Exception):
+    pass
+
+
+def decode_loop_text(generator, prompts, sampling, device) -> str:
+    """Optimised HLO text of the decode loop (`inference.decode.decode_loop`, its `lax.while_loop`) that
+    `generator` (a `Generator`) runs for `prompts` under `sampling`, compiled for `device` (`cuda_device`)
+    and traced as a GPU traces it (`traced_for`). The loop's arguments are caught on their way in (the
+    prompts' prefill runs here; the loop does not), so the cache has the layout `generator`'s config
+    builds on this machine: set `model.cache_layout` to compile the other."""
+    caught, loop = {}, generator._loop
+
+    def catch(params, state, cfg):
+        caught.update(params=params, state=state, cfg=cfg)
+        raise _Caught
+
+    generator._loop = catch
+    try:
+        generator.generate(prompts, sampling)
+    except _Caught:
+        pass
+    finally:
+        generator._loop = loop
+    args = placed(caught["params"], device), placed(caught["state"], device)
+    with traced_for("gpu"):
+        return loop.jitted.lower(*args, cfg=caught["cfg"]).compile().as_text()
+
+
+def placed(tree, device):
+    """`tree`'s arrays as `jax.ShapeDtypeStruct`s on `device` (nothing allocated)."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
+def computations(hlo_text: str) -> dict[str, list[str]]:
+    """Optimised HLO text as {computation name: its instruction lines}; the entry one also under "ENTRY"."""
+    out, name = {}, None
+    for line in hlo_text.splitlines():
+        header = _HEADER.match(line)
+        if header and not line.startswith(" "):
+            name = header.group(1)
+            out[name] = []
+            if line.startswith("ENTRY"):
+                out["ENTRY"] = out[name]
+        elif line.strip() == "}":
+            name = None
+        elif name is not None and _INSTRUCTION.match(line):
+            out[name].append(line)
+    return out
+
+
+def ops(comps: dict[str, list[str]], name: str) -> collections.Counter:
+    """The operations computation `name` runs, by opcode: one each (a fusion is one kernel, a cuBLAS
+    call one custom-call, a conditional or a nested while one launch of their own), free ones (`FREE`)
+    left out, and the computations a `call` runs (XLA:GPU's command buffers) counted in its place."""
+    counts = collections.Counter()
+    for line in comps[name]:
+        op = _INSTRUCTION.match(line).group(1)
+        if op == "call":
+            counts += ops(comps, re.search(r"to_apply=%?([\w.\-]+)", line).group(1))
+        elif op not in FREE:
+            counts[op] += 1
+    return counts
+
+
+def loop_ops(hlo_text: str) -> collections.Counter:
+    """The operations of one iteration of the largest `while` loop the entry computation runs (the
+    decode loop), by opcode (`ops`), with "total" the sum: what a step launches."""
+    comps = computations(hlo_text)
+    bodies = [re.search(r"body=%?([\w.\-]+)", line).group(1) for line in comps["ENTRY"] if " while(" in line]
+    if not bodies:
+        raise ValueError("the compiled program runs no while loop")
+    counts = max((ops(comps, body) for body in bodies), key=lambda c: sum(c.values()))
+    counts["total"] = sum(counts.values())
+    return counts
+
+
+def per_layer(layout: str, cfg, slots: int, rows: int, device) -> dict:
+    """For the contiguous cache's `layout`: the operations of a decode step of `cfg` at 1 layer (`rows`
+    rows, a cache of `slots`), and what each further layer adds ("conditional", "kernels": all but the free
+    ones), from compiles at 1 and 2 layers. The prompts' prefill runs here, on CPU."""
+    from jaxgen import model
+    from jaxgen.inference.generator import Generator
+    from jaxgen.inference.sampling import SamplingConfig
+    from jaxgen.tokenizer import Tokenizer
+
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    steps = []
+    for layers in (1, 2):
+        c = dataclasses.replace(cfg, num_layers=layers, cache_layout=layout, max_seq_len=max(cfg.max_seq_len, slots))
+        gen = Generator(model.init_params(c, jax.random.key(0)), c, Tokenizer.byte_level(), max_batch=rows,
+                        chunk_steps=8, min_cache_len=slots)  # fmt: skip
+        steps.append(loop_ops(decode_loop_text(gen, [[1, 2, 3]] * rows, greedy, device)))
+    one, two = steps
+    return {
+        "step": dict(one),
+        "conditional": two["conditional"] - one["conditional"],
+        "kernels": two["total"] - one["total"],
+    }
+
+
+def main(argv=None) -> int:
+    root = Path(__file__).resolve().parents[3]
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--spec", default=str(root / "bench" / "gpu_specs" / "h200.txtpb"))
+    parser.add_argument("--config", default=str(root / "configs" / "tiny.yaml"))
+    parser.add_argument("--slots", type=int, default=512, help="cache slots (the Generator's min_cache_len)")
+    parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--layouts", nargs="+", default=["flat", "blocks"], choices=["flat", "blocks"])
+    args = parser.parse_args(argv)
+    jax.config.update("jax_platforms", "cpu")  # before any backend starts: the plugin then registers
+    reason = unavailable()
+    if reason:
+        print(f"error: {reason}", file=sys.stderr)
+        return 2
+    from jaxgen.config import load_config
+
+    cfg = load_config(args.config).model
+    device = cuda_device(Path(args.spec).read_text())
+    out = {layout: per_layer(layout, cfg, args.slots, args.rows, device) for layout in args.layouts}
+    print(json.dumps({"device": device.device_kind, "slots": args.slots, "rows": args.rows, **out}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""The Generator's decode loop compiled for an NVIDIA H200 (sm_90) without a GPU: the CUDA plugin compiles
+for the target config in bench/gpu_specs/ under jax's cpu platform (`kernels.gpu_target`, run as a
+subprocess: the plugin registers only in a process that starts its backends so). Where the plugin is not
+installed (`pip install '.[gpu-compile]'`), the test is skipped, saying so."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxgen.model.kernels import gpu_target
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_KERNELS_PER_LAYER = 20  # what a layer of the tiny model launches at batch 1: see the test's docstring
+
+
+@pytest.mark.skipif(gpu_target.unavailable() is not None, reason=str(gpu_target.unavailable()))
+def test_flat_layout_runs_no_cond_per_layer_and_blocks_one_per_block():
+    """The tiny model's decode step (batch 1, 128 slots) compiled for sm_90, at 1 and 2 layers: with the
+    flat layout (what `model.cache_layout=auto` takes on a GPU) a layer adds no conditional and at most
+    MAX_KERNELS_PER_LAYER kernels (two cache writes, two attention products, the softmax's max and sum,
+    its normalisation, and the norms, projections, rotary embedding and MLP around them, where XLA:GPU
+    runs each batch-1 product of such tiny matrices as two kernels, a multiply and a reduction); with
+    the blocks layout (XLA:CPU's; N = 2 blocks of 64) a layer adds 3N - 1 = 5 (a write per block, a skip
+    per block but the first)."""
+    cmd = [sys.executable, "-m", "jaxgen.model.kernels.gpu_target", "--slots", "128"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    counts = json.loads(out.stdout.strip().splitlines()[-1])
+    flat, blocks = counts["flat"], counts["blocks"]
+    assert counts["device"].startswith("NVIDIA H200")
+    assert flat["conditional"] == 0 and 0 < flat["kernels"] <= MAX_KERNELS_PER_LAYER, flat
+    assert flat["step"]["conditional"] <= 1, flat  # the sampler's, once a step whatever the depth
+    assert blocks["conditional"] == 5, blocks
