@@ -19,8 +19,15 @@ PROMPTS = [list(range(10, 30)), list(range(50, 62)), list(range(100, 125)), list
 PLAIN = SamplingConfig(max_new_tokens=10, temperature=0.0, ignore_eos=True)
 ASKING = [
     SamplingConfig(max_new_tokens=10, temperature=0.0, logprobs=3, ignore_eos=True),
-    SamplingConfig(max_new_tokens=10, temperature=0.8, seed=3, repetition_penalty=1.5, presence_penalty=0.5,
-                   frequency_penalty=0.3, ignore_eos=True),  # fmt: skip
+    SamplingConfig(
+        max_new_tokens=10,
+        temperature=0.8,
+        seed=3,
+        repetition_penalty=1.5,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        ignore_eos=True,
+    ),
 ]
 
 
