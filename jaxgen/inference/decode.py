@@ -30,8 +30,9 @@ from jaxgen.inference.sampling import (
     SamplingError,
     check_prompt,
     check_text,
-    policy_logits,
-    sample,
+    draw,
+    penalized,
+    policy_from,
     shown,
 )
 from jaxgen.model import layers, lora
@@ -177,10 +178,11 @@ def decode_loop(params, state: DecodeState, cfg: ModelConfig) -> DecodeState:
         return (s.step < s.limit) & ~jnp.all(s.done)
 
     def body(s: DecodeState):
+        processed = penalized(s.logits, s.sampling, s.seen, s.counts, allowed(s))  # once: the draw and the scores
         # keyed by (seed, index); per tile of rows in deterministic mode
-        tok = sample(s.logits, s.sampling, s.generated, s.seen, s.counts, allowed(s), tiled=cfg.deterministic)
+        tok = draw(processed, s.sampling, s.generated, tiled=cfg.deterministic)
         tok = jnp.where(s.done, 0, tok)
-        scored = policy_logits(s.logits, s.sampling, s.seen, s.counts, allowed(s))  # logprobs_mode
+        scored = policy_from(s.logits, processed, s.sampling)  # logprobs_mode
         s = record(s, tok, scored, ~s.done, cfg, base, full=s.cache.is_full(s.positions))
         # Finished rows run as padding (position -1): they write nothing anyone reads. (Skipping the
         # forward once every row is done would need a lax.cond, which made XLA copy the whole cache.)
@@ -218,18 +220,40 @@ def append(s: DecodeState, rows, column, tok, logits, kept, generated, finish, r
     its deterministic log-softmax (`layers.log_softmax`); None: jax.nn's."""
     logp = jax.nn.log_softmax(logits, axis=-1) if cfg is None else layers.log_softmax(logits, cfg)
     chosen = jnp.take_along_axis(logp, tok[..., None], axis=-1)[..., 0]
-    top_lp, top_ids = jax.lax.top_k(logp, s.top_ids.shape[-1])
-    added = jnp.where(kept, tok, logits.shape[-1])  # out of range: dropped
 
     def write(buf, x):
         return buf.at[rows, column].set(x, mode="drop")
 
-    return s.replace(
-        generated=generated, tokens=write(s.tokens, tok), logprobs=write(s.logprobs, chosen),
-        top_ids=write(s.top_ids, top_ids), top_logprobs=write(s.top_logprobs, top_lp), finish=finish,
+    s = s.replace(
+        generated=generated, tokens=write(s.tokens, tok), logprobs=write(s.logprobs, chosen), finish=finish,
         done=s.done | (finish != RUNNING), recent=recent,
-        counts=s.counts.at[rows, added].add(1, mode="drop"), seen=s.seen.at[rows, added].set(True, mode="drop"),
     )  # fmt: skip
+    if s.top_ids.shape[-1]:  # the buffers have room for alternatives (the engine's always have)
+        s = _alternatives(s, logp, write)
+    return _counted(s, rows, jnp.where(kept, tok, logits.shape[-1]))  # out of range: dropped
+
+
+def _alternatives(s: DecodeState, logp, write) -> DecodeState:
+    """The top alternatives under `logp` (..., V) written by `write`, when some row asks for them (a
+    value-dependent branch: no recompile); the buffers keep what they had otherwise (no row reads them)."""
+
+    def top(bufs):
+        top_lp, top_ids = jax.lax.top_k(logp, s.top_ids.shape[-1])
+        return write(bufs[0], top_ids), write(bufs[1], top_lp)
+
+    bufs = jax.lax.cond(s.sampling.any_alternatives(), top, lambda bufs: bufs, (s.top_ids, s.top_logprobs))
+    return s.replace(top_ids=bufs[0], top_logprobs=bufs[1])
+
+
+def _counted(s: DecodeState, rows, added) -> DecodeState:
+    """The penalties' counts and seen tokens with `added` (token ids, V where dropped), when some row asks
+    for a penalty (no other row reads them; a row's are set from its history when it starts)."""
+
+    def count(bufs):
+        return bufs[0].at[rows, added].add(1, mode="drop"), bufs[1].at[rows, added].set(True, mode="drop")
+
+    counts, seen = jax.lax.cond(s.sampling.any_penalty(), count, lambda bufs: bufs, (s.counts, s.seen))
+    return s.replace(counts=counts, seen=seen)
 
 
 def finish_code(finish, active, hit_stop, too_long):

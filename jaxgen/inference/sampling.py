@@ -276,6 +276,7 @@ class SamplingArrays:
     logit_bias: jax.Array  # (B, V)
     seed: jax.Array  # (B,) uint32
     processed: jax.Array  # (B,) bool, logprobs_mode "processed": log-probabilities of `policy_logits`
+    alternatives: jax.Array  # (B,) int32, top alternatives asked per token (SamplingConfig.logprobs)
 
     @classmethod
     def stack(cls, configs: list[SamplingConfig], vocab_size: int) -> SamplingArrays:
@@ -294,16 +295,41 @@ class SamplingArrays:
             frequency_penalty=col("frequency_penalty", np.float32), logit_bias=bias,
             seed=np.asarray([c.seed % 2**32 for c in configs], np.uint32),
             processed=np.asarray([c.logprobs_mode == "processed" for c in configs], bool),
+            alternatives=col("logprobs", np.int32),
         )  # fmt: skip
+
+    def any_penalty(self):
+        """() bool: does some row ask for a repetition, presence or frequency penalty?"""
+        rp, pp, fp = self.repetition_penalty, self.presence_penalty, self.frequency_penalty
+        return jnp.any((rp != 1) | (pp != 0) | (fp != 0))
+
+    def any_alternatives(self):
+        """() bool: does some row ask for top alternatives (`SamplingConfig.logprobs` > 0)?"""
+        return jnp.any(self.alternatives > 0)
 
 
 def process_logits(logits_bv, sp: SamplingArrays, seen_bv, counts_bv):
-    """Bias and penalties. seen: tokens in prompt or output (bool); counts: occurrences in the output."""
+    """Bias and penalties. seen: tokens in prompt or output (bool); counts: occurrences in the output.
+    The penalties' pass over (B, V) runs only when some row asks for one (a value-dependent branch: the
+    settings' values never recompile); without any, a row's logits are its biased logits either way."""
     logits = logits_bv + sp.logit_bias
-    rp = sp.repetition_penalty[:, None]
-    logits = jnp.where(seen_bv, jnp.where(logits > 0, logits / rp, logits * rp), logits)
-    counts = counts_bv.astype(jnp.float32)
-    return logits - sp.presence_penalty[:, None] * (counts > 0) - sp.frequency_penalty[:, None] * counts
+
+    def penalties(logits):
+        rp = sp.repetition_penalty[:, None]
+        logits = jnp.where(seen_bv, jnp.where(logits > 0, logits / rp, logits * rp), logits)
+        counts = counts_bv.astype(jnp.float32)
+        return logits - sp.presence_penalty[:, None] * (counts > 0) - sp.frequency_penalty[:, None] * counts
+
+    return jax.lax.cond(sp.any_penalty(), penalties, lambda x: x, logits)
+
+
+def penalized(logits_bv, sp: SamplingArrays, seen_bv, counts_bv, allowed_bv=None):
+    """(B, V) what a row draws from before temperature and truncation: the constraint's mask (`allowed_bv`
+    (B, V) bool, None: every token), bias and penalties. `draw` takes it; so does `policy_from`, so a
+    decode step computes it once."""
+    if allowed_bv is not None:
+        logits_bv = jnp.where(allowed_bv, logits_bv, -jnp.inf)
+    return process_logits(logits_bv, sp, seen_bv, counts_bv)
 
 
 def _temperature(sp: SamplingArrays):
@@ -315,12 +341,12 @@ def policy_logits(logits_bv, sp: SamplingArrays, seen_bv, counts_bv, allowed_bv=
     """(B, V) the logits whose log-softmax a row reports for its tokens: the model's (logprobs_mode "raw"),
     or for "processed" rows those `sample` draws from before truncation: the constraint's mask, bias and
     penalties, divided by the temperature (by 1 for a greedy row). Inputs as `sample`'s, before the draw."""
-    if allowed_bv is not None:
-        masked = jnp.where(allowed_bv, logits_bv, -jnp.inf)
-    else:
-        masked = logits_bv
-    processed = process_logits(masked, sp, seen_bv, counts_bv)
-    processed = jnp.where(sp.temperature[:, None] == 0, processed, processed / _temperature(sp))
+    return policy_from(logits_bv, penalized(logits_bv, sp, seen_bv, counts_bv, allowed_bv), sp)
+
+
+def policy_from(logits_bv, penalized_bv, sp: SamplingArrays):
+    """`policy_logits` from the model's logits and their `penalized` ones (B, V)."""
+    processed = jnp.where(sp.temperature[:, None] == 0, penalized_bv, penalized_bv / _temperature(sp))
     return jnp.where(sp.processed[:, None], processed, logits_bv)
 
 
@@ -351,32 +377,33 @@ def sample(logits_bv, sp: SamplingArrays, step, seen_bv, counts_bv, allowed_bv=N
     model deterministic mode): the softmax and cumulative sums of the truncation then sum each row in
     the same order whatever the batch (XLA:CPU's order depends on the row count).
     """
-    if tiled:
-        return _sample_tiles(logits_bv, sp, step, seen_bv, counts_bv, allowed_bv)
-    if allowed_bv is not None:
-        logits_bv = jnp.where(allowed_bv, logits_bv, -jnp.inf)
-    logits = process_logits(logits_bv, sp, seen_bv, counts_bv)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return draw(penalized(logits_bv, sp, seen_bv, counts_bv, allowed_bv), sp, step, tiled)
 
-    def draw(_):
-        masked, order = truncated_logits(logits, sp)
+
+def draw(penalized_bv, sp: SamplingArrays, step, tiled: bool = False):
+    """`sample` from `penalized` logits (B, V): (B,) int32."""
+    if tiled:
+        return _draw_tiles(penalized_bv, sp, step)
+    greedy = jnp.argmax(penalized_bv, axis=-1).astype(jnp.int32)
+
+    def drawn(_):
+        masked, order = truncated_logits(penalized_bv, sp)
         steps = jnp.broadcast_to(step, sp.seed.shape)  # one step for all rows, or each row's own
         keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(sp.seed, steps)
         choice = jax.vmap(jax.random.categorical)(keys, masked)
-        drawn = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
-        return jnp.where(sp.temperature == 0, greedy, drawn).astype(jnp.int32)
+        token = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+        return jnp.where(sp.temperature == 0, greedy, token).astype(jnp.int32)
 
     # An all-greedy batch skips the sort over the vocabulary (a value-dependent branch: no recompile).
-    return jax.lax.cond(jnp.all(sp.temperature == 0), lambda _: greedy, draw, None)
+    return jax.lax.cond(jnp.all(sp.temperature == 0), lambda _: greedy, drawn, None)
 
 
-def _sample_tiles(logits_bv, sp: SamplingArrays, step, seen_bv, counts_bv, allowed_bv):
-    """`sample` over tiles of `layers.TILE` rows."""
+def _draw_tiles(penalized_bv, sp: SamplingArrays, step):
+    """`draw` over tiles of `layers.TILE` rows."""
     steps = jnp.broadcast_to(step, sp.seed.shape)
-    allowed = jnp.ones(logits_bv.shape, bool) if allowed_bv is None else allowed_bv
     leaves, tree = jax.tree.flatten(sp)
 
-    def tile(logits, steps, seen, counts, allowed, *leaves):
-        return sample(logits, jax.tree.unflatten(tree, leaves), steps, seen, counts, allowed)
+    def tile(logits, steps, *leaves):
+        return draw(logits, jax.tree.unflatten(tree, leaves), steps)
 
-    return per_tile(tile, logits_bv, steps, seen_bv, counts_bv, allowed, *leaves)
+    return per_tile(tile, penalized_bv, steps, *leaves)

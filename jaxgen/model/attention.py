@@ -187,8 +187,8 @@ def _fold_cache(q, cache, kv, layer, q_pos_bt, *, window, cfg):
         jnp.zeros((b, k, g, t, h), jnp.float32),  # running weighted sum of values
     )
     visit = cache.blocks_to_visit(q_pos_bt)
-    if cache.num_blocks is None:  # kv rides in the carry: as a loop-invariant operand XLA copies it
-        return jax.lax.fori_loop(0, visit, lambda j, c: (fold(j, *c), c[1]), (stats, kv))
+    if cache.num_blocks is None:  # gathered blocks (pages): the cache's own loop, kv in its carry
+        return cache.fold(fold_block, stats, kv, layer, q_pos_bt)
     for j in range(cache.num_blocks):  # blocks_to_visit >= 1: block 0 needs no cond
         fold_j = functools.partial(fold, j, kv=kv)
         stats = fold_j(stats) if j == 0 else jax.lax.cond(j < visit, fold_j, _same, stats)

