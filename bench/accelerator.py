@@ -414,7 +414,7 @@ def _per_step(ops: dict, baseline: dict, steps: int) -> dict[str, tuple[float, f
     out = {}
     for name, (calls, us) in ops.items():
         base_calls, base_us = baseline.get(name, (0, 0.0))
-        if calls > base_calls or us > base_us:
+        if calls > base_calls:  # an op the steps add (same count, other time: noise between the two runs)
             out[name] = ((calls - base_calls) / steps, max(us - base_us, 0.0) / steps)
     return out
 
