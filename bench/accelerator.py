@@ -353,7 +353,7 @@ def _trace_engine(engine, part: PartConfig, sampling, shapes: Shapes, folder: Pa
         for _ in range(steps):
             engine.step()
 
-    events = _trace(folder / "steps", window)
+    events = _trace(folder / "steps", window, warm_up=False)  # compiled by the timed run
     engine.run_until_idle()
     _print_ops(f"one engine step, {part.serve.slots} slots busy (a traced window / {steps})",
                _per_step(events, {}, steps), folder / "summary.md")  # fmt: skip
@@ -369,16 +369,18 @@ def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
 # --- device traces ----------------------------------------------------------------------------------------------
 
 
-def _trace(folder: Path, fn) -> dict[str, tuple[int, float]]:
-    """Runs fn (warm: compiled before) under `jax.profiler.trace` into `folder`; returns {op: (calls, µs)}
-    of the device's operations (of XLA's executor threads on a host backend, which has no device plane)."""
+def _trace(folder: Path, fn, warm_up: bool = True) -> dict[str, tuple[int, float]]:
+    """Runs fn under `jax.profiler.trace` into `folder` (after one untraced call, so that nothing compiles
+    inside, unless warm_up=False); returns {op: (calls, µs)} of the device's operations (of XLA's executor
+    threads on a host backend, which has no device plane)."""
     import glob
     import gzip
 
     import jax
 
     folder.mkdir(parents=True, exist_ok=True)
-    jax.block_until_ready(fn())  # warm: nothing compiles inside the trace
+    if warm_up:
+        jax.block_until_ready(fn())
     with jax.profiler.trace(str(folder), create_perfetto_trace=True):
         jax.block_until_ready(fn())
     path = sorted(glob.glob(str(folder / "**" / "perfetto_trace.json.gz"), recursive=True))[-1]

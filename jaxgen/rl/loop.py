@@ -218,10 +218,10 @@ def starting_policy(cfg: Config, run_dir: Path, mesh, progress: bool):
                                     deterministic=cfg.model.deterministic)  # fmt: skip
     if cfg.model.deterministic:  # its key blocks must divide the engine's pages
         model_cfg = dataclasses.replace(model_cfg, attention_block=cfg.model.attention_block)
-    rl = cfg.rl
     if model_cfg.lora.rank:  # the checkpoints hold the adapters only: config.yaml names their base for load_run
-        rl = dataclasses.replace(rl, init_from=str(Path(source).resolve()))
-    return dataclasses.replace(cfg, model=model_cfg, rl=rl), tokenizer, params
+        lora = dataclasses.replace(model_cfg.lora, base=str(Path(source).resolve()))
+        model_cfg = dataclasses.replace(model_cfg, lora=lora)
+    return dataclasses.replace(cfg, model=model_cfg), tokenizer, params
 
 
 def warm_start_config(cfg: Config, folder: str | Path) -> Config:
