@@ -90,7 +90,8 @@ def _events(device: bool) -> list[dict]:
 
 def test_trace_summary_counts_device_operations(bench):
     # a device plane present: its events alone, whatever the thread
-    on_device = bench._device_ops(_events(device=True))
+    on_device, source = bench._device_ops(_events(device=True))
+    assert source == "the device's trace"
     assert on_device == {
         "fusion": (2, 4.0),
         "$python frame": (1, 50.0),
@@ -98,7 +99,7 @@ def test_trace_summary_counts_device_operations(bench):
         "ThunkExecutor::Execute": (1, 20.0),
     }
     # no device plane (XLA:CPU): the executor threads' events, not Python's frames nor its thread
-    on_host = bench._device_ops(_events(device=False))
+    on_host, _ = bench._device_ops(_events(device=False))
     assert on_host == {"fusion": (1, 1.0), "gemm": (1, 10.0)}  # not Python's frames, its thread, the runtime's spans
     per_step = bench._per_step({"gemm": (9, 90.0), "copy": (4, 8.0)}, {"gemm": (1, 10.0), "copy": (4, 8.0)}, 4)
     assert per_step == {"gemm": (2.0, 20.0)}
