@@ -618,10 +618,12 @@ def _pipe(stream, lines: queue.Queue) -> None:
     lines.put(None)
 
 
-def print_tables(results: dict[str, dict], errors: dict[str, str]) -> None:
+def print_tables(results: dict[str, dict], errors: dict[str, str], shapes: Shapes) -> None:
     def get(part, key, fmt="{:,.0f}"):
         value = results.get(part, {}).get(key)
-        return fmt.format(value) if value is not None else f"({errors.get(part) or 'not run'})"[:60]
+        if value is None:
+            return f"({errors.get(part) or 'not run'})"[:60]
+        return "n/a" if value != value else fmt.format(value)  # NaN: no peak known for this device
 
     print("\n# Summary\n\n## Training, one step (rows x tokens)")
     print("| | rows | tokens/s | MFU |\n|---|---|---|---|")
@@ -637,7 +639,8 @@ def print_tables(results: dict[str, dict], errors: dict[str, str]) -> None:
         ours = [f"{row['ms']:.2f}", f"{row['floor_ms']:.2f}", f"{row['ms'] / row['floor_ms']:.1f}x"] if row else []
         ours = ours or [get("decode-jax", "ms"), "", ""]
         print(f"| {row['model'] if row else key} | " + " | ".join([ours[0], *theirs, *ours[1:]]) + " |")
-    print("\n## Batches of 128 + 128 tokens, output tokens/s")
+    print(f"\n## Batches of {shapes.batch_prompt} + {shapes.batch_new} tokens ({shapes.batch} rows or slots, "
+          f"the engine {shapes.requests} requests), output tokens/s")  # fmt: skip
     print("| jaxgen Generator, static batch | transformers eager, static batch | jaxgen engine, fresh prompts | "
           "engine / static | compilations in the timed run |\n|---|---|---|---|---|")  # fmt: skip
     gen, eng = results.get("batch-jax", {}).get("tok_s"), results.get("engine-jax", {}).get("tok_s")
@@ -682,7 +685,7 @@ def main() -> None:
             errors[name] = error
             print(f"[{name}] failed: {error}")
         print(f"[{name}] {time.monotonic() - t0:.0f} s", flush=True)
-    print_tables(results, errors)
+    print_tables(results, errors, shapes)
 
 
 if __name__ == "__main__":
