@@ -100,6 +100,7 @@ def test_trace_summary_counts_device_operations(bench):
     }
     # no device plane (XLA:CPU): the executor threads' events, not Python's frames nor its thread
     on_host, _ = bench._device_ops(_events(device=False))
-    assert on_host == {"fusion": (1, 1.0), "gemm": (1, 10.0)}  # not Python's frames, its thread, the runtime's spans
+    # not Python's frames, its thread, nor the runtime's spans (Class::method)
+    assert on_host == {"fusion": (1, 1.0), "gemm": (1, 10.0), "host op": (1, 9.0)}
     per_step = bench._per_step({"gemm": (9, 90.0), "copy": (4, 8.0)}, {"gemm": (1, 10.0), "copy": (4, 8.0)}, 4)
     assert per_step == {"gemm": (2.0, 20.0)}
