@@ -442,9 +442,8 @@ def test_a_model_no_family_has_is_refused_on_export():
 def test_keys_a_config_leaves_out_take_the_family_defaults_of_transformers():
     """jaxgen's table of per-family defaults agrees with transformers' config classes, so a sparse
     config.json (as in a multimodal Gemma 3's text_config) reads as transformers would read it."""
-    from jaxgen.hf.config import _DEFAULTS
-
-    for family, defaults in _DEFAULTS.items():
+    for family, record in hf.FAMILY.items():
+        defaults = record.defaults
         theirs = transformers.AutoConfig.for_model(family, pad_token_id=0).to_dict()
         rope = theirs.get("rope_parameters") or {}
         theirs["rope_theta"] = rope.get("full_attention", rope).get("rope_theta")
