@@ -67,22 +67,30 @@ class JaxSide:
 
 
 class TorchSide:
-    def __init__(self, folder):
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    """A transformers model on `device`; each call returns once the device is done (timed from the host)."""
+
+    def __init__(self, model, device: str = "cpu"):
+        self.model, self.device = model.eval(), device
         self.model.generation_config.eos_token_id = None
         self.model.generation_config.pad_token_id = 0
 
-    @torch.no_grad()
-    def prefill(self, prompt):
-        return self.model(input_ids=torch.tensor([prompt]), use_cache=True, logits_to_keep=1).logits
+    @classmethod
+    def from_folder(cls, folder):
+        return cls(transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32))
 
     @torch.no_grad()
-    def generate(self, prompts, new_tokens):
-        ids = torch.tensor(prompts)
+    def prefill(self, prompt):
+        ids = torch.tensor([prompt], device=self.device)
+        return self.model(input_ids=ids, use_cache=True, logits_to_keep=1).logits.cpu()
+
+    @torch.no_grad()
+    def generate(self, prompts, new_tokens, **options):
+        """Greedy, exactly new_tokens per prompt; options go to `generate` (a streamer, cache_implementation)."""
+        ids = torch.tensor(prompts, device=self.device)
         out = self.model.generate(
             ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-        )  # fmt: skip
+            min_new_tokens=new_tokens, **options,
+        ).cpu()  # fmt: skip
         assert out.shape[1] == ids.shape[1] + new_tokens
         return out
 
@@ -132,20 +140,25 @@ def bench_train_jax(cfg, batch, seq, steps) -> float:
     return batch * seq / best
 
 
-def bench_train_torch(folder, batch, seq, steps, vocab) -> float:
-    m = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).train()
+def bench_train_torch(m, batch, seq, steps, vocab, autocast: torch.dtype | None = None) -> float:
+    """Tokens/s of an AdamW step with clipping on model `m` (on its own device), best of `steps` after one;
+    autocast: the dtype the forward computes in (None: the weights')."""
+    m.train()
     m.config.use_cache = False
+    device = next(m.parameters()).device
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     data = synthetic_batch(batch, seq, vocab)
-    inputs, targets = torch.from_numpy(data["inputs"]).long(), torch.from_numpy(data["targets"]).long()
+    inputs, targets = (torch.from_numpy(data[k]).long().to(device) for k in ("inputs", "targets"))
 
     def step():
-        logits = m(input_ids=inputs).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
+            logits = m(input_ids=inputs).logits
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        loss.item()  # waits for the device
 
     step()  # warm up
     return batch * seq / _best(step, steps)
@@ -157,15 +170,16 @@ def bench_config(name, args) -> dict[str, tuple[float, float]]:
     results: dict[str, tuple[float, float]] = {}
     with tempfile.TemporaryDirectory() as folder:
         hf.save_pretrained(folder, params, cfg.model, Tokenizer.byte_level())
-        sides = [JaxSide(cfg.model, params, args.batches), TorchSide(folder)]
+        sides = [JaxSide(cfg.model, params, args.batches), TorchSide.from_folder(folder)]
         ours, theirs = bench_generation(sides, np.random.default_rng(0), args.batches, args.new_tokens, args.repeats)
         del sides  # free both models before the training measure
         for key in ours:
             results[key] = (ours[key], theirs[key])
         if args.train_steps:
             ours_t = bench_train_jax(cfg, args.train_batch, args.train_seq, args.train_steps)
+            theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
             theirs_t = bench_train_torch(
-                folder, args.train_batch, args.train_seq, args.train_steps, cfg.model.vocab_size
+                theirs, args.train_batch, args.train_seq, args.train_steps, cfg.model.vocab_size
             )
             results["train"] = (ours_t, theirs_t)
     return results

@@ -5,6 +5,7 @@ random (biases and norm scales too, so a mapping mistake cannot hide behind zero
 with `save_pretrained`. jaxgen then has to reproduce its logits, greedy generations and loss.
 """
 
+import dataclasses
 import json
 import shutil
 
@@ -16,7 +17,7 @@ import torch
 import transformers
 
 from jaxgen import hf
-from jaxgen.config import ServeConfig
+from jaxgen.config import ModelConfig, ServeConfig
 from jaxgen.inference.engine import Engine
 from jaxgen.inference.generator import Generator
 from jaxgen.inference.sampling import SamplingConfig
@@ -72,6 +73,22 @@ FAMILIES = {
         norm_topk_prob=False,
     ),
 }
+
+
+def test_every_family_record_is_complete_and_tested():
+    """The families are the records of hf.FAMILY, their number derived from it: each has a parity config here
+    (the session fixture below runs every test over them), names a transformers class whose config is that
+    model_type, and sets only ModelConfig fields."""
+    assert len(hf.FAMILIES) == len(hf.FAMILY) == len(FAMILIES) and set(hf.FAMILY) == set(FAMILIES)
+    model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    for name, family in hf.FAMILY.items():
+        assert isinstance(family, hf.Family)
+        assert getattr(transformers, family.architecture).config_class.model_type == name
+        assert FAMILIES[name]().model_type == name
+        assert set(family.fields) <= model_fields, name
+        assert all(isinstance(k, str) for k in family.defaults), name
+        for field in dataclasses.fields(hf.Family):  # every field set or deliberately at its default
+            assert getattr(family, field.name) is not None, (name, field.name)
 
 
 def _randomise(m: torch.nn.Module, seed: int) -> None:
@@ -425,9 +442,8 @@ def test_a_model_no_family_has_is_refused_on_export():
 def test_keys_a_config_leaves_out_take_the_family_defaults_of_transformers():
     """jaxgen's table of per-family defaults agrees with transformers' config classes, so a sparse
     config.json (as in a multimodal Gemma 3's text_config) reads as transformers would read it."""
-    from jaxgen.hf.config import _DEFAULTS
-
-    for family, defaults in _DEFAULTS.items():
+    for family, record in hf.FAMILY.items():
+        defaults = record.defaults
         theirs = transformers.AutoConfig.for_model(family, pad_token_id=0).to_dict()
         rope = theirs.get("rope_parameters") or {}
         theirs["rope_theta"] = rope.get("full_attention", rope).get("rope_theta")

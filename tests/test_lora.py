@@ -5,6 +5,7 @@ import dataclasses
 import json
 import re
 import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+import yaml
 
 from jaxgen import hf, model
 from jaxgen.config import ConfigError, LoraConfig
@@ -206,5 +208,14 @@ def test_lora_run_from_hugging_face_resumes_exactly(hf_model, token_cache, tmp_p
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     from jaxgen.inference.loading import load_run
 
-    merged_cfg, _, _ = load_run(tmp_path / "once")  # adapters merged into the base: tests/test_lora_peft.py
+    merged_cfg, _, merged = load_run(tmp_path / "once")  # adapters merged into the base: tests/test_lora_peft.py
     assert merged_cfg.model.lora.rank == 0
+    assert load_config(tmp_path / "once" / "config.yaml").model.lora.base == str(Path(hf_folder).resolve())
+    # a run folder written before model.lora.base (the base named by training.init_from alone) loads the same
+    config_file = tmp_path / "killed" / "config.yaml"
+    data = yaml.safe_load(config_file.read_text())
+    del data["model"]["lora"]["base"]
+    config_file.write_text(yaml.safe_dump(data))
+    _, _, old = load_run(tmp_path / "killed")
+    for x, y in zip(jax.tree.leaves(merged), jax.tree.leaves(old), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from jaxgen import model
-from jaxgen.config import ModelConfig
+from jaxgen.config import ModelConfig, RLConfig
+from jaxgen.config.base import literal_fields
 from jaxgen.rl import objectives as rl
 
 
@@ -52,6 +53,22 @@ def test_group_advantages_equal_numpy(normalize):
     np.testing.assert_allclose(got, np_advantages(rewards, normalize), rtol=1e-5, atol=1e-6)
     assert np.all(got[1] == 0)  # a group that scores alike teaches nothing
     np.testing.assert_allclose(np.asarray(rl.batch_advantages(jnp.asarray(rewards[2]))), rewards[2] - 1.0)
+
+
+def test_rl_config_names_are_the_tables_keys():
+    """rl.algorithm and rl.averaging allow exactly the objectives' table entries: a new algorithm is a record in
+    objectives.ALGORITHMS and its name in RLConfig, and neither can be added alone."""
+    allowed = literal_fields(RLConfig)
+    assert allowed["algorithm"] == tuple(rl.ALGORITHMS)
+    assert allowed["averaging"] == tuple(rl.AVERAGING)
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "reinforce"])
+def test_advantages_follow_the_algorithm(algorithm):
+    rewards = np.array([[1.0, 0.0, 0.0, 1.0], [3.0, -1.0, 2.0, 0.0]], np.float32)
+    got = np.asarray(rl.advantages(jnp.asarray(rewards), rl.RLSettings(algorithm=algorithm, normalize=False)))
+    expected = np_advantages(rewards, False) if algorithm == "grpo" else rewards - rewards.mean()
+    np.testing.assert_allclose(got, expected.reshape(-1), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize(

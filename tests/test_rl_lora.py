@@ -8,10 +8,12 @@ built-in task raises its reward and resumes bitwise (adapters and optimizer stat
 import dataclasses
 import shutil
 import types
+from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+import yaml
 
 from jaxgen.config import Config, LoraConfig, load_config
 from jaxgen.inference.llm import LLM
@@ -192,3 +194,22 @@ def test_the_lora_run_folder_loads_as_its_base_with_the_adapters_merged(uninterr
     assert set(adapters) == set(cfg.model.lora.targets)
     model_cfg, _, merged = load_model(run_dir)  # what serve.py --checkpoint runs/<rl run> serves
     assert not model_cfg.lora.rank and jax.tree.structure(merged) == jax.tree.structure(warm)
+    saved = load_config(run_dir / "config.yaml")  # the one field that names the base, as train.py writes it
+    assert saved.model.lora.base == str(Path(cfg.rl.init_from).resolve())
+
+
+def test_a_lora_run_written_before_model_lora_base_still_loads(uninterrupted, tmp_path):
+    """An RL run folder of the older form (no model.lora.base; the base in rl.init_from) loads the same base."""
+    from jaxgen.inference.loading import load_lora_run
+
+    _, run_dir = uninterrupted
+    old = tmp_path / "old-run"
+    shutil.copytree(run_dir, old)
+    data = yaml.safe_load((old / "config.yaml").read_text())
+    base = data["model"]["lora"].pop("base")
+    data["rl"]["init_from"] = base
+    (old / "config.yaml").write_text(yaml.safe_dump(data))
+    assert not load_config(old / "config.yaml").model.lora.base
+    (_, _, want, adapters), (_, _, got, old_adapters) = load_lora_run(run_dir), load_lora_run(old)
+    for x, y in zip(jax.tree.leaves((want, adapters)), jax.tree.leaves((got, old_adapters)), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

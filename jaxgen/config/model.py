@@ -41,6 +41,10 @@ class LoraConfig:
     targets: tuple[Literal["q", "k", "v", "o", "gate", "up", "down"], ...] = ("q", "k", "v", "o")
     base_dtype: Literal["float32", "bfloat16", "int8"] = "float32"  # how the frozen base weights are held
     #   in training: int8 is the QLoRA-style saving (jaxgen.model.quant, matrix products only)
+    # the folder of the weights the adapters adapt (a Hugging Face or run folder), written into a LoRA run's
+    # config.yaml by train.py (training.init_from) and rl.py (the starting policy) and read by
+    # jaxgen.inference.loading; "" = the weights the run's seed draws. Not a setting: set by the run itself
+    base: str = ""
 
     def __post_init__(self):
         check_literals(self, "model.lora")
@@ -51,6 +55,7 @@ class LoraConfig:
         ok = isinstance(targets, tuple) and len(targets) > 0 and len(set(targets)) == len(targets)
         ok = ok and all(t in LORA_TARGETS for t in targets)
         check(ok, "model.lora.targets", targets, "distinct names out of " + ", ".join(LORA_TARGETS))
+        check(isinstance(self.base, str), "model.lora.base", self.base, 'a folder, or "" (the seed\'s weights)')
 
     @property
     def scale(self) -> float:

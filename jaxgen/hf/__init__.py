@@ -21,6 +21,8 @@ Every entry of config.json is read typed and range-checked (`fields`): a bad one
 file, the key and the value, raised before any weight is read; so are weights larger than the memory.
 
 Modules (imports point down the list; safetensors needs only HFError from config):
+    families     one record per family (FAMILY: model_type -> Family): what its config.json and tensors hold
+                 beyond the Llama layout; adding a family is one record
     fields       typed reading of a JSON file's entries (HFError naming file, key, value, what is allowed)
     config       config.json <-> ModelConfig: FAMILIES, read_config, family_of, hf_config, HFError
     safetensors  memory-mapped .safetensors reader with header checks; a folder's single or sharded
@@ -35,12 +37,15 @@ Modules (imports point down the list; safetensors needs only HFError from config
 
 from jaxgen.hf.config import FAMILIES, HFError, family_of, hf_config, read_config
 from jaxgen.hf.export import save_pretrained
+from jaxgen.hf.families import FAMILY, Family
 from jaxgen.hf.load import is_hf_folder, load_params, load_pretrained
 from jaxgen.hf.peft import read_peft_adapter, write_peft_adapter
 from jaxgen.hf.weights import Tensor, tensor_map
 
 __all__ = [
     "FAMILIES",
+    "FAMILY",
+    "Family",
     "HFError",
     "Tensor",
     "family_of",

@@ -1,8 +1,9 @@
 """config.json <-> ModelConfig: the supported families, reading a folder's config, choosing the family a
 jaxgen model exports to and writing its config.json; HFError, the error every hf module raises.
 
-Each family is the Llama layout plus a few fields (`_FAMILY_FIELDS`); reading and writing are one
-table each way, and `family_of` checks a candidate by writing the config and reading it back.
+Each family is one record (`jaxgen.hf.families.FAMILY`): the Llama layout plus a few fields; reading and
+writing are one function each way over the record, and `family_of` checks a candidate by writing the config
+and reading it back.
 """
 
 from __future__ import annotations
@@ -12,63 +13,12 @@ from pathlib import Path
 
 from jaxgen.config import ModelConfig
 from jaxgen.config.base import ConfigError
+from jaxgen.hf.families import FAMILIES, FAMILY
 from jaxgen.hf.fields import Fields, HFError, read_object
 from jaxgen.tokenizer import Tokenizer
 
-_ARCHITECTURES = {
-    "gpt2": "GPT2LMHeadModel",
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "gemma": "GemmaForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "gemma2": "Gemma2ForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
-    "olmo2": "Olmo2ForCausalLM",
-    "phi3": "Phi3ForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-}
-FAMILIES = tuple(_ARCHITECTURES)
-_GEMMAS = ("gemma", "gemma2", "gemma3_text")
 _TANH_GELU = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
-# What each RoPE family sets beyond Llama's layout (read: these values; export: the family if they match).
-_FAMILY_FIELDS = {
-    "llama": {},
-    "mistral": {},
-    "qwen2": {"qkv_bias": True},
-    "gemma": {"mlp": "geglu", "norm_unit_offset": True, "embed_scale": True},
-    "qwen3": {"qk_norm": "head"},
-    "gemma2": {"mlp": "geglu", "norm_unit_offset": True, "embed_scale": True, "norm_placement": "sandwich"},
-    "gemma3_text": {
-        "mlp": "geglu", "norm_unit_offset": True, "embed_scale": True, "norm_placement": "sandwich",
-        "qk_norm": "head",
-    },
-    "olmo2": {"qk_norm": "full", "norm_placement": "post"},
-    "phi3": {},
-    "mixtral": {},
-    "qwen3_moe": {"qk_norm": "head"},
-}  # fmt: skip
-# transformers' own defaults for keys a config.json may leave out, where jaxgen's generic fallback (the
-# Llama one) would read a different model: e.g. Gemma's head_dim is 256, not hidden_size / heads.
-_DEFAULTS = {
-    "gemma": {"head_dim": 256, "hidden_act": "gelu_pytorch_tanh", "max_position_embeddings": 8192},
-    "gemma2": {
-        "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
-        "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "sliding_window": 4096,
-        "max_position_embeddings": 8192,
-    },
-    "gemma3_text": {
-        "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
-        "sliding_window": 4096, "max_position_embeddings": 131072, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
-    },
-    "mixtral": {"rope_theta": 1e6, "max_position_embeddings": 131072},
-    "qwen3": {"head_dim": 128, "max_position_embeddings": 32768},
-    "qwen3_moe": {"max_position_embeddings": 32768},
-    "phi3": {"max_position_embeddings": 4096},
-}  # fmt: skip
-_WINDOWED = ("mistral", "phi3", "mixtral", "gemma2", "gemma3_text")  # families with a sliding window
 # Fields a round trip through config.json need not keep: how jaxgen computes, not what the model is.
 _NOT_ARCHITECTURE = (
     "dtype", "init_std", "family", "moe_impl", "router_z_coef", "attention_impl", "attention_block", "remat",
@@ -94,12 +44,13 @@ def read_config(folder: str | Path) -> tuple[str, ModelConfig]:
 
 
 def _from_hf(hf: dict, family: str, folder) -> ModelConfig:
-    f = Fields(_DEFAULTS.get(family, {}) | hf, f"{folder}/config.json")
-    fields = _gpt2_fields(f, folder) if family == "gpt2" else _llama_like_fields(f, family, folder)
+    layout = FAMILY[family].layout
+    f = Fields(FAMILY[family].defaults | hf, f"{folder}/config.json")
+    fields = _gpt2_fields(f, folder) if layout == "gpt2" else _llama_like_fields(f, family, folder)
     try:
         return ModelConfig(**fields)
     except ConfigError as e:  # a check across fields (e.g. heads and kv-heads): name the file and its keys
-        names = _HF_NAMES["gpt2" if family == "gpt2" else "llama"]
+        names = _HF_NAMES[layout]
         key = str(e).split("=", 1)[0].removeprefix("model.")
         raise HFError(f"{f.where}: {e} (config.json's {names.get(key, key)})") from None
 
@@ -130,10 +81,10 @@ _AXIS_FIELDS = {
 def size_fields(cfg: ModelConfig, family: str, axes: tuple | None = None) -> str:
     """The config.json fields that size one parameter with logical `axes` (None: all the weights), as
     `name=value, ...`: what an error about sizes points the reader to."""
-    names = _HF_NAMES["gpt2" if family == "gpt2" else "llama"] | {
-        "num_experts": "num_local_experts" if family == "mixtral" else "num_experts"
+    names = _HF_NAMES[FAMILY[family].layout] | {
+        "num_experts": "num_local_experts" if FAMILY[family].experts == "mixtral" else "num_experts"
     }
-    if family == "qwen3_moe":
+    if FAMILY[family].experts == "qwen3_moe":
         names["d_ff"] = "moe_intermediate_size"
     if axes is None:
         axes = ("vocab", "embed", "layers", "mlp") + ("expert",) * bool(cfg.num_experts)
@@ -173,7 +124,7 @@ def _rope_fields(f: Fields, family: str, folder) -> dict:
         if local.text("rope_type", "default") != "default":
             raise _fail(folder, f"{local.prefix}rope_type={local.data['rope_type']!r}; allowed: default")
         rope = rope.section("full_attention")
-    elif family == "gemma3_text":
+    elif FAMILY[family].local_rope:
         fields["rope_local_theta"] = f.number("rope_local_base_freq", 10000.0)
     partial = rope.number("partial_rotary_factor", f.number("partial_rotary_factor", 1.0))
     if partial != 1.0:
@@ -197,17 +148,18 @@ def _rope_fields(f: Fields, family: str, folder) -> dict:
 
 def _window_fields(f: Fields, family: str, folder) -> dict:
     """The sliding window, and for Gemma 2/3 which layers are global (`global_every`)."""
-    if family in ("qwen2", "qwen3", "qwen3_moe") and f.flag("use_sliding_window", False):
+    kind = FAMILY[family].window
+    if kind == "refused" and f.flag("use_sliding_window", False):
         raise _fail(folder, f"{family} with use_sliding_window=true (per-layer windows) is not supported")
-    window = f.integer("sliding_window", None) if family in _WINDOWED else None
+    window = f.integer("sliding_window", None) if kind in ("sliding", "layered") else None
     if window is None:
         return {}
-    if family not in ("gemma2", "gemma3_text"):
+    if kind == "sliding":
         return {"sliding_window": window}
     n = f.integer("num_hidden_layers")
     types = f.raw("layer_types", None, "a list of full_attention / sliding_attention")
     if types is None:  # older configs: Gemma 2 alternates, Gemma 3 has a period
-        period = 2 if family == "gemma2" else f.integer("sliding_window_pattern", 6)
+        period = 2 if not FAMILY[family].local_rope else f.integer("sliding_window_pattern", 6)
         types = ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n)]
     if not isinstance(types, list) or len(types) != n:
         raise f.error("layer_types", types, f"a list of num_hidden_layers={n} layer types")
@@ -219,12 +171,13 @@ def _window_fields(f: Fields, family: str, folder) -> dict:
 
 
 def _expert_fields(f: Fields, family: str, folder) -> dict:
-    if family == "mixtral":
+    experts = FAMILY[family].experts
+    if experts == "mixtral":
         return {
             "num_experts": f.integer("num_local_experts"), "experts_per_token": f.integer("num_experts_per_tok"),
             "router_renormalize": True, "router_aux_coef": f.number("router_aux_loss_coef", 0.02, closed=True),
         }  # fmt: skip
-    if family == "qwen3_moe":
+    if experts == "qwen3_moe":
         if f.integer("decoder_sparse_step", 1) != 1 or f.raw("mlp_only_layers", None, "a list"):
             raise _fail(folder, "qwen3_moe with dense layers (decoder_sparse_step != 1 or mlp_only_layers)")
         # transformers 5 writes num_local_experts
@@ -238,7 +191,7 @@ def _expert_fields(f: Fields, family: str, folder) -> dict:
 
 
 def _gemma_fields(f: Fields, family: str) -> dict:
-    if family not in ("gemma2", "gemma3_text"):
+    if FAMILY[family].window != "layered":
         return {}
     scale = f.number("query_pre_attn_scalar") if f.has("query_pre_attn_scalar") else f.number("head_dim", 256.0)
     return {
@@ -249,7 +202,8 @@ def _gemma_fields(f: Fields, family: str) -> dict:
 
 def _llama_like_fields(f: Fields, family: str, folder) -> dict:
     act = f.text("hidden_activation") if f.has("hidden_activation") else f.text("hidden_act", "silu")
-    want = _TANH_GELU if family in _GEMMAS else ("silu",)
+    gelu = FAMILY[family].gelu
+    want = _TANH_GELU if gelu else ("silu",)
     if act not in want:
         raise _fail(folder, f"{family} hidden_act={act!r} is not supported; allowed: {', '.join(want)}")
     attn_bias, mlp_bias = f.flag("attention_bias", False), f.flag("mlp_bias", False)
@@ -263,9 +217,9 @@ def _llama_like_fields(f: Fields, family: str, folder) -> dict:
         num_kv_heads=f.integer("num_key_value_heads", n), head_dim=f.integer("head_dim", d // n),
         d_ff=f.integer("intermediate_size"), max_seq_len=f.integer("max_position_embeddings", 2048),
         position="rope", norm="rmsnorm", norm_eps=f.number("rms_norm_eps", 1e-6), mlp="swiglu",
-        use_bias=attn_bias, tie_embeddings=f.flag("tie_word_embeddings", family in _GEMMAS), family=family,
+        use_bias=attn_bias, tie_embeddings=f.flag("tie_word_embeddings", gelu), family=family,
     )  # fmt: skip
-    fields |= _FAMILY_FIELDS[family] | _rope_fields(f, family, folder) | _window_fields(f, family, folder)
+    fields |= FAMILY[family].fields | _rope_fields(f, family, folder) | _window_fields(f, family, folder)
     return fields | _gemma_fields(f, family) | _expert_fields(f, family, folder)
 
 
@@ -288,7 +242,7 @@ def family_of(cfg: ModelConfig) -> str:
         f"this model has no Hugging Face equivalent (position={cfg.position}, norm={cfg.norm}, mlp={cfg.mlp}, "
         f"use_bias={cfg.use_bias}, qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm}, "
         f"norm_placement={cfg.norm_placement}, num_experts={cfg.num_experts}); exportable: {', '.join(FAMILIES)} "
-        "as transformers defines them (see jaxgen.hf.config._FAMILY_FIELDS)"
+        "as transformers defines them (see jaxgen.hf.families.FAMILY)"
     )
 
 
@@ -310,11 +264,12 @@ def _architecture(cfg: ModelConfig) -> dict:
 
 def hf_config(cfg: ModelConfig, family: str, tokenizer: Tokenizer | None = None) -> dict:
     """config.json for `cfg` in `family` (see `family_of`)."""
-    common = {"architectures": [_ARCHITECTURES[family]], "model_type": family, "vocab_size": cfg.vocab_size}
+    record = FAMILY[family]
+    common = {"architectures": [record.architecture], "model_type": family, "vocab_size": cfg.vocab_size}
     common |= {"tie_word_embeddings": cfg.tie_embeddings, "dtype": "float32"}
     if tokenizer is not None:
         common["eos_token_id"] = tokenizer.eos_ids[0] if len(tokenizer.eos_ids) == 1 else list(tokenizer.eos_ids)
-    if family == "gpt2":
+    if record.layout == "gpt2":
         return common | {
             "n_layer": cfg.num_layers, "n_embd": cfg.d_model, "n_head": cfg.num_heads, "n_inner": cfg.d_ff,
             "n_positions": cfg.max_seq_len, "layer_norm_epsilon": cfg.norm_eps, "activation_function": "gelu_new",
@@ -324,19 +279,19 @@ def hf_config(cfg: ModelConfig, family: str, tokenizer: Tokenizer | None = None)
         "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_size, "intermediate_size": cfg.d_ff,
         "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
         "rope_parameters": _rope_json(cfg, family), "attention_bias": cfg.use_bias, "mlp_bias": cfg.use_bias,
-        "hidden_act": "gelu_pytorch_tanh" if family in _GEMMAS else "silu",
+        "hidden_act": "gelu_pytorch_tanh" if record.gelu else "silu",
     }  # fmt: skip
-    if family in _GEMMAS:
+    if record.gelu:
         out["hidden_activation"] = out["hidden_act"]
-    if family in _WINDOWED:
+    if record.window in ("sliding", "layered"):
         out["sliding_window"] = cfg.sliding_window
-    if family in ("qwen2", "qwen3", "qwen3_moe"):
+    if record.window == "refused":
         out |= {"use_sliding_window": False, "sliding_window": None}
-    if family in ("gemma2", "gemma3_text"):
+    if record.window == "layered":
         layer_types = ["full_attention" if cfg.is_global(i) else "sliding_attention" for i in range(cfg.num_layers)]
         out |= {"layer_types": layer_types, "query_pre_attn_scalar": _int_if_whole(cfg.query_scale or cfg.head_size)}
         out |= {"attn_logit_softcapping": cfg.attn_softcap, "final_logit_softcapping": cfg.final_softcap}
-    if family == "phi3":
+    if record.pad_is_eos:
         out["pad_token_id"] = common.get("eos_token_id", 0)  # transformers' default (= vocab size) fails
     return out | _experts_json(cfg, family)
 
@@ -355,19 +310,20 @@ def _rope_json(cfg: ModelConfig, family: str) -> dict:
             "high_freq_factor": cfg.rope_high_freq_factor,
             "original_max_position_embeddings": cfg.rope_original_max_len,
         }  # fmt: skip
-    if family == "gemma3_text":
+    if FAMILY[family].local_rope:
         local = cfg.rope_theta if cfg.rope_local_theta is None else cfg.rope_local_theta
         return {"full_attention": rope, "sliding_attention": {"rope_type": "default", "rope_theta": local}}
     return rope
 
 
 def _experts_json(cfg: ModelConfig, family: str) -> dict:
-    if family == "mixtral":
+    experts = FAMILY[family].experts
+    if experts == "mixtral":
         return {
             "num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.experts_per_token,
             "router_aux_loss_coef": cfg.router_aux_coef, "output_router_logits": False,
         }  # fmt: skip
-    if family == "qwen3_moe":
+    if experts == "qwen3_moe":
         return {
             "num_experts": cfg.num_experts, "num_experts_per_tok": cfg.experts_per_token,
             "moe_intermediate_size": cfg.d_ff, "norm_topk_prob": cfg.router_renormalize,

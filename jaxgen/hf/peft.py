@@ -28,6 +28,7 @@ import numpy as np
 from jaxgen.config import ConfigError, LoraConfig, ModelConfig
 from jaxgen.config.model import LORA_TARGETS
 from jaxgen.hf.config import family_of
+from jaxgen.hf.families import FAMILY
 from jaxgen.hf.fields import Fields, HFError, read_object
 from jaxgen.hf.safetensors import _SafetensorsFile
 from jaxgen.hf.weights import Tensor, tensor_map
@@ -116,7 +117,7 @@ def write_peft_adapter(
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": cfg.lora.alpha,
         "target_modules": sorted(m.suffix for m in modules.values()), "rank_pattern": rank_pattern,
         "alpha_pattern": alpha_pattern, "lora_dropout": 0.0, "bias": "none", "use_rslora": False,
-        "use_dora": False, "fan_in_fan_out": family == "gpt2",  # GPT-2's Conv1D weights are (in, out)
+        "use_dora": False, "fan_in_fan_out": FAMILY[family].layout == "gpt2",  # GPT-2's Conv1D weights are (in, out)
         "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None, "init_lora_weights": True,
         "inference_mode": True, "base_model_name_or_path": base_model_name_or_path,
     }  # fmt: skip

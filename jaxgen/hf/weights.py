@@ -11,6 +11,7 @@ import numpy as np
 
 from jaxgen import model
 from jaxgen.config import ModelConfig
+from jaxgen.hf.families import FAMILY
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +45,7 @@ class Tensor:
 
 def tensor_map(family: str, cfg: ModelConfig) -> dict[str, Tensor]:
     """jaxgen parameter path ("layers/w_q_dnh") -> its Hugging Face tensor, for the params `cfg` has."""
-    table = _gpt2_tensors(cfg) if family == "gpt2" else _llama_like_tensors(family, cfg)
+    table = _gpt2_tensors(cfg) if FAMILY[family].layout == "gpt2" else _llama_like_tensors(family, cfg)
     table["head_dv"] = Tensor("lm_head.weight", "linear")
     wanted = set(_param_paths(cfg))
     return {path: t for path, t in table.items() if path in wanted}
@@ -105,7 +106,7 @@ def _llama_like_tensors(family: str, cfg: ModelConfig) -> dict[str, Tensor]:
         table[f"layers/{ours}/scale_d"] = Tensor(h + f"{theirs}.weight", "vector")
     qkv_widths = (cfg.num_heads * cfg.head_size, cfg.kv_heads * cfg.head_size, cfg.kv_heads * cfg.head_size)
     for j, (x, kind) in enumerate((("q", "nh"), ("k", "kh"), ("v", "kh"))):
-        fused = family == "phi3"
+        fused = FAMILY[family].fused
         name = h + ("self_attn.qkv_proj.weight" if fused else f"self_attn.{x}_proj.weight")
         table[f"layers/w_{x}_d{kind}"] = Tensor(name, "linear", part=(j, qkv_widths) if fused else None)
         table[f"layers/b_{x}_{kind}"] = Tensor(h + f"self_attn.{x}_proj.bias", "vector")
@@ -113,17 +114,17 @@ def _llama_like_tensors(family: str, cfg: ModelConfig) -> dict[str, Tensor]:
     for x, w, b in mlp:
         table[f"layers/mlp/{w}"] = Tensor(h + f"mlp.{x}_proj.weight", "linear")
         table[f"layers/mlp/{b}"] = Tensor(h + f"mlp.{x}_proj.bias", "vector")
-    if family == "phi3":  # gate then up, fused
+    if FAMILY[family].fused:  # gate then up, fused
         for j, w in enumerate(("w_gate_df", "w_up_df")):
             table[f"layers/mlp/{w}"] = Tensor(h + "mlp.gate_up_proj.weight", "linear", part=(j, (cfg.d_ff,) * 2))
-    return table | _expert_tensors(family)
+    return table | _expert_tensors(FAMILY[family].experts)
 
 
-def _expert_tensors(family: str) -> dict[str, Tensor]:
+def _expert_tensors(experts: str) -> dict[str, Tensor]:
     h = "model.layers.{i}."
-    if family == "mixtral":
+    if experts == "mixtral":
         moe, names = h + "block_sparse_moe.", ("w1", "w3", "w2")
-    elif family == "qwen3_moe":
+    elif experts == "qwen3_moe":
         moe, names = h + "mlp.", ("gate_proj", "up_proj", "down_proj")
     else:
         return {}

@@ -118,7 +118,7 @@ def _restore(run_dir: Path, cfg: Config, step: int | None, restore):
 def load_lora_run(run_dir: str | Path, mesh=None, step: int | None = None):
     """(Config, Tokenizer, base, adapters) of a LoRA run folder: the float32 adapters of its latest good (or
     given) checkpoint ({target: {"a_...": (L, *in, r), "b_...": (L, r, *out)}}, `jaxgen.model.lora`) and the
-    float32 base they adapt: training.init_from's weights, or without it the weights the run's seed draws
+    float32 base they adapt: model.lora.base's weights (`lora_base_folder`), or the weights the run's seed draws
     (the checkpoints hold no base). model.lora.base_dtype (bfloat16, int8) was how training held the base
     to save memory; the base here is the full-precision one."""
     run_dir = Path(run_dir)
@@ -145,16 +145,23 @@ def _restore_adapters(ckpt: Checkpointer, step: int, model_cfg: ModelConfig, mes
     return ckpt.manager.restore(step, args=ocp.args.Composite(state=args))["state"]["params"]
 
 
+def lora_base_folder(cfg: Config) -> str | None:
+    """The folder of a LoRA run's base: model.lora.base, which train.py and rl.py write. Runs written before
+    that field named it in rl.init_from (rl.py) or training.init_from (train.py): read there. None: the
+    weights the run's seed draws."""
+    return cfg.model.lora.base or cfg.rl.init_from or cfg.training.init_from or None
+
+
 def _lora_base(cfg: Config, mesh) -> dict:
-    """A LoRA run's float32 base: an RL run's rl.init_from, training.init_from's weights, else the seed's (drawn
-    as training drew them)."""
-    if cfg.rl.init_from:  # an RL run's adapters (rl.py): their base is the starting policy's folder
-        return load_model(cfg.rl.init_from, mesh, param_dtype="float32")[2]
-    folder = cfg.training.init_from
+    """A LoRA run's float32 base: the weights of `lora_base_folder` (a run folder, or a Hugging Face folder read
+    with the run's model config), else the seed's (drawn as training drew them)."""
+    folder = lora_base_folder(cfg)
     if folder is not None:
+        if (Path(folder) / "config.yaml").exists():  # a run folder (rl.py's starting policy)
+            return load_model(folder, mesh, param_dtype="float32")[2]
         if not hf.is_hf_folder(folder):
             raise FileNotFoundError(
-                f"the base of this LoRA run, training.init_from={folder!r}, is not a Hugging Face model folder "
+                f"the base of this LoRA run, {folder!r}, is neither a run folder nor a Hugging Face model folder "
                 "(config.json and *.safetensors) any more; the run's checkpoints hold the adapters only"
             )
         return hf.load_params(folder, cfg.model, hf.read_config(folder)[0], mesh)

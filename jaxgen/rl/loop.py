@@ -9,7 +9,7 @@ One iteration (RL step s):
      each sampled token's log-probability under the tempered policy it was drawn from
      (`logprobs_mode="processed"`);
   3. rewards: the config's function over (prompt, completion, fields), on `rl.reward_workers` threads;
-  4. the update: advantages (group-relative for GRPO, batch baseline for REINFORCE), the training
+  4. the update: advantages (the algorithm's rule: `objectives.ALGORITHMS`), the training
      forward's log-probabilities of the same tokens, the clipped loss (jaxgen.rl.objectives), AdamW;
   5. the swap: `llm.update_params(new params)`: no recompilation, the prefix cache dropped.
 The state checkpointed is a `TrainState` (policy, optimizer, step, key); prompts and seeds are functions of
@@ -147,11 +147,7 @@ def rollout_batch(cfg: Config, outputs, rewards: np.ndarray, mine: slice = slice
         start = len(prompt) - 1  # column t scores token t + 1: the first completion token is column len - 1
         mask[i, start : start + len(c.tokens)] = 1.0
         old[i, start : start + len(c.tokens)] = c.logprobs
-    if r.algorithm == "grpo":
-        adv = objectives.group_advantages(jnp.asarray(rewards), r.normalize).reshape(-1)
-    else:
-        adv = objectives.batch_advantages(jnp.asarray(rewards).reshape(-1))
-    adv = np.asarray(adv)[mine]
+    adv = np.asarray(objectives.advantages(jnp.asarray(rewards), settings_of(cfg)))[mine]
     return {"tokens": tokens, "positions": positions, "mask": mask, "old_logp": old, "advantages": adv}
 
 
@@ -222,10 +218,10 @@ def starting_policy(cfg: Config, run_dir: Path, mesh, progress: bool):
                                     deterministic=cfg.model.deterministic)  # fmt: skip
     if cfg.model.deterministic:  # its key blocks must divide the engine's pages
         model_cfg = dataclasses.replace(model_cfg, attention_block=cfg.model.attention_block)
-    rl = cfg.rl
     if model_cfg.lora.rank:  # the checkpoints hold the adapters only: config.yaml names their base for load_run
-        rl = dataclasses.replace(rl, init_from=str(Path(source).resolve()))
-    return dataclasses.replace(cfg, model=model_cfg, rl=rl), tokenizer, params
+        lora = dataclasses.replace(model_cfg.lora, base=str(Path(source).resolve()))
+        model_cfg = dataclasses.replace(model_cfg, lora=lora)
+    return dataclasses.replace(cfg, model=model_cfg), tokenizer, params
 
 
 def warm_start_config(cfg: Config, folder: str | Path) -> Config:

@@ -1,6 +1,6 @@
 """Policy-gradient objectives over sampled completions: advantages, the clipped GRPO loss, REINFORCE.
 
-    adv = group_advantages(rewards_pn)                        # (P, n) -> (P, n)
+    adv = advantages(rewards_pn, settings)                    # (P, n) -> (B,), the algorithm's rule
     logp, entropy = token_logprobs(params, tokens, positions, cfg=cfg, temperature=t)   # (B, T-1) each
     loss, metrics = policy_loss(logp, old_logp, adv.reshape(-1), mask, settings, ref_logp=ref)
 
@@ -8,21 +8,22 @@ Shapes: B = P * n rows (P prompts, n samples each, a prompt's samples adjacent);
 completion, left-aligned with padding at the end; every per-token array is over the T - 1 *predicted*
 tokens (column t is token t + 1 given tokens 0..t), and `mask` (B, T - 1) is 1 on completion tokens only.
 
-All functions are pure and jit-able; `settings` (an `RLSettings`) is static.
+All functions are pure and jit-able; `settings` (an `RLSettings`) is static. The algorithms and the ways of
+averaging are tables (`ALGORITHMS`, `AVERAGING`) whose keys are the names rl.algorithm and rl.averaging allow:
+a new objective is one `Algorithm` record here and its name in `jaxgen.config.rl` (docs/architecture.md,
+Extending jaxgen).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from jaxgen.config import ModelConfig
 from jaxgen.model import forward, layers
-
-ALGORITHMS = ("grpo", "reinforce")
-AVERAGING = ("token", "sequence")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,39 @@ def batch_advantages(rewards_b):
     return rewards - rewards.mean()
 
 
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+    """One policy-gradient objective: how rewards become advantages, and the loss of each token.
+
+    advantages(rewards_pn, settings) -> (B,) float32, one per completion (rows in prompt-major order);
+    token_loss(ratio_bt, adv_b1, settings) -> (per-token loss (B, T-1), clipped (B, T-1) bool or None)."""
+
+    advantages: Callable
+    token_loss: Callable
+
+
+def _clipped_loss(ratio, adv, settings: RLSettings):
+    """-min(r A, clip(r, 1 - eps, 1 + eps) A), and where the ratio left the clip range."""
+    clipped = jnp.clip(ratio, 1.0 - settings.clip_eps, 1.0 + settings.clip_eps)
+    return -jnp.minimum(ratio * adv, clipped * adv), jnp.abs(ratio - 1.0) > settings.clip_eps
+
+
+def _plain_loss(ratio, adv, settings: RLSettings):
+    """-r A, whose gradient at r = 1 is -A grad logp; nothing is clipped."""
+    return -ratio * adv, None
+
+
+ALGORITHMS: dict[str, Algorithm] = {
+    "grpo": Algorithm(lambda r, s: group_advantages(r, s.normalize).reshape(-1), _clipped_loss),
+    "reinforce": Algorithm(lambda r, s: batch_advantages(r.reshape(-1)), _plain_loss),
+}
+
+
+def advantages(rewards_pn, settings: RLSettings):
+    """(P, n) rewards -> (B,) advantages by settings.algorithm's rule (B = P * n, a prompt's samples adjacent)."""
+    return ALGORITHMS[settings.algorithm].advantages(rewards_pn, settings)
+
+
 def token_logprobs(params, tokens_bt, positions_bt, *, cfg: ModelConfig, temperature: float = 1.0):
     """The training forward's view of sampled sequences: each token's log-probability under the
     temperature-scaled policy given the tokens before it, and that distribution's entropy.
@@ -65,13 +99,22 @@ def token_logprobs(params, tokens_bt, positions_bt, *, cfg: ModelConfig, tempera
     return logp, entropy
 
 
-def _masked_mean(x_bt, mask_bt, averaging: str):
+def _token_mean(x_bt, mask_bt):
+    """Every completion token weighs the same."""
     mask = mask_bt.astype(jnp.float32)
-    if averaging == "token":
-        return jnp.sum(x_bt * mask) / jnp.maximum(mask.sum(), 1.0)
+    return jnp.sum(x_bt * mask) / jnp.maximum(mask.sum(), 1.0)
+
+
+def _sequence_mean(x_bt, mask_bt):
+    """Every completion weighs the same (the mean of its tokens); rows without completion tokens do not count."""
+    mask = mask_bt.astype(jnp.float32)
     per_row = jnp.sum(x_bt * mask, axis=1) / jnp.maximum(mask.sum(axis=1), 1.0)
     rows = (mask.sum(axis=1) > 0).astype(jnp.float32)
     return jnp.sum(per_row * rows) / jnp.maximum(rows.sum(), 1.0)
+
+
+# rl.averaging -> the masked mean of per-token values over (B, T-1)
+AVERAGING: dict[str, Callable] = {"token": _token_mean, "sequence": _sequence_mean}
 
 
 def policy_loss(logp_bt, old_logp_bt, advantages_b, mask_bt, settings: RLSettings, ref_logp_bt=None):
@@ -81,24 +124,19 @@ def policy_loss(logp_bt, old_logp_bt, advantages_b, mask_bt, settings: RLSetting
     advantages: (B,) one per completion, spread over its tokens; mask: (B, T-1) completion tokens;
     ref_logp: (B, T-1) the frozen reference's, needed when settings.kl_coef > 0.
 
-    Per token: -min(r A, clip(r, 1 - eps, 1 + eps) A) with r = exp(logp - old_logp) (grpo), or -r A
-    (reinforce, whose gradient at r = 1 is -A grad logp), plus kl_coef times the k3 estimate of
-    KL(policy || reference), exp(ref - logp) - (ref - logp) - 1, which is >= 0 and unbiased."""
+    Per token: the algorithm's loss of r = exp(logp - old_logp) and A (`ALGORITHMS`: -min(r A, clip(r, 1 - eps,
+    1 + eps) A) for grpo, -r A for reinforce), plus kl_coef times the k3 estimate of KL(policy || reference),
+    exp(ref - logp) - (ref - logp) - 1, which is >= 0 and unbiased; averaged as settings.averaging says."""
     old = jax.lax.stop_gradient(old_logp_bt)
     ratio = jnp.exp(logp_bt - old)
     adv = advantages_b.astype(jnp.float32)[:, None]
-    if settings.algorithm == "grpo":
-        clipped = jnp.clip(ratio, 1.0 - settings.clip_eps, 1.0 + settings.clip_eps)
-        per_token = -jnp.minimum(ratio * adv, clipped * adv)
-        clip_frac = _masked_mean((jnp.abs(ratio - 1.0) > settings.clip_eps).astype(jnp.float32), mask_bt, "token")
-    else:
-        per_token = -ratio * adv
-        clip_frac = jnp.zeros(())
-    metrics = {"ratio": _masked_mean(ratio, mask_bt, "token"), "clip_frac": clip_frac}
+    per_token, clipped = ALGORITHMS[settings.algorithm].token_loss(ratio, adv, settings)
+    clip_frac = jnp.zeros(()) if clipped is None else _token_mean(clipped.astype(jnp.float32), mask_bt)
+    metrics = {"ratio": _token_mean(ratio, mask_bt), "clip_frac": clip_frac}
     if settings.kl_coef:
         diff = jax.lax.stop_gradient(ref_logp_bt) - logp_bt
         kl = jnp.exp(diff) - diff - 1.0
         per_token = per_token + settings.kl_coef * kl
-        metrics["kl"] = _masked_mean(kl, mask_bt, "token")
-    loss = _masked_mean(per_token, mask_bt, settings.averaging)
+        metrics["kl"] = _token_mean(kl, mask_bt)
+    loss = AVERAGING[settings.averaging](per_token, mask_bt)
     return loss, metrics

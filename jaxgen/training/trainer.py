@@ -166,7 +166,10 @@ def resolve_init_from(cfg: Config) -> tuple[Config, str | None]:
     if not (Path(folder) / "tokenizer.json").exists():
         raise ConfigError(f"training.init_from={folder!r} has no tokenizer.json; one is needed to read the data")
     family, model_cfg = hf.read_config(folder)
-    model_cfg = dataclasses.replace(model_cfg, dtype=cfg.model.dtype, lora=cfg.model.lora)
+    lora = cfg.model.lora
+    if lora.rank:  # the checkpoints will hold the adapters only: config.yaml names their base for loading
+        lora = dataclasses.replace(lora, base=str(Path(folder).resolve()))
+    model_cfg = dataclasses.replace(model_cfg, dtype=cfg.model.dtype, lora=lora)
     data = dataclasses.replace(cfg.data, tokenizer=str(Path(folder).absolute()))
     return dataclasses.replace(cfg, model=model_cfg, data=data), family
 
