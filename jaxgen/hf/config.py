@@ -22,7 +22,7 @@ _TANH_GELU = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 # Fields a round trip through config.json need not keep: how jaxgen computes, not what the model is.
 _NOT_ARCHITECTURE = (
     "dtype", "init_std", "family", "moe_impl", "router_z_coef", "attention_impl", "attention_block", "remat",
-    "decode_impl", "lora", "deterministic",
+    "decode_impl", "lora", "deterministic", "cache_layout",
 )  # fmt: skip
 
 

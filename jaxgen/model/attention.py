@@ -176,8 +176,8 @@ def _fold_cache(q, cache, kv, layer, q_pos_bt, *, window, cfg):
 
     def fold(j, stats, kv):
         block = cache.key_block(kv, layer, j)
-        if cache.num_blocks in (None, 1):  # a gathered block (its slots copied anyway), or a lone block
-            return fold_block(stats, *block)  # (the flat layout, `kernels.cache_layout`): one masked pass
+        if cache.num_blocks == 1:  # a lone block (the flat layout, `kernels.cache_layout`): one masked pass
+            return fold_block(stats, *block)
         filled = cache.filled(q_pos_bt) - j * block[0].shape[-1]  # from the block's first slot
         return cpu.fold_parts(fold_block, stats, block, filled)
 
@@ -186,9 +186,9 @@ def _fold_cache(q, cache, kv, layer, q_pos_bt, *, window, cfg):
         jnp.zeros((b, k, g, t), jnp.float32),  # running normaliser
         jnp.zeros((b, k, g, t, h), jnp.float32),  # running weighted sum of values
     )
-    visit = cache.blocks_to_visit(q_pos_bt)
     if cache.num_blocks is None:  # gathered blocks (pages): the cache's own loop, kv in its carry
         return cache.fold(fold_block, stats, kv, layer, q_pos_bt)
+    visit = cache.blocks_to_visit(q_pos_bt)
     for j in range(cache.num_blocks):  # blocks_to_visit >= 1: block 0 needs no cond
         fold_j = functools.partial(fold, j, kv=kv)
         stats = fold_j(stats) if j == 0 else jax.lax.cond(j < visit, fold_j, _same, stats)
