@@ -7,7 +7,7 @@ batch-1 decode step against its memory-bandwidth floor; and what a decode step l
 The floor of a decode step is (bytes of weights + bytes of KV cache read) / memory bandwidth, with the
 bandwidth measured in the same run (a large array copy). Models use random weights, float32.
 `--cache-layout` sets `model.cache_layout` (auto: blocks on CPU). The sm_90 line: the tiny model's decode
-loop compiled for an H200 without a GPU (`jaxgen.model.kernels.gpu_target`, needs `.[gpu-compile]`), the
+loop compiled for an H200 without a GPU (`jaxgen.targets.gpu`, needs `.[gpu-compile]`), the
 conditionals and kernels each layer adds to a step, for both layouts of the contiguous cache.
 """
 
@@ -50,9 +50,9 @@ def _timed(fn, *args) -> float:
 
 def sm90_counts(slots: int) -> None:
     """The conditionals and kernels a layer adds to the tiny model's decode step compiled for sm_90 (batch
-    1, `slots` cache slots), per cache layout: `kernels.gpu_target`'s command line, a process of its own
+    1, `slots` cache slots), per cache layout: `targets.gpu`'s command line, a process of its own
     (the CUDA plugin registers only where jax starts on the cpu platform alone)."""
-    cmd = [sys.executable, "-m", "jaxgen.model.kernels.gpu_target", "--slots", str(slots)]
+    cmd = [sys.executable, "-m", "jaxgen.targets.gpu", "--slots", str(slots)]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if out.returncode:
         print(f"sm_90 decode step: not compiled ({(out.stderr.strip().splitlines() or ['no output'])[-1]})")

@@ -1,5 +1,5 @@
 """The Generator's decode loop compiled for an NVIDIA H200 (sm_90) without a GPU: the CUDA plugin compiles
-for the target config in bench/gpu_specs/ under jax's cpu platform (`kernels.gpu_target`, run as a
+for the target config in bench/gpu_specs/ under jax's cpu platform (`targets.gpu`, run as a
 subprocess: the plugin registers only in a process that starts its backends so). Where the plugin is not
 installed (`pip install '.[gpu-compile]'`), the test is skipped, saying so."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxgen.model.kernels import gpu_target
+from jaxgen.targets import gpu as gpu_target
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_KERNELS_PER_LAYER = 20  # what a layer of the tiny model launches at batch 1: see the test's docstring
@@ -25,7 +25,7 @@ def test_flat_layout_runs_no_cond_per_layer_and_blocks_one_per_block():
     runs each batch-1 product of such tiny matrices as two kernels, a multiply and a reduction); with
     the blocks layout (XLA:CPU's; N = 2 blocks of 64) a layer adds 3N - 1 = 5 (a write per block, a skip
     per block but the first)."""
-    cmd = [sys.executable, "-m", "jaxgen.model.kernels.gpu_target", "--slots", "128"]
+    cmd = [sys.executable, "-m", "jaxgen.targets.gpu", "--slots", "128"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     counts = json.loads(out.stdout.strip().splitlines()[-1])

@@ -5,7 +5,6 @@
     splash.py     the Pallas splash kernel for whole sequences (TPU; elsewhere in interpret mode)
     paged_gpu.py  the GPU Pallas paged-attention kernel for a decode step over the engine's page pool
     cpu.py        XLA:CPU-only tuning of cached attention's decode step (products as sums, 64-slot parts)
-    gpu_target.py the decode loop compiled for an NVIDIA GPU without one (CUDA plugin), its kernels counted
 
 `choose(cfg)` and `fit_length` pick the whole-sequence implementation (`model.attention_impl`);
 `cache_layout(cfg)` how the contiguous cache holds a layer's slots (`model.cache_layout`);

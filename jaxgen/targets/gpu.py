@@ -4,7 +4,7 @@
     text = decode_loop_text(generator, prompts, sampling, device)
     loop_ops(text)                                   # the decode loop body's operations, by opcode
 
-    python -m jaxgen.model.kernels.gpu_target [--config configs/tiny.yaml] [--slots 512] [--rows 1]
+    python -m jaxgen.targets.gpu [--config configs/tiny.yaml] [--slots 512] [--rows 1]
         # JSON: per cache layout, the conditionals and kernels a layer adds to a decode step (sm_90)
 
 The CUDA plugin (`pip install '.[gpu-compile]'`) compiles for a GPU described by a target config, a
@@ -169,7 +169,7 @@ def per_layer(layout: str, cfg, slots: int, rows: int, device) -> dict:
 
 
 def main(argv=None) -> int:
-    root = Path(__file__).resolve().parents[3]
+    root = Path(__file__).resolve().parents[2]
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--spec", default=str(root / "bench" / "gpu_specs" / "h200.txtpb"))
     parser.add_argument("--config", default=str(root / "configs" / "tiny.yaml"))
