@@ -35,8 +35,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from jaxgen.rl.loop import run_rl  # after parsing: --help and errors need no jax
-    from jaxgen.runtime import enable_compilation_cache
+    from jaxgen.runtime import enable_compilation_cache, quiet_libtpu_off_tpu
 
+    quiet_libtpu_off_tpu()
     enable_compilation_cache()
     if joined:
         print(describe(joined))

@@ -7,6 +7,7 @@ import sys
 
 from jaxgen.config import ConfigError, load_config
 from jaxgen.distributed import add_distributed_flags, describe, distributed_overrides, initialize
+from jaxgen.runtime import quiet_libtpu_off_tpu
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)  # overrides may stand among the flags
     try:
         cfg = load_config(args.config, args.overrides + distributed_overrides(args))
+        quiet_libtpu_off_tpu()  # before jax's backends start
         joined = initialize(cfg.distributed)  # before anything else touches JAX
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -13,6 +13,7 @@ The package is laid out by concern; imports only point down this list:
     rl/                           reinforcement learning: policy-gradient objectives over sampled completions
     plan_length                   the longest sequence that fits: the search and its table (`--max-seq`)
     plan                          `python -m jaxgen.plan`: per-device memory of a config on a mesh
+    targets/                      compiling for TPU and GPU without one: targets, their compilers, a roofline
     evaluation/                   the lm-evaluation-harness model, `python -m jaxgen.evaluation`
 
 `jaxgen.LLM(folder)` is the Python front door (load once, then generate / stream / score on the serving

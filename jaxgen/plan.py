@@ -62,6 +62,8 @@ class Program:
 
     outputs: float = 0.0  # what it returns beyond what it writes over its (donated) arguments
     reference: bool = False  # shown for comparison only (a LoRA run's full fine-tune): not in the verdict
+    costs: object = None  # the compiler's counts per device (`targets.roofline.Costs`), where asked for
+    oom: str | None = None  # the compiler's own out-of-memory message (a target's compiler refused the program)
 
     @property
     def peak(self) -> float:
@@ -125,24 +127,76 @@ def _per_layer(params, mesh):
     return params | {"layers": [jax.tree.map(one, params["layers"]) for _ in range(num_layers)]}
 
 
-def _compile_memory(fn, *args):
-    compiled = fn.lower(*args).compile()
-    return compiled.memory_analysis()
+class _NoMemory:
+    """The memory analysis of a program its compiler refused for want of memory: every figure unknown."""
+
+    def __init__(self, message: str):
+        self.message = message
+        self.temp_size_in_bytes = self.argument_size_in_bytes = math.inf
+        self.output_size_in_bytes = self.alias_size_in_bytes = 0.0
 
 
-def train_programs(cfg, mesh) -> list[Program]:
+def _compile(fn, *args):
+    """(memory analysis, `roofline.Costs`) of `fn` compiled for `args` (abstract, on their devices). A
+    target's compiler refuses a program that does not fit its device: then (`_NoMemory`, None)."""
+    import jax
+
+    from jaxgen.targets.roofline import costs_of
+
+    try:
+        compiled = fn.lower(*args).compile()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return _NoMemory(str(e).strip().splitlines()[0]), None
+    return compiled.memory_analysis(), costs_of(compiled)
+
+
+def _oom(mem) -> str | None:
+    return getattr(mem, "message", None)
+
+
+def train_programs(cfg, mesh, costs: bool = False) -> list[Program]:
     """The train step as configured; a LoRA run's beside the full fine-tune's of the same model, for scale."""
     if not cfg.model.lora.rank:
-        return [train_program(cfg, mesh)]
+        return [train_program(cfg, mesh, costs=costs)]
     full = dataclasses.replace(
         cfg, model=dataclasses.replace(cfg.model, lora=dataclasses.replace(cfg.model.lora, rank=0))
     )
-    return [train_program(full, mesh, reference=True), train_program(cfg, mesh)]
+    return [train_program(full, mesh, reference=True), train_program(cfg, mesh, costs=costs)]
 
 
-def train_program(cfg, mesh, reference: bool = False) -> Program:
+def train_program(cfg, mesh, reference: bool = False, costs: bool = False) -> Program:
     """The real train step (`training.step.train_step`), compiled for abstract state and batch: for a LoRA
-    run (`model.lora.rank`) the adapters and their moments are the state and the frozen base rides beside."""
+    run (`model.lora.rank`) the adapters and their moments are the state and the frozen base rides beside.
+    `costs`: also the compiler's counts of the step (`train_costs`: two more compiles)."""
+    params, opt_state, base, mem, _ = _train_step(cfg, mesh)
+    param_bytes = per_device_bytes(params)
+    lora = cfg.model.lora
+    if lora.rank:
+        name = f"train step (LoRA rank {lora.rank}, {lora.base_dtype} base)"
+        parts = {
+            f"base ({lora.base_dtype}, frozen)": per_device_bytes(base),
+            "adapters (float32)": param_bytes,
+            "optimizer state": per_device_bytes(opt_state),
+            "gradients (adapters)": param_bytes,
+        }
+    else:
+        name = "train step (full fine-tune, for comparison)" if reference else "train step"
+        parts = {
+            "parameters (float32)": param_bytes,
+            "optimizer state": per_device_bytes(opt_state),
+            "gradients (float32)": param_bytes,
+        }
+    return Program(
+        name, parts, float(mem.temp_size_in_bytes), float(mem.argument_size_in_bytes), outputs=_new_outputs(mem),
+        reference=reference, costs=train_costs(cfg, mesh) if costs and not _oom(mem) else None, oom=_oom(mem),
+    )  # fmt: skip
+
+
+def _train_step(cfg, mesh, unrolled: bool = False):
+    """(params, opt_state, base, memory analysis, costs) of the train step compiled on `mesh` for abstract
+    inputs; `unrolled`: its layers a Python loop (params' `layers` a list) instead of a `lax.scan`."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -153,6 +207,9 @@ def train_program(cfg, mesh, reference: bool = False) -> Program:
     lora = cfg.model.lora
     base = _abstract_base(cfg.model, mesh) if lora.rank else None
     params = abstract_adapters(cfg.model, mesh) if lora.rank else abstract_params(cfg.model, mesh)
+    if unrolled:
+        params = _per_layer(params, mesh)
+        base = _per_layer(base, mesh) if base is not None else None
     scalar = jax.ShapeDtypeStruct((), jax.numpy.int32, sharding=NamedSharding(mesh, PartitionSpec()))
     opt_state = _like_params(jax.eval_shape(tx.init, params), params, scalar.sharding)
     key = jax.eval_shape(lambda: jax.random.key(0))
@@ -171,27 +228,24 @@ def train_program(cfg, mesh, reference: bool = False) -> Program:
         donate_argnums=0,
     )  # fmt: skip
     with jax.set_mesh(mesh):
-        mem = _compile_memory(step, state, batch, base)
-    param_bytes = per_device_bytes(params)
-    if lora.rank:
-        name = f"train step (LoRA rank {lora.rank}, {lora.base_dtype} base)"
-        parts = {
-            f"base ({lora.base_dtype}, frozen)": per_device_bytes(base),
-            "adapters (float32)": param_bytes,
-            "optimizer state": per_device_bytes(opt_state),
-            "gradients (adapters)": param_bytes,
-        }
-    else:
-        name = "train step (full fine-tune, for comparison)" if reference else "train step"
-        parts = {
-            "parameters (float32)": param_bytes,
-            "optimizer state": per_device_bytes(opt_state),
-            "gradients (float32)": param_bytes,
-        }
-    return Program(
-        name, parts, float(mem.temp_size_in_bytes), float(mem.argument_size_in_bytes), outputs=_new_outputs(mem),
-        reference=reference,
-    )  # fmt: skip
+        mem, costs = _compile(step, state, batch, base)
+    return params, opt_state, base, mem, costs
+
+
+def train_costs(cfg, mesh):
+    """The compiler's counts (`roofline.Costs`, per device) of one train step of `cfg` on `mesh`. The
+    compiler counts a loop's body once, so the step is compiled with its layers unrolled at 1 and 2 layers
+    and extrapolated in depth, and with one micro-batch of `batch_size / grad_accum` rows, times
+    `grad_accum` (the optimizer's update, counted that many times, is a small share)."""
+    from jaxgen.targets.roofline import along_depth
+
+    accum = cfg.training.grad_accum
+    micro = dataclasses.replace(cfg.training, grad_accum=1, batch_size=cfg.training.batch_size // accum)
+    at = lambda depth: _train_step(
+        dataclasses.replace(cfg, training=micro, model=dataclasses.replace(cfg.model, num_layers=depth)),
+        mesh, unrolled=True,
+    )[4]  # fmt: skip
+    return along_depth(at(1), at(2), cfg.model.num_layers).scaled(accum)
 
 
 def abstract_adapters(model_cfg, mesh):
@@ -252,7 +306,7 @@ def _keys(path) -> tuple:
 
 def _plannable(cfg, mesh):
     """The config compiled on fake CPU devices (its model as `_plannable_model` plans it on `mesh`)."""
-    return dataclasses.replace(cfg, model=_plannable_model(cfg.model, mesh))
+    return dataclasses.replace(cfg, model=_plannable_model(cfg.model, mesh, on=mesh))
 
 
 def inference_programs(
@@ -271,7 +325,7 @@ def _inference_programs(model_cfg, mesh, slots, cache_len, chunk, dtype, decode)
     from jaxgen import model
     from jaxgen.sharding import batch_sharding
 
-    model_cfg = dataclasses.replace(_plannable_model(model_cfg), dtype=dtype)
+    model_cfg = dataclasses.replace(_plannable_model(model_cfg, on=mesh), dtype=dtype)
     params = _per_layer(abstract_params(model_cfg, mesh, dtype), mesh)
     cache = _abstract_cache(model_cfg, mesh, slots, cache_len, dtype)
 
@@ -285,10 +339,11 @@ def _inference_programs(model_cfg, mesh, slots, cache_len, chunk, dtype, decode)
     for name, t in wanted:
         tokens = jax.ShapeDtypeStruct((slots, t), jax.numpy.int32, sharding=batch_sharding(mesh, (slots, t)))
         with jax.set_mesh(mesh):
-            mem = _compile_memory(step, params, tokens, tokens, cache)
+            mem, costs = _compile(step, params, tokens, tokens, cache)
         parts = {f"parameters ({dtype})": per_device_bytes(params), f"KV cache ({dtype})": per_device_bytes(cache)}
         temps, args = float(mem.temp_size_in_bytes), float(mem.argument_size_in_bytes)
-        out.append(Program(name, parts, temps, args, holds="activations, workspace", outputs=_new_outputs(mem)))
+        program = Program(name, parts, temps, args, "activations, workspace", _new_outputs(mem), costs=costs)
+        out.append(dataclasses.replace(program, oom=_oom(mem)))
     return out
 
 
@@ -333,14 +388,15 @@ def _fresh_prefill(model_cfg, mesh, rows: int, t: int, dtype: str) -> Program:
     from jaxgen.inference import decode
     from jaxgen.sharding import batch_sharding
 
-    model_cfg = dataclasses.replace(_plannable_model(model_cfg, mesh), dtype=dtype)
+    model_cfg = dataclasses.replace(_plannable_model(model_cfg, mesh, on=mesh), dtype=dtype)
     params = _per_layer(abstract_params(model_cfg, mesh, dtype), mesh)
     tokens = jax.ShapeDtypeStruct((rows, t), jax.numpy.int32, sharding=batch_sharding(mesh, (rows, t)))
     per_row = jax.ShapeDtypeStruct((rows,), jax.numpy.int32, sharding=batch_sharding(mesh, (rows,)))
     run = jax.jit(decode.prefill, static_argnames=("cfg", "cache_len", "cache_dtype"))
     with jax.set_mesh(mesh):
         lowered = run.lower(params, tokens, tokens, per_row, per_row, cfg=model_cfg, cache_len=t, cache_dtype=dtype)
-        mem = lowered.compile().memory_analysis()
+        compiled = lowered.compile()
+    mem = compiled.memory_analysis()
     cache = _abstract_cache(model_cfg, mesh, rows, t, dtype)
     cache_bytes = per_device_bytes(cache)
     parts = {f"parameters ({dtype})": per_device_bytes(params), f"KV cache ({dtype}, returned)": cache_bytes}
@@ -369,15 +425,33 @@ def by_depth(compile_at, model_cfg) -> list[Program]:
     out = []
     for lo, hi in zip(lows, highs, strict=True):
         parts = {k: line(lo.parts[k], hi.parts[k]) for k in lo.parts}
+        if lo.oom or hi.oom:  # refused at a probe depth: refused deeper too
+            out.append(dataclasses.replace(hi, parts=parts, costs=None, oom=hi.oom or lo.oom))
+            continue
         fields = {f: line(getattr(lo, f), getattr(hi, f)) for f in ("temporaries", "arguments", "outputs")}
+        if lo.costs is not None:
+            fields["costs"] = _line_costs(lo.costs, hi.costs, line)
         out.append(dataclasses.replace(lo, parts=parts, **fields))
     return out
 
 
-def _plannable_model(model_cfg, mesh=None):
+def _line_costs(lo, hi, line):
+    from jaxgen.targets.roofline import Costs
+
+    kinds = set(lo.collectives) | set(hi.collectives)
+    pick = lambda c, k: c.collectives.get(k, 0.0)
+    collectives = {k: line(pick(lo, k), pick(hi, k)) for k in kinds}
+    return Costs(line(lo.flops, hi.flops), line(lo.bytes, hi.bytes), collectives, hi.kernels)
+
+
+def _plannable_model(model_cfg, mesh=None, on=None):
     """The model compiled on fake CPU devices: a fused kernel (cudnn, splash) planned as blockwise; on a
     mesh with a context axis ring and allgather kept and auto as ring (what `kernels.choose` picks there),
-    elsewhere blockwise (also without `mesh`: the cached prefill and decode, which attend over the cache)."""
+    elsewhere blockwise (also without `mesh`: the cached prefill and decode, which attend over the cache).
+    On a target's devices (`on`: a mesh of them) the model is compiled as configured: its compiler
+    lowers the real kernels."""
+    if on is not None and on.devices.flat[0].platform != "cpu":
+        return model_cfg
     impl = model_cfg.attention_impl
     if impl in ("dense", "blockwise"):
         return model_cfg
@@ -407,15 +481,19 @@ def advice(cfg, program: Program, capacity: float, mesh_sizes: dict) -> list[str
     return tips
 
 
-def run_plan(cfg, mesh_sizes: dict, device: str, slots: int, cache_len: int, chunk: int, param_dtype: str):
-    """(programs, capacity in bytes) for `cfg` on a mesh of fake devices of `mesh_sizes`."""
-    from jaxgen.config import MeshConfig
-    from jaxgen.sharding import make_mesh
+def run_plan(cfg, mesh_sizes: dict, device: str, slots: int, cache_len: int, chunk: int, param_dtype: str,
+             target=None):  # fmt: skip
+    """(programs, capacity in bytes) for `cfg` on a mesh of `mesh_sizes`: fake CPU devices of `device`'s
+    memory, or a `targets.catalog.Target`'s compile-only devices (its compiler's memory analysis, and its
+    counts for the roofline: `Program.costs`)."""
+    from jaxgen.targets.devices import backend_of, target_mesh, traced_for
 
-    mesh = make_mesh(MeshConfig(**mesh_sizes))
-    programs = train_programs(cfg, mesh)
-    programs += inference_programs(cfg.model, mesh, slots, cache_len, chunk, param_dtype)
-    return programs, DEVICES[device][0] * HEADROOM
+    mesh = target_mesh(target, mesh_sizes)
+    with traced_for(backend_of(target)):
+        programs = train_programs(cfg, mesh, costs=target is not None)
+        programs += inference_programs(cfg.model, mesh, slots, cache_len, chunk, param_dtype)
+    memory = DEVICES[device][0] if target is None else target.chip.hbm_bytes
+    return programs, memory * HEADROOM
 
 
 # --- The longest sequence (--max-seq): the programs the search in jaxgen.plan_length probes -----------
@@ -460,28 +538,69 @@ def probe_fn(cfg, mesh, program: str, chunk: int, dtype: str, log=None):
     return peak_at
 
 
-def format_plan(cfg, programs, capacity, mesh_sizes, device) -> str:
+def format_plan(cfg, programs, capacity, mesh_sizes, device, target=None) -> str:
+    """The plan as text: who compiled it on the first line, then each program's parts and verdict, and
+    (on a target) the roofline estimate from its compiler's counts (`roofline_lines`)."""
     from jaxgen.model import count_params
+    from jaxgen.targets.devices import compiler_name
 
     n = math.prod(mesh_sizes.values())
     params = count_params(cfg.model)
     count = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
     mesh = ", ".join(f"{k}={v}" for k, v in mesh_sizes.items())
+    memory = DEVICES[device][0] if target is None else target.chip.hbm_bytes
+    compiler = "XLA:CPU" if target is None else compiler_name(target).split(" for ")[0]
     lines = [
-        f"{count} parameters on {n} x {device} (mesh {mesh}); usable per device {size_text(capacity).strip()} "
-        f"({HEADROOM:.0%} of {DEVICES[device][0] / 1e9:.0f} GB)"
+        f"compiled by {compiler_name(target)}",
+        f"{count} parameters on {n} x {device if target is None else target.name} (mesh {mesh}); usable per "
+        f"device {size_text(capacity).strip()} ({HEADROOM:.0%} of {memory / 1e9:.0f} GB)",
     ]
     for p in programs:
         verdict = "fits" if p.peak <= capacity else "DOES NOT FIT"
         lines.append(f"\n{p.name}: {size_text(p.peak).strip()} per device, {verdict}")
+        if p.oom:
+            lines[-1] = f"\n{p.name}: DOES NOT FIT, {compiler} ran out of memory: {p.oom}"
         for name, value in p.parts.items():
             lines.append(f"  {name:<28} {size_text(value)}")
-        temps = "temporaries (XLA:CPU)"
-        lines.append(f"  {temps:<28} {size_text(p.temporaries)}   {p.holds}")
+        if p.oom:
+            lines += [f"  -> {tip}" for tip in advice(cfg, p, capacity, mesh_sizes)]
+            continue
+        lines.append(f"  {f'temporaries ({compiler})':<28} {size_text(p.temporaries)}   {p.holds}")
         if p.outputs:
-            lines.append(f"  {'outputs (XLA:CPU)':<28} {size_text(p.outputs)}   returned beside the donated state")
+            lines.append(f"  {f'outputs ({compiler})':<28} {size_text(p.outputs)}   returned beside the donated state")
+        if target is not None and p.costs is not None:
+            lines += ["  " + line for line in roofline_lines(cfg, p, target, n)]
         lines += [f"  -> {tip}" for tip in advice(cfg, p, capacity, mesh_sizes)]
     return "\n".join(lines)
+
+
+def roofline_lines(cfg, program: Program, target, devices: int) -> list[str]:
+    """What `program`'s counts on `target` come to at the chip's published peaks: an estimate (a lower
+    bound on the step time: perfect overlap, peak rates), with the model's own FLOPs (training: MFU) or
+    bytes (decode: the HBM floor of reading every weight and the cache once) beside it."""
+    from jaxgen.model import flops_per_token
+    from jaxgen.targets.roofline import estimate
+
+    est, chip, c = estimate(program.costs, target.chip), target.chip, program.costs
+    ms = lambda sec: f"{sec * 1e3:.3g} ms"
+    out = [
+        f"estimate (roofline of {chip.kind}, not measured): {ms(est.seconds)} per step, {est.bound}-bound "
+        f"(compute {ms(est.compute)}, HBM {ms(est.memory)}, network {ms(est.network)}); per device "
+        f"{c.flops / 1e12:.3g} TFLOP, {c.bytes / 1e9:.3g} GB read and written, {c.network / 1e9:.3g} GB sent"
+    ]
+    if program.name.startswith("train step"):
+        tokens = cfg.training.batch_size * cfg.data.seq_len
+        model_flops = flops_per_token(cfg.model, cfg.data.seq_len) * tokens
+        mfu = model_flops / (est.seconds * chip.peak_flops * devices)
+        out.append(
+            f"  {tokens / est.seconds / devices:,.0f} tokens/s per chip, MFU {mfu:.0%}; the model's 6N + attention "
+            f"FLOPs are {model_flops / devices / max(c.flops, 1):.2f} of what the program does"
+        )
+    elif program.name.startswith("decode step"):
+        floor = sum(program.parts.values()) / chip.hbm_bandwidth
+        ratio = est.seconds / floor
+        out.append(f"  HBM floor (weights and cache read once): {ms(floor)}; the estimate is {ratio:.2f}x it")
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -495,6 +614,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "with --max-seq it may be given again, one table row group per mesh")  # fmt: skip
     parser.add_argument("--device", default="h100-80gb", help=f"memory per device: {', '.join(DEVICES)} "
                         "(default h100-80gb); with --max-seq a comma list")  # fmt: skip
+    parser.add_argument("--target", default=None, help="compile for this hardware with its own compiler instead "
+                        "of fake CPU devices (memory from the compiler, plus a roofline estimate): "
+                        f"{', '.join(_target_names())}; the mesh must use all its chips")  # fmt: skip
     parser.add_argument("--slots", type=int, default=None, help="decode slots (rows) for serving (default 64)")
     parser.add_argument("--cache-len", type=int, default=None, help="KV cache length (default: data.seq_len)")
     parser.add_argument("--prefill-chunk", type=int, default=512, help="prefill tokens per slot per call (512)")
@@ -520,8 +642,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _target_names() -> list[str]:
+    from jaxgen.targets.catalog import TARGETS
+
+    return list(TARGETS)
+
+
 def check_args(args) -> None:
     """Raises ValueError (one line: the option, the value, what is allowed) for a bad combination of options."""
+    if args.target is not None:
+        from jaxgen.targets import catalog, devices
+
+        target = catalog.get(args.target)
+        if args.max_seq is not None:
+            raise ValueError("--target is not allowed with --max-seq (yet): the search compiles on fake CPU devices")
+        if reason := devices.unavailable(target):
+            raise ValueError(reason)
     devices = args.device.split(",")
     for device in devices:
         if device not in DEVICES:
@@ -562,7 +698,8 @@ def main(argv=None) -> int:
     import jax
 
     jax.config.update("jax_platforms", "cpu")  # fake devices, whatever this machine has
-    jax.config.update("jax_num_cpu_devices", max(math.prod(m.values()) for m in meshes))
+    if args.target is None:  # a target's compiler brings its own devices
+        jax.config.update("jax_num_cpu_devices", max(math.prod(m.values()) for m in meshes))
     from jaxgen.config import ConfigError, load_config
 
     try:
@@ -574,10 +711,19 @@ def main(argv=None) -> int:
         return _main_max_seq(cfg, args, meshes)
     mesh_sizes = meshes[0]
     cache_len = args.cache_len or cfg.data.seq_len
-    programs, capacity = run_plan(
-        cfg, mesh_sizes, args.device, args.slots or 64, cache_len, args.prefill_chunk, args.param_dtype
-    )
-    print(format_plan(cfg, programs, capacity, mesh_sizes, args.device))
+    target = None
+    if args.target is not None:
+        from jaxgen.targets import catalog
+
+        target = catalog.get(args.target)
+    try:
+        programs, capacity = run_plan(
+            cfg, mesh_sizes, args.device, args.slots or 64, cache_len, args.prefill_chunk, args.param_dtype, target
+        )
+    except ValueError as e:  # a mesh the target cannot hold
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_plan(cfg, programs, capacity, mesh_sizes, args.device, target))
     return 0 if all(p.peak <= capacity for p in programs if not p.reference) else 1
 
 

@@ -16,3 +16,25 @@ def enable_compilation_cache() -> None:
     if path:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+# libtpu looks for the TPU VM it runs on when it loads: where there is none, these answer for the metadata
+# server and keep its errors out of the log (a TPU VM sets what it needs; these are only defaults); and it
+# takes a lock file that lets one process at a time load it, which only a real TPU needs
+NO_TPU_VM = {
+    "TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost", "TPU_ACCELERATOR_TYPE": "v5p-8",
+    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+}  # fmt: skip
+
+
+def quiet_libtpu_off_tpu() -> None:
+    """Where libtpu is installed (the `tpu-compile` or `test` extra) on a machine with no TPU, jax's start
+    would log libtpu's failed search for a TPU VM (errors, then the CPU anyway): give it `NO_TPU_VM`'s
+    defaults. A machine with TPU chips (/dev/accel*, /dev/vfio/*) is left alone. Before jax's backends start."""
+    import glob
+    import importlib.util
+
+    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") or importlib.util.find_spec("libtpu") is None:
+        return
+    for name, value in NO_TPU_VM.items():
+        os.environ.setdefault(name, value)

@@ -1,6 +1,10 @@
 """Shared fixtures. 8 fake CPU devices for the sharding tests; most tests use a 1-device mesh."""
 
-import jax
+from jaxgen.runtime import quiet_libtpu_off_tpu
+
+quiet_libtpu_off_tpu()  # the test extra installs libtpu (compiling for TPU); this machine has no TPU
+
+import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 

@@ -99,7 +99,19 @@ def test_blockwise_equals_dense_bfloat16(mask_kind):
 @pytest.mark.parametrize("heads", ["gqa", "mqa"])
 def test_splash_kernel_in_interpret_mode_equals_dense(heads):
     # The Pallas TPU kernel run by the interpreter: a mixed local/global pattern picks one of two
-    # static masks per layer (both branches checked), with segments, padding and a soft cap.
+    # static masks per layer (both branches checked), with segments, padding and a soft cap. Grouped
+    # queries run under a data x tensor mesh: the kernel inside shard_map, rows and kv heads split.
+    from contextlib import nullcontext
+
+    from jaxgen.config import MeshConfig
+    from jaxgen.sharding import make_mesh
+
+    mesh = make_mesh(MeshConfig(data=2, fsdp=1, tensor=2), jax.devices()[:4]) if heads == "gqa" else None
+    with jax.set_mesh(mesh) if mesh is not None else nullcontext():
+        _splash_equals_dense(heads)
+
+
+def _splash_equals_dense(heads):
     t = 256
     q, k, v, pos, seg, _, w = _inputs(t, HEADS[heads], "all", jnp.float32)
     cfg = ModelConfig(

@@ -1,5 +1,5 @@
 """The Generator's decode loop compiled for an NVIDIA H200 (sm_90) without a GPU: the CUDA plugin compiles
-for the target config in bench/gpu_specs/ under jax's cpu platform (`targets.gpu`, run as a
+for the target config in jaxgen/targets/specs/ under jax's cpu platform (`targets.gpu`, run as a
 subprocess: the plugin registers only in a process that starts its backends so). Where the plugin is not
 installed (`pip install '.[gpu-compile]'`), the test is skipped, saying so."""
 

@@ -212,8 +212,9 @@ def _engine(args, settings):
     """The engine on the model of --checkpoint, as `settings` say (FileNotFoundError, ValueError if not)."""
     from jaxgen.inference.engine import Engine
     from jaxgen.inference.loading import load_for_serving
-    from jaxgen.runtime import enable_compilation_cache
+    from jaxgen.runtime import enable_compilation_cache, quiet_libtpu_off_tpu
 
+    quiet_libtpu_off_tpu()
     enable_compilation_cache()
     mesh = _engine_mesh(settings)  # a ConfigError is a ValueError
     m = load_for_serving(args.checkpoint, settings.serve, mesh)

@@ -8,7 +8,7 @@
         # JSON: per cache layout, the conditionals and kernels a layer adds to a decode step (sm_90)
 
 The CUDA plugin (`pip install '.[gpu-compile]'`) compiles for a GPU described by a target config, a
-`GpuTargetConfigProto` text (bench/gpu_specs/), under `JAX_PLATFORMS=cpu` and without a device:
+`GpuTargetConfigProto` text (targets/specs/), under `JAX_PLATFORMS=cpu` and without a device:
 `jax.experimental.topologies` gives a device of that GPU to place abstract arguments on, and the program
 is XLA:GPU's optimised HLO, the kernels a real GPU would launch (bench/decode.py, tests/test_gpu_compile.py).
 The plugin registers only where jax's platforms are cpu (elsewhere its CUDA version check fails without a
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -28,6 +27,9 @@ import sys
 from pathlib import Path
 
 import jax
+
+from jaxgen.targets.catalog import SPECS
+from jaxgen.targets.devices import traced_for
 
 # Instructions that launch nothing: they name buffers, pieces of tuples or views of them.
 FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier", "after-all"}
@@ -52,19 +54,6 @@ def cuda_device(spec_text: str):
     from jax.experimental import topologies
 
     return topologies.get_topology_desc(platform="cuda", target_config=spec_text, topology="1x1x1").devices[0]
-
-
-@contextlib.contextmanager
-def traced_for(backend: str):
-    """Within: `jax.default_backend()` answers `backend`. jaxgen's per-backend choices (`kernels.choose`,
-    `kernels.cache_layout`, `storage.storage_dtype`, `kernels.cpu`'s tuning) ask it while tracing; under
-    `JAX_PLATFORMS=cpu` it says cpu, so a program traced for a GPU target would take the CPU paths."""
-    real = jax.default_backend
-    jax.default_backend = lambda: backend
-    try:
-        yield
-    finally:
-        jax.default_backend = real
 
 
 class _Caught(Exception):
@@ -171,7 +160,7 @@ def per_layer(layout: str, cfg, slots: int, rows: int, device) -> dict:
 def main(argv=None) -> int:
     root = Path(__file__).resolve().parents[2]
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--spec", default=str(root / "bench" / "gpu_specs" / "h200.txtpb"))
+    parser.add_argument("--spec", default=str(SPECS / "h200.txtpb"), help="a GpuTargetConfigProto text")
     parser.add_argument("--config", default=str(root / "configs" / "tiny.yaml"))
     parser.add_argument("--slots", type=int, default=512, help="cache slots (the Generator's min_cache_len)")
     parser.add_argument("--rows", type=int, default=1)

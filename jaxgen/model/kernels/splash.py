@@ -1,13 +1,19 @@
 """The Pallas splash-attention kernel shipped in jax for whole sequences (TPU; elsewhere it runs in
-interpret mode: exact but slow, for tests)."""
+interpret mode: exact but slow, for tests).
+
+A Mosaic kernel is not partitioned by the compiler: under a mesh it runs inside `shard_map`, each device
+on its rows (the batch axes) and kv heads (the tensor axis, where it divides them).
+"""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxgen.config import ModelConfig
 from jaxgen.model.kernels.masks import by_window, segments
+from jaxgen.sharding import logical_spec
 
 
 def unfit(cfg: ModelConfig, backend: str) -> str | None:
@@ -43,18 +49,39 @@ def attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, window, cfg:
     q = q.reshape(b, t, k, g, h).transpose(0, 2, 3, 1, 4)  # (B, K, G, T, H)
     k_, v_ = k_btkh.transpose(0, 2, 1, 3), v_btkh.transpose(0, 2, 1, 3)  # (B, K, T, H)
 
-    def run(w):
-        one = splash.CausalMask((t, t)) if w is None else splash.LocalMask((t, t), (w - 1, 0), offset=0)
-        kernel = splash.make_splash_mqa(
-            splash.MultiHeadMask([one] * g), block_sizes=sizes, attn_logits_soft_cap=cfg.attn_softcap,
-            head_shards=1, q_seq_shards=1, interpret=interpret,
-        )  # fmt: skip
+    def local(q, k_, v_, seg, window):
+        def run(w):
+            one = splash.CausalMask((t, t)) if w is None else splash.LocalMask((t, t), (w - 1, 0), offset=0)
+            kernel = splash.make_splash_mqa(
+                splash.MultiHeadMask([one] * g), block_sizes=sizes, attn_logits_soft_cap=cfg.attn_softcap,
+                head_shards=1, q_seq_shards=1, interpret=interpret,
+            )  # fmt: skip
 
-        def one_row(q_kgth, k_kth, v_kth, seg_t):
-            ids = splash.SegmentIds(q=seg_t, kv=seg_t)
-            return jax.vmap(lambda qg, kk, vv: kernel(qg, kk, vv, segment_ids=ids))(q_kgth, k_kth, v_kth)
+            def one_row(q_kgth, k_kth, v_kth, seg_t):
+                ids = splash.SegmentIds(q=seg_t, kv=seg_t)
+                return jax.vmap(lambda qg, kk, vv: kernel(qg, kk, vv, segment_ids=ids))(q_kgth, k_kth, v_kth)
 
-        return jax.vmap(one_row)(q, k_, v_, seg)  # (B, K, G, T, H)
+            return jax.vmap(one_row)(q, k_, v_, seg)  # (B, K, G, T, H)
 
-    out = by_window(run, window, cfg)
+        return by_window(run, window, cfg)
+
+    window = jnp.asarray(0 if window is None else window, jnp.int32)  # by_window reads it only for a pattern
+    out = _per_device(local, q, k_, v_, seg, window)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+
+
+def _per_device(local, q_bkgth, k_bkth, v_bkth, seg_bt, window):
+    """`local` on each device's rows and kv heads under the current mesh (`shard_map`), or as it is
+    without one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return local(q_bkgth, k_bkth, v_bkth, seg_bt, window)
+    batch = logical_spec(("batch",), q_bkgth.shape[:1], mesh)[0]
+    tensor = mesh.shape.get("tensor", 1)
+    heads = "tensor" if k_bkth.shape[1] % tensor == 0 else None  # else every device all heads
+    q_spec, kv_spec = P(batch, heads, None, None, None), P(batch, heads, None, None)
+    sharded = jax.shard_map(
+        local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P(batch, None), P()), out_specs=q_spec,
+        check_vma=False,
+    )  # fmt: skip
+    return sharded(q_bkgth, k_bkth, v_bkth, seg_bt, window)

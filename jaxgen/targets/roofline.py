@@ -1,0 +1,143 @@
+"""From a compiler's counts to an estimated step time: flops, HBM bytes and collective bytes per device.
+
+    costs = costs_of(compiled)                         # per device, what the compiler's cost model counts
+    est = estimate(costs, target.chip)                 # seconds if compute, memory or network bound
+    est.seconds, est.bound
+
+An estimate, never a measurement: it assumes each part runs at the chip's published peak (`catalog`)
+and that the three overlap perfectly (the step takes as long as the slowest), so it is a lower bound on
+the step time of this program on that chip. The counts are the target compiler's own
+(`compiled.cost_analysis()`: "flops", "bytes accessed") plus, for the network, the bytes of every
+collective in the optimised HLO (`collective_bytes`).
+
+XLA's cost analysis counts the body of a loop once, whatever its trip count: a program whose layers run
+in a `lax.scan` (training) is counted from compiles with the layers unrolled at two depths and
+extrapolated along the line through them (`along_depth`), as `plan.by_depth` does for memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from jaxgen.targets.catalog import Chip
+
+# bytes a device sends per byte of the collective's result (ring algorithms, large groups): an
+# all-reduce is a reduce-scatter then an all-gather
+_SENT_PER_BYTE = {
+    "all-gather": 1.0, "all-reduce": 2.0, "reduce-scatter": 1.0, "all-to-all": 1.0, "collective-permute": 1.0,
+}  # fmt: skip
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
+                "f64": 8, "s64": 8, "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 0.5, "u4": 0.5}  # fmt: skip
+_COLLECTIVE = re.compile(r"= (\(?[^=]*?\)?) (" + "|".join(_SENT_PER_BYTE) + r")(?:-start)?\(")
+_ARRAY = re.compile(r"([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """Per-device counts of one program: `flops`, HBM `bytes` accessed, `collectives` (bytes each device
+    sends, by collective kind), and `kernels`: the custom calls it makes (Mosaic TPU kernels are
+    "tpu_custom_call", cuDNN's attention "__cudnn$fmha...", Triton-lowered Pallas "__gpu$xla.gpu.triton"),
+    by target, with their counts."""
+
+    flops: float
+    bytes: float
+    collectives: dict = dataclasses.field(default_factory=dict)
+    kernels: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def network(self) -> float:
+        return float(sum(self.collectives.values()))
+
+    def scaled(self, k: float) -> Costs:
+        return Costs(self.flops * k, self.bytes * k, {n: b * k for n, b in self.collectives.items()}, self.kernels)
+
+
+def costs_of(compiled) -> Costs:
+    """The counts of a compiled program (`jax.stages.Compiled`), per device."""
+    analysis = compiled.cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, list) else analysis  # older jax: one dict per program
+    text = compiled.as_text()
+    return Costs(
+        float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0)), collective_bytes(text),
+        custom_calls(text),
+    )  # fmt: skip
+
+
+def custom_calls(hlo_text: str) -> dict[str, int]:
+    """How many custom calls of each target optimised HLO text makes."""
+    out: dict[str, int] = {}
+    for target in re.findall(r'custom_call_target="([^"]+)"', hlo_text):
+        out[target] = out.get(target, 0) + 1
+    return out
+
+
+def collective_bytes(hlo_text: str) -> dict[str, float]:
+    """Bytes each device sends per collective kind in optimised HLO text: the result's bytes (for a
+    reduce-scatter the operand's, about the result's times the group) times `_SENT_PER_BYTE`. Async pairs
+    count once (their `-start`); a collective inside a loop body counts once (see the module docstring)."""
+    out: dict[str, float] = {}
+    for line in hlo_text.splitlines():
+        match = _COLLECTIVE.search(line)
+        if not match:
+            continue
+        shape, kind = match.groups()
+        arrays = _ARRAY.findall(shape)
+        if kind != "all-reduce" and len(arrays) > 1 and shape.startswith("("):
+            arrays = arrays[-1:]  # an async start's tuple: (operand, result[, context]); the result is the last array
+        size = sum(_DTYPE_BYTES.get(dtype, 4) * _prod(dims) for dtype, dims in arrays)
+        if kind == "reduce-scatter":
+            size *= _group_size(line)
+        out[kind] = out.get(kind, 0.0) + size * _SENT_PER_BYTE[kind]
+    return out
+
+
+def _prod(dims: str) -> int:
+    n = 1
+    for d in filter(None, dims.split(",")):
+        n *= int(d)
+    return n
+
+
+def _group_size(line: str) -> int:
+    groups = re.search(r"replica_groups=\{\{([\d,]+)\}", line) or re.search(r"replica_groups=\[\d+,(\d+)\]", line)
+    if not groups:
+        return 1
+    text = groups.group(1)
+    return len(text.split(",")) if "," in text else int(text)
+
+
+def along_depth(one: Costs, two: Costs, depth: int) -> Costs:
+    """The counts of a `depth`-layer program from those at 1 and 2 layers (layers alike)."""
+    step = lambda a, b: a + (b - a) * (depth - 1)
+    kinds = set(one.collectives) | set(two.collectives)
+    return Costs(
+        step(one.flops, two.flops),
+        step(one.bytes, two.bytes),
+        {k: step(one.collectives.get(k, 0.0), two.collectives.get(k, 0.0)) for k in kinds},
+        two.kernels,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """Seconds a program takes on one chip if bound by compute, by HBM traffic, by the interconnect."""
+
+    compute: float
+    memory: float
+    network: float
+
+    @property
+    def seconds(self) -> float:
+        return max(self.compute, self.memory, self.network)
+
+    @property
+    def bound(self) -> str:
+        return max(("compute", self.compute), ("memory", self.memory), ("network", self.network), key=lambda x: x[1])[0]
+
+
+def estimate(costs: Costs, chip: Chip) -> Estimate:
+    """Per-device `costs` at `chip`'s peaks (dense bf16 FLOP/s, HBM bytes/s, interconnect bytes/s)."""
+    return Estimate(
+        costs.flops / chip.peak_flops, costs.bytes / chip.hbm_bandwidth, costs.network / chip.link_bandwidth
+    )

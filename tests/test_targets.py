@@ -1,0 +1,114 @@
+"""Compiling for hardware this machine lacks (`jaxgen.targets`, `python -m jaxgen.plan --target`): refusals
+without any compiler; with libtpu (the test extra), small programs compiled by the TPU compiler for a
+v5e 2x2 slice, their memory and counts checked against what the shapes say."""
+
+import dataclasses
+
+import jax
+import pytest
+
+from jaxgen import plan
+from jaxgen.targets import catalog, devices, roofline
+
+TPU = catalog.get("tpu-v5e-4")
+needs_libtpu = pytest.mark.skipif(devices.unavailable(TPU) is not None, reason=str(devices.unavailable(TPU)))
+
+
+def test_unknown_targets_meshes_and_missing_compilers_are_refused_in_one_line(monkeypatch, capsys):
+    with pytest.raises(ValueError, match=r"target 'tpu-v9-4' is not known: one of tpu-v5e-4, .*h200x8"):
+        catalog.get("tpu-v9-4")
+    with pytest.raises(ValueError, match=r"--mesh fsdp=2 is not allowed on tpu-v5e-4: 2 devices; the target has 4"):
+        devices.target_mesh(TPU, {"data": 1, "fsdp": 2, "tensor": 1})
+    monkeypatch.setitem(devices._MODULE, "tpu", "no_such_compiler_module")
+    assert devices.unavailable(TPU) == (
+        "the compiler for tpu-v5e-4 is not installed: pip install 'jaxgen[tpu-compile]' (libtpu, TPU's compiler)"
+    )
+    assert plan.main(["--config", "configs/tiny.yaml", "--target", "tpu-v5e-4", "--mesh", "fsdp=4"]) == 2
+    assert "pip install 'jaxgen[tpu-compile]'" in capsys.readouterr().err
+    assert plan.main(["--config", "configs/tiny.yaml", "--target", "v5e"]) == 2
+    assert "target 'v5e' is not known" in capsys.readouterr().err
+
+
+def test_every_target_is_laid_out_as_its_chips():
+    for target in catalog.TARGETS.values():
+        dims = [int(n) for n in target.topology.split(":")[-1].split("x")]
+        assert dims and target.chips == __import__("math").prod(dims), target.name
+    assert catalog.get("tpu-v5p-8").chips == 4  # v5p slices count TensorCores, two a chip
+    assert catalog.get("h200x8x4").chips == 32
+
+
+def test_collectives_are_read_from_hlo_text():
+    text = "\n".join([
+        "  %all-gather.1 = bf16[64,192]{1,0:T(8,128)} all-gather(%x), replica_groups=[2,2]<=[4], dimensions={0}",
+        "  %all-reduce.2 = (f32[4,64]{1,0}, f32[]{:T(128)}) all-reduce(%a, %b), replica_groups={{0,1},{2,3}}",
+        "  %rs = f32[32]{0} reduce-scatter(%c), replica_groups={{0,1,2,3}}, dimensions={0}",
+        "  %ags = (f32[8]{0}, f32[16]{0}) all-gather-start(%d), replica_groups={{0,1}}",
+        "  %agd = f32[16]{0} all-gather-done(%ags)",
+        '  %k = f32[8]{0} custom-call(%e), custom_call_target="tpu_custom_call"',
+    ])  # fmt: skip
+    assert roofline.collective_bytes(text) == {
+        "all-gather": 64 * 192 * 2 + 16 * 4,  # the result; an async pair once, by its start's result
+        "all-reduce": 2.0 * (4 * 64 * 4 + 4),  # sent twice: a reduce-scatter, then an all-gather
+        "reduce-scatter": 32 * 4 * 4,  # the operand: the result times the group
+    }
+    assert roofline.custom_calls(text) == {"tpu_custom_call": 1}
+
+
+@pytest.fixture(scope="module")
+def tpu_mesh():
+    return devices.target_mesh(TPU, {"data": 1, "fsdp": 2, "tensor": 2})
+
+
+@pytest.fixture(scope="module")
+def small_cfg(tiny_cfg):
+    """configs/tiny.yaml at TPU-tile sizes (multiples of 128: the compiler pads nothing) and a 128-token
+    sequence, so attention is the splash kernel."""
+    model = dataclasses.replace(tiny_cfg.model, d_model=128, d_ff=256, num_heads=2, num_kv_heads=2, attention_block=128)
+    data = dataclasses.replace(tiny_cfg.data, seq_len=128)
+    return dataclasses.replace(
+        tiny_cfg, model=model, data=data, training=dataclasses.replace(tiny_cfg.training, batch_size=16)
+    )
+
+
+@needs_libtpu
+def test_the_train_step_compiles_for_a_tpu_slice_with_splash_inside_shard_map(small_cfg, tpu_mesh):
+    with devices.traced_for("tpu"):
+        params, opt_state, _, memory, costs = plan._train_step(small_cfg, tpu_mesh)
+    assert memory.argument_size_in_bytes < 2**40, "the compiler refused it"
+    # what the step takes is the state and the batch: the shapes' bytes per device (the matrices and their
+    # moments split 4 ways, the batch's rows 2 ways), which the compiler pads up to its (8, 128) tiles
+    exact = plan.per_device_bytes(params) + plan.per_device_bytes(opt_state) + 5 * 16 * 128 * 4 / 2
+    assert exact <= memory.argument_size_in_bytes <= 1.5 * exact
+    assert costs.kernels.get("tpu_custom_call", 0) >= 2  # splash forward and backward, lowered by Mosaic
+    assert costs.collectives.get("all-gather", 0) > 0  # fsdp gathers the weights
+
+
+@needs_libtpu
+def test_the_counts_of_a_scanned_step_extrapolate_those_of_the_unrolled_one(tiny_cfg, tpu_mesh):
+    deeper = dataclasses.replace(tiny_cfg, model=dataclasses.replace(tiny_cfg.model, num_layers=3))
+    with devices.traced_for("tpu"):
+        unrolled = plan._train_step(deeper, tpu_mesh, unrolled=True)[4]
+        line = plan.train_costs(deeper, tpu_mesh)  # from unrolled compiles at 1 and 2 layers
+    assert line.flops == pytest.approx(unrolled.flops, rel=1e-6)  # layers alike: flops exactly linear in depth
+    assert line.bytes == pytest.approx(unrolled.bytes, rel=0.05)
+
+
+@needs_libtpu
+def test_plan_on_the_tpu_compiler_names_it_and_estimates(capsys):
+    assert plan.main(["--config", "configs/tiny.yaml", "--target", "tpu-v5e-4", "--mesh", "fsdp=2,tensor=2",
+                      "--slots", "4", "mesh.data=1"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == "compiled by libtpu for 4 x TPU v5 lite"
+    assert "temporaries (libtpu)" in out and "XLA:CPU" not in out
+    assert "estimate (roofline of TPU v5 lite, not measured)" in out and "MFU" in out and "HBM floor" in out
+
+
+@needs_libtpu
+def test_a_matrix_product_counts_its_flops_exactly():
+    (device,) = devices.compile_devices(catalog.get("tpu-v5e-4"))[:1]
+    x = jax.ShapeDtypeStruct((256, 512), jax.numpy.bfloat16, sharding=jax.sharding.SingleDeviceSharding(device))
+    w = jax.ShapeDtypeStruct((512, 384), jax.numpy.bfloat16, sharding=x.sharding)
+    costs = roofline.costs_of(jax.jit(lambda a, b: a @ b).lower(x, w).compile())
+    assert costs.flops == 2 * 256 * 512 * 384
+    est = roofline.estimate(costs, TPU.chip)
+    assert est.compute == pytest.approx(costs.flops / 197e12) and est.seconds >= est.memory
