@@ -173,6 +173,21 @@ def test_mask_is_the_assistant_text_and_its_end_of_turn(family, tmp_path):
         assert tokens[0] == tok.tok.token_to_id("<|begin_of_text|>") and not trained[0]
 
 
+def test_the_built_in_byte_chat_tokenizer_trains_the_answers_and_keeps_its_template(tmp_path):
+    """data.tokenizer=byte-chat: chat SFT without a model folder; the answers and their end-of-text are trained."""
+    tok = Tokenizer.from_name("byte-chat")
+    path = _write(tmp_path / "c.jsonl", CHATS)
+    call = '<tool_call>\n{"name": "weather", "arguments": {"city": "Zürich"}}\n</tool_call><|endoftext|>'
+    answers = [["Hi! How can I help?", "The quick brown fox jumps — über the lazy dog."], ["It is 4."],
+               ["Both read."], [call[: -len("<|endoftext|>")], "Sunny and 21 C in Zürich."]]  # fmt: skip
+    ours = encode_conversations(DataConfig(source="chat", paths=(path,), tokenizer="byte-chat"), tok, [path])
+    for expected, (tokens, trained) in zip(answers, ours, strict=True):
+        assert tok.decode(tokens[trained]) == "".join(a + "<|endoftext|>" for a in expected)
+        assert tokens[-1] == tok.eos_id
+    tok.save_folder(tmp_path / "run")  # the run folder serves with the same template
+    assert Tokenizer.from_folder(tmp_path / "run").chat_template == tok.chat_template is not None
+
+
 def test_mask_equals_transformers_assistant_mask_with_generation_marks(family, tmp_path):
     _, folder, hf = family
     ours = _ours(folder, _write(tmp_path / "c.jsonl", CHATS))
