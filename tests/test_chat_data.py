@@ -318,7 +318,7 @@ def test_bad_lines_are_errors_naming_file_and_line(tmp_path):
         cfg = DataConfig(source="chat", paths=(path,))
         with pytest.raises(ChatDataError, match=rf"bad{i}.jsonl:3: {message}"):
             list(encode_conversations(cfg, tok, [path]))
-    with pytest.raises(ChatDataError, match=r"data\.tokenizer='byte' has none"):
+    with pytest.raises(ChatDataError, match=r"data\.tokenizer='byte' has none \(byte-chat, "):
         list(encode_conversations(DataConfig(source="chat", paths=(path,)), Tokenizer.byte_level(), [path]))
     docs = list(iter_documents(DataConfig(source="chat", paths=(_write(tmp_path / "t.jsonl", TEXT_CHATS[1:2]),))))
     assert [d.text for d in docs] == ["what is 2+2\nIt is 4."]  # what train_tokenizer.py reads
