@@ -116,7 +116,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=0.95, help="(default 0.95)")
     g.add_argument("--seed", type=int, default=0, help="(default 0)")
     g.add_argument(
-        "--num-speculative-tokens", type=int, default=0,
+        "--num-speculative-tokens", type=int, default=0, metavar="N",
         help="speculative decoding: drafts checked per step, from --draft's model or else n-gram lookup; the "
         "output is the same as without (0 = off, at most 8; default 0)",
     )  # fmt: skip
