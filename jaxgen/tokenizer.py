@@ -2,7 +2,8 @@
 
 The byte-level tokenizer is itself a real `tokenizers` object (byte-level BPE with no merges: one
 token per byte, plus an end-of-text token), so every tokenizer saves to and loads from the same
-`tokenizer.json` format and a run folder is self-describing.
+`tokenizer.json` format and a run folder is self-describing. `byte-chat` is the same tokenizer with a
+built-in chat template (BYTE_CHAT_TEMPLATE), so chat SFT (`data.source=chat`) needs no model folder.
 
 `train_bpe(texts, vocab_size)` trains a byte-level BPE tokenizer; `python train_tokenizer.py` runs it on a corpus.
 """
@@ -19,6 +20,27 @@ from tokenizers import decoders, models, pre_tokenizers
 
 EOS_TOKEN = "<|endoftext|>"
 _EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>")
+
+# `byte-chat`'s template: `<|role|>\n` before each turn, the end-of-text token after it (so a served answer
+# stops there), tools listed in a first system turn and calls written as Hermes' <tool_call> (the format the
+# server parses when a template names no other).
+BYTE_CHAT_TEMPLATE = r"""
+{%- if tools -%}
+    {{- '<|system|>\nTools:' -}}
+    {%- for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor -%}
+    {{- '\nCall one as <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call><|endoftext|>' -}}
+{%- endif -%}
+{%- for message in messages -%}
+    {{- '<|' + message.role + '|>\n' -}}
+    {%- if message.content is string %}{{ message.content }}{% endif -%}
+    {%- for call in message.tool_calls or [] -%}
+        {{- '<tool_call>\n{"name": "' + call.function.name + '", "arguments": '
+            + (call.function.arguments | tojson) + '}\n</tool_call>' -}}
+    {%- endfor -%}
+    {{- '<|endoftext|>' -}}
+{%- endfor -%}
+{%- if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif -%}
+"""
 
 
 class Tokenizer:
@@ -90,9 +112,11 @@ class Tokenizer:
 
     @classmethod
     def from_name(cls, name: str) -> Tokenizer:
-        """`byte`, a tokenizer.json, or a folder holding one (the `data.tokenizer` config value)."""
+        """`byte`, `byte-chat`, a tokenizer.json, or a folder holding one (the `data.tokenizer` config value)."""
         if name == "byte":
             return cls.byte_level()
+        if name == "byte-chat":
+            return cls(cls.byte_level().tok, chat_template=BYTE_CHAT_TEMPLATE)
         return cls.from_folder(name) if Path(name).is_dir() else cls.from_file(name)
 
     @property

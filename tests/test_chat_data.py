@@ -4,6 +4,8 @@ with `{% generation %}` marks; the loss ignores every other target; packing keep
 the iterator resumes; bad lines and templates that cannot mark the assistant are refused by file:line."""
 
 import json
+import re
+import shutil
 import subprocess
 import sys
 
@@ -16,13 +18,14 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from jaxgen import model
 from jaxgen.chat_template import compile_template
-from jaxgen.config import DataConfig, load_config
+from jaxgen.config import ConfigError, DataConfig, load_config
 from jaxgen.tokenizer import Tokenizer
 from jaxgen.training.data.chat import ChatDataError, ChatRenderer, encode_conversations, parse_line
 from jaxgen.training.data.pipeline import PackedConversations, train_iterator
 from jaxgen.training.data.sources import iter_documents
 from jaxgen.training.data.tokens import DOC_START, NO_LOSS, load_splits
 from jaxgen.training.step import loss_sum
+from jaxgen.training.trainer import resolve_init_from
 from tests.conftest import ROOT
 
 # The shape of Qwen2.5's template (default system prompt, tools in the system turn, calls as <tool_call>,
@@ -170,6 +173,21 @@ def test_mask_is_the_assistant_text_and_its_end_of_turn(family, tmp_path):
         assert tokens[0] == tok.tok.token_to_id("<|begin_of_text|>") and not trained[0]
 
 
+def test_the_built_in_byte_chat_tokenizer_trains_the_answers_and_keeps_its_template(tmp_path):
+    """data.tokenizer=byte-chat: chat SFT without a model folder; the answers and their end-of-text are trained."""
+    tok = Tokenizer.from_name("byte-chat")
+    path = _write(tmp_path / "c.jsonl", CHATS)
+    call = '<tool_call>\n{"name": "weather", "arguments": {"city": "Zürich"}}\n</tool_call><|endoftext|>'
+    answers = [["Hi! How can I help?", "The quick brown fox jumps — über the lazy dog."], ["It is 4."],
+               ["Both read."], [call[: -len("<|endoftext|>")], "Sunny and 21 C in Zürich."]]  # fmt: skip
+    ours = encode_conversations(DataConfig(source="chat", paths=(path,), tokenizer="byte-chat"), tok, [path])
+    for expected, (tokens, trained) in zip(answers, ours, strict=True):
+        assert tok.decode(tokens[trained]) == "".join(a + "<|endoftext|>" for a in expected)
+        assert tokens[-1] == tok.eos_id
+    tok.save_folder(tmp_path / "run")  # the run folder serves with the same template
+    assert Tokenizer.from_folder(tmp_path / "run").chat_template == tok.chat_template is not None
+
+
 def test_mask_equals_transformers_assistant_mask_with_generation_marks(family, tmp_path):
     _, folder, hf = family
     ours = _ours(folder, _write(tmp_path / "c.jsonl", CHATS))
@@ -300,7 +318,7 @@ def test_bad_lines_are_errors_naming_file_and_line(tmp_path):
         cfg = DataConfig(source="chat", paths=(path,))
         with pytest.raises(ChatDataError, match=rf"bad{i}.jsonl:3: {message}"):
             list(encode_conversations(cfg, tok, [path]))
-    with pytest.raises(ChatDataError, match=r"data\.tokenizer='byte' has none"):
+    with pytest.raises(ChatDataError, match=r"data\.tokenizer='byte' has none \(byte-chat, "):
         list(encode_conversations(DataConfig(source="chat", paths=(path,)), Tokenizer.byte_level(), [path]))
     docs = list(iter_documents(DataConfig(source="chat", paths=(_write(tmp_path / "t.jsonl", TEXT_CHATS[1:2]),))))
     assert [d.text for d in docs] == ["what is 2+2\nIt is 4."]  # what train_tokenizer.py reads
@@ -366,20 +384,37 @@ def test_the_sandbox_reads_generation_marks_and_loop_controls_and_stops_unsafe_t
         ChatRenderer("{{ messages.append(1) }}").render(conv, 2, False)
 
 
+def _hf_chat_model(folder, tmp_path) -> str:
+    """A tiny random Llama saved by transformers beside a copy of `folder`'s chat tokenizer; its 512 positions
+    are more than configs/tiny.yaml's model.max_seq_len=128, which its config.json replaces."""
+    hf_folder = tmp_path / "hf"
+    shutil.copytree(folder, hf_folder)
+    shape = dict(vocab_size=384, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    config = transformers.LlamaConfig(**shape, intermediate_size=64, max_position_embeddings=512)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(hf_folder)
+    return str(hf_folder)
+
+
 @pytest.mark.parametrize("family", ["chatml"], indirect=True)  # one template is enough for the command
 def test_train_command_runs_on_chat_data(family, tmp_path):
+    """The documented command: a Hugging Face folder's model and chat template, data.seq_len beyond the YAML's
+    model.max_seq_len (checked against the folder's positions once its config.json is read)."""
     _, folder, _ = family
+    hf_folder = _hf_chat_model(folder, tmp_path)
     chats = [{"messages": [{"role": "user", "content": f"say {i}"}, {"role": "assistant", "content": f"{i} said."}]}
              for i in range(30)]  # fmt: skip
     data = _write(tmp_path / "chat.jsonl", chats)
     run = tmp_path / "run"
     cmd = [sys.executable, "train.py", "--config", "configs/tiny.yaml", "--run-dir", str(run), "--no-progress",
-           "data.source=chat", f"data.paths=[{data}]", f"data.tokenizer={folder}", f"data.cache_dir={tmp_path / 'c'}",
-           "training.steps=4", "training.eval_every=4", "training.log_every=2",
-           "checkpoint.every=4", "mesh.data=1"]  # fmt: skip
+           f"training.init_from={hf_folder}", "data.source=chat", f"data.paths=[{data}]", "data.seq_len=256",
+           f"data.cache_dir={tmp_path / 'c'}", "training.steps=4", "training.batch_size=2", "training.eval_every=4",
+           "training.log_every=2", "checkpoint.every=4", "mesh.data=1"]  # fmt: skip
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "are cut" not in out.stdout  # data.seq_len=64 holds each of these conversations whole
+    assert "are cut" not in out.stdout  # data.seq_len=256 holds each of these conversations whole
+    too_long = load_config(ROOT / "configs" / "tiny.yaml", [f"training.init_from={hf_folder}", "data.seq_len=1024"])
+    with pytest.raises(ConfigError, match=re.escape(f"at most model.max_seq_len=512 (from {hf_folder}/config.json)")):
+        resolve_init_from(too_long)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert any("loss" in r and np.isfinite(r["loss"]) for r in rows)
     assert Tokenizer.from_folder(run).chat_template == Tokenizer.from_folder(folder).chat_template  # served alike

@@ -142,3 +142,74 @@ def _on_map(name: str, text: str) -> bool:
     """`_named`, also as the last part of a path (`jaxgen/hf/`)."""
     as_path = re.search(rf"/{re.escape(name)}(?:\.py|/)(?=$|[\s,)`:;])", text, re.MULTILINE)
     return _named(name, text) or as_path is not None
+
+
+# --- documented commands: each run folder is made by one command before another uses it --------------
+
+RUN = r"(?<![\w/.-])runs/[\w.-]+"  # a run folder under runs/ (an absolute /mnt/nfs/runs/x is a placeholder)
+DEFAULT_CONFIG = {"train": "configs/default.yaml", "rl": "configs/rl-arithmetic.yaml"}
+
+
+def _commands(markdown: Path) -> list[str]:
+    """The commands of the fenced code blocks, in order: continued lines joined, comments cut, one per `&&`."""
+    blocks = re.findall(r"^```\w*\n(.*?)^```", markdown.read_text(), re.MULTILINE | re.DOTALL)
+    out = []
+    for line in "\n".join(blocks).replace("\\\n", " ").splitlines():
+        line = re.sub(r"(^|\s)#.*", "", line)
+        out += [" ".join(part.split()) for part in re.split(r"&&|;|(?<!&)&(?!&)", line) if part.strip()]
+    return out
+
+
+def _writes(command: str) -> list[str]:
+    """What `command` creates: train.py's and rl.py's run folder, convert.py's output, the file or folder
+    of --out, --trace-dir, --write-corpus."""
+    import yaml
+
+    found = re.search(r"python (train|rl)\.py\b(.*)", command)
+    if found and "--help" not in found[2]:
+        run_dir = re.search(r"--run-dir (\S+)", found[2])
+        if run_dir:
+            return [run_dir[1]]
+        config = re.search(r"--config (\S+)", found[2])
+        path = ROOT / (config[1] if config else DEFAULT_CONFIG[found[1]])
+        return [f"runs/{(yaml.safe_load(path.read_text()) or {}).get('name', path.stem)}"]
+    made = re.search(r"python convert\.py \S+ (\S+)", command)
+    return [made[1]] if made else re.findall(r"--(?:out|trace-dir|write-corpus) (\S+)", command)
+
+
+def _run_folder(path: str) -> str | None:
+    found = re.match(RUN, path)
+    return found[0] if found else None
+
+
+def _documented_runs() -> tuple[dict[str, set[str]], list[str]]:
+    """({run folder: the distinct commands that write it}, the uses of a run folder no earlier command of the
+    same page (or of README.md, which every page follows) made)."""
+    writers: dict[str, set[str]] = {}
+    readme: set[str] = set()
+    unmade = []
+    for markdown in MARKDOWN:
+        made = set(readme)
+        for command in _commands(markdown):
+            outputs = _writes(command)
+            used = re.sub(r"--(?:run-dir|out|trace-dir|write-corpus) \S+", "", command)
+            if outputs and "convert.py" in command:
+                used = used.replace(outputs[0], "")
+            unmade += [f"{markdown.name}: {command!r} uses {run}" for run in re.findall(RUN, used) if run not in made]
+            for output in filter(None, map(_run_folder, outputs)):
+                writers.setdefault(output, set()).add(command)
+                made.add(output)
+        if markdown.name == "README.md":
+            readme = made
+    return writers, unmade
+
+
+def test_documented_commands_make_every_run_folder_they_use_and_share_none():
+    """Followed in order (README.md, then any page), every `runs/X` a documented command reads was made by an
+    earlier one, and no two different commands train into the same run folder (the second would resume, or
+    be refused as another run, instead of doing what its page says)."""
+    writers, unmade = _documented_runs()
+    assert "runs/default" in writers and "runs/rl-arithmetic" in writers  # the parse sees the README's commands
+    assert not unmade, unmade
+    shared = {run: sorted(commands) for run, commands in writers.items() if len(commands) > 1}
+    assert not shared, shared

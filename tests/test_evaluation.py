@@ -189,3 +189,18 @@ def test_command_line_on_a_run_without_a_checkpoint_says_so_in_one_line(tmp_path
     assert done.returncode == 1
     assert f"error: {run} has no checkpoint yet" in done.stderr
     assert "Traceback" not in done.stderr and "RuntimeError" not in done.stderr, done.stderr[-3000:]
+
+
+def test_command_line_offline_says_in_one_line_that_the_task_data_could_not_be_downloaded(tiny_run, tmp_path):
+    """Issue 44: the Quick start's hellaswag line without network ended in a ConnectionError traceback."""
+    import os
+    import subprocess
+    import sys
+
+    env = os.environ | {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}  # no cache
+    command = [sys.executable, "-m", "jaxgen.evaluation", "--model", "jaxgen", "--model_args",
+               f"checkpoint={tiny_run}", "--tasks", "hellaswag", "--limit", "1"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert done.returncode == 1
+    assert "error: a task's data could not be downloaded" in done.stderr and "--include_path" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]

@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import re
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -112,6 +113,30 @@ def test_a_trained_model_keeps_drafts_and_takes_fewer_target_steps(tiny_run):
         _same(a, b)
     stats = gen.speculation_stats()
     assert stats["accepted"] > 0 and stats["tokens_per_step"] > 1.0, stats
+
+
+def test_serve_generate_speculates_with_a_draft_and_prints_plain_greedy_output(tiny_run, capsys):
+    """`serve.py generate --draft DIR --num-speculative-tokens 4` (the run as its own draft: greedy drafts are
+    kept but where a row ends) prints plain decoding's text; --draft without the number is refused."""
+    import serve
+    from jaxgen.serving import cli
+
+    engines = []
+    build = cli._engine
+    argv = ["generate", "--checkpoint", str(tiny_run), "--prompt", "    x = 1\n    x = 1\n", "--temperature", "0",
+            "--max-new-tokens", "24", "--slots", "2"]  # fmt: skip
+    texts = []
+    with mock.patch.object(cli, "_engine", lambda *a: engines.append(build(*a)) or engines[-1]):
+        for extra in ([], ["--draft", str(tiny_run), "--num-speculative-tokens", "4"]):
+            assert serve.main([*argv, *extra]) == 0
+            texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and len(texts[0]) > len(argv[4])
+    plain, drafted = (e.stats.snapshot() for e in engines)
+    assert plain["spec_draft_tokens"] == 0 and drafted["spec_draft_tokens"] > 0
+    assert drafted["spec_accepted_tokens"] >= drafted["spec_draft_tokens"] - 4, drafted  # the draft is the target
+    with pytest.raises(SystemExit) as refused:
+        serve.main([*argv, "--draft", str(tiny_run)])
+    assert refused.value.code == 2 and "drafts only with --num-speculative-tokens N > 0" in capsys.readouterr().err
 
 
 def test_many_seeds_sample_what_plain_decoding_samples():

@@ -41,11 +41,16 @@ class Config:
     rl: RLConfig = dataclasses.field(default_factory=RLConfig)  # read by rl.py only
 
     def __post_init__(self):
+        if self.training.init_from is None:  # else the folder's config replaces `model`: checked once read
+            self.check_seq_len()
+
+    def check_seq_len(self, source: str = "") -> None:
+        """data.seq_len fits the model's positions (`source`: where model.max_seq_len came from)."""
         check(
             self.data.seq_len <= self.model.max_seq_len,
             "data.seq_len",
             self.data.seq_len,
-            f"at most model.max_seq_len={self.model.max_seq_len}",
+            f"at most model.max_seq_len={self.model.max_seq_len}{source}",
         )
 
     def to_dict(self) -> dict:

@@ -15,7 +15,7 @@ class DataConfig:
     text_field: str = "text"
     prompt_field: str | None = None  # jsonl fine-tuning: loss only on the response
     response_field: str | None = None
-    tokenizer: str = "byte"  # "byte" or a path to a Hugging Face tokenizer.json
+    tokenizer: str = "byte"  # "byte", "byte-chat" (with a chat template), a tokenizer.json or a folder with one
     seq_len: int = 128  # T: tokens per training sequence
     eval_fraction: float = 0.02  # share of documents held out
     eval_batches: int = 4

@@ -33,7 +33,7 @@ ENGINE_FLAGS = {
     "--cache-dtype": ("serve.cache_dtype", "the KV cache's dtype; int8 holds ~2x the tokens of bfloat16"),
     "--draft": (
         "serve.draft", "a run or Hugging Face folder whose smaller model (same tokenizer) drafts for requests "
-        "with num_speculative_tokens > 0 (default: n-gram lookup)",
+        "with num_speculative_tokens > 0 (generate: --num-speculative-tokens; default: n-gram lookup)",
     ),
 }  # fmt: skip
 HTTP_FLAGS = {
@@ -115,6 +115,11 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="0 = off (default 0)")
     g.add_argument("--top-p", type=float, default=0.95, help="(default 0.95)")
     g.add_argument("--seed", type=int, default=0, help="(default 0)")
+    g.add_argument(
+        "--num-speculative-tokens", type=int, default=0, metavar="N",
+        help="speculative decoding: drafts checked per step, from --draft's model or else n-gram lookup; the "
+        "output is the same as without (0 = off, at most 8; default 0)",
+    )  # fmt: skip
     h = sub.add_parser(
         "http",
         help="an OpenAI-compatible HTTP server",
@@ -188,10 +193,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             defaults = SamplingConfig(
                 max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                top_p=args.top_p, seed=args.seed,
+                top_p=args.top_p, seed=args.seed, num_speculative_tokens=args.num_speculative_tokens,
             )  # fmt: skip
         except SamplingError as e:
             p.error(str(e))
+        if settings.serve.draft and args.prompt is not None and not args.num_speculative_tokens:
+            p.error(f"serve.draft={settings.serve.draft!r} (--draft) drafts only with --num-speculative-tokens N > 0")
     try:
         engine = _engine(args, settings)
     except (FileNotFoundError, ValueError) as e:

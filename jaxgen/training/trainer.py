@@ -171,7 +171,9 @@ def resolve_init_from(cfg: Config) -> tuple[Config, str | None]:
         lora = dataclasses.replace(lora, base=str(Path(folder).resolve()))
     model_cfg = dataclasses.replace(model_cfg, dtype=cfg.model.dtype, lora=lora)
     data = dataclasses.replace(cfg.data, tokenizer=str(Path(folder).absolute()))
-    return dataclasses.replace(cfg, model=model_cfg, data=data), family
+    resolved = dataclasses.replace(cfg, model=model_cfg, data=data)
+    resolved.check_seq_len(f" (from {folder}/config.json)")
+    return resolved, family
 
 
 def train(cfg: Config, run_dir: str | Path, progress: bool = True) -> TrainResult:

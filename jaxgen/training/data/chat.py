@@ -113,8 +113,9 @@ class ChatRenderer:
     def __init__(self, source: str | None, tokenizer_name: str = ""):
         if source is None:
             raise ChatDataError(
-                f"data.source=chat needs a chat template: data.tokenizer={tokenizer_name!r} has none (a tokenizer "
-                "folder whose tokenizer_config.json has chat_template, or chat_template.jinja beside it)"
+                f"data.source=chat needs a chat template: data.tokenizer={tokenizer_name!r} has none (byte-chat, "
+                "the byte-level tokenizer with a built-in one, or a tokenizer folder whose tokenizer_config.json "
+                "has chat_template, or chat_template.jinja beside it)"
             )
         try:
             self.template = compile_template(source)
