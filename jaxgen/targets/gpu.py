@@ -30,11 +30,7 @@ import jax
 
 from jaxgen.targets.catalog import SPECS
 from jaxgen.targets.devices import traced_for
-
-# Instructions that launch nothing: they name buffers, pieces of tuples or views of them.
-FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier", "after-all"}
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+ = .*? ([a-z][\w\-]*)\(")
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+) .*\{\s*$")
+from jaxgen.targets.hlo import computations, ops
 
 
 def unavailable() -> str | None:
@@ -88,37 +84,6 @@ def placed(tree, device):
     """`tree`'s arrays as `jax.ShapeDtypeStruct`s on `device` (nothing allocated)."""
     sharding = jax.sharding.SingleDeviceSharding(device)
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
-
-
-def computations(hlo_text: str) -> dict[str, list[str]]:
-    """Optimised HLO text as {computation name: its instruction lines}; the entry one also under "ENTRY"."""
-    out, name = {}, None
-    for line in hlo_text.splitlines():
-        header = _HEADER.match(line)
-        if header and not line.startswith(" "):
-            name = header.group(1)
-            out[name] = []
-            if line.startswith("ENTRY"):
-                out["ENTRY"] = out[name]
-        elif line.strip() == "}":
-            name = None
-        elif name is not None and _INSTRUCTION.match(line):
-            out[name].append(line)
-    return out
-
-
-def ops(comps: dict[str, list[str]], name: str) -> collections.Counter:
-    """The operations computation `name` runs, by opcode: one each (a fusion is one kernel, a cuBLAS
-    call one custom-call, a conditional or a nested while one launch of their own), free ones (`FREE`)
-    left out, and the computations a `call` runs (XLA:GPU's command buffers) counted in its place."""
-    counts = collections.Counter()
-    for line in comps[name]:
-        op = _INSTRUCTION.match(line).group(1)
-        if op == "call":
-            counts += ops(comps, re.search(r"to_apply=%?([\w.\-]+)", line).group(1))
-        elif op not in FREE:
-            counts[op] += 1
-    return counts
 
 
 def loop_ops(hlo_text: str) -> collections.Counter:

@@ -7,7 +7,8 @@
 An estimate, never a measurement: it assumes each part runs at the chip's published peak (`catalog`)
 and that the three overlap perfectly (the step takes as long as the slowest), so it is a lower bound on
 the step time of this program on that chip. The counts are the target compiler's own
-(`compiled.cost_analysis()`: "flops", "bytes accessed") plus, for the network, the bytes of every
+(`compiled.cost_analysis()`: "flops", "bytes accessed"; XLA:GPU without a GPU gives none, so there they
+are counted from its optimised HLO: `hlo.hlo_counts`) plus, for the network, the bytes of every
 collective in the optimised HLO (`collective_bytes`).
 
 XLA's cost analysis counts the body of a loop once, whatever its trip count: a program whose layers run
@@ -20,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from jaxgen.targets import hlo
 from jaxgen.targets.catalog import Chip
 
 # bytes a device sends per byte of the collective's result (ring algorithms, large groups): an
@@ -27,10 +29,7 @@ from jaxgen.targets.catalog import Chip
 _SENT_PER_BYTE = {
     "all-gather": 1.0, "all-reduce": 2.0, "reduce-scatter": 1.0, "all-to-all": 1.0, "collective-permute": 1.0,
 }  # fmt: skip
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
-                "f64": 8, "s64": 8, "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 0.5, "u4": 0.5}  # fmt: skip
 _COLLECTIVE = re.compile(r"= (\(?[^=]*?\)?) (" + "|".join(_SENT_PER_BYTE) + r")(?:-start)?\(")
-_ARRAY = re.compile(r"([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,10 +57,11 @@ def costs_of(compiled) -> Costs:
     analysis = compiled.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, list) else analysis  # older jax: one dict per program
     text = compiled.as_text()
-    return Costs(
-        float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0)), collective_bytes(text),
-        custom_calls(text),
-    )  # fmt: skip
+    if analysis is None:  # XLA:GPU compiling without a GPU has none: count from the HLO's kernels
+        flops, accessed = hlo.hlo_counts(text)
+    else:
+        flops, accessed = float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0))
+    return Costs(flops, accessed, collective_bytes(text), custom_calls(text))
 
 
 def custom_calls(hlo_text: str) -> dict[str, int]:
@@ -82,21 +82,13 @@ def collective_bytes(hlo_text: str) -> dict[str, float]:
         if not match:
             continue
         shape, kind = match.groups()
-        arrays = _ARRAY.findall(shape)
-        if kind != "all-reduce" and len(arrays) > 1 and shape.startswith("("):
-            arrays = arrays[-1:]  # an async start's tuple: (operand, result[, context]); the result is the last array
-        size = sum(_DTYPE_BYTES.get(dtype, 4) * _prod(dims) for dtype, dims in arrays)
+        if kind != "all-reduce" and shape.startswith("(") and line.split(" = ", 1)[1].find("-start(") > 0:
+            shape = "{}[{}]".format(*hlo.ARRAY.findall(shape)[-1])  # an async start's (operand, result): the result
+        size = hlo.shape_bytes(shape)
         if kind == "reduce-scatter":
             size *= _group_size(line)
         out[kind] = out.get(kind, 0.0) + size * _SENT_PER_BYTE[kind]
     return out
-
-
-def _prod(dims: str) -> int:
-    n = 1
-    for d in filter(None, dims.split(",")):
-        n *= int(d)
-    return n
 
 
 def _group_size(line: str) -> int:

@@ -19,7 +19,21 @@ def unfit(cfg: ModelConfig, backend: str) -> str | None:
         return f"it needs a head size <= 128 and a multiple of 8, got {cfg.head_size}"
     if cfg.attn_softcap is not None:
         return "it has no attention-logit soft cap"
+    if not _cudnn_installed():
+        return "cuDNN is not installed (the CUDA wheels of jax[cuda12] bring it)"
     return None
+
+
+def _cudnn_installed() -> bool:
+    """Whether jax finds the cuDNN library (absent where only the CUDA plugin is installed, to compile
+    for a GPU this machine lacks: `jaxgen.targets`)."""
+    from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
+
+    try:
+        check_cudnn_version()
+    except RuntimeError:
+        return False
+    return True
 
 
 def mask(positions_bt, segment_ids_bt):

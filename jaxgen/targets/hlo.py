@@ -1,0 +1,114 @@
+"""Reading XLA's optimised HLO text: its computations, the operations a computation launches, and (where
+a compiler gives no cost analysis: XLA:GPU without a GPU) the flops and bytes its kernels move.
+
+    comps = computations(text)        # {name: instruction lines}, the entry one also as "ENTRY"
+    ops(comps, "ENTRY")               # launches by opcode
+    hlo_counts(text)                  # (flops, bytes accessed) counted from the kernels' shapes
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+# Instructions that launch nothing: they name buffers, pieces of tuples or views of them.
+FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier", "after-all"}
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+ = .*? ([a-z][\w\-]*)\(")
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+) .*\{\s*$")
+
+
+_SHAPED = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
+ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
+               "f64": 8, "s64": 8, "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 0.5, "u4": 0.5}  # fmt: skip
+_CONTROL = {"while", "conditional", "call", "async-start", "async-done"}
+
+
+def computations(hlo_text: str) -> dict[str, list[str]]:
+    """Optimised HLO text as {computation name: its instruction lines}; the entry one also under "ENTRY"."""
+    out, name = {}, None
+    for line in hlo_text.splitlines():
+        header = _HEADER.match(line)
+        if header and not line.startswith(" "):
+            name = header.group(1)
+            out[name] = []
+            if line.startswith("ENTRY"):
+                out["ENTRY"] = out[name]
+        elif line.strip() == "}":
+            name = None
+        elif name is not None and _INSTRUCTION.match(line):
+            out[name].append(line)
+    return out
+
+
+def ops(comps: dict[str, list[str]], name: str) -> collections.Counter:
+    """The operations computation `name` runs, by opcode: one each (a fusion is one kernel, a cuBLAS
+    call one custom-call, a conditional or a nested while one launch of their own), free ones (`FREE`)
+    left out, and the computations a `call` runs (XLA:GPU's command buffers) counted in its place."""
+    counts = collections.Counter()
+    for line in comps[name]:
+        op = _INSTRUCTION.match(line).group(1)
+        if op == "call":
+            counts += ops(comps, re.search(r"to_apply=%?([\w.\-]+)", line).group(1))
+        elif op not in FREE:
+            counts[op] += 1
+    return counts
+
+
+def shape_bytes(shape_text: str) -> float:
+    """Bytes of an HLO shape (an array or a tuple of them), e.g. "(f32[4,64]{1,0}, bf16[8])"."""
+    return float(sum(DTYPE_BYTES.get(dtype, 4) * _prod(dims) for dtype, dims in ARRAY.findall(shape_text)))
+
+
+def dims_of(shape_text: str) -> list[int]:
+    found = ARRAY.search(shape_text)
+    return [int(d) for d in filter(None, found.group(2).split(","))] if found else []
+
+
+def _prod(dims) -> int:
+    n = 1
+    for d in dims.split(",") if isinstance(dims, str) else dims:
+        if d != "":
+            n *= int(d)
+    return n
+
+
+def hlo_counts(hlo_text: str) -> tuple[float, float]:
+    """(flops, bytes accessed) of one run of a program from its optimised HLO: the flops of every `dot`
+    (2 x the result's elements x the contracted size; a cuBLAS gemm call likewise), and for every kernel
+    of a computation that is not fused into another, the bytes of its operands and result. Each
+    computation counts once (a loop's body once, whatever its trip count: compile layers unrolled)."""
+    comps = computations(hlo_text)
+    # computations inside a kernel: a fusion's, a reduction's or a sort's (not a `call`'s: command buffers)
+    fused = set(re.findall(r"calls=%?([\w.\-]+)", hlo_text))
+    fused |= {
+        m for line in hlo_text.splitlines() if " call(" not in line for m in re.findall(r"to_apply=%?([\w.\-]+)", line)
+    }
+    flops = bytes_ = 0.0
+    for name, lines in comps.items():
+        if name == "ENTRY":
+            continue
+        shapes = {}
+        for line in lines:
+            m = _SHAPED.match(line)
+            if not m:
+                continue
+            inst, shape, op, rest = m.groups()
+            shapes[inst] = shape
+            if op == "dot" or (op == "custom-call" and "__cublas" in rest):
+                flops += _dot_flops(shape, rest, shapes)
+            if name in fused or op in FREE or op in _CONTROL:
+                continue
+            operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
+            bytes_ += shape_bytes(shape) + sum(shape_bytes(shapes.get(o, "")) for o in operands)
+    return flops, bytes_
+
+
+def _dot_flops(shape: str, rest: str, shapes: dict) -> float:
+    operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
+    contracting = re.search(r'lhs_contracting_dim(?:s=\{|ensions":\[)"?([\d", ]*)', rest)
+    if not operands or not contracting:
+        return 0.0
+    lhs = dims_of(shapes.get(operands[0], ""))
+    k = _prod([lhs[int(d)] for d in re.findall(r"\d+", contracting.group(1)) if int(d) < len(lhs)])
+    return 2.0 * _prod(dims_of(shape)) * k
