@@ -137,8 +137,8 @@ class _NoMemory:
 
 
 def _compile(fn, *args):
-    """(memory analysis, `roofline.Costs`) of `fn` compiled for `args` (abstract, on their devices). A
-    target's compiler refuses a program that does not fit its device: then (`_NoMemory`, None)."""
+    """(memory analysis, `roofline.Costs`, optimised HLO text) of `fn` compiled for `args` (abstract, on
+    their devices). A target's compiler refuses a program that does not fit: then (`_NoMemory`, None, "")."""
     import jax
 
     from jaxgen.targets.roofline import costs_of
@@ -148,8 +148,8 @@ def _compile(fn, *args):
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
-        return _NoMemory(str(e).strip().splitlines()[0]), None
-    return compiled.memory_analysis(), costs_of(compiled)
+        return _NoMemory(str(e).strip().splitlines()[0]), None, ""
+    return compiled.memory_analysis(), costs_of(compiled), compiled.as_text()
 
 
 def _oom(mem) -> str | None:
@@ -170,7 +170,7 @@ def train_program(cfg, mesh, reference: bool = False, costs: bool = False) -> Pr
     """The real train step (`training.step.train_step`), compiled for abstract state and batch: for a LoRA
     run (`model.lora.rank`) the adapters and their moments are the state and the frozen base rides beside.
     `costs`: also the compiler's counts of the step (`train_costs`: two more compiles)."""
-    params, opt_state, base, mem, _ = _train_step(cfg, mesh)
+    params, opt_state, base, mem = _train_step(cfg, mesh)[:4]
     param_bytes = per_device_bytes(params)
     lora = cfg.model.lora
     if lora.rank:
@@ -195,8 +195,8 @@ def train_program(cfg, mesh, reference: bool = False, costs: bool = False) -> Pr
 
 
 def _train_step(cfg, mesh, unrolled: bool = False):
-    """(params, opt_state, base, memory analysis, costs) of the train step compiled on `mesh` for abstract
-    inputs; `unrolled`: its layers a Python loop (params' `layers` a list) instead of a `lax.scan`."""
+    """(params, opt_state, base, memory analysis, costs, HLO text) of the train step compiled on `mesh` for
+    abstract inputs; `unrolled`: its layers a Python loop (params' `layers` a list) instead of a `lax.scan`."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -228,8 +228,8 @@ def _train_step(cfg, mesh, unrolled: bool = False):
         donate_argnums=0,
     )  # fmt: skip
     with jax.set_mesh(mesh):
-        mem, costs = _compile(step, state, batch, base)
-    return params, opt_state, base, mem, costs
+        mem, costs, text = _compile(step, state, batch, base)
+    return params, opt_state, base, mem, costs, text
 
 
 def train_costs(cfg, mesh):
@@ -339,7 +339,7 @@ def _inference_programs(model_cfg, mesh, slots, cache_len, chunk, dtype, decode)
     for name, t in wanted:
         tokens = jax.ShapeDtypeStruct((slots, t), jax.numpy.int32, sharding=batch_sharding(mesh, (slots, t)))
         with jax.set_mesh(mesh):
-            mem, costs = _compile(step, params, tokens, tokens, cache)
+            mem, costs, _ = _compile(step, params, tokens, tokens, cache)
         parts = {f"parameters ({dtype})": per_device_bytes(params), f"KV cache ({dtype})": per_device_bytes(cache)}
         temps, args = float(mem.temp_size_in_bytes), float(mem.argument_size_in_bytes)
         program = Program(name, parts, temps, args, "activations, workspace", _new_outputs(mem), costs=costs)

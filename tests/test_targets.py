@@ -3,12 +3,13 @@ without any compiler; with libtpu (the test extra), small programs compiled by t
 v5e 2x2 slice, their memory and counts checked against what the shapes say."""
 
 import dataclasses
+import re
 
 import jax
 import pytest
 
 from jaxgen import plan
-from jaxgen.targets import catalog, devices, roofline
+from jaxgen.targets import catalog, devices, hlo, roofline
 
 TPU = catalog.get("tpu-v5e-4")
 needs_libtpu = pytest.mark.skipif(devices.unavailable(TPU) is not None, reason=str(devices.unavailable(TPU)))
@@ -73,14 +74,25 @@ def small_cfg(tiny_cfg):
 @needs_libtpu
 def test_the_train_step_compiles_for_a_tpu_slice_with_splash_inside_shard_map(small_cfg, tpu_mesh):
     with devices.traced_for("tpu"):
-        params, opt_state, _, memory, costs = plan._train_step(small_cfg, tpu_mesh)
+        params, opt_state, _, memory, costs, text = plan._train_step(small_cfg, tpu_mesh)
     assert memory.argument_size_in_bytes < 2**40, "the compiler refused it"
+    state = plan.per_device_bytes(params) + plan.per_device_bytes(opt_state)
+    assert memory.alias_size_in_bytes >= state  # the donated state really is written over, not copied
     # what the step takes is the state and the batch: the shapes' bytes per device (the matrices and their
     # moments split 4 ways, the batch's rows 2 ways), which the compiler pads up to its (8, 128) tiles
     exact = plan.per_device_bytes(params) + plan.per_device_bytes(opt_state) + 5 * 16 * 128 * 4 / 2
     assert exact <= memory.argument_size_in_bytes <= 1.5 * exact
     assert costs.kernels.get("tpu_custom_call", 0) >= 2  # splash forward and backward, lowered by Mosaic
-    assert costs.collectives.get("all-gather", 0) > 0  # fsdp gathers the weights
+    # fsdp gathers each layer's weights inside the layer loop (not the whole stack before it), and neither
+    # loop moves anything to the host
+    comps = hlo.computations(text)
+    bodies = [re.search(r"body=%?([\w.\-]+)", line).group(1) for line in comps["ENTRY"] if " while(" in line]
+    inside = lambda body: "\n".join(line for c in hlo.reachable(comps, body) for line in comps[c])
+    assert bodies and all(roofline.collective_bytes(inside(b)).get("all-gather") for b in bodies)
+    whole = {tuple(x.shape) for x in jax.tree.leaves(params["layers"])}  # a stacked (L, ...) weight, gathered
+    gathered = [hlo.dims_of(line.split(" = ")[1]) for line in comps["ENTRY"] if " all-gather" in line]
+    assert not [d for d in gathered if tuple(d) in whole]
+    assert not re.search(r" (send|recv|infeed|outfeed)\(|host_callback|xla_python_cpu_callback", text)
 
 
 @needs_libtpu

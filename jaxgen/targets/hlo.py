@@ -112,3 +112,16 @@ def _dot_flops(shape: str, rest: str, shapes: dict) -> float:
     lhs = dims_of(shapes.get(operands[0], ""))
     k = _prod([lhs[int(d)] for d in re.findall(r"\d+", contracting.group(1)) if int(d) < len(lhs)])
     return 2.0 * _prod(dims_of(shape)) * k
+
+
+def reachable(comps: dict[str, list[str]], name: str) -> list[str]:
+    """Computation `name` and every computation it calls, fuses, loops over or branches to, transitively."""
+    seen, todo = [], [name]
+    while todo:
+        current = todo.pop()
+        if current in seen or current not in comps:
+            continue
+        seen.append(current)
+        for line in comps[current]:
+            todo += re.findall(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-]+)", line)
+    return seen
