@@ -78,6 +78,31 @@ def test_completions_regex_choice_and_guided_json(stack):
     jsonschema.validate(json.loads(out.choices[0].text), SCHEMA)
 
 
+# properties in the order the model should think in (not alphabetical); \d, \w and a format's digits ASCII
+ORDERED = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "pattern": "^\\d\\w$"}, "day": {"type": "string", "format": "date"},
+                   "answer": {"enum": [1, 2]}},
+    "required": ["zone", "day", "answer"],
+}  # fmt: skip
+NON_ASCII = {str(b): 100 for b in (0xD9, 0xDB, 0xE0, 0xF0)}  # lead bytes of Arabic, Devanagari, Wancho... digits
+
+
+def test_schema_keys_in_declared_order_and_ecma_classes(stack):
+    """Issue 44: the keys come in the schema's order (not sorted), and a `pattern`'s or a `format`'s \\d and \\w
+    are ECMA-262's, ASCII, as are a regex constraint's: a bias toward non-ASCII digits' bytes finds none."""
+    client, _, _ = stack
+    kw = dict(model=NAME, messages=[{"role": "user", "content": "go"}], seed=3, max_tokens=80, logit_bias=NON_ASCII)
+    out = client.chat.completions.create(**kw, response_format=_format(ORDERED))
+    choice = out.choices[0]
+    data = json.loads(choice.message.content)
+    assert choice.finish_reason == "stop" and list(data) == ["zone", "day", "answer"], choice.message.content
+    assert re.fullmatch(r"[0-9][0-9A-Za-z_]", data["zone"]) and re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", data["day"])
+    out = client.completions.create(model=NAME, prompt="code: ", max_tokens=20, seed=2, logit_bias=NON_ASCII,
+                                    extra_body={"guided_regex": r"\d{3}\w"})  # fmt: skip
+    assert re.fullmatch(r"[0-9]{3}[0-9A-Za-z_]", out.choices[0].text), out.choices[0].text
+
+
 def test_streamed_schema_reassembles_to_valid_json(stack):
     client, _, _ = stack
     fmt = _format(SCHEMA)
