@@ -32,6 +32,9 @@ SCHEMA = {
 }
 
 
+MANY_OPTIONAL = {"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(200)}}  # a 1.4 MB regex
+
+
 class Pet(BaseModel):
     name: str = Field(max_length=6)
     kind: Literal["cat", "dog"]
@@ -142,6 +145,7 @@ def test_streamed_schema_reassembles_to_valid_json(stack):
         ({"guided_json": "{not json"}, "guided_json", "is not JSON"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "needs"),
         ({"guided_json": {"type": "object", "x": 1}}, "guided_json", "'x' at # is not supported"),
+        ({"guided_json": MANY_OPTIONAL}, "guided_json", "1388605 characters; at most 1000000"),
     ],
 )
 def test_a_bad_constraint_is_a_400_naming_the_clients_field(stack, body, param, says):

@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxgen.inference.errors import SamplingError, shown
 from jaxgen.inference.structured.ecma import ecma_regex
+from jaxgen.inference.structured.grammar import MAX_PATTERN
 
 MAX_TEXT = 100_000  # characters of a schema, a regular expression or all choices together
 MAX_CHOICES = 1024
@@ -155,10 +156,21 @@ def schema_regex(schema) -> str:
         pattern = build_regex_from_schema(json.dumps(schema), max_recursion_depth=RECURSION_DEPTH)
     except Exception as e:  # outlines-core raises its own error types for schemas it cannot express
         raise SamplingError(f"{FIELD}.json: the schema cannot be compiled: {e}", FIELD) from None
-    pattern = ecma_regex(pattern, json_string=True)  # `pattern` and `format` as ECMA-262 reads them
+    if len(pattern) > MAX_PATTERN:  # (optional properties grow it as their square; 780,000 characters took 23 s)
+        raise SamplingError(f"{FIELD}.json: the schema's regular expression has {len(pattern)} characters; at most "
+                            f"{MAX_PATTERN} (make properties required, or fewer)", FIELD)  # fmt: skip
+    pattern = _fixed_formats(ecma_regex(pattern, json_string=True))  # `pattern` and `format` as ECMA-262 reads them
     for placeholder, rx in ranges.items():
         pattern = pattern.replace(f'"{placeholder}"', f"({rx})")
     return pattern
+
+
+# outlines-core 0.2's `format: time` writes its fraction as a backslash and any character (invalid JSON)
+_TIME_FRACTION = (ecma_regex(r"(\\.[0-9]+)?(Z)?", json_string=True), r"(\.[0-9]+)?(Z)?")
+
+
+def _fixed_formats(pattern: str) -> str:
+    return pattern.replace(*_TIME_FRACTION)
 
 
 def _with_integer_ranges(node, ranges: dict, path: str):
