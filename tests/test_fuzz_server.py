@@ -27,12 +27,13 @@ import dataclasses
 import json
 import math
 import os
+import re
 import time
 
 import httpx
 import pytest
 import uvicorn
-from hypothesis import HealthCheck, given, note, settings
+from hypothesis import HealthCheck, example, given, note, settings
 from hypothesis import strategies as st
 
 from jaxgen.config import ServeConfig
@@ -40,6 +41,7 @@ from jaxgen.inference.engine import Engine
 from jaxgen.serving import responses
 from jaxgen.serving.responses import ClientGone, Job
 from jaxgen.serving.server import create_app
+from jaxgen.tokenizer import Tokenizer
 from tests.live import live_server, tiny_engine
 
 NAME = "tiny"
@@ -437,7 +439,12 @@ def test_fuzzed_requests_never_break_the_server(server):
 
 # --- constraints and tools ----------------------------------------------------------------------------
 
-SCHEMA = {"type": "object", "properties": {"k": {"enum": [1, 2]}}, "required": ["k"]}
+# properties not in alphabetical order (the output keeps the declared one), and \d \w (ASCII, as ECMA-262 reads them)
+SCHEMA = {"type": "object", "properties": {"k": {"enum": [1, 2]}, "c": {"type": "string", "pattern": r"^\d\w$"}},
+          "required": ["k", "c"]}  # fmt: skip
+REGEX = r"\d\w{1,2}"
+ASCII = {"c": r"[0-9][0-9A-Za-z_]", "regex": r"[0-9][0-9A-Za-z_]{1,2}"}  # what they may write
+NEVER_END = {str(Tokenizer.byte_level().eos_id): -100}  # a model that does not stop by itself
 GRAMMAR = 'start: "(" start ")" | "x"'
 BAD_SCHEMAS = [
     {"type": "foo"},
@@ -466,16 +473,17 @@ BAD_GRAMMARS = [
 ]
 BAD_REGEXES = ["(a", "a{2,1}", "(?<=a)b", "\\", "[", LONE, "a" * 100_001]
 STRUCTURED = st.one_of(
-    st.sampled_from([{"json": SCHEMA}, {"json_object": True}, {"regex": "[ab]{1,3}"}, {"choice": ["yes", "no"]},
+    st.sampled_from([{"json": SCHEMA}, {"json_object": True}, {"regex": REGEX}, {"choice": ["yes", "no"]},
                      {"grammar": GRAMMAR}, {"grammar": 'root ::= "a" [0-9]?'}]),
     st.sampled_from([{}, {"regex": "a", "choice": ["b"]}, {"regx": "a"}, {"choice": []}, {"choice": [1]},
                      {"choice": [""]}, {"json": "{"}, {"json_object": 1}, *({"grammar": g} for g in BAD_GRAMMARS),
                      *({"regex": r} for r in BAD_REGEXES), *({"json": x} for x in BAD_SCHEMAS)]),
     ANY,
 )  # fmt: skip
+RESPONSE_FORMAT_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}
 RESPONSE_FORMAT = st.one_of(
     st.sampled_from([{"type": "text"}, {"type": "json_object"},
-                     {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}]),
+                     RESPONSE_FORMAT_SCHEMA]),
     st.sampled_from([{"type": "json_schema"}, {"type": "xml"}, {"type": "json_schema", "json_schema": {"name": 1}},
                      *({"type": "json_schema", "json_schema": {"name": "x", "schema": b}} for b in BAD_SCHEMAS),
                      {"type": "json_object", "extra": 1}, "json", []]),
@@ -483,7 +491,7 @@ RESPONSE_FORMAT = st.one_of(
 )  # fmt: skip
 GUIDED = {
     "guided_json": st.one_of(st.sampled_from([SCHEMA, *BAD_SCHEMAS, "{"]), ANY),
-    "guided_regex": st.one_of(st.sampled_from(["[0-9]{2}", *BAD_REGEXES]), ANY),
+    "guided_regex": st.one_of(st.sampled_from([REGEX, *BAD_REGEXES]), ANY),
     "guided_choice": st.one_of(st.sampled_from([["a", "b"], [], [""], [1], ["x"] * 1025]), ANY),
     "guided_grammar": st.one_of(st.sampled_from([GRAMMAR, *BAD_GRAMMARS]), ANY),
 }
@@ -510,23 +518,87 @@ def constrained_body(draw) -> tuple[str, dict]:
     hostile values)."""
     chat = draw(st.booleans())
     body = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "x"}
-    body |= {"max_tokens": draw(st.sampled_from([1, 4, 12])), "seed": draw(st.integers(0, 3))}
+    body |= {"max_tokens": draw(st.sampled_from([1, 4, 12, 30])), "seed": draw(st.integers(0, 3))}
     for key in draw(st.lists(st.sampled_from(sorted(CONSTRAINT_FIELDS)), min_size=0, max_size=2, unique=True)):
         body[key] = draw(CONSTRAINT_FIELDS[key])
     if chat and draw(st.booleans()):
         body |= {"tools": draw(TOOLS), "tool_choice": draw(TOOL_CHOICE)}
         if draw(st.booleans()):
             body["parallel_tool_calls"] = draw(st.one_of(st.booleans(), ANY))
+        if draw(st.booleans()):  # calls until max_tokens cuts one (a call of FUNCTION is 40 to 50 tokens)
+            body |= {"logit_bias": NEVER_END, "max_tokens": draw(st.sampled_from([30, 100]))}
     return (CHAT if chat else COMPLETIONS), body
+
+
+# drawn rarely among the hostile values, so always sent: calls from a model that does not stop (cut at max_tokens,
+# or one call), and the schema and regex written out whole
+ASK = {"messages": [{"role": "user", "content": "hi"}], "seed": 1}
+SURE = [
+    (CHAT, ASK | {"tools": [FUNCTION], "tool_choice": "required", "logit_bias": NEVER_END, "max_tokens": 100}),
+    (CHAT, ASK | {"tools": [FUNCTION], "tool_choice": "required", "logit_bias": NEVER_END, "max_tokens": 100,
+                  "parallel_tool_calls": False}),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": 30, "guided_json": SCHEMA}),
+    (CHAT, ASK | {"max_tokens": 30, "response_format": RESPONSE_FORMAT_SCHEMA}),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": 30, "structured_outputs": {"regex": REGEX}}),
+]  # fmt: skip
+
+
+def _examples(drawn: list):
+    """Hypothesis's `example` for each of `drawn`."""
+
+    def add(test):
+        for d in reversed(drawn):
+            test = example(drawn=d)(test)
+        return test
+
+    return add
+
+
+def check_constrained(body: dict, choice: dict) -> None:
+    """A 200 answer to `constrained_body`: what the constraint or the calls wrote, in the schema's order and
+    with ASCII digits and word characters; complete calls are calls whatever ended the answer."""
+    message = choice.get("message") or {}
+    for call in message.get("tool_calls") or []:
+        check_schema_output(call["function"]["arguments"])
+    if message.get("tool_calls"):
+        assert choice["finish_reason"] in ("tool_calls", "length"), choice
+        if body.get("parallel_tool_calls") is False:
+            assert len(message["tool_calls"]) == 1, message
+        return
+    text = message.get("content") if message else choice["text"]
+    assert choice["finish_reason"] != "tool_calls" and isinstance(text, str), choice
+    if body.get("tools") and body.get("tool_choice") != "none":
+        assert "</tool_call>" not in text, f"a complete call left in the text: {choice}"
+    if choice["finish_reason"] != "stop":  # (cut short: need not parse)
+        return
+    schema = (_get(body, "guided_json"), _get(body, "structured_outputs", "json"),
+              _get(body, "response_format", "json_schema", "schema"))  # fmt: skip
+    if SCHEMA in schema:
+        check_schema_output(text)
+    elif REGEX in (_get(body, "guided_regex"), _get(body, "structured_outputs", "regex")):
+        assert re.fullmatch(ASCII["regex"], text), text
+
+
+def _get(body, *keys):
+    """body[k1][k2]...; None where a level is missing or not an object."""
+    for key in keys:
+        body = body.get(key) if isinstance(body, dict) else None
+    return body
+
+
+def check_schema_output(text: str) -> None:
+    data = json.loads(text)
+    assert list(data) == ["k", "c"] and re.fullmatch(ASCII["c"], data["c"]), text
 
 
 def test_fuzzed_constraints_and_tools_are_a_400_naming_the_field_or_an_answer(server):
     url, engine, uv = server
     fields = {*CONSTRAINT_FIELDS, "tools", "tool_choice", "parallel_tool_calls"}
 
-    @settings(max_examples=40, deadline=None, derandomize=True, database=None,
+    @settings(max_examples=36, deadline=None, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
     @given(drawn=constrained_body())
+    @_examples(SURE)
     def run(drawn):
         path, body = drawn
         r = httpx.post(url + path, content=json.dumps(body).encode(), headers={"content-type": "application/json"},
@@ -542,6 +614,8 @@ def test_fuzzed_constraints_and_tools_are_a_400_naming_the_field_or_an_answer(se
         if path == CHAT:
             message = data["choices"][0]["message"]
             assert isinstance(message["content"], str) or message.get("tool_calls"), message
+        for choice in data["choices"]:
+            check_constrained(body, choice)
 
     # the largest automata first: the engine's grammar table grows to its size once, not a power of two at a time
     # (each growth compiles the engine's steps again)

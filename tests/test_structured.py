@@ -132,7 +132,10 @@ def _check(outs, configs):
         if s.grammar is not None:
             _parse(s.grammar, o.text)
         elif s.json is not None:
-            jsonschema.validate(json.loads(o.text), json.loads(s.json))
+            data = json.loads(o.text)
+            (schema,) = [x for x in SCHEMAS if x == json.loads(s.json)]  # as declared (== ignores the order)
+            jsonschema.validate(data, schema)
+            assert list(data) == [k for k in schema["properties"] if k in data], o.text  # in the declared order
         elif s.regex is not None:
             assert re.fullmatch(s.regex, o.text), o.text
         else:
@@ -300,6 +303,36 @@ def test_an_exploding_automaton_is_stopped_by_the_time_limit():
         compile_automaton(Structured(regex="(a|b)*a(a|b){40}"), vocab, timeout=2.0)
     a = compile_automaton(Structured(regex="ok|no"), vocab)  # a fresh worker takes over
     assert a.walk(b"ok") > 0 and a.walk(b"x") == -1
+
+
+# (constraint, texts it takes, texts it refuses): ECMA-262's \d \w \s and ".", in a regex and in a schema's
+# pattern or format (there inside a JSON string: no raw control character, quote or backslash)
+ECMA_CASES = [
+    (Structured(regex=r"\d\w\s."), ["1a x", "9_\t\u00e9", "0Z\u00a0-", "00\ufeff\u2003"],
+     ["\u06f7a x", "1\u00e9 x", "1a\u0085x", "1\U0001e2f2 x", "1a \n", "1a \r", "1a \u2028"]),
+    (Structured(regex=r"[\d.]\D\W\S[^\s]"), ["..#x\u00e9", "5a-\u00e9x"],
+     ["\u0661a-xx", "5a_xx", "5a- x", "5a-x\ufeff"]),
+    (Structured(json={"type": "string", "pattern": r"^\d\w\s.$"}), ['"1a x"', '"1a\u00a0\u00e9"'],
+     ['"\u0967a x"', '"1a\tx"', '"1a \t"', '"1a ""', '"1a \\"']),
+    (Structured(json={"type": "string", "format": "date"}), ['"1987-01-31"'],
+     ['"198\u06f7-01-31"', '"\U0001e2f0987-01-31"']),
+    (Structured(json={"type": "string", "format": "time"}), ['"12:00:00"', '"23:59:59.25Z"'],
+     ['"12:00:00\\a5"', '"1\u06f2:00:00"']),  # (outlines-core wrote a backslash and any character for ".")
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("structured, good, bad", ECMA_CASES)
+def test_patterns_read_digits_words_and_spaces_as_ecma_262(structured, good, bad):
+    """Issue 44: a schema's `pattern` and `format` mean what ECMA-262 says (\\d is [0-9], \\w [0-9A-Za-z_],
+    \\s its whitespace: U+00A0 and U+FEFF but not U+0085), and so do regex constraints."""
+    tok = Tokenizer.byte_level()
+    a = compile_automaton(structured, Vocabulary.of(tok, CFG.vocab_size))
+
+    def takes(text):
+        state = a.walk(tok.encode(text))
+        return state >= 0 and tok.eos_id in a.allowed(state)
+
+    assert [t for t in good if not takes(t)] == [] and [t for t in bad if takes(t)] == []
 
 
 def test_grammar_pool_shares_reuses_and_grows():

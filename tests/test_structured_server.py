@@ -32,6 +32,9 @@ SCHEMA = {
 }
 
 
+MANY_OPTIONAL = {"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(200)}}  # a 1.4 MB regex
+
+
 class Pet(BaseModel):
     name: str = Field(max_length=6)
     kind: Literal["cat", "dog"]
@@ -78,6 +81,31 @@ def test_completions_regex_choice_and_guided_json(stack):
     jsonschema.validate(json.loads(out.choices[0].text), SCHEMA)
 
 
+# properties in the order the model should think in (not alphabetical); \d, \w and a format's digits ASCII
+ORDERED = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "pattern": "^\\d\\w$"}, "day": {"type": "string", "format": "date"},
+                   "answer": {"enum": [1, 2]}},
+    "required": ["zone", "day", "answer"],
+}  # fmt: skip
+NON_ASCII = {str(b): 100 for b in (0xD9, 0xDB, 0xE0, 0xF0)}  # lead bytes of Arabic, Devanagari, Wancho... digits
+
+
+def test_schema_keys_in_declared_order_and_ecma_classes(stack):
+    """Issue 44: the keys come in the schema's order (not sorted), and a `pattern`'s or a `format`'s \\d and \\w
+    are ECMA-262's, ASCII, as are a regex constraint's: a bias toward non-ASCII digits' bytes finds none."""
+    client, _, _ = stack
+    kw = dict(model=NAME, messages=[{"role": "user", "content": "go"}], seed=3, max_tokens=80, logit_bias=NON_ASCII)
+    out = client.chat.completions.create(**kw, response_format=_format(ORDERED))
+    choice = out.choices[0]
+    data = json.loads(choice.message.content)
+    assert choice.finish_reason == "stop" and list(data) == ["zone", "day", "answer"], choice.message.content
+    assert re.fullmatch(r"[0-9][0-9A-Za-z_]", data["zone"]) and re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", data["day"])
+    out = client.completions.create(model=NAME, prompt="code: ", max_tokens=20, seed=2, logit_bias=NON_ASCII,
+                                    extra_body={"guided_regex": r"\d{3}\w"})  # fmt: skip
+    assert re.fullmatch(r"[0-9]{3}[0-9A-Za-z_]", out.choices[0].text), out.choices[0].text
+
+
 def test_streamed_schema_reassembles_to_valid_json(stack):
     client, _, _ = stack
     fmt = _format(SCHEMA)
@@ -117,6 +145,7 @@ def test_streamed_schema_reassembles_to_valid_json(stack):
         ({"guided_json": "{not json"}, "guided_json", "is not JSON"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "needs"),
         ({"guided_json": {"type": "object", "x": 1}}, "guided_json", "'x' at # is not supported"),
+        ({"guided_json": MANY_OPTIONAL}, "guided_json", "1388605 characters; at most 1000000"),
     ],
 )
 def test_a_bad_constraint_is_a_400_naming_the_clients_field(stack, body, param, says):
@@ -245,6 +274,8 @@ CLOCK = {
         },
     },
 }
+SMALL = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"]}}}  # fmt: skip
 TOOLS = [WEATHER, CLOCK]
 ASK = [{"role": "user", "content": "weather in Paris?"}]
 
@@ -275,15 +306,12 @@ def test_tool_choice_required_and_named_return_valid_calls(stack):
 def test_required_answers_several_calls_each_with_its_id_whole_and_streamed(stack, monkeypatch):
     client, _, engine = stack
     monkeypatch.setattr(tools, "MAX_CALLS", 2)  # two short calls fit the tiny model's context
-    small = {"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"]}}}  # fmt: skip
-    never_end = {str(engine.tokenizer.eos_id): -100}  # the end only where it is the one token allowed
-    kw = dict(model=NAME, messages=ASK, tools=[small, CLOCK], tool_choice="required", max_tokens=200, seed=4,
-              logit_bias=never_end)  # fmt: skip
+    kw = dict(model=NAME, messages=ASK, tools=[SMALL, CLOCK], tool_choice="required", max_tokens=200, seed=4,
+              logit_bias=_never_end(engine))  # fmt: skip
     choice = client.chat.completions.create(**kw).choices[0]
     assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 2, choice
     for call in choice.message.tool_calls:
-        schema = small if call.function.name == "f" else CLOCK
+        schema = SMALL if call.function.name == "f" else CLOCK
         jsonschema.validate(json.loads(call.function.arguments), schema["function"]["parameters"])
     assert len({c.id for c in choice.message.tool_calls}) == 2
     calls: dict[int, dict] = {}
@@ -295,8 +323,68 @@ def test_required_answers_several_calls_each_with_its_id_whole_and_streamed(stac
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [
         (c.function.name, c.function.arguments) for c in choice.message.tool_calls]  # fmt: skip
     assert calls[0]["id"] != calls[1]["id"]
-    one = client.chat.completions.create(**kw, parallel_tool_calls=False).choices[0]
-    assert one.finish_reason == "tool_calls" and len(one.message.tool_calls) == 1
+
+
+def _never_end(engine) -> dict:
+    """A logit_bias that makes the model one that does not stop by itself: the end-of-sequence token is drawn
+    only where a constraint allows nothing else."""
+    return {str(engine.tokenizer.eos_id): -100}
+
+
+def _streamed(chunks) -> tuple[list[tuple[str, str]], str, str | None, int]:
+    """A chat stream's (calls as (name, arguments), text, finish_reason, completion tokens)."""
+    calls: dict[int, dict] = {}
+    text, finish, used = "", None, 0
+    for chunk in chunks:
+        if chunk.usage is not None:
+            used = chunk.usage.completion_tokens
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+            for c in choice.delta.tool_calls or []:
+                got = calls.setdefault(c.index, {"name": "", "arguments": ""})
+                got["name"] += c.function.name or ""
+                got["arguments"] += c.function.arguments or ""
+    return [(c["name"], c["arguments"]) for c in calls.values()], text, finish, used
+
+
+def _whole(out) -> tuple[list[tuple[str, str]], str, str | None, int]:
+    """An answer's (calls, text, finish_reason, completion tokens), as `_streamed` gives a stream's."""
+    choice = out.choices[0]
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    return calls, choice.message.content or "", choice.finish_reason, out.usage.completion_tokens
+
+
+def test_an_answer_cut_at_max_tokens_keeps_its_complete_calls_whole_and_streamed(stack):
+    """Issue 44: a model that does not stop by itself writes calls until max_tokens. The complete ones are the
+    answer's tool_calls, the one it was cut in is dropped, and finish_reason says "length"."""
+    client, _, engine = stack
+    kw = dict(model=NAME, messages=ASK, tools=[SMALL], tool_choice="required", max_tokens=90, seed=4,
+              logit_bias=_never_end(engine))  # fmt: skip
+    calls, text, finish, used = whole = _whole(client.chat.completions.create(**kw))
+    assert finish == "length" and used == 90 and text == "", whole  # one call is at most 65 tokens, two 115
+    assert len(calls) == 1 and json.loads(calls[0][1]) in ({"x": 1}, {"x": 2}), whole
+    streamed = _streamed(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert streamed == whole
+
+
+def test_parallel_tool_calls_false_ends_the_answer_after_one_call(stack):
+    """Issue 44: with a model that does not stop by itself, "required" and a named function end the answer after
+    one call (the constraint allows only the end after it), whole and streamed; "auto" keeps the first call."""
+    client, _, engine = stack
+    kw = dict(model=NAME, messages=ASK, tools=[SMALL, CLOCK], max_tokens=150, seed=5, logit_bias=_never_end(engine),
+              parallel_tool_calls=False)  # fmt: skip
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        calls, text, finish, used = whole = _whole(client.chat.completions.create(**kw, tool_choice=choice))
+        assert finish == "tool_calls" and len(calls) == 1 and used < 80 and text == "", whole
+        streamed = client.chat.completions.create(**kw, tool_choice=choice, stream=True,
+                                                  stream_options={"include_usage": True})  # fmt: skip
+        assert _streamed(streamed) == whole
+    said = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n'
+    forced = kw | {"extra_body": {"guided_regex": re.escape(said * 2)}}  # "auto": what the model wrote is parsed
+    calls, text, finish, _ = _whole(client.chat.completions.create(**forced))
+    assert (calls, text, finish) == ([("f", '{"x": 1}')], "", "tool_calls")
+    assert _streamed(client.chat.completions.create(**forced, stream=True))[:3] == (calls, text, finish)
 
 
 def test_streamed_tool_call_reassembles_to_the_same_call(stack):

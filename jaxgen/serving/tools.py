@@ -17,9 +17,11 @@ can go out before a call may start (`safe_end`); `tests/test_structured_server.p
 With "required" or a named function the output is constrained (`structured.Structured`) to calls whose
 arguments satisfy their function's schema: one to MAX_CALLS of them ("required" with parallel_tool_calls not
 false; joined by the format's `glue`), else exactly one; with "auto" the text is parsed after generation, and
-holds calls only when all of it parses (else it stays text). Calls carry ids
-`call_<hex>` (one each), arguments as JSON text, and finish_reason "tool_calls". A stream holds text back from
-where a call may start, and sends the calls at the end.
+holds calls only when all of it parses (else it stays text; with parallel_tool_calls false, only its first call
+is kept). Calls carry ids `call_<hex>` (one each), arguments as JSON text, and finish_reason "tool_calls". An
+answer cut short at max_tokens keeps its complete calls: the call it was cut in is dropped (the format's
+`complete`), and finish_reason stays "length". A stream holds text back from where a call may start, and sends
+the calls at the end.
 """
 
 from __future__ import annotations
@@ -67,6 +69,11 @@ class ToolFormat:
         """How much of a streamed `text` can go out: everything before where a call may have started."""
         raise NotImplementedError
 
+    def complete(self, text: str) -> str:
+        """`text` cut short (max_tokens) without the call it was cut in: the text before the calls and the
+        complete calls (what `parse` then reads)."""
+        raise NotImplementedError
+
     def __repr__(self) -> str:
         return f"<tool format {self.name}>"
 
@@ -108,6 +115,12 @@ class Hermes(ToolFormat):
                 return len(text) - k
         return len(text)
 
+    def complete(self, text: str) -> str:
+        end = text.rfind(CLOSE)
+        end = 0 if end < 0 else end + len(CLOSE)  # after the last closed call: nothing, or an unclosed one
+        tail = text[end:]
+        return text[:end] + tail[: self.safe_end(tail)]
+
 
 class Llama3(ToolFormat):
     """Llama 3: the whole message is the calls (JSON objects joined by ";"), maybe after `<|python_tag|>`."""
@@ -134,6 +147,12 @@ class Llama3(ToolFormat):
         head = text.lstrip()
         maybe_call = head.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(head)
         return 0 if maybe_call else len(text)
+
+    def complete(self, text: str) -> str:
+        start = len(text) - len(text.lstrip())  # where `parse` reads the calls from
+        if text.startswith(PYTHON_TAG, start):
+            start = len(text) - len(text[start + len(PYTHON_TAG) :].lstrip())
+        return text[: start + _json_objects(text[start:])[1]]
 
 
 HERMES, LLAMA3 = Hermes(), Llama3()
@@ -196,17 +215,24 @@ class Tools:
         return Structured(regex=one if most == 1 else f"({one})({re.escape(glue)}({one})){{0,{most - 1}}}")
 
     def answer(self, text: str, finish: str | None) -> tuple[dict, str | None]:
-        """The chat message for generated `text`, and the finish reason ("tool_calls" when it holds calls)."""
-        calls = self.parse(text) if self.active and finish == "stop" else None
+        """The chat message for generated `text`, and the finish reason: "tool_calls" when it holds calls and
+        ended by itself; an answer cut short ("length") keeps the calls it completed, and says "length"."""
+        if not self.active or finish not in ("stop", "length"):
+            return {"role": "assistant", "content": text}, finish
+        body = text if finish == "stop" else self.fmt.complete(text)
+        calls = self.parse(body)
         if not calls:
             return {"role": "assistant", "content": text}, finish
-        return {"role": "assistant", "content": self.fmt.content(text) or None, "tool_calls": calls}, "tool_calls"
+        message = {"role": "assistant", "content": self.fmt.content(body) or None, "tool_calls": calls}
+        return message, "tool_calls" if finish == "stop" else finish
 
     def parse(self, text: str) -> list[dict] | None:
         """The calls in `text` (OpenAI's shape), None when it holds none or does not parse whole."""
         found = self.fmt.parse(text)
         if not found or any(name not in self.names for name, _ in found):
             return None
+        if not self.parallel:  # "auto" is not constrained: a model may write several; the first is the answer
+            found = found[:1]
         return [
             {"id": "call_" + secrets.token_hex(12), "type": "function",
              "function": {"name": name, "arguments": json.dumps(args)}}
@@ -278,17 +304,26 @@ def _params(tool: Tool) -> dict:
 
 def _split_calls(body: str) -> list[str]:
     """Llama 3's calls joined by ";" (a ";" inside a JSON string stays: split only where JSON objects end)."""
-    decoder, parts, at = json.JSONDecoder(), [], 0
+    parts, end = _json_objects(body)
+    return parts if parts and not body[end:].strip(_SEPARATORS) else [body]  # else not JSON: `_call` says so
+
+
+_SEPARATORS = "; \n\t"
+
+
+def _json_objects(body: str) -> tuple[list[str], int]:
+    """The JSON values `body` starts with, joined by ";" or spaces, and where the last whole one ends."""
+    decoder, parts, at, end = json.JSONDecoder(), [], 0, 0
     while at < len(body):
         try:
             _, end = decoder.raw_decode(body, at)
         except json.JSONDecodeError:
-            return [body]  # not JSON objects: `_call` says so
+            break
         parts.append(body[at:end])
         at = end
-        while at < len(body) and body[at] in "; \n\t":
+        while at < len(body) and body[at] in _SEPARATORS:
             at += 1
-    return parts
+    return parts, end
 
 
 def _call(body: str, key: str) -> tuple[str, dict] | None:

@@ -2,6 +2,7 @@
 compiled to a token automaton that lives on the device.
 
 spec.py        what a row may write: `Structured` (its fields are the kinds, `KINDS`), schema -> regex
+ecma.py        regular expressions read as ECMA-262 reads them (`\\d` is [0-9]): schema patterns, regex constraints
 grammar.py     context-free grammars (Lark, GBNF) as regular expressions, recursion unrolled to a bounded depth
 automaton.py   the token automaton as a dense (S, V) table, the vocabulary's bytes
 compiler.py    the compile worker's client: time limit, restarts, the cache (`compile_automaton`, `Constraints`)

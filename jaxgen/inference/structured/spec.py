@@ -8,7 +8,9 @@ derives its fields from it.
     Structured.from_dict({"json_object": True})             vLLM's `structured_outputs` shape
     structured.pattern() -> str                              the whole output's regular expression
 
-outlines-core ignores integer bounds; `_with_integer_ranges` writes them.
+outlines-core ignores integer bounds; `_with_integer_ranges` writes them. A schema's properties are written in
+its declared order (as OpenAI's structured outputs: a "reasoning" field before the "answer"). Schema patterns and
+formats, and regex constraints, read `\\d`, `\\w`, `\\s` and `.` as ECMA-262 does (`ecma.py`: `\\d` is [0-9]).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import re
 import numpy as np
 
 from jaxgen.inference.errors import SamplingError, shown
+from jaxgen.inference.structured.ecma import ecma_regex
+from jaxgen.inference.structured.grammar import MAX_PATTERN
 
 MAX_TEXT = 100_000  # characters of a schema, a regular expression or all choices together
 MAX_CHOICES = 1024
@@ -48,10 +52,11 @@ JSON_OBJECT = {
 
 @dataclasses.dataclass(frozen=True)
 class Structured:
-    """What a constrained row may write: exactly one of `json` (a JSON schema, kept as JSON text), `regex`
-    (the whole output matches it), `choice` (the output is one of the strings) or `grammar` (a Lark or GBNF
-    context-free grammar, its recursion unrolled `grammar.DEPTH` levels: see grammar.py). Its fields are the
-    kinds (`KINDS`): a new kind is a field here, its check in `__post_init__` and its `pattern`."""
+    """What a constrained row may write: exactly one of `json` (a JSON schema, kept as JSON text in its
+    declared key order, which the output follows), `regex` (the whole output matches it; ECMA-262's classes),
+    `choice` (the output is one of the strings) or `grammar` (a Lark or GBNF context-free grammar, its
+    recursion unrolled `grammar.DEPTH` levels: see grammar.py). Its fields are the kinds (`KINDS`): a new kind
+    is a field here, its check in `__post_init__` and its `pattern`."""
 
     json: str | None = None
     regex: str | None = None
@@ -64,8 +69,8 @@ class Structured:
             raise SamplingError(f"{FIELD} takes exactly one of {', '.join(KINDS)}; got {given or 'none'}", FIELD)
         if isinstance(self.choice, list):
             object.__setattr__(self, "choice", tuple(self.choice))
-        if isinstance(self.json, dict | bool):  # a schema given as an object: kept as canonical text
-            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
+        if isinstance(self.json, dict | bool):  # a schema given as an object: kept as text, keys in its order
+            object.__setattr__(self, "json", json.dumps(self.json))
         kind = given[0]
         value = getattr(self, kind)
         if kind == "choice":
@@ -115,7 +120,7 @@ class Structured:
                 raise SamplingError(f"{FIELD}.grammar: {e}", FIELD) from None
         if self.regex is not None:
             _check_regex(self.regex)
-            return self.regex
+            return ecma_regex(self.regex)
         if self.choice is not None:
             return "|".join(f"({re.escape(c)})" for c in self.choice)
         return schema_regex(json.loads(self.json))
@@ -151,9 +156,21 @@ def schema_regex(schema) -> str:
         pattern = build_regex_from_schema(json.dumps(schema), max_recursion_depth=RECURSION_DEPTH)
     except Exception as e:  # outlines-core raises its own error types for schemas it cannot express
         raise SamplingError(f"{FIELD}.json: the schema cannot be compiled: {e}", FIELD) from None
+    if len(pattern) > MAX_PATTERN:  # (optional properties grow it as their square; 780,000 characters took 23 s)
+        raise SamplingError(f"{FIELD}.json: the schema's regular expression has {len(pattern)} characters; at most "
+                            f"{MAX_PATTERN} (make properties required, or fewer)", FIELD)  # fmt: skip
+    pattern = _fixed_formats(ecma_regex(pattern, json_string=True))  # `pattern` and `format` as ECMA-262 reads them
     for placeholder, rx in ranges.items():
         pattern = pattern.replace(f'"{placeholder}"', f"({rx})")
     return pattern
+
+
+# outlines-core 0.2's `format: time` writes its fraction as a backslash and any character (invalid JSON)
+_TIME_FRACTION = (ecma_regex(r"(\\.[0-9]+)?(Z)?", json_string=True), r"(\.[0-9]+)?(Z)?")
+
+
+def _fixed_formats(pattern: str) -> str:
+    return pattern.replace(*_TIME_FRACTION)
 
 
 def _with_integer_ranges(node, ranges: dict, path: str):
