@@ -216,6 +216,8 @@ def test_bad_adapters_are_refused_naming_the_value(engine):
         engine.load_lora("a1", _adapter("a1"))
     with pytest.raises(LoraError, match=r"serve\.max_loras=3"):
         engine.load_lora("x", _adapter("a1"))
+    with pytest.raises(LoraError, match="printable characters"):  # it would be listed and logged as it is
+        engine.load_lora("x\n200 OK", _adapter("a1"))
     with pytest.raises(LoraError, match="not a folder"):
         engine.load_lora_folder("x", "/nonexistent")
     with pytest.raises(LoraNotFound, match="'nope'"):
