@@ -389,7 +389,7 @@ def test_loading_a_folder_needs_the_admin_token_or_the_lora_root(server, engine,
     (root / "half" / "adapter_config.json").symlink_to(outside / "adapter_config.json")
     (root / "half" / "adapter_model.safetensors").symlink_to(folder / "adapter_model.safetensors")
     for path in (outside, "/etc", "/nonexistent", "../" * 30 + "etc", f"../{tmp_path.name}/outside", root / "link",
-                 root / "half"):  # fmt: skip
+                 root / "half", "a1\0"):  # fmt: skip
         for headers in (None, {"Authorization": "Bearer not-the-admin"}):
             r = _load(url, "x", path, headers)
             assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden_path", r.text

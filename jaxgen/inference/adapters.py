@@ -135,6 +135,8 @@ def read_adapter_folder(folder: str | Path, cfg) -> tuple[dict, float]:
 def folder_in_root(folder: str, root: str) -> Path | None:
     """`folder` (relative to `root`, or absolute) resolved, when it and the files an adapter load reads
     (ADAPTER_FILES) lie inside `root` once every symlink and `..` is resolved; None when any lies outside."""
+    if "\0" in folder:  # no file has such a name (os.path refuses it with a ValueError)
+        return None
     base = Path(os.path.realpath(root))
     path = Path(os.path.realpath(os.path.join(base, folder)))
     reads = [path, *(Path(os.path.realpath(path / name)) for name in ADAPTER_FILES)]
