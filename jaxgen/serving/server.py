@@ -17,7 +17,9 @@ job); every error has OpenAI's shape `{"error": {"message", "type", "param", "co
 
 With an API key (--api-key), every route needs `Authorization: Bearer KEY`, checked before the body is
 read, except the public ones: GET /health always, GET /metrics unless create_app(metrics_need_key=True).
-/docs, /redoc and /openapi.json need the key too.
+/docs, /redoc and /openapi.json need the key too. The two routes that read folders on this machine check
+their own tokens, before the body too: /v1/admin/update_weights the admin token, /v1/load_lora_adapter the
+admin token (any folder) or the API key (a folder inside serve.lora_root).
 
 This module holds the routes alone: request models are `protocol.py`'s, chat templates `chat.py`'s, the
 routes' work `handlers.py`'s, answers `responses.py`'s, errors `errors.py`'s.
