@@ -311,6 +311,10 @@ def test_bad_lines_are_errors_naming_file_and_line(tmp_path):
         ('{"messages": [{"role": "user", "content": "x"}]}', "no assistant message"),
         ('{"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}]}',
          r"messages\[0\]: content is int: text"),
+        # what the JSON parser itself cannot take (a traceback without the line before issue 44)
+        ('{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}", "not JSON that can be read .RecursionError"),
+        ('{"messages": [], "n": ' + "9" * 5000 + "}", "not JSON that can be read .ValueError"),
+        ('{"messages": [{"role": "assistant", "content": "\\ud800"}]}', r"messages\[0\]: content is not valid Unicode"),
     ]  # fmt: skip
     for i, (line, message) in enumerate(cases):
         path = _write(tmp_path / f"bad{i}.jsonl", [])

@@ -98,6 +98,10 @@ def test_overrides_are_typed():
         (["model.num_kv_heads=0"], "model.num_kv_heads=0 is not allowed: null or a positive integer"),
         (["model.vocab_size=1000000000000"], "model.vocab_size=1000000000000 is not allowed: a positive integer below"),
         (["model.init_std=-1"], "model.init_std=-1.0 is not allowed: a finite number >= 0"),
+        # RL settings that passed `> 0` while infinite (issue 44)
+        (["rl.temperature=.inf"], "rl.temperature=inf is not allowed: a finite number > 0"),
+        (["rl.kl_coef=.inf"], "rl.kl_coef=inf is not allowed: a finite number >= 0"),
+        (["rl.warm_start_learning_rate=.inf"], "rl.warm_start_learning_rate=inf is not allowed: a finite number > 0"),
     ],
 )
 def test_config_errors_name_key_value_and_allowed(overrides, fragment):

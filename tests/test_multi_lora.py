@@ -4,6 +4,9 @@ without recompiling; speculative decoding; the prefix cache kept apart per adapt
 
 import dataclasses
 import json
+import pickle
+import re
+import time
 
 import httpx
 import jax
@@ -13,8 +16,9 @@ import pytest
 
 from jaxgen import model
 from jaxgen.config import LoraConfig, ModelConfig, ServeConfig
+from jaxgen.hf.export import save_pretrained
 from jaxgen.hf.peft import write_peft_adapter
-from jaxgen.inference.adapters import LoraError, LoraNotFound
+from jaxgen.inference.adapters import LoraError, LoraNotFound, LoraRegistry
 from jaxgen.inference.engine import Engine
 from jaxgen.inference.llm import LLM
 from jaxgen.inference.sampling import SamplingConfig
@@ -212,6 +216,8 @@ def test_bad_adapters_are_refused_naming_the_value(engine):
         engine.load_lora("a1", _adapter("a1"))
     with pytest.raises(LoraError, match=r"serve\.max_loras=3"):
         engine.load_lora("x", _adapter("a1"))
+    with pytest.raises(LoraError, match="printable characters"):  # it would be listed and logged as it is
+        engine.load_lora("x\n200 OK", _adapter("a1"))
     with pytest.raises(LoraError, match="not a folder"):
         engine.load_lora_folder("x", "/nonexistent")
     with pytest.raises(LoraNotFound, match="'nope'"):
@@ -246,15 +252,76 @@ def test_llm_names_an_adapter_per_prompt(engine):
     assert engine.idle()
 
 
+def test_llm_scores_with_an_adapter_as_the_merged_weights_do(engine, score):
+    """LLM.score(..., lora=name) (issue 44) equals the teacher-forced log-probabilities of the weights with that
+    adapter merged in, an independent computation; `greedy` says whether each token is the most likely one."""
+    llm = object.__new__(LLM)  # LLM's doors over this module's engine
+    llm.engine, llm.tokenizer, llm.cfg = engine, engine.tokenizer, CFG
+    prompts = [[5, 6, 7, 8], [40, 41, 42]]
+    for name in ("a1", "a3"):
+        greedy = engine.generate([prompts[0]], SamplingConfig(max_new_tokens=4, temperature=0.0), lora=name)[0]
+        continuations = [greedy.tokens, [200, 3, 90, 17, 250]]
+        got = llm.score(prompts, continuations, lora=name)
+        for p, c, g in zip(prompts, continuations, got, strict=True):
+            logp = score(p + c, name)[len(p) - 1 :]
+            np.testing.assert_allclose(g["token_logprobs"], logp[np.arange(len(c)), c], atol=2e-4)
+            assert g["tokens"] == len(c) and g["greedy"] == (logp.argmax(-1) == c).all()
+        assert [g["greedy"] for g in got] == [True, False]
+    with pytest.raises(LoraNotFound):
+        llm.score(prompts, [[1], [2]], lora="nope")
+    assert engine.idle()
+
+
+def test_a_replacement_takes_the_old_slot_only_when_no_request_holds_it():
+    """LoraRegistry.reserve(replace=True): the loaded adapter's own slot counts as free unless a live request
+    uses it; with no slot free it is refused and the old adapter stays (load_inplace lost it before issue 44)."""
+    registry = LoraRegistry(max_loras=2)
+    for name in ("a", "b"):
+        registry.add(registry.reserve(name, set()))
+    old = registry.resolve("a")
+    with pytest.raises(LoraError, match="slots is taken"):
+        registry.reserve("a", {old.slot}, replace=True)
+    assert registry.resolve("a") == old
+    new = registry.reserve("a", set(), replace=True)
+    assert new.slot == old.slot and new.key != old.key and registry.resolve("a") == old  # swapped by add alone
+    registry.add(new)
+    assert registry.resolve("a") == new and registry.names() == ["a", "b"]
+
+
 # --- the HTTP server, through the openai client ----------------------------------------------------------
+
+
+ADMIN = "admin-secret"
 
 
 @pytest.fixture(scope="module")
 def server(engine, tmp_path_factory):
-    folder = write_peft_adapter(tmp_path_factory.mktemp("peft") / "a1", _adapter("a1"), _lora_cfg("a1"))
-    with live_server(engine, create_app(engine, "tiny")) as (url, _):
+    """A live server whose clients may load adapter folders inside `root` (serve.lora_root), the admin any."""
+    root = tmp_path_factory.mktemp("adapters")
+    folder = write_peft_adapter(root / "a1", _adapter("a1"), _lora_cfg("a1"))
+    serve = dataclasses.replace(SERVE, lora_root=str(root), admin_token=ADMIN)
+    with live_server(engine, create_app(engine, "tiny", serve=serve)) as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         yield client, url, folder
+
+
+def _settled(url: str, engine, baseline_s: float) -> None:
+    """After a hostile case: a1..a3 loaded as before, no request holds a slot, a page or a place in the queue,
+    and /health answers within 1 s or 10 times its time measured before the case (a busy machine)."""
+    assert sorted(engine.lora_names()) == ["a1", "a2", "a3"]
+    assert engine.idle() and engine.pool.in_use() == 0
+    t = time.perf_counter()
+    assert httpx.get(f"{url}/health", timeout=60).status_code == 200
+    assert time.perf_counter() - t < max(1.0, 10 * baseline_s)
+
+
+def _health_time(url: str) -> float:
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        httpx.get(f"{url}/health", timeout=60)
+        times.append(time.perf_counter() - t)
+    return min(times)
 
 
 def test_the_server_serves_adapters_by_model_name(server, engine):
@@ -273,11 +340,11 @@ def test_the_server_serves_adapters_by_model_name(server, engine):
         client.completions.create(model="nope", prompt=prompt, max_tokens=2)
     assert e.value.body["code"] == "model_not_found"
 
-    # a PEFT folder loaded at run time, as vLLM's endpoints take it: the same output as a1
+    # a PEFT folder inside serve.lora_root loaded at run time, as vLLM's endpoints take it: the same output as a1
     r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "peft1", "lora_path": str(folder)})
     assert r.status_code == 400 and "serve.max_loras=3" in r.json()["error"]["message"]
     assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "a3"}).status_code == 200
-    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "peft1", "lora_path": str(folder)})
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "peft1", "lora_path": "a1"})  # in the root
     assert r.status_code == 200, r.text
     assert sorted(m.id for m in client.models.list().data) == ["a1", "a2", "peft1", "tiny"]
     chat = [{"role": "user", "content": "hi"}]
@@ -286,12 +353,110 @@ def test_the_server_serves_adapters_by_model_name(server, engine):
     ]
     assert same[0].choices[0].message.content == same[1].choices[0].message.content
 
-    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nonexistent"})
-    assert r.status_code == 400 and "/nonexistent" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(folder.parent / "nothing")})
+    assert r.status_code == 400 and "nothing' is not a folder" in r.json()["error"]["message"]
     r = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "nope"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "peft1"}).status_code == 200
     engine.load_lora("a3", _adapter("a3"), _lora_cfg("a3").lora.scale)
+
+
+class _Runs:
+    """Unpickled, it creates the file `marker`: proof that a loader read the pickle."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (str(self.marker), "w")
+
+
+def _load(url: str, name: str, path, headers=None, **fields) -> httpx.Response:
+    body = {"lora_name": name, "lora_path": str(path), **fields}
+    return httpx.post(f"{url}/v1/load_lora_adapter", json=body, headers=headers, timeout=120)
+
+
+def test_loading_a_folder_needs_the_admin_token_or_the_lora_root(server, engine, tmp_path):
+    """Issue 44, as a hostile client: a client loads only folders inside serve.lora_root, symlinks and `..`
+    resolved (403 before the folder is looked at, the same for a path that exists and one that does not), the
+    admin any folder; a pickle is never read, NaN weights and another model's shapes are refused, naming them.
+    After each case the adapters, slots, pages and queue are as before and /health answers."""
+    _, url, folder = server
+    root, base = folder.parent, _health_time(url)
+    outside = write_peft_adapter(tmp_path / "outside", _adapter("a1"), _lora_cfg("a1"))
+    (root / "link").symlink_to(outside)  # a symlink in the root to a folder outside it
+    (root / "half").mkdir()  # a folder in the root whose config is a symlink to a file outside
+    (root / "half" / "adapter_config.json").symlink_to(outside / "adapter_config.json")
+    (root / "half" / "adapter_model.safetensors").symlink_to(folder / "adapter_model.safetensors")
+    for path in (outside, "/etc", "/nonexistent", "../" * 30 + "etc", f"../{tmp_path.name}/outside", root / "link",
+                 root / "half", "a1\0"):  # fmt: skip
+        for headers in (None, {"Authorization": "Bearer not-the-admin"}):
+            r = _load(url, "x", path, headers)
+            assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden_path", r.text
+            assert f"lora_path={str(path)!r} is outside serve.lora_root" in r.json()["error"]["message"]
+        _settled(url, engine, base)
+    # what the admin may load: any folder, never a pickle
+    auth = {"Authorization": f"Bearer {ADMIN}"}
+    assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "a3"}).status_code == 200
+    assert _load(url, "x", outside, auth).status_code == 200
+    assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "x"}).status_code == 200
+    engine.load_lora("a3", _adapter("a3"), _lora_cfg("a3").lora.scale)
+    evil = root / "evil"
+    evil.mkdir()
+    (evil / "adapter_config.json").write_text((folder / "adapter_config.json").read_text())
+    (evil / "adapter_model.bin").write_bytes(pickle.dumps(_Runs(tmp_path / "ran")))
+    nan = _adapter("a1")
+    nan["v"]["b_rkh"][1, 0, 0, 0] = np.nan
+    write_peft_adapter(root / "nan", nan, _lora_cfg("a1"))
+    other = dataclasses.replace(CFG, d_model=32, lora=_lora_cfg("a1").lora)
+    write_peft_adapter(root / "other", jax.tree.map(np.ones_like, lora.init_lora(other, jax.random.key(0))), other)
+    for path, message in (("evil", "adapter_model.bin: a pickle, never read"), ("nan", "NaN or infinite"),
+                          ("other", r"do not fit this model: allowed \(r, 64\)")):  # fmt: skip
+        for headers in (None, auth):
+            r = _load(url, "x", path if headers is None else root / path, headers)
+            assert r.status_code == 400 and r.json()["error"]["param"] in ("lora_path", "lora_name"), r.text
+            assert re.search(message, r.json()["error"]["message"]), r.text
+            _settled(url, engine, base)
+    assert not (tmp_path / "ran").exists()
+
+
+def test_load_inplace_replaces_an_adapter_only_once_the_new_one_loaded(server, engine):
+    """Issue 44: load_inplace with a folder that does not load, or another model's, is a 400 and the adapter
+    stays loaded as it was (it was unloaded first, and lost); with every slot taken, a replacement takes the
+    adapter's own slot."""
+    url = server[1]
+    base = _health_time(url)
+    prompt, greedy = "def fib(n):", SamplingConfig(max_new_tokens=10, temperature=0.0)
+    want = {name: engine.generate([prompt], greedy, lora=name)[0].text for name in ("a1", "a2")}
+    assert want["a1"] != want["a2"]
+    for path in ("nothing", "other", "/etc"):
+        assert _load(url, "a2", path, load_inplace=True).status_code in (400, 403)
+        assert engine.generate([prompt], greedy, lora="a2")[0].text == want["a2"]
+        _settled(url, engine, base)
+    r = _load(url, "a2", "a1", load_inplace=True)  # a1's weights under the name a2; the 3 slots are all taken
+    assert r.status_code == 200, r.text
+    assert engine.generate([prompt], greedy, lora="a2")[0].text == want["a1"]
+    engine.load_lora("a2", _adapter("a2"), _lora_cfg("a2").lora.scale, replace=True)
+    assert engine.generate([prompt], greedy, lora="a2")[0].text == want["a2"]
+    _settled(url, engine, base)
+
+
+def test_update_weights_refuses_nan_weights_and_keeps_the_old(server, engine, params, tmp_path):
+    """Issue 44: POST /v1/admin/update_weights with a folder holding a NaN weight is a 400 naming it, and the
+    engine keeps answering with its weights (it swapped them in and answered NUL bytes ever after)."""
+    _, url, _ = server
+    base = _health_time(url)
+    prompt, greedy = [7, 8, 9, 10], SamplingConfig(max_new_tokens=6, temperature=0.0)
+    want = engine.generate([prompt], greedy)[0].tokens
+    bad = jax.tree.map(np.array, params)
+    bad["layers"]["w_o_nhd"][1, 0, 0, 0] = np.nan
+    folder = save_pretrained(tmp_path / "nan", bad, CFG, Tokenizer.byte_level())
+    auth = {"Authorization": f"Bearer {ADMIN}"}
+    r = httpx.post(f"{url}/v1/admin/update_weights", json={"path": str(folder)}, headers=auth, timeout=120)
+    assert r.status_code == 400 and "NaN or infinite" in r.json()["error"]["message"], r.text
+    assert "w_o_nhd" in r.json()["error"]["message"]
+    assert engine.generate([prompt], greedy)[0].tokens == want
+    _settled(url, engine, base)
 
 
 @pytest.mark.parametrize("rows", [[2, 0, 2], [2, 0, 2, 1, 0, 2]])  # rows <= slots: gathered; more: every slot

@@ -179,6 +179,11 @@ def test_the_api_key_is_checked_first_and_only_health_and_metrics_are_public(sta
         assert client.get(path).status_code == 401, path
         assert client.get(path, headers={"Authorization": "Bearer s3cret"}).status_code == 200, path
     assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
+    load = "/v1/load_lora_adapter"  # it checks its own tokens (the admin's too), still before the body (issue 44)
+    r = client.post(load, content=b'{"lora_name": ', headers={"content-type": "application/json"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = client.post(load, json={"lora_name": "x", "lora_path": "/etc"}, headers={"Authorization": "Bearer s3cret"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden_path"  # no lora_root, no admin token
     private = TestClient(create_app(engine, NAME, api_key="s3cret", metrics_need_key=True))
     assert private.get("/metrics").status_code == 401
     assert private.get("/metrics", headers={"Authorization": "Bearer s3cret"}).status_code == 200

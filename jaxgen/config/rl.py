@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 from jaxgen.config.base import check, check_literals
@@ -56,11 +57,13 @@ class RLConfig:
         for name, low in integers.items():
             value = getattr(self, name)
             check(isinstance(value, int) and value >= low, f"rl.{name}", value, f"an integer >= {low}")
-        check(self.temperature > 0, "rl.temperature", self.temperature, "a number > 0 (rollouts sample)")
+        finite = math.isfinite  # inf passes `> 0`, and turns every loss or sample into NaN
+        check(self.temperature > 0 and finite(self.temperature), "rl.temperature", self.temperature,
+              "a finite number > 0 (rollouts sample)")  # fmt: skip
         check(0 < self.clip_eps < 1, "rl.clip_eps", self.clip_eps, "a number in (0, 1)")
-        check(self.warm_start_learning_rate > 0, "rl.warm_start_learning_rate", self.warm_start_learning_rate,
-              "a number > 0")  # fmt: skip
-        check(self.kl_coef >= 0, "rl.kl_coef", self.kl_coef, "a number >= 0")
+        check(self.warm_start_learning_rate > 0 and finite(self.warm_start_learning_rate),
+              "rl.warm_start_learning_rate", self.warm_start_learning_rate, "a finite number > 0")  # fmt: skip
+        check(self.kl_coef >= 0 and finite(self.kl_coef), "rl.kl_coef", self.kl_coef, "a finite number >= 0")
         if self.algorithm == "grpo":
             check(
                 self.group_size >= 2, "rl.group_size", self.group_size, "at least 2 for grpo (advantages are relative)"

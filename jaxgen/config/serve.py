@@ -48,6 +48,9 @@ class ServeConfig:
     max_loras: int = 0
     max_lora_rank: int = 16
     lora_modules: tuple[str, ...] = ()
+    # POST /v1/load_lora_adapter reads adapter folders inside this folder alone (symlinks and `..` resolved; a
+    # relative lora_path is taken inside it); None = only with the admin token (any folder). Never a pickle
+    lora_root: str | None = None
     # several processes (`serve.py generate --input`): split = each serves its share of the lines on its own
     # devices (data parallel); shared = one engine on a mesh over every process's devices (model parallel)
     processes: Literal["split", "shared"] = "split"
@@ -59,7 +62,8 @@ class ServeConfig:
     max_queue: int = 1024  # requests waiting beyond this get 429 with Retry-After
     request_timeout_s: float = 0.0  # a request running longer is cancelled (408); 0 = no limit
     shutdown_grace_s: float = 10.0  # on SIGTERM, running sequences get this long before their streams are ended
-    # the bearer token of POST /v1/admin/update_weights (new weights into the live engine); None = no such route
+    # the bearer token of POST /v1/admin/update_weights (new weights into the live engine; None = no such route)
+    # and of POST /v1/load_lora_adapter from any folder
     admin_token: str | None = None
 
     def __post_init__(self):
@@ -114,6 +118,8 @@ class ServeConfig:
         modules = self.lora_modules
         ok = isinstance(modules, tuple) and all(isinstance(m, str) and "=" in m and m.index("=") > 0 for m in modules)
         check(ok, "serve.lora_modules", modules, 'a list of "NAME=FOLDER" (PEFT adapter folders)')
+        check(self.lora_root is None or (isinstance(self.lora_root, str) and bool(self.lora_root)), "serve.lora_root",
+              self.lora_root, "null or the folder that HTTP clients may load adapter folders from")  # fmt: skip
         check(len(modules) <= self.max_loras, "serve.lora_modules", modules,
               f"at most serve.max_loras={self.max_loras} adapters")  # fmt: skip
 

@@ -16,9 +16,12 @@ name) never share cached pages. No JAX here.
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 MAX_NAME = 256  # characters of an adapter's name
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # all that is read of an adapter folder
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")  # torch.save's formats: loading them can run code
 
 
 class LoraError(ValueError):
@@ -66,15 +69,17 @@ class LoraRegistry:
             raise LoraNotFound(f"no LoRA adapter named {name!r} is loaded (loaded: {have})", "model")
         return ref
 
-    def reserve(self, name: str, in_use: set[int]) -> LoraRef:
-        """A slot for a new adapter `name`: one neither loaded nor used by a live request (`in_use`)."""
+    def reserve(self, name: str, in_use: set[int], replace: bool = False) -> LoraRef:
+        """A slot for a new adapter `name`: one neither loaded nor used by a live request (`in_use`). With
+        `replace`, the slot of a loaded `name` counts as free unless a live request uses it; `add` then swaps
+        the new adapter in for the old one, which stays loaded until then (and when no slot is free)."""
         if self.max_loras == 0:
             raise LoraError("this engine serves no LoRA adapters: start it with serve.max_loras > 0")
-        if not isinstance(name, str) or not name or len(name) > MAX_NAME:
-            raise LoraError(f"lora_name={name!r} is not allowed: a name of 1 to {MAX_NAME} characters")
-        if name in self.loaded:
-            raise LoraError(f"lora_name={name!r} is loaded already: unload it first")
-        taken = {r.slot for r in self.loaded.values()} | set(in_use)
+        if not isinstance(name, str) or not name or len(name) > MAX_NAME or not name.isprintable():
+            raise LoraError(f"lora_name={name!r} is not allowed: a name of 1 to {MAX_NAME} printable characters")
+        if name in self.loaded and not replace:
+            raise LoraError(f"lora_name={name!r} is loaded already: unload it first (or load it in place)")
+        taken = {r.slot for n, r in self.loaded.items() if n != name or not replace} | set(in_use)
         free = [s for s in range(1, self.max_loras + 1) if s not in taken]
         if not free:
             draining = len(taken) - len(self.loaded)
@@ -87,6 +92,7 @@ class LoraRegistry:
         return LoraRef(name, free[0], f"lora:{self._loads}:{name}".encode())
 
     def add(self, ref: LoraRef) -> None:
+        """Requests may name `ref.name` from now on (in place of an adapter of that name loaded before)."""
         self.loaded[ref.name] = ref
 
     def remove(self, name: str) -> LoraRef:
@@ -99,14 +105,22 @@ class LoraRegistry:
 def read_adapter_folder(folder: str | Path, cfg) -> tuple[dict, float]:
     """(adapters in `jaxgen.model.lora`'s layout, their scale alpha / rank) of a PEFT adapter folder
     (`adapter_config.json` + `adapter_model.safetensors`, read by `jaxgen.hf.peft`); LoraError naming the
-    folder and what is wrong with it."""
+    folder and what is wrong with it. A pickle (adapter_model.bin, .pt) is never read: unpickling runs code."""
     path = Path(folder)
     if not path.is_dir():
         raise LoraError(f"lora_path={str(folder)!r} is not a folder", "lora_path")
-    if not (path / "adapter_config.json").is_file():
-        raise LoraError(
-            f"lora_path={str(folder)!r} has no adapter_config.json: a PEFT adapter folder is expected", "lora_path"
-        )
+    for name in ADAPTER_FILES:
+        if not (path / name).is_file():
+            pickles = sorted(p.name for p in path.glob("adapter_model.*") if p.suffix in PICKLE_SUFFIXES)
+            why = (
+                f" (it holds {', '.join(pickles)}: a pickle, never read, as loading one can run code)"
+                if pickles
+                else ""
+            )
+            raise LoraError(
+                f"lora_path={str(folder)!r} has no {name}{why}; a PEFT adapter folder of {' + '.join(ADAPTER_FILES)} "
+                "is expected (peft's save_pretrained writes safetensors by default)", "lora_path",
+            )  # fmt: skip
     try:
         from jaxgen.hf.peft import read_peft_adapter  # (safetensors and the mapping only when a folder is read)
     except ImportError as e:  # pragma: no cover - the PEFT reader ships with jaxgen
@@ -116,3 +130,14 @@ def read_adapter_folder(folder: str | Path, cfg) -> tuple[dict, float]:
     except (ValueError, KeyError, OSError, TypeError) as e:
         raise LoraError(f"lora_path={str(folder)!r} is not an adapter for this model: {e}", "lora_path") from None
     return adapters, float(lora_cfg.scale)
+
+
+def folder_in_root(folder: str, root: str) -> Path | None:
+    """`folder` (relative to `root`, or absolute) resolved, when it and the files an adapter load reads
+    (ADAPTER_FILES) lie inside `root` once every symlink and `..` is resolved; None when any lies outside."""
+    if "\0" in folder:  # no file has such a name (os.path refuses it with a ValueError)
+        return None
+    base = Path(os.path.realpath(root))
+    path = Path(os.path.realpath(os.path.join(base, folder)))
+    reads = [path, *(Path(os.path.realpath(path / name)) for name in ADAPTER_FILES)]
+    return path if all(p.is_relative_to(base) for p in reads) else None

@@ -149,15 +149,21 @@ class Engine:
 
     # --- LoRA adapters (multi-LoRA serving) -----------------------------------------------------------
 
-    def load_lora(self, name: str, adapters: dict, scale: float = 1.0) -> None:
+    def load_lora(self, name: str, adapters: dict, scale: float = 1.0, replace: bool = False) -> None:
         """Loads adapters ({target: {"a_..": (L, *in, r), "b_..": (L, r, *out)}}, `jaxgen.model.lora`'s layout)
         as `name`, their product scaled by `scale` (alpha / rank), into a free slot of the bank: a jitted write,
         nothing recompiles. LoraError (a ValueError) when it does not fit: no free slot (serve.max_loras), a
-        rank above serve.max_lora_rank, a target the bank lacks, shapes of another model, a name in use."""
+        rank above serve.max_lora_rank, a target the bank lacks, shapes of another model, a NaN weight, a name
+        in use. `replace`: a loaded `name` is replaced at once (its slot reused when no running request holds
+        it); on any error the old adapter stays loaded as it was."""
         entry = self._bank_entry(name, adapters, scale, "load")
         with self._exclusive:  # no step runs meanwhile (it would read the donated bank), nor another load
             with self.lock:
-                ref = self.loras.reserve(name, self._lora_slots_in_use())
+                ref = self.loras.reserve(name, self._lora_slots_in_use(), replace)
+                if replace and name in self.loras.loaded:  # the swap is atomic: no request sees its slot half-new
+                    self._write_entry(ref.slot, entry)
+                    self.loras.add(ref)
+                    return
             self._write_entry(ref.slot, entry)
             with self.lock:
                 self.loras.add(ref)  # requests may name it from now on
@@ -189,13 +195,14 @@ class Engine:
         written = self._write_slot(lora.bank_of(self.params), np.int32(slot), decode.upload(entry))
         self.params = lora.with_bank(self.params, written)
 
-    def load_lora_folder(self, name: str, folder) -> None:
-        """`load_lora` of a PEFT adapter folder (`adapter_config.json` + `adapter_model.safetensors`)."""
+    def load_lora_folder(self, name: str, folder, replace: bool = False) -> None:
+        """`load_lora` of a PEFT adapter folder (`adapter_config.json` + `adapter_model.safetensors`); with
+        `replace`, the folder is read and checked before the loaded `name` is replaced."""
         with self.lock:
-            if name in self.loras.loaded:  # before reading the folder
-                raise LoraError(f"lora_name={name!r} is loaded already: unload it first")
+            if name in self.loras.loaded and not replace:  # before reading the folder
+                raise LoraError(f"lora_name={name!r} is loaded already: unload it first (or load it in place)")
         adapters, scale = read_adapter_folder(folder, self.cfg)
-        self.load_lora(name, adapters, scale)
+        self.load_lora(name, adapters, scale, replace)
 
     def unload_lora(self, name: str) -> None:
         """New requests cannot name `name` any more (LoraNotFound if not loaded); requests already using it

@@ -195,13 +195,32 @@ class LLM:
     def wake_up(self) -> None:
         self.engine.wake_up()
 
-    def score(self, prompts: list[str | list[int]], continuations: list[str | list[int]]) -> list[dict]:
-        """Teacher-forced log-likelihood of each continuation given its prompt (`Generator.score`)."""
+    def score(self, prompts: list[str | list[int]], continuations: list[str | list[int]],
+              lora: str | None = None) -> list[dict]:  # fmt: skip
+        """Teacher-forced log-likelihood of each continuation given its prompt (`Generator.score`'s dicts).
+        `lora`: a loaded adapter (`load_lora`) to score with, on the engine (its prompt log-probabilities,
+        every pair queued at once); None: the base model, on a Generator."""
+        if lora is not None:
+            return self._score_with_adapter(prompts, continuations, lora)
         if self._generator is None:
             from jaxgen.inference.generator import Generator
 
             self._generator = Generator(self.params, self.cfg, self.tokenizer)
         return self._generator.score(prompts, continuations)
+
+    def _score_with_adapter(self, prompts, continuations, lora: str) -> list[dict]:
+        """`score` under adapter `lora`: each pair's tokens as a prompt with max_new_tokens=0, its prompt
+        log-probabilities (and the top one, for `greedy`) read from the continuation's positions."""
+        from jaxgen.inference.scoring import score_dict, token_pairs
+
+        pairs = token_pairs(self.tokenizer, self.cfg, prompts, continuations)
+        outs = self.generate([p + c for p, c in pairs], SamplingConfig(max_new_tokens=0, prompt_logprobs=1), lora)
+        results = []
+        for (p, _), out in zip(pairs, outs, strict=True):
+            lps, tops = out.outputs[0].prompt_logprobs[len(p) :], out.outputs[0].prompt_top_logprobs[len(p) :]
+            greedy = all(lp >= max(top.values()) for lp, top in zip(lps, tops, strict=True))
+            results.append(score_dict(lps, greedy))
+        return results
 
     def _submit_all(self, prompts, configs, loras) -> list[list[Request]]:
         groups: list[list[Request]] = []

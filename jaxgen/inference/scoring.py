@@ -162,21 +162,8 @@ class Scorer:
         return out
 
     def pairs(self, prompts, continuations) -> list[tuple[list[int], list[int]]]:
-        """Token ids of each (prompt, continuation) pair, checked before any compilation."""
-        if len(prompts) != len(continuations):
-            raise SamplingError(f"{len(prompts)} prompts but {len(continuations)} continuations")
-        pairs = []
-        for i, (p, c) in enumerate(zip(prompts, continuations, strict=True)):
-            pi = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
-            ci = self.tokenizer.encode(c, special=False) if isinstance(c, str) else list(c)
-            if not pi or not ci:
-                raise SamplingError(f"pair {i}: prompt and continuation must each have at least one token")
-            if len(pi) + len(ci) > self.cfg.max_seq_len:
-                raise SamplingError(f"pair {i} has {len(pi) + len(ci)} tokens; the context is {self.cfg.max_seq_len}")
-            # ids outside the vocabulary would index past the embedding (NaN log-likelihoods)
-            check_prompt(pi + ci, self.cfg.vocab_size, self.cfg.max_seq_len + 1, f"pair {i}")
-            pairs.append((pi, ci))
-        return pairs
+        """Token ids of each (prompt, continuation) pair, checked before any compilation (`token_pairs`)."""
+        return token_pairs(self.tokenizer, self.cfg, prompts, continuations)
 
     def token_scores(self, params, seqs: list[list[int]], top: int):
         """Per sequence of L tokens: (logprobs (L-1,), greedy (L-1,), top ids and logprobs (L-1, top)),
@@ -204,6 +191,25 @@ class Scorer:
         ):
             out[p] = prompt_entries(lp, top_ids, top_lp, configs[p].prompt_logprobs)
         return out
+
+
+def token_pairs(tokenizer: Tokenizer, cfg: ModelConfig, prompts, continuations) -> list[tuple[list[int], list[int]]]:
+    """Token ids of each (prompt, continuation) pair (text or ids), checked against `cfg`: SamplingError naming
+    the pair for an empty side, too long a pair, or an id outside the vocabulary."""
+    if len(prompts) != len(continuations):
+        raise SamplingError(f"{len(prompts)} prompts but {len(continuations)} continuations")
+    pairs = []
+    for i, (p, c) in enumerate(zip(prompts, continuations, strict=True)):
+        pi = tokenizer.encode(p) if isinstance(p, str) else list(p)
+        ci = tokenizer.encode(c, special=False) if isinstance(c, str) else list(c)
+        if not pi or not ci:
+            raise SamplingError(f"pair {i}: prompt and continuation must each have at least one token")
+        if len(pi) + len(ci) > cfg.max_seq_len:
+            raise SamplingError(f"pair {i} has {len(pi) + len(ci)} tokens; the context is {cfg.max_seq_len}")
+        # ids outside the vocabulary would index past the embedding (NaN log-likelihoods)
+        check_prompt(pi + ci, cfg.vocab_size, cfg.max_seq_len + 1, f"pair {i}")
+        pairs.append((pi, ci))
+    return pairs
 
 
 def score_dict(token_lp: list[float], greedy: bool) -> dict:

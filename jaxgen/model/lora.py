@@ -145,7 +145,9 @@ def bank_entry(adapters: dict, scale: float, bank: dict) -> dict:
     """One slot's weights (host arrays) for `bank` (`init_bank`'s structure, stacked or a list of layers'):
     `adapters` ({target: {"a_..": (L, *in, r), "b_..": (L, r, *out)}}, `init_lora`'s layout) with B times
     `scale`, the rank padded with zeros to the bank's, every target the adapters lack all zeros. ValueError
-    naming the target or the rank when they do not fit the bank."""
+    naming the target or the rank when they do not fit the bank, or when a weight is NaN or infinite."""
+    if not math.isfinite(scale):
+        raise ValueError(f"adapter scale {scale} is not a finite number")
     layers_ = bank if isinstance(bank, list) else None
     ref = layers_[0] if layers_ is not None else jax.tree.map(lambda w: w[0], bank)  # one layer: (M + 1, ...)
     num_layers = len(layers_) if layers_ is not None else jax.tree.leaves(bank)[0].shape[0]
@@ -167,6 +169,8 @@ def bank_entry(adapters: dict, scale: float, bank: dict) -> dict:
                     f"adapter target {target}: A {got_a.shape} and B {got_b.shape} do not fit this model "
                     f"(A (L, *in, r) = {(*a_shape[:-1], r)}, B (L, r, *out) = {(num_layers, r, *b_shape[2:])})"
                 )
+            if not (np.isfinite(got_a).all() and np.isfinite(got_b).all()):  # one NaN would spread through every row
+                raise ValueError(f"adapter target {target} has weights that are NaN or infinite: finite numbers only")
             a[..., :r] = got_a
             b[:, :r] = got_b * scale
         entry[target] = {a_name: a, b_name: b}

@@ -45,6 +45,11 @@ HTTP_FLAGS = {
     "--request-timeout": ("serve.request_timeout_s", "cancel requests running longer, in s (0 = off)"),
     "--shutdown-grace": ("serve.shutdown_grace_s", "on SIGTERM, seconds running requests get to finish"),
     "--metrics-need-key": ("http.metrics_need_key", "/metrics asks for the API key too"),
+    "--lora-root": (
+        "serve.lora_root",
+        "POST /v1/load_lora_adapter reads adapter folders inside this folder only "
+        "(default: only with serve.admin_token)",
+    ),
 }
 # argparse dest -> the config field it sets
 FLAG_FIELDS = {flag[2:].replace("-", "_"): key for flag, (key, _) in (ENGINE_FLAGS | HTTP_FLAGS).items()} | {

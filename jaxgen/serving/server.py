@@ -17,7 +17,9 @@ job); every error has OpenAI's shape `{"error": {"message", "type", "param", "co
 
 With an API key (--api-key), every route needs `Authorization: Bearer KEY`, checked before the body is
 read, except the public ones: GET /health always, GET /metrics unless create_app(metrics_need_key=True).
-/docs, /redoc and /openapi.json need the key too.
+/docs, /redoc and /openapi.json need the key too. The two routes that read folders on this machine check
+their own tokens, before the body too: /v1/admin/update_weights the admin token, /v1/load_lora_adapter the
+admin token (any folder) or the API key (a folder inside serve.lora_root).
 
 This module holds the routes alone: request models are `protocol.py`'s, chat templates `chat.py`'s, the
 routes' work `handlers.py`'s, answers `responses.py`'s, errors `errors.py`'s.
@@ -38,11 +40,16 @@ import secrets
 import threading
 import time
 
+import jax
+import jax.numpy as jnp
 import prometheus_client
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
 
 from jaxgen.config import ServeConfig
+from jaxgen.inference.adapters import folder_in_root
 from jaxgen.inference.engine import Engine
 from jaxgen.serving.errors import APIError, ApiKey, BodyLimit, install_error_handlers
 from jaxgen.serving.handlers import Handlers
@@ -69,9 +76,9 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, serv
     _info_routes(app, engine, model_name)
     _generation_routes(app, handlers)
     _tokenizer_routes(app, handlers)
-    _lora_routes(app, engine, model_name)
+    _lora_routes(app, engine, model_name, serve, api_key)
     _admin_routes(app, engine, serve)
-    public = (PUBLIC if metrics_need_key else PUBLIC_METRICS) | ADMIN  # admin routes check their own token
+    public = (PUBLIC if metrics_need_key else PUBLIC_METRICS) | ADMIN  # these routes check their own tokens
     guarded = ApiKey(BodyLimit(app, serve.max_body_bytes), api_key, public)
     if handlers.chat_template.error:
         log.warning("%s: chat requests will get 500 with this reason; completions work", handlers.chat_template.error)
@@ -137,19 +144,25 @@ def _tokenizer_routes(app: FastAPI, handlers: Handlers) -> None:
         return handlers.engine.tokenizer.info() | {"model_max_length": handlers.engine.cfg.max_seq_len}
 
 
-def _lora_routes(app: FastAPI, engine: Engine, model_name: str) -> None:
+def _lora_routes(app: FastAPI, engine: Engine, model_name: str, serve: ServeConfig, api_key: str | None) -> None:
     """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's names and bodies): multi-LoRA serving's
-    adapters loaded and unloaded at run time (`Engine.load_lora_folder`, no recompilation). A bad folder, a rank
-    above serve.max_lora_rank, no free slot (serve.max_loras) or a target the bank lacks is a 400 naming it; an
-    unknown name to unload a 404. Unloading lets the requests already using the adapter finish."""
+    adapters loaded and unloaded at run time (`Engine.load_lora_folder`, no recompilation). Loading reads a
+    folder of the server's machine, so it needs `Authorization: Bearer <serve.admin_token>` (any folder) or,
+    with serve.lora_root set, the API key (a folder inside the root, symlinks and `..` resolved); else 403,
+    before the folder is looked at. A bad folder, a pickle in place of safetensors, a NaN weight, a rank above
+    serve.max_lora_rank, no free slot (serve.max_loras) or a target the bank lacks is a 400 naming it; an
+    unknown name to unload a 404. load_inplace replaces the adapter only once the new one loaded (else the old
+    one stays). Unloading lets the requests already using the adapter finish."""
 
     @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(body: LoadLoraRequest):
+    async def load_lora_adapter(request: Request):
+        admin = _lora_caller(request, serve, api_key)  # before the body is read
+        body = _validated(LoadLoraRequest, await _json_body(request))
         if body.lora_name == model_name:
             raise APIError(400, f"lora_name={body.lora_name!r} is the base model's name", "lora_name")
-        if body.load_inplace and body.lora_name in engine.lora_names():
-            engine.unload_lora(body.lora_name)
-        await asyncio.to_thread(engine.load_lora_folder, body.lora_name, body.lora_path)  # reads files, waits a step
+        folder = body.lora_path if admin else _inside_lora_root(body.lora_path, serve)
+        # reads files, waits a step
+        await asyncio.to_thread(engine.load_lora_folder, body.lora_name, folder, body.load_inplace)
         return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
 
     @app.post("/v1/unload_lora_adapter")
@@ -158,7 +171,56 @@ def _lora_routes(app: FastAPI, engine: Engine, model_name: str) -> None:
         return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
 
-ADMIN = frozenset({"/v1/admin/update_weights"})
+def _lora_caller(request: Request, serve: ServeConfig, api_key: str | None) -> bool:
+    """True for the admin (serve.admin_token: any folder), False for an API key holder (serve.lora_root only);
+    401 for a missing or wrong API key, 403 when neither kind of caller may load folders."""
+    given = _bearer(request)
+    if serve.admin_token is not None and given and secrets.compare_digest(given.encode(), serve.admin_token.encode()):
+        return True
+    if api_key is not None and not (given and secrets.compare_digest(given.encode(), api_key.encode())):
+        raise APIError(401, "missing or wrong API key (Authorization: Bearer ...)", code="invalid_api_key")
+    if serve.lora_root is None:
+        raise APIError(
+            403, "loading an adapter from a path needs Authorization: Bearer <serve.admin_token>, or a folder that "
+            "clients may load from, set at start (serve.lora_root, --lora-root)", "lora_path", code="forbidden_path",
+        )  # fmt: skip
+    return False
+
+
+def _inside_lora_root(lora_path: str, serve: ServeConfig) -> str:
+    """`lora_path` resolved inside serve.lora_root (a relative one is taken inside it); 403 when it, or a file
+    of it, lies outside once symlinks and `..` are resolved (whether it exists is not told)."""
+    folder = folder_in_root(lora_path, serve.lora_root)
+    if folder is None:
+        raise APIError(403, f"lora_path={lora_path!r} is outside serve.lora_root={serve.lora_root!r} (symlinks "
+                       "and .. resolved): only adapter folders inside it may be loaded", "lora_path",
+                       code="forbidden_path")  # fmt: skip
+    return str(folder)
+
+
+def _bearer(request: Request) -> str | None:
+    """The token of `Authorization: Bearer <token>` (the scheme in any case), or None."""
+    scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+    return given.strip() or None if scheme.lower() == "bearer" else None
+
+
+def _validated(model: type[BaseModel], raw):
+    """`model` of the JSON `raw`; a 400 naming the field as for every other route's body."""
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        raise RequestValidationError([{**x, "loc": ("body", *x["loc"])} for x in e.errors(include_url=False)]) from None
+
+
+async def _json_body(request: Request):
+    """The body as JSON, or the 400 (json_invalid) every other route answers for a body that is not JSON."""
+    try:
+        return await request.json()
+    except ValueError:
+        raise APIError(400, "the body is not valid JSON", code="json_invalid") from None
+
+
+ADMIN = frozenset({"/v1/admin/update_weights", "/v1/load_lora_adapter"})
 
 
 def _admin_routes(app: FastAPI, engine: Engine, serve: ServeConfig) -> None:
@@ -173,11 +235,11 @@ def _admin_routes(app: FastAPI, engine: Engine, serve: ServeConfig) -> None:
 
     @app.post("/v1/admin/update_weights")
     async def update_weights(request: Request):
-        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
-        if scheme.lower() != "bearer" or not given.strip():
+        given = _bearer(request)
+        if given is None:
             message = "the admin routes need Authorization: Bearer <serve.admin_token>"
             raise APIError(401, message, code="no_admin_token")
-        if not secrets.compare_digest(given.strip().encode(), token):
+        if not secrets.compare_digest(given.encode(), token):
             raise APIError(403, "wrong admin token", code="invalid_admin_token")
         try:
             path = (await request.json()).get("path")
@@ -194,9 +256,22 @@ def _admin_routes(app: FastAPI, engine: Engine, serve: ServeConfig) -> None:
 
 
 def _swap_weights(engine: Engine, serve: ServeConfig, path: str) -> None:
+    """The folder's weights into the engine; ValueError, before anything changes, for a NaN or infinite one
+    (it would turn every answer into the same token)."""
     from jaxgen.inference.loading import load_weights  # orbax only when weights load
 
-    engine.update_params(load_weights(path, serve, engine.cfg), donate=True)  # read for the engine alone
+    params = load_weights(path, serve, engine.cfg)
+    finite = _finite(params)
+    bad = [jax.tree_util.keystr(k) for k, ok in jax.tree_util.tree_flatten_with_path(finite)[0] if not ok]
+    if bad:
+        raise ValueError(f"{len(bad)} weights hold NaN or infinite values, the first {bad[0]}: finite numbers only")
+    engine.update_params(params, donate=True)  # read for the engine alone
+
+
+@jax.jit
+def _finite(params):
+    """Per leaf of `params`, whether every value is finite: one pass on the device, a bool each."""
+    return jax.tree.map(lambda w: jnp.isfinite(w).all(), params)
 
 
 def prometheus(engine: Engine) -> bytes:

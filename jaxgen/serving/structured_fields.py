@@ -70,12 +70,24 @@ class Compiles:
         if structured in self._failed:
             raise ConstraintError(f"{field}: {self._failed[structured]}", field)
         try:
-            await asyncio.get_running_loop().run_in_executor(self._pool, self._automaton, sampling)
+            await asyncio.get_running_loop().run_in_executor(self._pool, self._compile, sampling)
         except SamplingError as e:
-            self._failed[structured] = str(e)
+            raise ConstraintError(f"{field}: {e}", field) from None
+
+    def _compile(self, sampling) -> None:
+        """On the compile thread, one constraint at a time. A failure is remembered here, before the next job
+        starts: the same bad constraint sent many times at once is compiled once, not once per request (each
+        held every later compile up to the time limit before issue 44)."""
+        failed = self._failed.get(sampling.structured)
+        if failed is not None:
+            raise SamplingError(failed)
+        try:
+            self._automaton(sampling)
+        except SamplingError as e:
+            self._failed[sampling.structured] = str(e)
             while len(self._failed) > self._remember:
                 self._failed.popitem(last=False)
-            raise ConstraintError(f"{field}: {e}", field) from None
+            raise
 
 
 def _structured(field: str, value) -> Structured | None:

@@ -62,6 +62,8 @@ def parse_line(line: str, where: str) -> Conversation:
         record = json.loads(line)
     except json.JSONDecodeError as e:
         raise ChatDataError(f"{where}: not valid JSON ({e.msg})") from None
+    except (RecursionError, ValueError) as e:  # nested too deep for the parser; an integer of > 4300 digits
+        raise ChatDataError(f"{where}: not JSON that can be read ({type(e).__name__}: {str(e)[:120]})") from None
     if not isinstance(record, dict) or not isinstance(record.get("messages"), list) or not record["messages"]:
         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
         raise ChatDataError(f"{where}: 'messages' missing or not a non-empty list; got {keys}")
@@ -91,6 +93,11 @@ def _message(m, where: str) -> dict:
         raise ChatDataError(f"{where}: tool_calls must be a list, on an assistant message (role={role!r})")
     if not isinstance(content, str) and not (content is None and calls):
         raise ChatDataError(f"{where}: content is {type(content).__name__}: text (null only beside tool_calls)")
+    if isinstance(content, str) and not content.isascii():
+        try:
+            content.encode()
+        except UnicodeEncodeError as e:  # a lone surrogate ("\ud800"): no tokenizer takes it
+            raise ChatDataError(f"{where}: content is not valid Unicode ({e.reason} at character {e.start})") from None
     out = {**m, "content": content}
     if calls:
         out["tool_calls"] = [_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
