@@ -55,6 +55,39 @@ def test_collectives_are_read_from_hlo_text():
     assert roofline.custom_calls(text) == {"tpu_custom_call": 1}
 
 
+def test_flops_and_bytes_are_counted_from_hlo_kernels():
+    # what XLA:GPU without a GPU leaves to count: a product fused with its operands, and a fusion that only
+    # slices a row out of a table (it reads the row, not the table)
+    text = """
+%fused_dot (p0: bf16[256,512], p1: bf16[512,384]) -> bf16[256,384] {
+  %p0 = bf16[256,512]{1,0} parameter(0)
+  %p1 = bf16[512,384]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[256,384]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_row (q0: bf16[1000,512], q1: s32[]) -> f32[1,512] {
+  %q0 = bf16[1000,512]{1,0} parameter(0)
+  %q1 = s32[] parameter(1)
+  %c = s32[] constant(0)
+  %ds = bf16[1,512]{1,0} dynamic-slice(%q0, %q1, %c), dynamic_slice_sizes={1,512}
+  ROOT %cv = f32[1,512]{1,0} convert(%ds)
+}
+
+ENTRY %main (a: bf16[256,512], b: bf16[512,384], t: bf16[1000,512], i: s32[]) -> (bf16[256,384], f32[1,512]) {
+  %a = bf16[256,512]{1,0} parameter(0)
+  %b = bf16[512,384]{1,0} parameter(1)
+  %t = bf16[1000,512]{1,0} parameter(2)
+  %i = s32[] parameter(3)
+  %f = bf16[256,384]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_dot
+  %r = f32[1,512]{1,0} fusion(%t, %i), kind=kLoop, calls=%fused_row
+  ROOT %out = (bf16[256,384]{1,0}, f32[1,512]{1,0}) tuple(%f, %r)
+}
+"""
+    flops, accessed = hlo.hlo_counts(text)
+    assert flops == 2 * 256 * 384 * 512
+    assert accessed == (256 * 512 + 512 * 384 + 256 * 384) * 2 + (512 * 2 + 4) + 512 * 4
+
+
 @pytest.fixture(scope="module")
 def tpu_mesh():
     return devices.target_mesh(TPU, {"data": 1, "fsdp": 2, "tensor": 2})

@@ -76,14 +76,15 @@ def _prod(dims) -> int:
 def hlo_counts(hlo_text: str) -> tuple[float, float]:
     """(flops, bytes accessed) of one run of a program from its optimised HLO: the flops of every `dot`
     (2 x the result's elements x the contracted size; a cuBLAS gemm call likewise), and for every kernel
-    of a computation that is not fused into another, the bytes of its operands and result. Each
-    computation counts once (a loop's body once, whatever its trip count: compile layers unrolled)."""
+    of a computation that is not fused into another, the bytes of its operands and result (an operand a
+    fusion only slices, the slice's). Each computation counts once (a loop's body once, whatever its trip
+    count: compile layers unrolled)."""
     comps = computations(hlo_text)
     # computations inside a kernel: a fusion's, a reduction's or a sort's (not a `call`'s: command buffers)
     fused = set(re.findall(r"calls=%?([\w.\-]+)", hlo_text))
-    fused |= {
-        m for line in hlo_text.splitlines() if " call(" not in line for m in re.findall(r"to_apply=%?([\w.\-]+)", line)
-    }
+    for line in hlo_text.splitlines():
+        if " call(" not in line:
+            fused.update(re.findall(r"to_apply=%?([\w.\-]+)", line))
     flops = bytes_ = 0.0
     for name, lines in comps.items():
         if name == "ENTRY":
@@ -100,8 +101,31 @@ def hlo_counts(hlo_text: str) -> tuple[float, float]:
             if name in fused or op in FREE or op in _CONTROL:
                 continue
             operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
-            bytes_ += shape_bytes(shape) + sum(shape_bytes(shapes.get(o, "")) for o in operands)
+            called = re.search(r"calls=%?([\w.\-]+)", rest)
+            sliced = _sliced_parameters(comps.get(called.group(1), [])) if op == "fusion" and called else {}
+            read = [sliced.get(i, shape_bytes(shapes.get(o, ""))) for i, o in enumerate(operands)]
+            bytes_ += shape_bytes(shape) + sum(read)
     return flops, bytes_
+
+
+def _sliced_parameters(fused_lines: list[str]) -> dict[int, float]:
+    """{parameter number: bytes read} for a fused computation's parameters that only `dynamic-slice`s or
+    `slice`s read (the kernel reads the slice, not the whole buffer: an embedding row, a cache block)."""
+    params, uses, sizes = {}, {}, {}
+    for line in fused_lines:
+        m = _SHAPED.match(line)
+        if not m:
+            continue
+        inst, shape, op, rest = m.groups()
+        if op == "parameter":
+            params[inst] = int(re.match(r"\s*(\d+)", rest).group(1))
+            continue
+        for j, o in enumerate(re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])):
+            if o in params:
+                slicing = op in ("dynamic-slice", "slice") and j == 0
+                uses.setdefault(o, []).append(slicing)
+                sizes[o] = sizes.get(o, 0.0) + shape_bytes(shape)
+    return {params[p]: sizes[p] for p, kinds in uses.items() if all(kinds)}
 
 
 def _dot_flops(shape: str, rest: str, shapes: dict) -> float:
