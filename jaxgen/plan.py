@@ -236,9 +236,9 @@ def train_costs(cfg, mesh):
     """The compiler's counts (`roofline.Costs`, per device) of one train step of `cfg` on `mesh`. The
     compiler counts a loop's body once, so the step is compiled with its layers unrolled at 1 and 2 layers
     and extrapolated in depth, and with one micro-batch of `batch_size / grad_accum` rows, times
-    `grad_accum` (the optimizer's update, counted that many times, is a small share). A fused attention
-    kernel (splash, cuDNN) is a custom call whose inside the compiler does not count: its flops are
-    added as the model's (`kernel_attention_flops`)."""
+    `grad_accum` (the optimizer's update, counted that many times, is a small share). Attention other than
+    dense is a custom call or a loop over key blocks, which the compiler does not count whole: its flops
+    are added as the model's (`kernel_attention_flops`)."""
     from jaxgen.targets.roofline import along_depth
 
     accum = cfg.training.grad_accum
@@ -252,15 +252,17 @@ def train_costs(cfg, mesh):
 
 
 def kernel_attention_flops(cfg, mesh) -> float:
-    """Per device, the flops of one train step's attention where a fused kernel runs it (0 elsewhere):
-    the model's count (`flops_per_token`'s 12 L T N H a token: the whole T x T square, forward and
-    backward), plus the forward again when remat recomputes it."""
+    """Per device, the flops of one train step's attention that the compiler's count misses: all of it
+    where a fused kernel runs it (a custom call: splash, cuDNN), nearly all where blockwise, ring or
+    allgather attention runs it as a loop over key blocks (whose body the count holds once); 0 for dense
+    attention, a product the compiler counts whole. Added as the model's count (`flops_per_token`'s 12 L T
+    N H a token: the whole T x T square, forward and backward), plus the forward again under remat."""
     import jax
 
     from jaxgen.model import kernels
 
     impl = kernels.fit_length(kernels.choose(cfg.model, jax.default_backend()), cfg.data.seq_len, cfg.model)
-    if impl not in ("splash", "cudnn"):
+    if impl == "dense":
         return 0.0
     m, t = cfg.model, cfg.data.seq_len
     passes = 12.0 + (4.0 if m.remat != "none" else 0.0)

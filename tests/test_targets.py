@@ -128,8 +128,9 @@ def test_the_train_step_compiles_for_a_tpu_slice_with_splash_inside_shard_map(sm
     assert not re.search(r" (send|recv|infeed|outfeed)\(|host_callback|xla_python_cpu_callback", text)
 
 
-def test_a_fused_attention_kernels_flops_are_added_where_it_runs(small_cfg):
-    # the compiler does not see inside a custom call: the model's attention flops stand in for splash's
+def test_attention_flops_the_compiler_misses_are_added(small_cfg):
+    # the compiler does not see inside a custom call, and counts a loop's body once: the model's attention
+    # flops stand in for splash's and blockwise's
     mesh = devices.target_mesh(None, {"data": 1, "fsdp": 2, "tensor": 2})
     m = small_cfg.model
     per_device = 12 * m.num_layers * 128 * m.num_heads * m.head_size * 16 * 128 / 4
@@ -137,8 +138,10 @@ def test_a_fused_attention_kernels_flops_are_added_where_it_runs(small_cfg):
         assert plan.kernel_attention_flops(small_cfg, mesh) == per_device
         remat = dataclasses.replace(small_cfg, model=dataclasses.replace(m, remat="full"))
         assert plan.kernel_attention_flops(remat, mesh) == per_device * 16 / 12  # the forward once more
-    with devices.traced_for("cpu"):  # blockwise there: an XLA loop the compiler counts itself
-        assert plan.kernel_attention_flops(small_cfg, mesh) == 0
+    with devices.traced_for("cpu"):  # blockwise: a loop over key blocks, counted once by the compiler
+        assert plan.kernel_attention_flops(small_cfg, mesh) == per_device
+        dense = dataclasses.replace(small_cfg, model=dataclasses.replace(m, attention_impl="dense"))
+        assert plan.kernel_attention_flops(dense, mesh) == 0  # a product the compiler counts whole
 
 
 @needs_libtpu
