@@ -181,6 +181,35 @@ def test_speculative_requests_answer_as_plain_ones_and_show_in_metrics(stack):
     assert "an integer in [0, 8]" in bad.json()["error"]["message"]
 
 
+def test_compilations_after_ready_are_named_in_metrics(stack):
+    """jaxgen_compiles_total{program, phase}: the start's programs before ready; a program compiled for a
+    request after ready is counted by its name; the same request again compiles nothing; the labelled
+    counts add up to the engine's own trace counter."""
+    client, url, engine, _ = stack
+    assert _compiles(url)[("init_state", "before_ready")] == 1
+    engine._prefill.jitted.clear_cache()  # prefill_chunk is then new to jax, whatever ran before
+    before = _compiles(url)
+    client.completions.create(model=NAME, prompt="compile me", max_tokens=2, temperature=0)
+    after = _compiles(url)
+    assert after.get(("prefill_chunk", "after_ready"), 0) - before.get(("prefill_chunk", "after_ready"), 0) == 1
+    client.completions.create(model=NAME, prompt="compile me", max_tokens=2, temperature=0)
+    assert _compiles(url) == after  # a shape seen before: nothing compiles
+    assert sum(after.values()) == engine.compilations
+    text = httpx.get(f"{url}/metrics").text
+    assert 'jaxgen_compile_seconds_total{phase="after_ready",program="prefill_chunk"}' in text
+
+
+def _compiles(url) -> dict[tuple[str, str], float]:
+    """{(program, phase): compilations} from /metrics' jaxgen_compiles_total."""
+    out = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("jaxgen_compiles_total{"):
+            labels, value = line[len("jaxgen_compiles_total{") :].split("} ")
+            fields = dict(item.split("=") for item in labels.split(","))
+            out[(fields["program"].strip('"'), fields["phase"].strip('"'))] = float(value)
+    return out
+
+
 def _metric(url, name):
     for line in httpx.get(f"{url}/metrics").text.splitlines():
         if line.startswith(name + " "):
