@@ -100,6 +100,7 @@ class EngineStats:
         self.latency = Histogram("jaxgen_request_latency_seconds", "time from submission to the end (finished)",
                                  registry=r, buckets=LATENCY_BUCKETS)  # fmt: skip
         self.ready = False  # set by Engine.start (or LLM): compilations from then on are "after_ready"
+        self.muted = False  # True while the start's warm-up runs (`jaxgen.inference.precompile`): not traffic
         labels = ("program", "phase")
         self.compiles = Counter("jaxgen_compiles", "engine programs traced and compiled (or loaded from the cache)",
                                 labels, registry=r)  # fmt: skip
@@ -115,7 +116,7 @@ class EngineStats:
 
     def count(self, key: str, n: float = 1) -> None:
         """Adds `n` to the counter `key` (a key of COUNTERS)."""
-        if n:
+        if n and not self.muted:
             self.counters[key].inc(n)
 
     def submitted(self, n: int) -> None:
@@ -136,9 +137,12 @@ class EngineStats:
         self.count("prefix_cache_hit_tokens", hits)
 
     def first_token(self, seconds: float) -> None:
-        self.ttft.observe(seconds)
+        if not self.muted:
+            self.ttft.observe(seconds)
 
     def finished(self, t_submit: float, t_first: float | None, t_done: float, tokens: int) -> None:
+        if self.muted:
+            return
         self.count("requests_finished")
         self.latency.observe(t_done - t_submit)
         if t_first is not None and tokens > 1:

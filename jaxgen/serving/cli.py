@@ -317,8 +317,15 @@ def _one_prompt(engine, prompt: str, defaults) -> int:
 
 
 def _http(engine, args, http) -> int:
+    import time
+
+    from jaxgen.inference.precompile import precompile
     from jaxgen.serving.server import create_app, serve_forever
 
+    if engine.serve.precompile:  # before ready: no request waits for a compilation (issue 45)
+        t0 = time.perf_counter()
+        precompile(engine, progress=True)
+        engine.stats.startup("precompile", time.perf_counter() - t0)
     name = http.model_name or Path(args.checkpoint).resolve().name
     app = create_app(engine, name, args.api_key, metrics_need_key=http.metrics_need_key)
     serve_forever(engine, app, http.host, http.port, grace_s=engine.serve.shutdown_grace_s)
