@@ -300,7 +300,7 @@ def test_serve_py_http_command(tiny_run):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "serve.py", "http", "--checkpoint", str(tiny_run), "--port", str(port), "--slots", "2",
-           "--kv-memory-gb", "0.05", "--api-key", "k3y", "--shutdown-grace", "0"]  # fmt: skip
+           "--kv-memory-gb", "0.05", "--api-key", "k3y", "--shutdown-grace", "0", "serve.precompile=false"]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 120

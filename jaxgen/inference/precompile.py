@@ -53,7 +53,7 @@ def precompile(engine, progress: bool = False) -> int:
     before = engine.compilations
     engine.stats.muted = True  # the warm-up is not traffic
     try:
-        for ids, sampling in tqdm(warm_up_requests(engine), desc="precompile", unit="program", disable=not progress):
+        for ids, sampling in tqdm(warm_up_requests(engine), desc="precompile", unit="request", disable=not progress):
             try:
                 engine.submit(ids, sampling)
             except ValueError as e:  # SamplingError, PageError
