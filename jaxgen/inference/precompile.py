@@ -39,7 +39,8 @@ def warm_up_requests(engine) -> list[tuple[list[int], SamplingConfig]]:
     todo = [(n, s) for n in sizes for s in (plain, scored)]
     todo += [(16, SamplingConfig(max_new_tokens=2, temperature=0.0, num_speculative_tokens=w)) for w in WINDOWS]
     # distinct first tokens: no prompt reuses another's pages (a prefix hit would shorten its chunk)
-    return [([1 + (i + j) % 200 for j in range(n)], s) for i, (n, s) in enumerate(todo)]
+    ids = min(cfg.vocab_size - 1, 200)  # ids 1..200: bytes for a byte tokenizer, any model's tokens
+    return [([1 + (i + j) % ids for j in range(n)], s) for i, (n, s) in enumerate(todo)]
 
 
 def precompile(engine, progress: bool = False) -> int:
