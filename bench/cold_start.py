@@ -239,7 +239,14 @@ def main() -> None:
             runs["train"] = t
         everything[name] = runs
     if args.json:
-        args.json.write_text(json.dumps(everything, default=str, indent=1))
+        args.json.write_text(json.dumps(jsonable(everything), indent=1))
+
+
+def jsonable(x):
+    """`x` with its tuple keys (labels) as text."""
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    return x
 
 
 if __name__ == "__main__":
