@@ -96,6 +96,7 @@ def test_a_bad_setting_stops_before_the_checkpoint_loads(command, monkeypatch, c
 def test_http_settings_reach_the_engine_and_the_server(monkeypatch, tmp_path):
     """serve.main end to end with the model, the engine and uvicorn replaced by recorders."""
     import jaxgen.inference.engine
+    import jaxgen.inference.precompile
     import jaxgen.runtime
     import jaxgen.serving.server
     from jaxgen.inference import loading as checkpoint
@@ -106,7 +107,12 @@ def test_http_settings_reach_the_engine_and_the_server(monkeypatch, tmp_path):
         def __init__(self, params, cfg, tokenizer, serve_config, mesh, draft=None):
             self.serve = seen["serve"] = serve_config
             seen["mesh"], seen["draft"] = mesh, draft
+            self.stats = self  # the start's phases (/metrics' jaxgen_startup_seconds) come here
 
+        def startup(self, phase, seconds):
+            seen.setdefault("phases", set()).add(phase)
+
+    monkeypatch.setattr(jaxgen.inference.precompile, "precompile", lambda engine, progress: seen.update(pre=progress))
     monkeypatch.setattr(checkpoint, "load_model", lambda path, mesh, **kwargs: ("cfg", "tokenizer", "params"))
     monkeypatch.setattr(checkpoint, "load_draft", lambda path, tokenizer, mesh, **kwargs: (f"params of {path}", "dcfg"))
     monkeypatch.setattr(jaxgen.inference.engine, "Engine", Engine)
@@ -125,6 +131,7 @@ def test_http_settings_reach_the_engine_and_the_server(monkeypatch, tmp_path):
     assert seen["at"] == ("127.0.0.1", 9001) and seen["name"] == "my-model" and seen["key"] == "k"
     assert seen["mesh"] is None  # one device unless serve.data_parallel / tensor_parallel say otherwise
     assert seen["draft"] is None  # n-gram drafts unless serve.draft names a model
+    assert {"load", "engine", "precompile"} <= seen["phases"] and seen["pre"] is True  # compiled before ready
     assert serve.main([*argv, "--draft", "runs/small"]) == 0
     assert seen["serve"].draft == "runs/small" and seen["draft"] == ("params of runs/small", "dcfg")
 

@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from jaxgen.inference.generator import Generator
+from jaxgen.inference.precompile import precompile
 from jaxgen.inference.sampling import SamplingConfig
 from jaxgen.serving.server import create_app
 from tests.live import CFG, TEMPLATE, live_server, tiny_engine
@@ -26,8 +27,10 @@ NAME = "tiny"
 
 @pytest.fixture(scope="module")
 def stack():
-    """A live server on 127.0.0.1 (uvicorn in a thread, the engine in another) and a Generator."""
+    """A live server on 127.0.0.1 (uvicorn in a thread, the engine in another) and a Generator. The engine's
+    programs are compiled before it starts, as serve.py http does (`jaxgen.inference.precompile`)."""
     engine, params = tiny_engine()
+    precompile(engine)
     with live_server(engine, create_app(engine, NAME)) as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         yield client, url, engine, Generator(params, CFG, engine.tokenizer, max_batch=64, chunk_steps=16)
@@ -181,6 +184,55 @@ def test_speculative_requests_answer_as_plain_ones_and_show_in_metrics(stack):
     assert "an integer in [0, 8]" in bad.json()["error"]["message"]
 
 
+def test_a_mixed_workload_after_precompile_compiles_nothing(stack):
+    """After `precompile`, short and long prompts (several prefill chunks), n > 1, logprobs, echo (the prompt
+    scored), stop strings, penalties and speculation compile no program: no request waits for one."""
+    _, url, _, _ = stack
+    before = _compiles(url)
+    assert before[("decode_chunk", "before_ready")] == 1 and ("decode_chunk", "after_ready") not in before
+    long = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n" * 2  # 3 chunks
+    bodies = [
+        {"prompt": "a", "max_tokens": 3},
+        {"prompt": long, "max_tokens": 3, "n": 2, "temperature": 0.9, "seed": 3, "logprobs": 2},
+        {"prompt": long[:40], "max_tokens": 0, "echo": True, "logprobs": 1},
+        {"prompt": "abcabcabcabc", "max_tokens": 6, "num_speculative_tokens": 7, "stop": ["zz"]},
+        {"prompt": "x = ", "max_tokens": 4, "presence_penalty": 0.5, "num_speculative_tokens": 1},
+    ]
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        for r in pool.map(lambda body: _post(url, body), bodies):
+            assert r.status_code == 200, r.text
+    assert _compiles(url) == before
+
+
+def test_compilations_after_ready_are_named_in_metrics(stack):
+    """jaxgen_compiles_total{program, phase}: the start's programs before ready; a program compiled for a
+    request after ready is counted by its name; the same request again compiles nothing; the labelled
+    counts add up to the engine's own trace counter."""
+    client, url, engine, _ = stack
+    assert _compiles(url)[("init_state", "before_ready")] == 1
+    engine._prefill.jitted.clear_cache()  # prefill_chunk is then new to jax, whatever ran before (precompile)
+    before = _compiles(url)
+    client.completions.create(model=NAME, prompt="compile me", max_tokens=2, temperature=0)
+    after = _compiles(url)
+    assert after.get(("prefill_chunk", "after_ready"), 0) - before.get(("prefill_chunk", "after_ready"), 0) == 1
+    client.completions.create(model=NAME, prompt="compile me", max_tokens=2, temperature=0)
+    assert _compiles(url) == after  # a shape seen before: nothing compiles
+    assert sum(after.values()) == engine.compilations
+    text = httpx.get(f"{url}/metrics").text
+    assert 'jaxgen_compile_seconds_total{phase="after_ready",program="prefill_chunk"}' in text
+
+
+def _compiles(url) -> dict[tuple[str, str], float]:
+    """{(program, phase): compilations} from /metrics' jaxgen_compiles_total."""
+    out = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("jaxgen_compiles_total{"):
+            labels, value = line[len("jaxgen_compiles_total{") :].split("} ")
+            fields = dict(item.split("=") for item in labels.split(","))
+            out[(fields["program"].strip('"'), fields["phase"].strip('"'))] = float(value)
+    return out
+
+
 def _metric(url, name):
     for line in httpx.get(f"{url}/metrics").text.splitlines():
         if line.startswith(name + " "):
@@ -248,7 +300,7 @@ def test_serve_py_http_command(tiny_run):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "serve.py", "http", "--checkpoint", str(tiny_run), "--port", str(port), "--slots", "2",
-           "--kv-memory-gb", "0.05", "--api-key", "k3y", "--shutdown-grace", "0"]  # fmt: skip
+           "--kv-memory-gb", "0.05", "--api-key", "k3y", "--shutdown-grace", "0", "serve.precompile=false"]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 120

@@ -30,6 +30,8 @@ class ServeConfig:
     prefill_chunk: int = 256  # prompt tokens per prefill call: longer prompts interleave with decoding
     max_logprobs: int = 5  # the most top alternatives a request may ask for
     prefix_caching: bool = True  # share the pages of prompt prefixes already in the cache
+    # serve.py http: every program a request can reach compiled before /health is ok (`jaxgen.inference.precompile`)
+    precompile: bool = True
     # the KV cache's dtype: int8 holds about twice the tokens of bfloat16 per GB (one float32 scale per token
     # and kv head beside the int8 values)
     cache_dtype: Literal["float32", "bfloat16", "int8"] = "float32"

@@ -17,7 +17,8 @@ steps.py       the engine's device steps: pure jitted functions of the decode st
 requests.py    a sequence in the engine (Request), its Status, the engine's errors
 pages.py       the paged cache's host side: free pages, reference counts, prefix cache, the page policy
 adapters.py    multi-LoRA serving's host side: adapter names -> slots of the engine's bank, PEFT folders read
-stats.py       the engine's statistics in a prometheus_client registry (counters, gauges, histograms)
+stats.py       the engine's statistics in a prometheus_client registry (counters, gauges, histograms, compilations)
+precompile.py  every program a request can reach compiled at start, before the engine is ready
 textstream.py  exact text deltas for streaming
 """
 

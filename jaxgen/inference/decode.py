@@ -269,12 +269,15 @@ def stop_hit(stop_seqs, recent):
     return jnp.any(jnp.all(matches, axis=-1) & jnp.any(stop_seqs >= 0, axis=-1), axis=-1)
 
 
-def counted(owner, fn):
-    """`fn`, counting each trace (one XLA compilation) in `owner.compilations`."""
+def counted(owner, fn, stats=None):
+    """`fn`, counting each trace (one XLA compilation) in `owner.compilations`, and by name in `stats` (an
+    engine's `EngineStats`: /metrics' jaxgen_compiles_total) when given."""
 
     @functools.wraps(fn)
     def traced(*args, **kwargs):
         owner.compilations += 1
+        if stats is not None:
+            stats.compiled(fn.__name__)
         log.info("compiling %s (%d so far)", fn.__name__, owner.compilations)
         return fn(*args, **kwargs)
 

@@ -85,19 +85,19 @@ class Engine:
         self.compilations = 0
         self.grammars = grammar.GrammarPool(cfg.vocab_size)  # the slots' constraints (the device has a copy)
         self.constraints = grammar.Constraints(tokenizer, cfg.vocab_size)  # structured output's automata
-        self._jit_steps(mesh)
-        init = jax.jit(steps.init_state, static_argnums=(0, 1, 2, 3))  # jitted: the pool is made in its shardings
-        self.state = with_mesh(init, mesh)(cfg, serve, num_pages, self.max_pages)
-        self._new_state = lambda: with_mesh(init, mesh)(cfg, serve, num_pages, self.max_pages)  # wake_up()
-        init_spec = with_mesh(jax.jit(steps.init_spec, static_argnums=(0, 1, 2, 3, 4)), mesh)
-        self._new_spec = lambda: init_spec(cfg, serve, self.draft_cfg, num_pages, self.max_pages)
-        self.spec = self._new_spec()  # speculative decoding's per-slot state (and the draft model's pool)
-        self.lock = threading.Lock()  # guards the scheduler (submit and cancel come from other threads)
-        self.wake = threading.Condition(self.lock)
         self.stats = EngineStats(
             serve.slots, queue_length=self.queue_length, running_slots=lambda: len(self.scheduler.running()),
             cache_pages_in_use=lambda: self.pool.in_use(), cache_pages_total=lambda: self.pool.usable,
         )  # fmt: skip
+        self._jit_steps(mesh)
+        init = self._jit(steps.init_state, mesh, static=(0, 1, 2, 3))  # jitted: the pool is made in its shardings
+        self.state = init(cfg, serve, num_pages, self.max_pages)
+        self._new_state = lambda: init(cfg, serve, num_pages, self.max_pages)  # wake_up()
+        init_spec = self._jit(steps.init_spec, mesh, static=(0, 1, 2, 3, 4))
+        self._new_spec = lambda: init_spec(cfg, serve, self.draft_cfg, num_pages, self.max_pages)
+        self.spec = self._new_spec()  # speculative decoding's per-slot state (and the draft model's pool)
+        self.lock = threading.Lock()  # guards the scheduler (submit and cancel come from other threads)
+        self.wake = threading.Condition(self.lock)
         self._thread, self._stop = None, False  # the background thread, if started
         self.accepting = True  # False once drain() began: submit raises EngineClosed
         self.asleep = False  # between sleep() and wake_up(): no device state, submit raises EngineAsleep
@@ -118,11 +118,20 @@ class Engine:
     def waiting(self):
         return self.scheduler.waiting
 
+    def _jit(self, fn, mesh, donate=(), static=()) -> Callable:
+        """`fn` jitted (`static`: argument names, or positions), each trace counted in `compilations` and, with
+        its compile seconds and cache hits, by name in `stats` (/metrics' jaxgen_compiles_total)."""
+        names = tuple(s for s in static if isinstance(s, str))
+        nums = tuple(s for s in static if isinstance(s, int))
+        jitted = jax.jit(decode.counted(self, fn, self.stats), static_argnames=names, static_argnums=nums,
+                         donate_argnums=donate)  # fmt: skip
+        return self.stats.attributed(fn.__name__, with_mesh(jitted, mesh))
+
     def _jit_steps(self, mesh) -> None:
         """The device steps, jitted with the state donated (each trace counted in `compilations`)."""
 
         def jit(fn, donate=0, static=()):
-            return with_mesh(jax.jit(decode.counted(self, fn), static_argnames=static, donate_argnums=donate), mesh)
+            return self._jit(fn, mesh, donate, (static,) if isinstance(static, str) else static)
 
         self._set_tables, self._activate = jit(steps.set_tables), jit(steps.activate)
         self._retire, self._activate_spec = jit(steps.retire), jit(steps.activate_spec)
@@ -387,7 +396,9 @@ class Engine:
         return self._thread is not None and self._thread.is_alive() and not self._stop
 
     def start(self) -> None:
-        """Runs the engine in a background thread until `stop()`."""
+        """Runs the engine in a background thread until `stop()`. The engine is ready from now on: a program
+        compiled later counts as "after_ready" in /metrics (a request waited for it)."""
+        self.stats.ready = True
         self._stop = False
         self._thread = threading.Thread(target=self._serve_forever, name="jaxgen-engine", daemon=True)
         self._thread.start()

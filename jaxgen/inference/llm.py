@@ -86,6 +86,7 @@ class LLM:
         self.cfg, self.tokenizer = loaded.cfg, loaded.tokenizer
         self.engine = Engine(self.params, self.cfg, self.tokenizer, self.serve, mesh=mesh if mesh.size > 1 else None,
                              draft=loaded.draft)  # fmt: skip
+        self.engine.stats.ready = True  # a program compiled from now on made a generate call wait (/metrics)
         self._generator: Generator | None = None
 
     def generate(

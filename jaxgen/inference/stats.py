@@ -9,12 +9,23 @@ Counters count events (requests submitted, finished, cancelled, failed, preempte
 prefilled, recomputed, served from the prefix cache); gauges read the engine's state when collected
 (queue, slots, pages); time to first token, time per output token and request latency are histograms
 with vLLM's buckets. Every name starts with `jaxgen_`; prometheus_client adds `_total` to counters.
+
+Compilation (issue 45): `jaxgen_compiles_total{program, phase}` counts each trace of one of the engine's
+programs (one XLA compilation, or one load from jax's persistent cache), `phase` "before_ready" or
+"after_ready" (after `Engine.start`, or `LLM` built): a program compiled after ready made a request wait.
+`jaxgen_compile_seconds_total` sums, per program, the seconds jax reported tracing, lowering and compiling
+it (a load from the persistent cache counts as its compile), `jaxgen_compile_cache_hits_total` the loads.
+`jaxgen_startup_seconds{phase}` is what the command line measured at start (import, load, engine).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import threading
 from collections.abc import Callable
 
+from jax import monitoring
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # snapshot key: (metric name, help). The keys are the names `Engine.metrics()` has always returned.
@@ -49,6 +60,15 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 
 
+# jax's duration events of one compilation (each names the function; the engine's program is the caller's)
+COMPILE_EVENTS = frozenset({
+    "/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+})  # fmt: skip
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_calling = threading.local()  # .program = (EngineStats, name) while the engine calls one of its programs
+
+
 class EngineStats:
     """Every statistic of one engine. Thread-safe: the engine thread counts, the HTTP server collects."""
 
@@ -79,12 +99,24 @@ class EngineStats:
                               registry=r, buckets=TPOT_BUCKETS)  # fmt: skip
         self.latency = Histogram("jaxgen_request_latency_seconds", "time from submission to the end (finished)",
                                  registry=r, buckets=LATENCY_BUCKETS)  # fmt: skip
+        self.ready = False  # set by Engine.start (or LLM): compilations from then on are "after_ready"
+        self.muted = False  # True while the start's warm-up runs (`jaxgen.inference.precompile`): not traffic
+        labels = ("program", "phase")
+        self.compiles = Counter("jaxgen_compiles", "engine programs traced and compiled (or loaded from the cache)",
+                                labels, registry=r)  # fmt: skip
+        self.compile_seconds = Counter("jaxgen_compile_seconds", "seconds jax spent tracing, lowering and compiling",
+                                       labels, registry=r)  # fmt: skip
+        self.cache_hits = Counter("jaxgen_compile_cache_hits", "programs loaded from jax's persistent cache",
+                                  labels, registry=r)  # fmt: skip
+        self.startup_seconds = Gauge("jaxgen_startup_seconds", "seconds each phase of the start took", ["phase"],
+                                     registry=r)  # fmt: skip
+        _listen_to_jax()
 
     # --- events, as the engine sees them -----------------------------------------------------------
 
     def count(self, key: str, n: float = 1) -> None:
         """Adds `n` to the counter `key` (a key of COUNTERS)."""
-        if n:
+        if n and not self.muted:
             self.counters[key].inc(n)
 
     def submitted(self, n: int) -> None:
@@ -105,13 +137,61 @@ class EngineStats:
         self.count("prefix_cache_hit_tokens", hits)
 
     def first_token(self, seconds: float) -> None:
-        self.ttft.observe(seconds)
+        if not self.muted:
+            self.ttft.observe(seconds)
 
     def finished(self, t_submit: float, t_first: float | None, t_done: float, tokens: int) -> None:
+        if self.muted:
+            return
         self.count("requests_finished")
         self.latency.observe(t_done - t_submit)
         if t_first is not None and tokens > 1:
             self.tpot.observe((t_done - t_first) / (tokens - 1))
+
+    # --- compilation -------------------------------------------------------------------------------
+
+    @property
+    def phase(self) -> str:
+        return "after_ready" if self.ready else "before_ready"
+
+    def compiled(self, program: str) -> None:
+        """One trace of the engine's `program` (from `decode.counted`, on the calling thread)."""
+        self.compiles.labels(program, self.phase).inc()
+
+    def attributed(self, program: str, fn: Callable) -> Callable:
+        """`fn` (one of the engine's jitted programs), its compilations' seconds and cache hits counted as
+        `program`'s: jax reports them on the thread that calls, while the call runs."""
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            with self.calling(program):
+                return fn(*args, **kwargs)
+
+        return call
+
+    @contextlib.contextmanager
+    def calling(self, program: str):
+        outer = getattr(_calling, "program", None)
+        _calling.program = (self, program)
+        try:
+            yield
+        finally:
+            _calling.program = outer
+
+    def startup(self, phase: str, seconds: float) -> None:
+        """What the start's `phase` took (the command line measures them: import, load, engine)."""
+        self.startup_seconds.labels(phase).set(seconds)
+
+    def compile_figures(self) -> dict[tuple[str, str], dict[str, float]]:
+        """{(program, phase): {"compiles", "seconds", "cache_hits"}} of every program compiled so far."""
+        out: dict[tuple[str, str], dict[str, float]] = {}
+        for key, metric in (("compiles", self.compiles), ("seconds", self.compile_seconds),
+                            ("cache_hits", self.cache_hits)):  # fmt: skip
+            for sample in next(iter(metric.collect())).samples:
+                if sample.name.endswith("_total"):
+                    where = (sample.labels["program"], sample.labels["phase"])
+                    out.setdefault(where, {"compiles": 0, "seconds": 0.0, "cache_hits": 0})[key] = sample.value
+        return out
 
     # --- reading ---------------------------------------------------------------------------------
 
@@ -161,3 +241,24 @@ class EngineStats:
         out["time_per_output_token_seconds"] = self.mean("jaxgen_time_per_output_token_seconds")
         out["request_latency_seconds"] = self.mean("jaxgen_request_latency_seconds")
         return out
+
+
+def _on_duration(event: str, seconds: float, **_) -> None:
+    target = getattr(_calling, "program", None)
+    if target is not None and event in COMPILE_EVENTS:
+        stats, program = target
+        stats.compile_seconds.labels(program, stats.phase).inc(seconds)
+
+
+def _on_event(event: str, **_) -> None:
+    target = getattr(_calling, "program", None)
+    if target is not None and event == CACHE_HIT_EVENT:
+        stats, program = target
+        stats.cache_hits.labels(program, stats.phase).inc()
+
+
+@functools.cache
+def _listen_to_jax() -> None:
+    """jax's monitoring listeners, registered once per process (they cost nothing outside an engine's call)."""
+    monitoring.register_event_duration_secs_listener(_on_duration)
+    monitoring.register_event_listener(_on_event)

@@ -1,0 +1,68 @@
+"""The engine's programs compiled at start, before it is ready (issue 45), so that no request waits for one.
+
+    precompile(engine, progress=True)       # before engine.start(): serve.py http does it (serve.precompile)
+
+A program is compiled for each set of static settings and shapes its step is called with; the settings a
+request may ask for are arrays, so what a request reaches is: a prefill chunk of each bucket (16, 32, ... up
+to the bucket of serve.prefill_chunk, as `steps.prefill_inputs` pads them), plain and prompt-scored; the
+draft model's prefill of each bucket; the decode chunk, and the speculative one at each draft window (2, 4,
+8); and the small programs that start and stop a slot. Each is run once here through the engine itself, by
+a tiny request whose prompt (token ids) has that length: the same host code and the same argument types as
+a real request, so exactly the same programs. Not covered: the grammar table's larger sizes (each
+structured constraint's states; the table grows by powers of two) compile the decode programs again when a
+constraint first needs them. The warm-up's requests are not counted in the engine's statistics, and the
+pages they leave in the prefix cache are dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from jaxgen.inference.decode import bucket
+from jaxgen.inference.sampling import SamplingConfig
+
+log = logging.getLogger(__name__)
+WINDOWS = (2, 4, 8)  # speculative.window's draft windows
+
+
+def warm_up_requests(engine) -> list[tuple[list[int], SamplingConfig]]:
+    """(prompt ids, settings) of one request per program a request can reach (see the module docstring)."""
+    cfg, serve = engine.cfg, engine.serve
+    longest = min(serve.prefill_chunk, cfg.max_seq_len - 2)  # a chunk, and room for a token after it
+    sizes, c = [], 16
+    while c < bucket(longest):
+        sizes.append(c)
+        c *= 2
+    sizes.append(min(c, longest))  # the last bucket, reached by the longest chunk
+    plain = SamplingConfig(max_new_tokens=1, temperature=0.0)
+    scored = SamplingConfig(max_new_tokens=1, temperature=0.0, prompt_logprobs=0)
+    todo = [(n, s) for n in sizes for s in (plain, scored)]
+    todo += [(16, SamplingConfig(max_new_tokens=2, temperature=0.0, num_speculative_tokens=w)) for w in WINDOWS]
+    # distinct first tokens: no prompt reuses another's pages (a prefix hit would shorten its chunk)
+    ids = min(cfg.vocab_size - 1, 200)  # ids 1..200: bytes for a byte tokenizer, any model's tokens
+    return [([1 + (i + j) % ids for j in range(n)], s) for i, (n, s) in enumerate(todo)]
+
+
+def precompile(engine, progress: bool = False) -> int:
+    """Runs `warm_up_requests` through `engine` (not started: its thread would run them too) and returns the
+    programs compiled. A request the engine refuses (a pool too small for the longest bucket) is skipped,
+    with a line in the log."""
+    if engine.running:
+        raise RuntimeError("precompile(engine) runs before engine.start()")
+    from tqdm import tqdm
+
+    before = engine.compilations
+    engine.stats.muted = True  # the warm-up is not traffic
+    try:
+        for ids, sampling in tqdm(warm_up_requests(engine), desc="precompile", unit="request", disable=not progress):
+            try:
+                engine.submit(ids, sampling)
+            except ValueError as e:  # SamplingError, PageError
+                log.info("precompile: a %d-token prompt skipped: %s", len(ids), e)
+                continue
+            engine.run_until_idle()
+    finally:
+        engine.stats.muted = False
+    with engine.lock:
+        engine.pool.clear_cache()
+    return engine.compilations - before
