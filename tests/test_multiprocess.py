@@ -407,28 +407,26 @@ def test_data_parallel_batch_job_killed_then_resumed(tiny_run, one_process_job, 
 
 
 def test_generator_and_engine_on_a_mesh_over_two_processes_equal_one_device(tiny_run, one_process_job, tmp_path):
-    """Model parallel: 2 processes x 1 device, tensor=2 over both. Generator (a script) and the engine
-    (serve.py generate with serve.processes=shared) return the tokens of one device."""
+    """Model parallel: 2 processes x 1 device, tensor=2 over both. The engine (serve.py generate with
+    serve.processes=shared) and then Generator, in the same 2 processes (tests/mp_generate.py), return the
+    tokens of one device."""
     from jaxgen.inference.generator import Generator
 
     sys.path.insert(0, str(ROOT / "tests"))
     import mp_generate
 
-    out = tmp_path / "generator.json"
-    subprocess.run(
-        [sys.executable, "launch.py", "-n", "2", "--cpu-devices", "1", "--", sys.executable, "tests/mp_generate.py",
-         str(tiny_run), str(out)], cwd=ROOT, check=True, capture_output=True, timeout=600,
-    )  # fmt: skip
-    got = json.loads(out.read_text())
-    cfg, tokenizer, params = load_run(tiny_run, mesh=make_mesh(MeshConfig(data=1), devices=jax.devices()[:1]))
-    ref = Generator(params, cfg.model, tokenizer).generate(mp_generate.PROMPTS, mp_generate.CONFIGS)
-    assert got["devices"] == 2 and got["tokens"] == [r.tokens for r in ref]
-
     inp, ref_job = one_process_job
     few = tmp_path / "in.jsonl"
     few.write_text("".join(inp.read_text().splitlines(keepends=True)[:6]))  # more than its 4 slots
-    out = tmp_path / "out.jsonl"
-    cmd = [sys.executable, "launch.py", "-n", "2", "--cpu-devices", "1", "--", sys.executable,
-           *serve_args(tiny_run, few, out, "serve.processes=shared", "serve.tensor_parallel=2")]  # fmt: skip
-    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=600)
+    out, generated = tmp_path / "out.jsonl", tmp_path / "generator.json"
+    serve = serve_args(tiny_run, few, out, "serve.processes=shared", "serve.tensor_parallel=2")[1:]  # its arguments
+    subprocess.run(
+        [sys.executable, "launch.py", "-n", "2", "--cpu-devices", "1", "--", sys.executable, "tests/mp_generate.py",
+         str(tiny_run), str(generated), "--", *serve], cwd=ROOT, check=True, capture_output=True, timeout=600,
+    )  # fmt: skip
     assert_same_results(by_id(out), {k: v for k, v in ref_job.items() if k in {f"r{i}" for i in range(6)}})
+
+    got = json.loads(generated.read_text())
+    cfg, tokenizer, params = load_run(tiny_run, mesh=make_mesh(MeshConfig(data=1), devices=jax.devices()[:1]))
+    ref = Generator(params, cfg.model, tokenizer).generate(mp_generate.PROMPTS, mp_generate.CONFIGS)
+    assert got["devices"] == 2 and got["tokens"] == [r.tokens for r in ref]
