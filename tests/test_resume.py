@@ -71,7 +71,10 @@ def _wait_for_steps(run_dir, n, proc, timeout=120):
     raise TimeoutError("training did not reach the step in time")
 
 
-def test_sigterm_saves_and_the_same_command_continues(tmp_path, token_cache):
+def test_sigterm_saves_and_continues_and_kill_9_resumes_from_the_last_checkpoint(tmp_path, token_cache):
+    """One run stopped twice, as a user might stop it: SIGTERM saves a checkpoint at the step it stopped (the
+    only one: checkpoint.every is past the end) and the same command continues from it; killed with SIGKILL
+    later (nothing saved then), the same command resumes from the last periodic checkpoint."""
     run_dir = tmp_path / "run"
     cmd = train_cmd(run_dir, token_cache, "training.steps=400", "checkpoint.every=1000")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -81,22 +84,20 @@ def test_sigterm_saves_and_the_same_command_continues(tmp_path, token_cache):
     stopped_at = records(run_dir)[-1]["step"]
     assert f"SIGTERM: saved a checkpoint at step {stopped_at}" in out, err[-2000:]
     assert stopped_at < 400
-    cont = run(train_cmd(run_dir, token_cache, "training.steps=400", "training.steps_per_run=2"))
-    assert f"from step {stopped_at}" in cont.stdout
-    assert [r["step"] for r in records(run_dir)][-2:] == [stopped_at + 1, stopped_at + 2]
 
-
-def test_kill_9_resumes_from_the_last_checkpoint(tmp_path, token_cache):
-    run_dir = tmp_path / "run"
+    # the same command, with checkpoints every 5 steps from now on (checkpoint.every may change on resuming)
     cmd = train_cmd(run_dir, token_cache, "training.steps=400", "checkpoint.every=5")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for_steps(run_dir, 12, proc)
+    _wait_for_steps(run_dir, stopped_at + 12, proc)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
+    steps = [r["step"] for r in records(run_dir)]
+    assert steps[: stopped_at + 12] == list(range(1, stopped_at + 13))  # continued from the SIGTERM's step
     saved = max(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
-    assert saved >= 5 and saved % 5 == 0
+    assert saved > stopped_at and saved % 5 == 0
     cont = run(train_cmd(run_dir, token_cache, "training.steps=400", "training.steps_per_run=1"))
     assert f"from step {saved}" in cont.stdout
+    assert [r["step"] for r in records(run_dir)][-1] == saved + 1
 
 
 def _finished_steps(run_dir) -> list[int]:

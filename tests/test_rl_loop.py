@@ -40,6 +40,7 @@ LEARN = [
 ROWS = 16 * 8  # rollouts a step (rl.prompts_per_step x rl.group_size)
 # the kill -9 test's child stops itself mid-run in its reward: the task's exact match, paused (tests/rl_pause.py)
 PAUSING = ["rl.reward=tests.rl_pause:exact_match_pausing"]
+RESUMED = 4  # steps the killed run is resumed for
 
 
 def config(token_cache, *overrides):
@@ -128,9 +129,10 @@ def _reap(child) -> int:
 
 def test_a_run_killed_with_sigkill_resumes_to_the_parameters_of_a_run_never_killed(tmp_path, uninterrupted, overrides):
     """rl.py killed with SIGKILL mid-run (its reward stops it in step 6, after the checkpoints of steps 2 and 4
-    were started; the test waits for one to be finished), then the same command to the end: the uninterrupted
-    run's parameters, bitwise, and its rewards step for step (prompts, seeds and the reference are functions of
-    the step). The child's peak memory stays small (the engine's page pool is sized to the rollouts)."""
+    were started; the test waits for one to be finished), then the same command for RESUMED more steps: the
+    uninterrupted run's parameters at that step (every checkpoint of it is kept), bitwise, and its rewards step
+    for step (prompts, seeds and the reference are functions of the step). The child's peak memory stays small
+    (the engine's page pool is sized to the rollouts)."""
     _, never = uninterrupted
     run_dir, overrides = tmp_path / "killed", [*overrides, *PAUSING]
     with open(tmp_path / "killed.log", "w") as log:
@@ -145,19 +147,22 @@ def test_a_run_killed_with_sigkill_resumes_to_the_parameters_of_a_run_never_kill
             if child.poll() is None:
                 os.kill(child.pid, signal.SIGKILL)
                 assert _reap(child) == -signal.SIGKILL
-    assert max(_finished_steps(run_dir)) <= 4  # killed before step 6's checkpoint
-    peak_file = tmp_path / "peak_kb"
+    saved = max(_finished_steps(run_dir))
+    assert saved <= 4  # killed before step 6's checkpoint
+    peak_file, end = tmp_path / "peak_kb", saved + RESUMED
     with open(tmp_path / "resumed.log", "w") as log:
-        status = _reap(_rl_py(run_dir, overrides, log, JAXGEN_TEST_PEAK_FILE=str(peak_file)))
+        resumed = [*overrides, f"training.steps_per_run={RESUMED}"]  # the rest would only repeat these steps
+        status = _reap(_rl_py(run_dir, resumed, log, JAXGEN_TEST_PEAK_FILE=str(peak_file)))
     out = (tmp_path / "resumed.log").read_text()
-    assert status == 0 and "resuming" in out and f"step {STEPS}:" in out, out[-3000:]
+    assert status == 0 and f"from step {saved}" in out and f"step {end}:" in out, out[-3000:]
     peak = int(peak_file.read_text()) * 1024  # at its last step's rewards (measured alone: 0.86 GB)
     assert peak < 3 * 2**30, f"rl.py peaked at {peak / 2**30:.1f} GiB"
-    a, b = (_final_params(run) for run in (run_dir, never))
+    assert max(_finished_steps(run_dir)) == end
+    a, b = _final_params(run_dir), _final_params(never, step=end)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(x, y)
     by_step = {run: {r["step"]: r["reward"] for r in read_metrics(run)} for run in (run_dir, never)}
-    assert by_step[run_dir] == by_step[never]
+    assert by_step[run_dir] == {s: r for s, r in by_step[never].items() if s <= end}
 
 
 def test_two_processes_run_rl_like_one(tmp_path, uninterrupted, overrides):
