@@ -125,7 +125,10 @@ def _splash_equals_dense(heads):
         _compare(fn, cfg, q, k, v, pos, seg, window, w, tol=2e-5)
 
 
-def test_choose_picks_per_backend_and_says_why_it_falls_back(caplog):
+def test_choose_picks_per_backend_and_says_why_it_falls_back(caplog, monkeypatch):
+    from jaxgen.model.kernels import cudnn
+
+    monkeypatch.setattr(cudnn, "_cudnn_installed", lambda: True)  # as on a GPU machine (this one has no cuDNN)
     cfg = ModelConfig()
     assert kernels.choose(cfg, "cpu") == "blockwise"
     assert kernels.choose(cfg, "tpu") == "splash"

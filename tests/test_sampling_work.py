@@ -54,7 +54,8 @@ def test_a_row_asking_changes_no_other_row_and_nothing_recompiles(engine, gen, a
     mixed = engine.generate(PROMPTS, [PLAIN, PLAIN, PLAIN, asking])  # the last row asks
     assert engine.compilations == compiled  # settings are values: the same programs ran
     for a, b in zip(plain[:3], mixed[:3], strict=True):
-        assert a.tokens == b.tokens and a.logprobs == b.logprobs
+        assert a.tokens == b.tokens  # the same tokens; log-probabilities to float32 rounding (the batch's
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-6, atol=1e-6)  # fusion may change the last bit)
     ref = gen.generate([PROMPTS[3]], asking)[0]
     got = mixed[3]
     assert got.tokens == ref.tokens  # penalties applied from counts kept up to date
