@@ -166,12 +166,13 @@ def test_a_run_killed_with_sigkill_resumes_to_the_parameters_of_a_run_never_kill
 
 
 def test_two_processes_run_rl_like_one(tmp_path, uninterrupted, overrides):
-    """rl.py as 2 processes x 4 CPU devices over a (2, 2, 2) mesh, for its first 4 steps (training.steps_per_run):
+    """rl.py as 2 processes x 4 CPU devices over a (2, 2, 2) mesh, for its first 2 steps (training.steps_per_run):
     each process generates and rewards its half of a step's prompts on its own engine. The rewards step for step,
-    the losses and the parameters at step 4 are the one-device run's (to float32 rounding: the sums over devices
+    the losses and the parameters at step 2 are the one-device run's (to float32 rounding: the sums over devices
     and processes run in another order)."""
     cfg, one = uninterrupted
-    run_dir, first = tmp_path / "two", 4
+    # 2 steps: AdamW's sign flips (below) can change a few rollouts from step 3 on, and then the runs part
+    run_dir, first = tmp_path / "two", 2
     cmd = [sys.executable, "launch.py", "-n", "2", "--cpu-devices", "4", "--", sys.executable, "rl.py", "--run-dir",
            str(run_dir), "--no-progress", *overrides, *MESH, f"training.steps_per_run={first}"]  # fmt: skip
     with open(tmp_path / "two.log", "w") as log:
@@ -180,12 +181,9 @@ def test_two_processes_run_rl_like_one(tmp_path, uninterrupted, overrides):
     assert status == 0 and "process 1 of 2" in out, out[-3000:]
     ref, two = read_metrics(one)[:first], read_metrics(run_dir)
     assert [r["step"] for r in two] == list(range(1, first + 1))  # one line a step: process 0 writes metrics
-    # the same samples while the weights are the same to the bit; from the step after AdamW's sign flips
-    # (below) a few rollouts may differ: the rewards then agree to a few samples of 128
-    assert [r["reward"] for r in two][:2] == [r["reward"] for r in ref][:2]
-    np.testing.assert_allclose([r["reward"] for r in two], [r["reward"] for r in ref], atol=4 / 128)
+    assert [r["reward"] for r in two] == [r["reward"] for r in ref]  # the same samples
     for k in ("loss", "grad_norm", "entropy"):
-        np.testing.assert_allclose([r[k] for r in two][:2], [r[k] for r in ref][:2], rtol=1e-4, atol=1e-6, err_msg=k)
+        np.testing.assert_allclose([r[k] for r in two], [r[k] for r in ref], rtol=1e-4, atol=1e-6, err_msg=k)
     # AdamW turns a gradient near zero whose last bits differ into a step of either sign, of up to the learning
     # rate: all but a few weights agree to rounding, and none is further apart than those steps can take it
     a, b = (
