@@ -438,6 +438,8 @@ def by_depth(compile_at, model_cfg) -> list[Program]:
     gathered weights). A model no deeper than the second depth is compiled as it is. Assumes layers alike
     in memory (MoE or local/global patterns: the first layers' kinds). Tested: equal to the full compile
     of a 4-layer model to 1% (tests/test_plan_prefill.py)."""
+    from jaxgen.targets.roofline import along
+
     depth = model_cfg.num_layers
     if depth <= PROBE_DEPTHS[-1]:
         return compile_at(model_cfg)
@@ -452,18 +454,9 @@ def by_depth(compile_at, model_cfg) -> list[Program]:
             continue
         fields = {f: line(getattr(lo, f), getattr(hi, f)) for f in ("temporaries", "arguments", "outputs")}
         if lo.costs is not None:
-            fields["costs"] = _line_costs(lo.costs, hi.costs, line)
+            fields["costs"] = along(lo.costs, hi.costs, line)
         out.append(dataclasses.replace(lo, parts=parts, **fields))
     return out
-
-
-def _line_costs(lo, hi, line):
-    from jaxgen.targets.roofline import Costs
-
-    kinds = set(lo.collectives) | set(hi.collectives)
-    pick = lambda c, k: c.collectives.get(k, 0.0)
-    collectives = {k: line(pick(lo, k), pick(hi, k)) for k in kinds}
-    return Costs(line(lo.flops, hi.flops), line(lo.bytes, hi.bytes), collectives, hi.kernels)
 
 
 def _plannable_model(model_cfg, mesh=None, on=None):

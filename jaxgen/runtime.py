@@ -48,5 +48,10 @@ def quiet_libtpu_off_tpu() -> None:
 
     if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") or importlib.util.find_spec("libtpu") is None:
         return
+    assume_no_tpu_vm()
+
+
+def assume_no_tpu_vm() -> None:
+    """`NO_TPU_VM`'s defaults in the environment (where a variable is unset), before libtpu loads."""
     for name, value in NO_TPU_VM.items():
         os.environ.setdefault(name, value)

@@ -3,6 +3,7 @@ without any compiler; with libtpu (the test extra), small programs compiled by t
 v5e 2x2 slice, their memory and counts checked against what the shapes say."""
 
 import dataclasses
+import math
 import re
 
 import jax
@@ -33,7 +34,7 @@ def test_unknown_targets_meshes_and_missing_compilers_are_refused_in_one_line(mo
 def test_every_target_is_laid_out_as_its_chips():
     for target in catalog.TARGETS.values():
         dims = [int(n) for n in target.topology.split(":")[-1].split("x")]
-        assert dims and target.chips == __import__("math").prod(dims), target.name
+        assert dims and target.chips == math.prod(dims), target.name
     assert catalog.get("tpu-v5p-8").chips == 4  # v5p slices count TensorCores, two a chip
     assert catalog.get("h200x8x4").chips == 32
 

@@ -15,11 +15,10 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import math
-import os
 
 import jax
 
-from jaxgen.runtime import NO_TPU_VM
+from jaxgen.runtime import assume_no_tpu_vm
 from jaxgen.targets.catalog import CPU, Target
 
 INSTALL = {
@@ -46,8 +45,7 @@ def compile_devices(target: Target) -> list:
     from jax.experimental import topologies
 
     if target.platform == "tpu":
-        for name, value in NO_TPU_VM.items():  # compile-only: no TPU VM to look for
-            os.environ.setdefault(name, value)
+        assume_no_tpu_vm()  # compile-only: no TPU VM to look for
         desc = topologies.get_topology_desc(target.topology, "tpu")
     else:
         desc = topologies.get_topology_desc(platform="cuda", target_config=target.spec_text(), topology=target.topology)

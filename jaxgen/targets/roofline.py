@@ -101,14 +101,15 @@ def _group_size(line: str) -> int:
 
 def along_depth(one: Costs, two: Costs, depth: int) -> Costs:
     """The counts of a `depth`-layer program from those at 1 and 2 layers (layers alike)."""
-    step = lambda a, b: a + (b - a) * (depth - 1)
-    kinds = set(one.collectives) | set(two.collectives)
-    return Costs(
-        step(one.flops, two.flops),
-        step(one.bytes, two.bytes),
-        {k: step(one.collectives.get(k, 0.0), two.collectives.get(k, 0.0)) for k in kinds},
-        two.kernels,
-    )
+    return along(one, two, lambda a, b: a + (b - a) * (depth - 1))
+
+
+def along(lo: Costs, hi: Costs, line) -> Costs:
+    """Every count of `lo` and `hi` (two depths) taken along `line(lo_value, hi_value)`; kernels as `hi`'s."""
+    kinds = set(lo.collectives) | set(hi.collectives)
+    pick = lambda c, k: c.collectives.get(k, 0.0)
+    collectives = {k: line(pick(lo, k), pick(hi, k)) for k in kinds}
+    return Costs(line(lo.flops, hi.flops), line(lo.bytes, hi.bytes), collectives, hi.kernels)
 
 
 @dataclasses.dataclass(frozen=True)
