@@ -207,13 +207,13 @@ def test_a_failed_device_step_fails_only_the_requests_in_flight_and_the_engine_g
     ]
     real_chunk, calls = engine._chunk, []
 
-    def failing_once(params, state, limit, cfg):
+    def failing_once(params, state, limit, retire, cfg):
         calls.append(1)
         if len(calls) == 1:
             for x in jax.tree.leaves(state):  # as a failed donated call leaves it: the device state is gone
                 x.delete()
             raise RuntimeError("device lost")
-        return real_chunk(params, state, limit, cfg=cfg)
+        return real_chunk(params, state, limit, retire, cfg=cfg)
 
     monkeypatch.setattr(engine, "_chunk", failing_once)
     engine.run_until_idle()
@@ -336,12 +336,11 @@ def test_a_request_for_the_whole_context_holds_only_the_pages_it_uses(engine):
     """max_new_tokens up to the context: pages for the prompt and one decode chunk, then page by page."""
     z, steps = SERVE.page_size, SERVE.chunk_steps
     (r,) = engine.submit(list(range(30, 50)), SamplingConfig(max_new_tokens=2**31 - 1, ignore_eos=True))
-    engine.step()  # the 20-token prompt prefills, then one chunk of 4 tokens decodes
-    assert r.status == "running" and len(r.tokens) == steps
-    assert len(r.pages) == 2  # 24 tokens: 2 pages, not the 16 of the whole context
+    engine.step()  # the 20-token prompt prefills, then one chunk of 4 tokens decodes (its tokens: next step)
+    assert r.status == "running" and len(r.pages) == 2  # 24 tokens: 2 pages, not the 16 of the whole context
     while len(r.tokens) < 60:
-        engine.step()
-        assert len(r.pages) == -(-(20 + len(r.tokens)) // z)  # room for what it has generated, no more
+        engine.step()  # room for what it has, the chunk in flight and the next (serve.overlap), no more
+        assert -(-(20 + len(r.tokens)) // z) <= len(r.pages) <= -(-(20 + len(r.tokens) + 2 * steps) // z)
     engine.cancel(r)
     engine.step()
     assert engine.pool.in_use() == 0 and engine.idle()
@@ -416,3 +415,32 @@ def test_engine_on_a_data_and_tensor_mesh_equals_one_device(params, engine):
         _same(a, b)
     k = sharded.state.cache.k  # (K, L, Q, Z, H): each device holds its kv head of every page
     assert k.sharding.shard_shape(k.shape)[0] == CFG.num_kv_heads // 2 and len(k.devices()) == 4
+
+
+def test_a_step_prefills_every_admitted_prompt_in_one_call_and_the_lag_changes_no_token(params, gen, monkeypatch):
+    """With a token budget for them all, the first step admits 8 prompts and prefills them in one call (rows
+    of the call: `scheduler.call_shape`); with and without the one-chunk lag of `serve.overlap` (the host takes
+    a chunk's tokens while the next runs) every request ends as the Generator's, stop strings and early
+    stops included (preemption under the lag: the page-exhaustion tests, which run with it)."""
+    prompts, configs = _workload(24, seed=5)
+    configs[3] = dataclasses.replace(configs[3], stop=["a"], max_new_tokens=30)  # a stop string, found a chunk late
+    wants = gen.generate(prompts, configs)
+    for overlap in (True, False):
+        serve = dataclasses.replace(SERVE, prefill_chunk=2048, overlap=overlap)
+        engine = Engine(params, CFG, Tokenizer.byte_level(), serve)
+        calls = []
+        real = engine._admit_rows
+
+        def counted(*args, _real=real, calls=calls, **kwargs):
+            calls.append(int((args[3].positions >= 0).any(axis=1).sum()))  # chunks in the call
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(engine, "_admit_rows", counted)
+        requests = [r for i, (p, c) in enumerate(zip(prompts, configs, strict=True))
+                    for r in engine.submit(p, c, prompt_index=i)]  # fmt: skip
+        engine.step()
+        assert calls == [8], (overlap, calls)
+        engine.run_until_idle()
+        for r, want in zip(requests, wants, strict=True):
+            _same(r.result(), want)
+        assert engine.pool.in_use() == 0 and engine.idle()

@@ -182,3 +182,32 @@ def test_cancel_of_a_waiting_or_running_request_frees_its_slot_and_pages():
     assert running.pages == [] and s.slots == [None] and s.policy.pool.in_use() == 0 and s.idle()
     assert running.status == waiting.status == Status.CANCELLED
     assert s.policy.tables.take_changes()[1].tolist() == [0]  # the slot's table row cleared
+
+
+def test_the_pools_count_of_available_pages_follows_every_change():
+    """`PagePool.available` keeps a count of idle cached pages instead of walking them: after every change of a
+    random sequence of allocations, releases, evictions and forgets it equals the walked count."""
+    import random
+
+    from jaxgen.inference.pages import PagePool, PagesExhausted
+
+    rng, pool, held = random.Random(0), PagePool(24, Z), []
+    prompts = [[rng.randrange(4) for _ in range(rng.randrange(1, 20))] for _ in range(8)]  # shared prefixes
+    for _ in range(400):
+        op = rng.random()
+        try:
+            if op < 0.45:
+                p = rng.choice(prompts)
+                pages, _ = pool.allocate(p, len(p) + rng.randrange(8))
+                pool.register_prompt(p, pages)
+                held.append(pages)
+            elif op < 0.85 and held:
+                pool.release(held.pop(rng.randrange(len(held))))
+            elif op < 0.95 and held:
+                pool.forget(rng.choice(held)[:1])
+            else:
+                pool.clear_cache()
+        except PagesExhausted:
+            pass
+        walked = len(pool.free) + sum(1 for p in pool.cached.values() if pool.refs[p] == 0)
+        assert pool.available() == walked

@@ -210,16 +210,16 @@ def test_compilations_after_ready_are_named_in_metrics(stack):
     counts add up to the engine's own trace counter."""
     client, url, engine, _ = stack
     assert _compiles(url)[("init_state", "before_ready")] == 1
-    engine._prefill.jitted.clear_cache()  # prefill_chunk is then new to jax, whatever ran before (precompile)
+    engine._admit_rows.jitted.clear_cache()  # admit_rows is then new to jax, whatever ran before (precompile)
     before = _compiles(url)
     client.completions.create(model=NAME, prompt="compile me", max_tokens=2, temperature=0)
     after = _compiles(url)
-    assert after.get(("prefill_chunk", "after_ready"), 0) - before.get(("prefill_chunk", "after_ready"), 0) == 1
+    assert after.get(("admit_rows", "after_ready"), 0) - before.get(("admit_rows", "after_ready"), 0) == 1
     client.completions.create(model=NAME, prompt="compile me", max_tokens=2, temperature=0)
     assert _compiles(url) == after  # a shape seen before: nothing compiles
     assert sum(after.values()) == engine.compilations
     text = httpx.get(f"{url}/metrics").text
-    assert 'jaxgen_compile_seconds_total{phase="after_ready",program="prefill_chunk"}' in text
+    assert 'jaxgen_compile_seconds_total{phase="after_ready",program="admit_rows"}' in text
 
 
 def _compiles(url) -> dict[tuple[str, str], float]:
@@ -382,13 +382,13 @@ def test_a_failed_engine_step_ends_every_stream_and_the_server_goes_on(stack, mo
     _, url, engine, gen = stack
     real_chunk, calls = engine._chunk, []
 
-    def failing_once(params, state, limit, cfg):
+    def failing_once(params, state, limit, retire, cfg):
         calls.append(1)
         if len(calls) == 1:
             for x in jax.tree.leaves(state):  # what a failed donated call leaves behind
                 x.delete()
             raise RuntimeError("device lost")
-        return real_chunk(params, state, limit, cfg=cfg)
+        return real_chunk(params, state, limit, retire, cfg=cfg)
 
     body = {"prompt": "abc", "max_tokens": 30, "ignore_eos": True}
     with concurrent.futures.ThreadPoolExecutor(2) as pool, held(engine):  # held released first

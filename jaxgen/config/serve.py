@@ -27,7 +27,12 @@ class ServeConfig:
     kv_memory_gb: float = 1.0  # the page pool's size; pages = this / bytes of one page (all layers)
     num_pages: int = 0  # an exact page count instead of kv_memory_gb (tests); 0 = from the budget
     chunk_steps: int = 8  # decode steps per jitted chunk, between scheduling decisions
-    prefill_chunk: int = 256  # prompt tokens per prefill call: longer prompts interleave with decoding
+    # prompt tokens prefilled per step (vLLM's max_num_batched_tokens), in one call: a step admits many short
+    # prompts at once, and a longer prompt runs in chunks between decode chunks
+    prefill_chunk: int = 16384
+    # dispatch each decode chunk before taking the last one's results (one chunk of lag), so that the host's
+    # work overlaps the device's
+    overlap: bool = True
     max_logprobs: int = 5  # the most top alternatives a request may ask for
     prefix_caching: bool = True  # share the pages of prompt prefixes already in the cache
     # serve.py http: every program a request can reach compiled before /health is ok (`jaxgen.inference.precompile`)

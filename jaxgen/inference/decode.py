@@ -105,9 +105,12 @@ class HostRows:
     step: np.ndarray  # () int32
 
     @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
     def of(cls, s: DecodeState) -> HostRows:
-        fields = [f.name for f in dataclasses.fields(cls)]
-        return cls(*jax.device_get(tuple(getattr(s, name) for name in fields)))
+        return cls(*jax.device_get(tuple(getattr(s, name) for name in cls.names())))
 
     def alternatives(self, row: int, start: int, stop: int, a: int) -> list[dict[int, float]]:
         """Top-`a` {token id: logprob} of columns [start, stop) of `row`."""
@@ -129,17 +132,24 @@ def row_history(prompt: list[int], tokens: list[int], stops, width: int, vocab: 
     when it was preempted), as if it had decoded without a break: its stop sequences (MAX_STOPS, width)
     right-aligned and -1 padded, its last `width` tokens (width,) (-1 before any), the tokens it has
     seen (V,) bool and the output's counts (V,) int32. The Generator and the engine build rows with it."""
-    stop_seqs = np.full((MAX_STOPS, width), -1, np.int32)
-    for j, seq in enumerate(stops):
-        stop_seqs[j, width - len(seq) :] = seq
-    recent = np.full(width, -1, np.int32)
-    last = tokens[-width:]
-    recent[width - len(last) :] = last
+    stop_seqs, recent = stop_window(tokens, stops, width)
     seen = np.zeros(vocab, bool)
     seen[prompt] = True
     seen[tokens] = True
     counts = np.bincount(np.asarray(tokens, np.int64), minlength=vocab).astype(np.int32)
     return stop_seqs, recent, seen, counts
+
+
+def stop_window(tokens: list[int], stops, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """A row's stop sequences (MAX_STOPS, width), right-aligned and -1 padded, and its last `width` generated
+    tokens (width,) (-1 before any): what the device's stop check reads."""
+    stop_seqs = np.full((MAX_STOPS, width), -1, np.int32)
+    for j, seq in enumerate(stops):
+        stop_seqs[j, width - len(seq) :] = seq
+    recent = np.full(width, -1, np.int32)
+    last = tokens[-width:] if tokens else []
+    recent[width - len(last) :] = last
+    return stop_seqs, recent
 
 
 def padded(seqs, rows: int, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -24,6 +24,7 @@ lora=name)` runs a request with it, and rows with different adapters share every
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -44,7 +45,7 @@ from jaxgen.inference.decode import Completion, HostRows
 from jaxgen.inference.pages import PagePolicy, PagePool
 from jaxgen.inference.requests import LIVE, EngineClosed, Request, RequestFailed, Status, check_limits
 from jaxgen.inference.sampling import SamplingConfig, check_prompt, per_prompt
-from jaxgen.inference.scheduler import PrefillChunk, Scheduler, StepOutput, StepPlan, Tables
+from jaxgen.inference.scheduler import PrefillChunk, Scheduler, StepOutput, StepPlan, Tables, call_shape
 from jaxgen.inference.stats import EngineStats
 from jaxgen.model import lora
 from jaxgen.sharding import with_mesh
@@ -80,7 +81,8 @@ class Engine:
         if draft is not None:
             self.draft_params = model.decode_params(draft[0], serve.slots)
         num_pages, z = steps.pool_pages(cfg, serve, self.draft_cfg), serve.page_size
-        policy = PagePolicy(num_pages, z, serve.slots, cfg.max_seq_len, serve.chunk_steps, serve.prefix_caching)
+        ahead = 2 if serve.overlap else 1  # chunks a sequence may run before the host hears of them
+        policy = PagePolicy(num_pages, z, serve.slots, cfg.max_seq_len, serve.chunk_steps, serve.prefix_caching, ahead)
         self.scheduler, self.max_pages = Scheduler(policy, serve.prefill_chunk), policy.max_pages
         self.compilations = 0
         self.grammars = grammar.GrammarPool(cfg.vocab_size)  # the slots' constraints (the device has a copy)
@@ -96,6 +98,9 @@ class Engine:
         init_spec = self._jit(steps.init_spec, mesh, static=(0, 1, 2, 3, 4))
         self._new_spec = lambda: init_spec(cfg, serve, self.draft_cfg, num_pages, self.max_pages)
         self.spec = self._new_spec()  # speculative decoding's per-slot state (and the draft model's pool)
+        self.retiring = np.zeros(serve.slots, bool)  # slots to stop, sent with the next call that changes rows
+        self._compile_row_programs()
+        self._in_flight = None  # serve.overlap: (outputs, sequences) of the decode chunk whose results wait
         self.lock = threading.Lock()  # guards the scheduler (submit and cancel come from other threads)
         self.wake = threading.Condition(self.lock)
         self._thread, self._stop = None, False  # the background thread, if started
@@ -104,6 +109,16 @@ class Engine:
         self._exclusive = threading.RLock()  # held by step(); update_params, sleep, wake_up run between steps
         for module in serve.lora_modules:  # "NAME=FOLDER"
             self.load_lora_folder(*module.split("=", 1))
+
+    def _compile_row_programs(self) -> None:
+        """Compiles the two small per-request programs only some requests reach (penalties or a bias, speculation)
+        by running them on slot 0, idle, with what an idle slot holds: a request asking for them compiles
+        nothing (test_sampling_work)."""
+        v = self.cfg.vocab_size
+        self.state = self._set_wide(self.state, np.int32(0), np.zeros(v, bool), np.zeros(v, np.int32),
+                                    np.zeros(v, np.float32))  # fmt: skip
+        history = steps.spec_history(self.max_pages * self.serve.page_size, [0])
+        self.spec = self._activate_spec(self.spec, np.int32(0), *history, np.int32(0))
 
     @property
     def pool(self) -> PagePool:
@@ -133,13 +148,11 @@ class Engine:
         def jit(fn, donate=0, static=()):
             return self._jit(fn, mesh, donate, (static,) if isinstance(static, str) else static)
 
-        self._set_tables, self._activate = jit(steps.set_tables), jit(steps.activate)
-        self._retire, self._activate_spec = jit(steps.retire), jit(steps.activate_spec)
-        self._set_grammar = jit(steps.set_grammar_table)
-        self._prefill, self._chunk = jit(steps.prefill_chunk, 1, "cfg"), jit(steps.decode_chunk, 1, "cfg")
-        self._prefill_scored = jit(steps.prefill_chunk_scored, 1, ("cfg", "top"))
+        self._set_tables, self._activate_spec = jit(steps.set_tables), jit(steps.activate_spec)
+        self._set_grammar, self._set_wide = jit(steps.set_grammar_table), jit(steps.set_wide)
+        self._admit_rows = jit(steps.admit_rows, (1, 2), ("cfg", "top", "draft_cfg"))
+        self._chunk = jit(steps.decode_chunk, 1, "cfg")
         self._spec_chunk = jit(steps.decode_chunk_speculative, (1, 2), ("cfg", "w", "draft_cfg"))
-        self._prefill_draft = jit(steps.prefill_draft_chunk, 1, "draft_cfg")
         self._write_slot = jit(lora.write_slot)  # the bank donated: a slot is written in place
 
     # --- requests ----------------------------------------------------------------------------------
@@ -340,6 +353,7 @@ class Engine:
     def _preempt_all(self) -> None:
         """Every sequence in a slot back to the queue (recomputed later, its tokens kept); the prefix cache
         emptied. The caller holds `_exclusive`."""
+        self._in_flight = None  # its tokens were not emitted yet: they are recomputed (on the new weights)
         with self.lock:
             preemptions = self.scheduler.preempt_all()
             self.pool.clear_cache()  # every page is idle now: none stays cached
@@ -370,6 +384,7 @@ class Engine:
             if not self.asleep:
                 return
             self.state, self.spec = self._new_state(), self._new_spec()
+            self.retiring[:] = False
             self.grammars = grammar.GrammarPool(self.cfg.vocab_size)  # the device's table is empty again
             self.scheduler.policy.tables.changed = True
             self.asleep = False
@@ -379,6 +394,8 @@ class Engine:
     # --- the thread --------------------------------------------------------------------------------
 
     def idle(self) -> bool:
+        """No request queued or in a slot (the results of a chunk still in flight, if any, belong to sequences
+        that ended: a sequence ends only once its last chunk's results are taken)."""
         return self.scheduler.idle()
 
     def queue_length(self) -> int:
@@ -425,6 +442,8 @@ class Engine:
             self.scheduler.fail_all(reason)
             self.wake.notify()
         if not self.running:  # no thread to end them: end them here
+            with self._exclusive:
+                self._settle()
             self._drop_ended()
 
     def _serve_forever(self) -> None:
@@ -465,6 +484,8 @@ class Engine:
             self._retire_preempted(plan)
             if prefilled and plan.decode:
                 self._decode_chunk(plan)
+            else:
+                self._settle()
         except Exception as e:
             self._failed_step(None, "decode", e)
         self._drop_ended()
@@ -479,18 +500,30 @@ class Engine:
         if tables is not None:
             self.state = self._set_tables(self.state, *tables)
 
+    def _take_retiring(self) -> np.ndarray:
+        """The slots to stop (B,) bool, sent with the call about to run, and none pending after it."""
+        retiring, self.retiring = self.retiring, np.zeros_like(self.retiring)
+        return retiring
+
     def _run_prefills(self, plan: StepPlan) -> bool:
-        """The plan's prefill chunks, in order; False when one failed (those after it do not run)."""
+        """The plan's prefill chunks: each prompt-scored one in a call of its own, then all the others in one call
+        (a chunk may read prefix pages registered by one before it in the plan: the scored ones never read the
+        prefix cache, and within a call each layer writes before it reads). False when a call failed (its
+        chunks and those after it do not count as run)."""
         ran: list[PrefillChunk] = []
+        scored = [c for c in plan.prefills if c.request.wants_prompt_scores]
+        plain = [c for c in plan.prefills if not c.request.wants_prompt_scores]
+        calls = [[c] for c in scored] + ([plain] if plain else [])
         try:
             self._push_tables(plan.prefill_tables)
-            for c in plan.prefills:
-                self._prefill_chunk(c)
-                ran.append(c)
+            for call in calls:
+                self._prefill_call(call)
+                ran.extend(call)
         except Exception as e:
-            failed = plan.prefills[len(ran)] if len(ran) < len(plan.prefills) else None
+            rest = [c for c in plan.prefills if not any(c is d for d in ran)]
+            failed = rest[0] if rest else None
             with self.lock:
-                self.scheduler.update(StepOutput(tuple(ran), failed, plan.prefills[len(ran) + 1 :]))
+                self.scheduler.update(StepOutput(tuple(ran), failed, tuple(rest[1:])))
             self._failed_step(failed.request if failed else None, "prefill", e)
             return False
         with self.lock:
@@ -500,73 +533,115 @@ class Engine:
                 self._finish(c.request, "length")
         return True
 
-    def _prefill_chunk(self, c: PrefillChunk) -> None:
-        r = c.request
-        if c.took_pages:
-            self.stats.prefix_lookup(c.looked_up, c.hits)
-        tokens, positions, targets = steps.prefill_inputs(r.sequence, c.start, c.length)
-        args = (self.params, self.state, c.slot, tokens, positions, c.length - 1)
-        adapter = self._adapter_of(r)
-        if r.wants_prompt_scores:
-            self.state, logits, scores = self._prefill_scored(
-                *args, targets, cfg=self.cfg, top=self.serve.max_logprobs, adapter=adapter
-            )
-            r.take_prompt_scores(jax.device_get(scores), c.start, c.length)
-        else:
-            self.state, logits = self._prefill(*args, cfg=self.cfg, adapter=adapter)
-        if self.draft_cfg is not None:  # every sequence: a prefix page may later serve one that speculates
-            self.spec = self._prefill_draft(
-                self.draft_params, self.spec, self.state.cache, c.slot, tokens, positions, draft_cfg=self.draft_cfg
-            )
-        self.stats.prefilled(c.length, recomputed=c.recompute)
-        if c.last and r.sampling.max_new_tokens > 0:
-            self._activate_slot(r, c.slot, logits)
-
-    def _activate_slot(self, r: Request, slot: int, logits) -> None:
-        """The slot's decode row from the prompt and the tokens so far (none, or those kept by a preemption)."""
-        automaton = self.automaton(r.sampling)
-        offset = self.grammars.assign(slot, automaton)
+    def _prefill_call(self, chunks: list[PrefillChunk]) -> None:
+        """One call of `steps.admit_rows`: the chunks' tokens into their slots' pages, the slots whose prefill they
+        complete started (their constraint, speculation and vocabulary-wide state set up beside it)."""
+        rows, columns = call_shape([c.length for c in chunks], self.serve.slots)
+        admitted = [self._admitted(c) for c in chunks]
+        packed = steps.pack_rows(admitted, rows, columns, self.cfg, bool(self.serve.max_loras))
         if self.grammars.changed:
             self.state = self._set_grammar(self.state, self.grammars.table)
             self.grammars.changed = False
-        start = 0 if automaton is None else offset + automaton.walk(r.tokens)  # where a preempted row was
-        row = steps.slot_row(logits, r.prompt, r.tokens, r.sampling, self._stops(r.sampling), self.cfg, start)
-        row = row.replace(adapter=self._adapter_of(r))
-        self.state = self._activate(self.state, slot, row)
-        n = np.int32(r.sampling.num_speculative_tokens)  # a slot with 0 drafts never reads its history
-        history = steps.spec_history(self.max_pages * self.serve.page_size, r.sequence)
-        self.spec = self._activate_spec(self.spec, slot, *history, n)
+        args = (self.params, self.state, self.spec, packed, self._take_retiring())
+        options = dict(cfg=self.cfg, draft_params=self.draft_params, draft_cfg=self.draft_cfg)
+        r = chunks[0].request
+        if r.wants_prompt_scores:  # one chunk: its tokens' next tokens scored
+            c = chunks[0]
+            targets = np.zeros((1, columns), np.int32)
+            nxt = r.sequence[c.start + 1 : c.start + c.length + 1]
+            targets[0, : len(nxt)] = nxt
+            self.state, self.spec, scores = self._admit_rows(
+                *args, targets=targets, top=self.serve.max_logprobs, **options
+            )
+            r.take_prompt_scores(jax.device_get(scores), c.start, c.length)
+        else:
+            self.state, self.spec = self._admit_rows(*args, **options)
+        for c, a in zip(chunks, admitted, strict=True):
+            if c.took_pages:
+                self.stats.prefix_lookup(c.looked_up, c.hits)
+            self.stats.prefilled(c.length, recomputed=c.recompute)
+            if a.activate:
+                self._started(c.request, c.slot)
 
-    def _adapter_of(self, r: Request):
-        """The request's slot in the LoRA bank as a device argument (0: none); None when the engine has no bank."""
-        if not self.serve.max_loras:
-            return None
-        return np.int32(0 if r.lora is None else r.lora.slot)
+    def compile_prefill(self, rows: int, columns: int) -> None:
+        """Compiles the prefill call of `rows` x `columns` (`jaxgen.inference.precompile`) by running it on padding
+        rows, which write only the null page and start nothing."""
+        with self._exclusive:
+            packed = steps.pack_rows([], rows, columns, self.cfg, bool(self.serve.max_loras))
+            self.state, self.spec = self._admit_rows(
+                self.params, self.state, self.spec, packed, self._take_retiring(), cfg=self.cfg,
+                draft_params=self.draft_params, draft_cfg=self.draft_cfg,
+            )  # fmt: skip
+
+    def _admitted(self, c: PrefillChunk) -> steps.Admitted:
+        """A chunk for `steps.pack_rows`; when it completes the prompt, what its slot decodes from: the prompt and
+        the tokens so far (none, or those kept by a preemption), its constraint's state after them."""
+        r = c.request
+        adapter = 0 if r.lora is None else r.lora.slot  # every chunk runs with the sequence's adapter
+        activate = c.last and r.sampling.max_new_tokens > 0
+        admitted = steps.Admitted(c.slot, r.sequence, c.start, c.length, activate, adapter=adapter)
+        if not activate:
+            return admitted
+        automaton = self.automaton(r.sampling)
+        offset = self.grammars.assign(c.slot, automaton)
+        start = 0 if automaton is None else offset + automaton.walk(r.tokens)  # where a preempted row was
+        return dataclasses.replace(admitted, prompt_len=len(r.prompt), sampling=r.sampling,
+                                   stops=tuple(self._stops(r.sampling)), grammar=start)  # fmt: skip
+
+    def _started(self, r: Request, slot: int) -> None:
+        """What a slot that started decoding needs beyond its row: the penalties' or bias' state, the n-gram
+        history of a speculating request (each a call of its own: few requests ask)."""
+        if steps.needs_wide(r.sampling):
+            wide = steps.wide_row(r.sequence, len(r.prompt), r.sampling, self.cfg.vocab_size)
+            self.state = self._set_wide(self.state, np.int32(slot), *wide)
+        n = r.sampling.num_speculative_tokens
+        if n:
+            history = steps.spec_history(self.max_pages * self.serve.page_size, r.sequence)
+            self.spec = self._activate_spec(self.spec, np.int32(slot), *history, np.int32(n))
 
     def _retire_preempted(self, plan: StepPlan) -> None:
         for p in plan.preemptions:
-            self.state = self._retire(self.state, p.slot)
+            self.retiring[p.slot] = True
             if p.requeued:
                 self.stats.preempted()
             else:  # it was cancelled or failed meanwhile: it ends
                 self._end(p.request, dropped=True)
 
     def _decode_chunk(self, plan: StepPlan) -> None:
+        """Dispatches one decode chunk and starts fetching what it gives; with `serve.overlap` the results of the
+        chunk before are taken while this one runs (one chunk of lag), else this one's at once."""
         self._push_tables(plan.decode_tables)
         limit = jnp.int32(self.serve.chunk_steps)
         w = speculative.window([plan.draft_tokens])
         if w:
-            self.state, self.spec = self._spec_chunk(
-                self.params, self.state, self.spec, limit, cfg=self.cfg, w=w, draft_params=self.draft_params,
-                draft_cfg=self.draft_cfg,
+            self.state, self.spec, out = self._spec_chunk(
+                self.params, self.state, self.spec, limit, self._take_retiring(), cfg=self.cfg, w=w,
+                draft_params=self.draft_params, draft_cfg=self.draft_cfg,
             )  # fmt: skip
-            counts = jax.device_get((self.spec.target_steps, self.spec.proposed, self.spec.accepted))
-            self.stats.speculated(*(int(x.sum()) for x in counts))
         else:
-            self.state = self._chunk(self.params, self.state, limit, cfg=self.cfg)
-        host = HostRows.of(self.state)
+            self.state, out = self._chunk(self.params, self.state, limit, self._take_retiring(), cfg=self.cfg)
+        for x in out:
+            x.copy_to_host_async()
+        chunk = (out, plan.decode)
+        if self.serve.overlap:
+            chunk, self._in_flight = self._in_flight, chunk
+        if chunk is not None:
+            self._take_chunk(*chunk)
+
+    def _settle(self) -> None:
+        """Takes the results of the chunk still in flight (`serve.overlap`), if any."""
+        chunk, self._in_flight = self._in_flight, None
+        if chunk is not None:
+            self._take_chunk(*chunk)
+
+    def _take_chunk(self, out: tuple, decode: tuple[Request, ...]) -> None:
+        """A decode chunk's results on the host: each running sequence's new tokens, the finished ones ended."""
+        fields = jax.device_get(out)
+        host = HostRows(*fields[: len(HostRows.names())])
+        if len(fields) > len(host.names()):  # a speculative chunk's counters
+            self.stats.speculated(*(int(x.sum()) for x in fields[len(host.names()) :]))
         now = time.perf_counter()
-        for r in plan.decode:
+        for r in decode:
             if r.status == Status.RUNNING:
                 try:
                     self._take_tokens(r, host, now)
@@ -605,7 +680,7 @@ class Engine:
         if dropped:
             self.stats.ended(r.status)
         if slot >= 0:
-            self.state = self._retire(self.state, slot)
+            self.retiring[slot] = True  # sent with the next call that changes rows
         r.end()
 
     def _drop_ended(self) -> None:
@@ -637,6 +712,8 @@ class Engine:
         self.state = steps.init_state(self.cfg, self.serve, self.pool.num_pages, self.max_pages)
         self.grammars = grammar.GrammarPool(self.cfg.vocab_size)
         self.spec = self._new_spec()
+        self.retiring[:] = False
+        self._in_flight = None
         for r in in_flight:
             self.stats.ended(Status.FAILED)
             self._end(r)

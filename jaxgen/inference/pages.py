@@ -41,6 +41,7 @@ class PagePool:
         self.free: collections.deque[int] = collections.deque(range(1, num_pages))
         self.cached: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # hash -> page, LRU order
         self.hash_of: dict[int, bytes] = {}
+        self.idle_cached = 0  # cached pages nobody holds (evictable): kept counted, `available` walks nothing
         self.hits = 0  # prompt tokens served from the prefix cache
         self.lookups = 0  # prompt tokens looked up
 
@@ -50,7 +51,7 @@ class PagePool:
 
     def available(self) -> int:
         """Pages that can be handed out now: free ones plus cached ones nobody uses."""
-        return len(self.free) + sum(1 for p in self.cached.values() if self.refs[p] == 0)
+        return len(self.free) + self.idle_cached
 
     def in_use(self) -> int:
         return int((self.refs > 0).sum())
@@ -85,6 +86,7 @@ class PagePool:
         if needed > self.available() - reusable - reserve:
             raise PagesExhausted(f"{needed} pages needed, {self.available() - reusable} available, {reserve} kept")
         for p in shared:
+            self.idle_cached -= self.refs[p] == 0
             self.refs[p] += 1
             self.cached.move_to_end(self.hash_of[p])
         fresh = [self._take() for _ in range(needed)]
@@ -110,6 +112,7 @@ class PagePool:
             if self.refs[p] == 0:
                 del self.cached[h]
                 del self.hash_of[p]
+                self.idle_cached -= 1
                 return p
         raise PagesExhausted("no page left")  # allocate() checked availability first: not reached
 
@@ -127,8 +130,11 @@ class PagePool:
     def release(self, pages: list[int]) -> None:
         for p in pages:
             self.refs[p] -= 1
-            if self.refs[p] == 0 and p not in self.hash_of:
-                self.free.append(p)
+            if self.refs[p] == 0:
+                if p in self.hash_of:
+                    self.idle_cached += 1
+                else:
+                    self.free.append(p)
 
     def forget(self, pages: list[int]) -> None:
         """Drops the cache entries of `pages` (their content was never written); held ones free on release."""
@@ -137,6 +143,7 @@ class PagePool:
             if h is not None:
                 del self.cached[h]
                 if self.refs[p] == 0:
+                    self.idle_cached -= 1
                     self.free.append(p)
 
     def clear_cache(self) -> None:
@@ -145,6 +152,7 @@ class PagePool:
             if self.refs[p] == 0:
                 del self.cached[h]
                 del self.hash_of[p]
+                self.idle_cached -= 1
                 self.free.append(p)
 
 
@@ -182,9 +190,12 @@ class PagePolicy:
     scheduler's decision (`jaxgen.inference.scheduler`).
     """
 
-    def __init__(self, num_pages: int, page_size: int, slots: int, context: int, chunk_steps: int, prefix: bool):
-        self.page_size, self.slots, self.context, self.chunk_steps, self.prefix = (
-            page_size, slots, context, chunk_steps, prefix
+    def __init__(self, num_pages: int, page_size: int, slots: int, context: int, chunk_steps: int, prefix: bool,
+                 ahead: int = 1):  # fmt: skip
+        # ahead: decode chunks a sequence may run before the host hears of them, this one included (2 when the
+        # engine overlaps a chunk with the last one's results: the host's token counts lag one chunk)
+        self.page_size, self.slots, self.context, self.chunk_steps, self.prefix, self.ahead = (
+            page_size, slots, context, chunk_steps, prefix, ahead
         )  # fmt: skip
         # pages one sequence may hold at most: bounded by the pool too, as the context may be 10**9 tokens
         self.max_pages = min(-(-context // page_size), num_pages)
@@ -218,20 +229,20 @@ class PagePolicy:
             )
 
     def short(self, r: Request) -> int:
-        """Pages a sequence lacks for its next decode chunk (its prefill's, before it ran)."""
-        position = len(r.prompt) + len(r.tokens)  # of its next token
-        need = min(position + self.chunk_steps + spec_margin(r), r.limit(self.context))
+        """Pages a sequence lacks for its next decode chunk (and the one in flight: `ahead`)."""
+        position = len(r.prompt) + len(r.tokens)  # of its next token, as far as the host knows
+        need = min(position + self.ahead * self.chunk_steps + spec_margin(r, self.ahead), r.limit(self.context))
         return max(0, self.pages_for(need) - len(self.pages_of(r)))
 
-    def take_for_prefill(self, r: Request, running: list[Request]) -> tuple[int, int] | None:
+    def take_for_prefill(self, r: Request, reserve: int) -> tuple[int, int] | None:
         """Pages for a sequence's prefill and first decode chunk (shared prefix pages first) in slot
-        `r.slot`; returns (tokens looked up in the prefix cache, tokens found), or None when too few
-        pages are free."""
+        `r.slot`, `reserve` pages kept back (what the running sequences lack for their next chunk: `short`);
+        returns (tokens looked up in the prefix cache, tokens found), or None when too few pages are free."""
         # a prompt being scored runs whole: cached pages would skip the positions it asks about
         seq = r.sequence if self.prefix and not r.wants_prompt_scores else []
         need = min(len(r.sequence) + self.chunk_steps + spec_margin(r), r.limit(self.context))
         try:
-            pages, cached = self.pool.allocate(seq, need, sum(self.short(q) for q in running), r.prefix_salt)
+            pages, cached = self.pool.allocate(seq, need, reserve, r.prefix_salt)
         except PagesExhausted:
             return None
         self.held[r] = pages
@@ -265,8 +276,8 @@ class PagePolicy:
             self.pool.release(pages)
 
 
-def spec_margin(r: Request) -> int:
-    """Positions a speculating sequence may write past `chunk_steps` in one decode chunk: a chunk's last
-    step may start up to MAX_SPECULATIVE + 1 tokens later (`steps.chunk_columns`) and writes its
-    drafts' keys up to MAX_SPECULATIVE further."""
-    return 2 * MAX_SPECULATIVE + 1 if r.sampling.num_speculative_tokens else 0
+def spec_margin(r: Request, chunks: int = 1) -> int:
+    """Positions a speculating sequence may write past `chunk_steps` in each of `chunks` decode chunks: a
+    chunk's last step may start up to MAX_SPECULATIVE + 1 tokens later (`steps.chunk_columns`), and the
+    last writes its drafts' keys up to MAX_SPECULATIVE further."""
+    return chunks * (MAX_SPECULATIVE + 1) + MAX_SPECULATIVE if r.sampling.num_speculative_tokens else 0

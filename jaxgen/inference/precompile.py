@@ -3,15 +3,16 @@
     precompile(engine, progress=True)       # before engine.start(): serve.py http does it (serve.precompile)
 
 A program is compiled for each set of static settings and shapes its step is called with; the settings a
-request may ask for are arrays, so what a request reaches is: a prefill chunk of each bucket (16, 32, ... up
-to the bucket of serve.prefill_chunk, as `steps.prefill_inputs` pads them), plain and prompt-scored; the
-draft model's prefill of each bucket; the decode chunk, and the speculative one at each draft window (2, 4,
-8); and the small programs that start and stop a slot. Each is run once here through the engine itself, by
-a tiny request whose prompt (token ids) has that length: the same host code and the same argument types as
-a real request, so exactly the same programs. Not covered: the grammar table's larger sizes (each
-structured constraint's states; the table grows by powers of two) compile the decode programs again when a
-constraint first needs them. The warm-up's requests are not counted in the engine's statistics, and the
-pages they leave in the prefix cache are dropped.
+request may ask for are arrays, so what a request reaches is: the prefill call at each (rows, columns) a step
+can make (`scheduler.call_shapes`: rows 1, 4, 16, ... up to the slots, columns 16, 32, ... up to the bucket of
+serve.prefill_chunk, within the step's padded budget), run once each on padding rows that change nothing; a
+prompt-scored chunk of each column bucket; the decode chunk, and the speculative one at each draft window
+(2, 4, 8); and the small programs that start and stop a slot. These run through the engine itself, by a tiny
+request whose prompt (token ids) has the chunk's length: the same host code and the same argument types as a
+real request, so exactly the same programs. Not covered: the grammar table's larger sizes (each structured
+constraint's states; the table grows by powers of two) compile the decode programs again when a constraint
+first needs them. The warm-up's requests are not counted in the engine's statistics, and the pages they
+leave in the prefix cache are dropped.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import logging
 
 from jaxgen.inference.decode import bucket
 from jaxgen.inference.sampling import SamplingConfig
+from jaxgen.inference.scheduler import call_shapes
 
 log = logging.getLogger(__name__)
 WINDOWS = (2, 4, 8)  # speculative.window's draft windows
@@ -36,7 +38,8 @@ def warm_up_requests(engine) -> list[tuple[list[int], SamplingConfig]]:
     sizes.append(min(c, longest))  # the last bucket, reached by the longest chunk
     plain = SamplingConfig(max_new_tokens=1, temperature=0.0)
     scored = SamplingConfig(max_new_tokens=1, temperature=0.0, prompt_logprobs=0)
-    todo = [(n, s) for n in sizes for s in (plain, scored)]
+    wide = SamplingConfig(max_new_tokens=1, temperature=0.0, repetition_penalty=1.1)  # `steps.set_wide`
+    todo = [(16, plain), (16, wide)] + [(n, scored) for n in sizes]
     todo += [(16, SamplingConfig(max_new_tokens=2, temperature=0.0, num_speculative_tokens=w)) for w in WINDOWS]
     # distinct first tokens: no prompt reuses another's pages (a prefix hit would shorten its chunk)
     ids = min(cfg.vocab_size - 1, 200)  # ids 1..200: bytes for a byte tokenizer, any model's tokens
@@ -53,7 +56,11 @@ def precompile(engine, progress: bool = False) -> int:
 
     before = engine.compilations
     engine.stats.muted = True  # the warm-up is not traffic
+    longest = min(engine.serve.prefill_chunk, engine.cfg.max_seq_len - 2)
+    shapes = call_shapes(engine.serve.prefill_chunk, engine.serve.slots, longest)
     try:
+        for rows, columns in tqdm(shapes, desc="precompile prefill", unit="shape", disable=not progress):
+            engine.compile_prefill(rows, columns)
         for ids, sampling in tqdm(warm_up_requests(engine), desc="precompile", unit="request", disable=not progress):
             try:
                 engine.submit(ids, sampling)

@@ -7,9 +7,11 @@ splits its engine); the engine (`jaxgen.inference.engine`) runs the plan through
 
 A step's decisions, in order: waiting requests take free slots, first come first served; prefill chunks
 fill up to `prefill_chunk` tokens over the sequences in prefill, oldest first (several short prompts, or
-one chunk of a long one: running sequences wait at most one chunk); a sequence takes its pages when its
-prefill starts (prefix-cache pages first, keeping back what the running sequences need for their next
-decode chunk, and room for a draft window when it speculates: `pages.spec_margin`); then every running
+one chunk of a long one: running sequences wait at most one chunk), as vLLM's `max_num_batched_tokens`.
+The engine runs a step's chunks as one call of R rows x C columns (`call_shape`: both bucketed, so few
+programs), and the plan keeps that call within `padded_budget`: a long chunk does not pad many short ones;
+a sequence takes its pages when its prefill starts (prefix-cache pages first, keeping back what the
+running sequences need for their next decode chunk, and room for a draft window when it speculates: `pages.spec_margin`); then every running
 sequence, oldest first, grows room for its next decode chunk, and when the pool runs dry the most
 recently admitted sequence holding pages is preempted: back to the front of the queue with its tokens,
 readmitted later to prefill prompt + tokens again and decode on where it stopped.
@@ -78,6 +80,45 @@ class StepOutput:
     failed: PrefillChunk | None = None  # the chunk that raised (its request marked failed)
     skipped: tuple[PrefillChunk, ...] = ()  # the chunks after it, which did not run
     finished: tuple[Request, ...] = ()  # sequences done (a stop, their length)
+
+
+def row_bucket(rows: int, slots: int) -> int:
+    """Rows of a prefill call holding `rows` chunks: the next power of 4 (1, 4, 16, ...), at most `slots`."""
+    r = 1
+    while r < rows:
+        r *= 4
+    return min(r, max(slots, rows))
+
+
+def column_bucket(n: int) -> int:
+    """Columns of a prefill call whose longest chunk has `n` tokens: the next power of two, at least 16."""
+    return max(16, 1 << (max(n, 1) - 1).bit_length())
+
+
+def call_shape(lengths: list[int], slots: int) -> tuple[int, int]:
+    """(rows, columns) of the prefill call running chunks of `lengths` tokens (`steps.pack_rows`)."""
+    return row_bucket(len(lengths), slots), column_bucket(max(lengths))
+
+
+def padded_budget(prefill_chunk: int, slots: int) -> int:
+    """The most tokens a step's prefill calls may hold, padding included: the token budget's bucket, and at
+    least every slot's 16-token chunk (short prompts always enter together)."""
+    return max(column_bucket(prefill_chunk), row_bucket(slots, slots) * 16)
+
+
+def call_shapes(prefill_chunk: int, slots: int, longest: int) -> list[tuple[int, int]]:
+    """Every (rows, columns) a prefill call can have, chunks of at most `longest` tokens (the precompile's grid)."""
+    budget, shapes, rows = padded_budget(prefill_chunk, slots), [], {row_bucket(k, slots) for k in range(1, slots + 1)}
+    for r in sorted(rows):
+        c = 16
+        while c <= column_bucket(min(longest, prefill_chunk)) and r * c <= budget:
+            shapes.append((r, c))
+            c *= 2
+    return shapes
+
+
+def _size(shape: tuple[int, int]) -> int:
+    return shape[0] * shape[1]
 
 
 class Scheduler:
@@ -184,27 +225,31 @@ class Scheduler:
         prefills = self._plan_prefills(running)
         prefill_tables = self.policy.tables.take_changes()
         preemptions = self._grow(running)
-        decode = tuple(r for r in self.slots if r is not None and any(r is q for q in running))
+        ids = {id(q) for q in running}
+        decode = tuple(r for r in self.slots if r is not None and id(r) in ids)
         return StepPlan(
             tuple(admissions), tuple(prefills), prefill_tables, tuple(preemptions), decode,
             self.policy.tables.take_changes(), max((r.sampling.num_speculative_tokens for r in decode), default=0),
         )  # fmt: skip
 
     def _plan_prefills(self, running: list[Request]) -> list[PrefillChunk]:
-        """Chunks of up to `prefill_chunk` tokens in all, oldest first; a sequence whose prefill completes
-        joins `running` (its prompt pages registered now: a later chunk of this step may share them)."""
+        """Chunks of up to `prefill_chunk` tokens in all, oldest first, their calls within `padded_budget`; a
+        sequence whose prefill completes joins `running` (its prompt pages registered now: a later chunk of
+        this step may share them)."""
         chunks, budget = [], self.prefill_chunk
+        reserve = sum(self.policy.short(q) for q in running)  # pages the running sequences lack for their next chunk
         for r in list(self.prefilling):
-            if budget <= 0:
+            room = self._room(chunks, min(len(r.sequence) - r.prefilled, budget), r.wants_prompt_scores)
+            if budget <= 0 or room <= 0:
                 break
             took, looked_up, hits = not self.policy.holds(r), 0, 0
             if took:
-                taken = self.policy.take_for_prefill(r, running)
+                taken = self.policy.take_for_prefill(r, reserve)
                 if taken is None:
                     break  # too few pages free: it waits for running sequences to finish
                 looked_up, hits = taken
                 r.prefilled = r.cached_tokens = hits
-            n = min(len(r.sequence) - r.prefilled, budget)
+            n = min(len(r.sequence) - r.prefilled, room)
             last = r.prefilled + n == len(r.sequence)
             chunks.append(PrefillChunk(r, r.slot, r.prefilled, n, last, r.preemptions > 0, took, looked_up, hits))
             budget -= n
@@ -212,19 +257,35 @@ class Scheduler:
                 self.policy.register(r)
             if last and r.sampling.max_new_tokens > 0:  # with none, it only scores the prompt
                 running.append(r)
+                reserve += self.policy.short(r)
         return chunks
+
+    def _room(self, chunks: list[PrefillChunk], n: int, scored: bool) -> int:
+        """Tokens of a next chunk (up to `n`) that keep the step's calls within `padded_budget`: the plain chunks
+        run as one call (`call_shape`), each prompt-scored chunk as a call of its own. 0: none fit."""
+        slots, budget = len(self.slots), padded_budget(self.prefill_chunk, len(self.slots))
+        plain = [c.length for c in chunks if not c.request.wants_prompt_scores]
+        spent = sum(column_bucket(c.length) for c in chunks if c.request.wants_prompt_scores)
+        if scored:
+            free = budget - spent - (_size(call_shape(plain, slots)) if plain else 0)
+            return min(n, 1 << (free.bit_length() - 1)) if free >= 16 else 0
+        per_row = (budget - spent) // row_bucket(len(plain) + 1, slots)
+        if per_row < column_bucket(max(plain, default=1)):
+            return 0  # the chunks planned already would not fit
+        return min(n, 1 << (per_row.bit_length() - 1)) if per_row >= 16 else 0
 
     def _grow(self, running: list[Request]) -> list[Preemption]:
         """Room for the next decode chunk for each running sequence, oldest first; when the pool runs dry
         the latest admitted sequence holding pages is preempted (perhaps the one growing: the oldest
         always fits, `check`)."""
-        preemptions = []
+        preemptions, preempted = [], set()
         for r in sorted(running, key=lambda q: q.admitted):
-            while any(r is q for q in running) and self.policy.short(r) > 0:
+            while id(r) not in preempted and self.policy.short(r) > 0:
                 if not self.policy.extend(r):
                     victim = max(self.holders(), key=lambda q: q.admitted)
                     preemptions.append(self.preempt(victim))
-                    running[:] = [q for q in running if q is not victim]
+                    preempted.add(id(victim))
+        running[:] = [q for q in running if id(q) not in preempted]
         return preemptions
 
     def preempt(self, r: Request) -> Preemption:

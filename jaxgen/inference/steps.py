@@ -2,27 +2,32 @@
 
     init_state(cfg, serve, num_pages, max_pages) -> state      every slot idle, the page pool empty
     set_tables(state, page_table, capacity) -> state           the host's page tables, every slot at once
-    prefill_chunk(params, state, slot, tokens, positions, last, cfg) -> (state, logits)   (`prefill_inputs`)
-    prefill_chunk_scored(..., targets, cfg, top) -> (state, logits, TokenScores)        prompt log-probabilities
-    activate(state, slot, row: SlotRow) -> state               a slot starts (or resumes) decoding
+    admit_rows(params, state, spec, rows, retire, cfg) -> (state, spec)
+                                                               a step's prefill chunks (R x C, `pack_rows`), the
+                                                               slots they start, the draft model's prefill
+    set_wide(state, slot, seen, counts, logit_bias) -> state   a row's penalties' and bias' state (`wide_row`)
     set_grammar_table(state, table) -> state                   the constraints of the slots (structured/pool.py)
-    retire(state, slot) -> state                               a slot stops
-    decode_chunk(params, state, limit, cfg) -> state           up to `limit` decode steps, every active slot
+    decode_chunk(params, state, limit, retire, cfg) -> (state, outputs)   up to `limit` decode steps, every
+                                                               active slot; `outputs` what the host reads
     init_spec(cfg, serve, draft_cfg=None, num_pages=0, max_pages=0) -> spec   speculative decoding's state
-    activate_spec(spec, slot, history, length, num_spec) -> spec   a slot's prompt and output so far
+    activate_spec(spec, slot, history, length, num_spec) -> spec   a speculating slot's prompt and output so far
                                                                (`spec_history`)
-    prefill_draft_chunk(draft_params, spec, cache, slot, tokens, positions, draft_cfg) -> spec
-                                                               the draft model's prefill of the same chunk
-    decode_chunk_speculative(params, state, spec, limit, cfg, w, draft_params, draft_cfg) -> (state, spec)
+    decode_chunk_speculative(params, state, spec, limit, retire, cfg, w, draft_params, draft_cfg)
+                                                               -> (state, spec, outputs and counters)
                                                                with n-gram or draft-model drafts
+
+`retire` (B,) bool: the slots that stop before the call runs (finished, cancelled, preempted), so that a step
+changes rows in the calls it makes anyway.
 
 The state is the `DecodeState` of `jaxgen.generate`, its cache a `PagedCache`. The scheduler
 (`jaxgen.inference.scheduler`) decides what to run and the engine runs it through these functions;
-per-request values are arrays, so nothing a request asks for recompiles them. `slot_row` builds a
-slot's row on the host.
+per-request values are arrays, so nothing a request asks for recompiles them; a prefill call's shape is
+its rows and columns, each bucketed (`scheduler.call_shape`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import flax.struct
 import jax
@@ -32,42 +37,98 @@ import numpy as np
 from jaxgen import model
 from jaxgen.config import ModelConfig, ServeConfig
 from jaxgen.inference import scoring, speculative
-from jaxgen.inference.decode import FINISH_LENGTH, MAX_STOPS, RUNNING, DecodeState, bucket, decode_loop, row_history
+from jaxgen.inference.decode import (
+    FINISH_LENGTH,
+    MAX_STOPS,
+    RUNNING,
+    DecodeState,
+    HostRows,
+    decode_loop,
+    row_history,
+    stop_window,
+)  # fmt: skip
 from jaxgen.inference.sampling import MAX_SPECULATIVE, MAX_STOP_SEQUENCE, SamplingArrays, SamplingConfig
 from jaxgen.model import lora
 from jaxgen.model.paged import PagedCache, page_bytes
 
 
 @flax.struct.dataclass
-class SlotRow:
-    """One slot's row of every per-row array of the decode state: where its decoding starts or resumes."""
+class Rows:
+    """A step's prefill chunks as R rows of C tokens (`pack_rows`), and the decode row of each slot whose prefill
+    one completes: everything that changes rows, run by `admit_rows` in one call. Padding rows (slot 0, every
+    position -1) write only the null page and start nothing."""
 
-    logits: jax.Array  # (V,) the distribution of the next token
-    position: jax.Array  # () int32, the position the next token takes
-    generated: jax.Array  # () int32, tokens generated so far (seeded draws are keyed by it)
-    max_new: jax.Array  # () int32
-    stop_seqs: jax.Array  # (MAX_STOPS, MAX_STOP_SEQUENCE) int32, right-aligned, -1 padded
-    recent: jax.Array  # (MAX_STOP_SEQUENCE,) int32, the last generated tokens (-1 before any)
-    seen: jax.Array  # (V,) bool, tokens in the prompt or the output
-    counts: jax.Array  # (V,) int32, occurrences in the output
-    grammar: jax.Array  # () int32, its state in the engine's grammar table (0: unconstrained)
-    sampling: SamplingArrays  # rows of one
-    adapter: jax.Array | None = None  # () int32, its slot in the LoRA bank (0: none); None without a bank
+    slot: jax.Array  # (R,) int32, the slot whose pages each row fills
+    tokens: jax.Array  # (R, C) int32
+    positions: jax.Array  # (R, C) int32, -1 past each chunk
+    last: jax.Array  # (R,) int32, the column of each chunk's last token (its logits start decoding)
+    activate: jax.Array  # (R,) bool, the chunk completes the prompt and the slot starts (or resumes) decoding
+    position: jax.Array  # (R,) int32, the position the next token takes
+    generated: jax.Array  # (R,) int32, tokens generated so far (seeded draws are keyed by it)
+    max_new: jax.Array  # (R,) int32
+    stop_seqs: jax.Array  # (R, MAX_STOPS, MAX_STOP_SEQUENCE) int32, right-aligned, -1 padded
+    recent: jax.Array  # (R, MAX_STOP_SEQUENCE) int32, the last generated tokens (-1 before any)
+    grammar: jax.Array  # (R,) int32, its state in the engine's grammar table (0: unconstrained)
+    sampling: SamplingArrays  # (R,) rows; logit_bias (R, 0): a row with a bias sets it with `set_wide`
+    num_spec: jax.Array  # (R,) int32, drafts a step (0: plain decoding)
+    length: jax.Array  # (R,) int32, prompt and output so far (the n-gram history's length)
+    adapter: jax.Array | None = None  # (R,) int32, its slot in the LoRA bank (0: none); None without a bank
 
 
-def slot_row(logits, prompt: list[int], tokens: list[int], c: SamplingConfig, stops, cfg: ModelConfig,
-             grammar_state: int = 0) -> SlotRow:  # fmt: skip
-    """The row of a sequence that has its prompt and `tokens` in the cache (none yet, or those it had
-    when it was preempted): the penalties' state, the stop window and the draw index as if it had
-    decoded without a break; `grammar_state`, its constraint's state after `tokens`."""
-    v = cfg.vocab_size
-    stop_seqs, recent, seen, counts = row_history(prompt, tokens, stops, MAX_STOP_SEQUENCE, v)
-    return SlotRow(
-        logits=logits, position=np.int32(len(prompt) + len(tokens)), generated=np.int32(len(tokens)),
-        max_new=np.int32(min(c.max_new_tokens, cfg.max_seq_len)),  # the context ends it first anyway
-        stop_seqs=stop_seqs, recent=recent, seen=seen, counts=counts, grammar=np.int32(grammar_state),
-        sampling=jax.tree.map(jnp.asarray, SamplingArrays.stack([c], v)),
-    )  # fmt: skip
+@dataclasses.dataclass
+class Admitted:
+    """One chunk of a step on the host, with what its slot starts decoding from when `activate` (`pack_rows`)."""
+
+    slot: int
+    sequence: list[int]  # the whole sequence so far: prompt, then the tokens kept by a preemption
+    start: int  # the chunk: tokens [start, start + length) of `sequence`
+    length: int
+    activate: bool
+    prompt_len: int = 0  # then: the prompt's length (the rest of `sequence` is output)
+    sampling: SamplingConfig | None = None
+    stops: tuple = ()
+    grammar: int = 0
+    adapter: int = 0
+
+
+def pack_rows(chunks: list[Admitted], rows: int, columns: int, cfg: ModelConfig, lora_bank: bool) -> Rows:
+    """The host arrays of `chunks` as `rows` x `columns` (`scheduler.call_shape`), padding rows after them."""
+    r, c = rows, columns
+    tokens, positions = np.zeros((r, c), np.int32), np.full((r, c), -1, np.int32)
+    ints = {name: np.zeros(r, np.int32) for name in ("slot", "last", "position", "generated", "max_new", "grammar",
+                                                       "num_spec", "length", "adapter")}  # fmt: skip
+    activate = np.zeros(r, bool)
+    stop_seqs = np.full((r, MAX_STOPS, MAX_STOP_SEQUENCE), -1, np.int32)
+    recent = np.full((r, MAX_STOP_SEQUENCE), -1, np.int32)
+    configs = [SamplingConfig(temperature=0.0)] * r
+    for i, a in enumerate(chunks):
+        tokens[i, : a.length] = a.sequence[a.start : a.start + a.length]
+        positions[i, : a.length] = np.arange(a.start, a.start + a.length)
+        ints["slot"][i], ints["last"][i], ints["adapter"][i] = a.slot, a.length - 1, a.adapter
+        if not a.activate:
+            continue
+        out = a.sequence[a.prompt_len :]
+        activate[i], configs[i] = True, dataclasses.replace(a.sampling, logit_bias=())  # bias: `set_wide`
+        ints["position"][i], ints["generated"][i], ints["length"][i] = len(a.sequence), len(out), len(a.sequence)
+        ints["max_new"][i] = min(a.sampling.max_new_tokens, cfg.max_seq_len)  # the context ends it first anyway
+        ints["grammar"][i], ints["num_spec"][i] = a.grammar, a.sampling.num_speculative_tokens
+        stop_seqs[i], recent[i] = stop_window(out, a.stops, MAX_STOP_SEQUENCE)
+    sampling = SamplingArrays.stack(configs, 0)  # logit_bias (R, 0): `set_wide` writes a row's
+    adapter = ints.pop("adapter")
+    adapter = adapter if lora_bank else None
+    return Rows(tokens=tokens, positions=positions, activate=activate, stop_seqs=stop_seqs, recent=recent,
+                sampling=sampling, adapter=adapter, **ints)  # fmt: skip
+
+
+def needs_wide(c: SamplingConfig) -> bool:
+    """Does a row of `c` read the vocabulary-wide arrays (`set_wide`): a logit bias, or penalties?"""
+    return bool(c.logit_bias) or c.repetition_penalty != 1 or c.presence_penalty != 0 or c.frequency_penalty != 0
+
+
+def wide_row(sequence: list[int], prompt_len: int, c: SamplingConfig, vocab: int) -> tuple:
+    """(seen (V,) bool, counts (V,) int32, logit_bias (V,) float32) of a row about to decode (`set_wide`)."""
+    _, _, seen, counts = row_history(sequence[:prompt_len], sequence[prompt_len:], (), 1, vocab)
+    return seen, counts, SamplingArrays.stack([c], vocab).logit_bias[0]
 
 
 def chunk_columns(serve: ServeConfig) -> int:
@@ -100,64 +161,68 @@ def set_tables(state: DecodeState, page_table, capacity) -> DecodeState:
     return state.replace(cache=state.cache.replace(page_table=page_table, capacity=capacity))
 
 
-def prefill_inputs(seq: list[int], start: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Tokens, positions and targets (each token's next, 0 past the end) (1, C) of `seq[start:start + n]`,
-    padded (position -1) to a power of two."""
-    c = bucket(n, minimum=16)
-    tokens = np.zeros((1, c), np.int32)
-    positions = np.full((1, c), -1, np.int32)
-    targets = np.zeros((1, c), np.int32)
-    tokens[0, :n] = seq[start : start + n]
-    positions[0, :n] = np.arange(start, start + n)
-    nxt = seq[start + 1 : start + n + 1]
-    targets[0, : len(nxt)] = nxt
-    return tokens, positions, targets
+def admit_rows(params, state: DecodeState, spec: speculative.SpecState, rows: Rows, retire, cfg: ModelConfig,
+               targets=None, top: int | None = None, draft_params=None,
+               draft_cfg: ModelConfig | None = None):  # fmt: skip
+    """A step's prefill chunks and the slots they start, in one call: the slots in `retire` (B,) bool stop first
+    (`retire_rows`); then every row's chunk runs into its slot's pages (rows attend to their own pages, so a row
+    may read prefix pages another row of the call writes: each layer writes before it reads), the draft model's
+    too when there is one; then the rows that complete a prompt start decoding from their last token's logits.
+    The vocabulary-wide row state starts empty (no bias, nothing seen): `set_wide` fills it for rows that read
+    it. With `top` (R = 1), also the scores (1, C) of `targets` (1, C), each chunk token's next token, for the
+    prompt's log-probabilities. Returns (state, spec) or (state, spec, scores)."""
+    state = retire_rows(state, retire)
+    x_params = lora.for_rows(params, rows.adapter)
+    cache, x = _prefill_pool(x_params, state.cache, state.cache, rows.slot, rows.tokens, rows.positions, cfg)
+    x_last = jnp.take_along_axis(x, rows.last[:, None, None], axis=1)  # (R, 1, D)
+    logits = model.lm_head(params, x_last, cfg)[:, 0]  # (R, V)
+    b, r, v = state.done.shape[0], rows.slot.shape[0], cfg.vocab_size
+    index = jnp.where(rows.activate, rows.slot, b)  # rows that start nothing write out of bounds: dropped
+
+    def put(a, new):
+        return a.at[index].set(new.astype(a.dtype), mode="drop")
+
+    sampling = rows.sampling.replace(logit_bias=jnp.zeros((r, v), jnp.float32))
+    state = state.replace(
+        cache=cache, logits=put(state.logits, logits), positions=put(state.positions, rows.position),
+        done=put(state.done, jnp.zeros(r, bool)), finish=put(state.finish, jnp.full(r, RUNNING)),
+        generated=put(state.generated, rows.generated), max_new=put(state.max_new, rows.max_new),
+        stop_seqs=put(state.stop_seqs, rows.stop_seqs), recent=put(state.recent, rows.recent),
+        seen=put(state.seen, jnp.zeros((r, v), bool)), counts=put(state.counts, jnp.zeros((r, v), jnp.int32)),
+        grammar=put(state.grammar, rows.grammar), sampling=jax.tree.map(put, state.sampling, sampling),
+        adapter=None if state.adapter is None else put(state.adapter, rows.adapter),
+    )  # fmt: skip
+    missing = None if spec.missing is None else put(spec.missing, jnp.zeros(r, bool))
+    spec = spec.replace(num_spec=put(spec.num_spec, rows.num_spec), length=put(spec.length, rows.length),
+                        missing=missing)  # fmt: skip
+    if draft_params is not None:  # every sequence: a prefix page may later serve one that speculates
+        draft_cache, _ = _prefill_pool(draft_params, spec.draft_cache, cache, rows.slot, rows.tokens, rows.positions,
+                                       draft_cfg)  # fmt: skip
+        spec = spec.replace(draft_cache=draft_cache)
+    if top is None:
+        return state, spec
+    return state, spec, scoring.score_hidden(params, x, targets, cfg, top)
 
 
-def prefill_chunk(params, state: DecodeState, slot, tokens, positions, last, cfg: ModelConfig, adapter=None):
-    """One chunk of one slot's sequence: tokens, positions (1, C), padding at -1. Returns the state and
-    the next-token logits (V,) after the token at index `last` of the chunk. `adapter`: () int32, the
-    sequence's slot in the params' LoRA bank (None without a bank)."""
-    state, x = _prefill_hidden(params, state, slot, tokens, positions, cfg, adapter)
-    logits = model.lm_head(params, jax.lax.dynamic_slice_in_dim(x, last, 1, axis=1), cfg)[0, 0]
-    return state, logits
-
-
-def prefill_chunk_scored(params, state: DecodeState, slot, tokens, positions, last, targets, cfg: ModelConfig, top,
-                         adapter=None):  # fmt: skip
-    """`prefill_chunk`, and the scores (1, C) of `targets` (1, C): each chunk token's next token, for the
-    prompt's log-probabilities (the head runs over the chunk in blocks, `jaxgen.inference.scoring`)."""
-    state, x = _prefill_hidden(params, state, slot, tokens, positions, cfg, adapter)
-    logits = model.lm_head(params, jax.lax.dynamic_slice_in_dim(x, last, 1, axis=1), cfg)[0, 0]
-    return state, logits, scoring.score_hidden(params, x, targets, cfg, top)
-
-
-def _prefill_hidden(params, state: DecodeState, slot, tokens, positions, cfg: ModelConfig, adapter=None):
-    params = lora.for_rows(params, None if adapter is None else jnp.reshape(adapter, (1,)))
-    cache, x = _prefill_pool(params, state.cache, state.cache, slot, tokens, positions, cfg)
-    return state.replace(cache=cache), x
-
-
-def _prefill_pool(params, pool: PagedCache, tables: PagedCache, slot, tokens, positions, cfg: ModelConfig):
-    """One slot's chunk through `params` into `pool`, addressed by `tables`' page tables (the target's:
-    the draft model's pool has none of its own). Returns the pool on those tables and hidden states."""
-    sub = pool.replace(page_table=tables.page_table[slot][None], capacity=tables.capacity[slot][None])
+def _prefill_pool(params, pool: PagedCache, tables: PagedCache, slots, tokens, positions, cfg: ModelConfig):
+    """Rows' chunks through `params` into `pool`, row i addressed by the page table of slot `slots[i]` in `tables`
+    (the target's: the draft model's pool has none of its own). Returns the pool on those tables and hidden states."""
+    sub = pool.replace(page_table=tables.page_table[slots], capacity=tables.capacity[slots])
     x, sub = model.hidden_states(params, tokens, positions, sub, cfg=cfg)
     return _on_tables(sub, tables).constrain(), x
 
 
-def activate(state: DecodeState, slot, row: SlotRow) -> DecodeState:
-    """Slot `slot` starts decoding from `row`."""
-    return state.replace(
-        logits=state.logits.at[slot].set(row.logits), positions=state.positions.at[slot].set(row.position),
-        done=state.done.at[slot].set(False), finish=state.finish.at[slot].set(RUNNING),
-        generated=state.generated.at[slot].set(row.generated), max_new=state.max_new.at[slot].set(row.max_new),
-        stop_seqs=state.stop_seqs.at[slot].set(row.stop_seqs), recent=state.recent.at[slot].set(row.recent),
-        seen=state.seen.at[slot].set(row.seen), counts=state.counts.at[slot].set(row.counts),
-        grammar=state.grammar.at[slot].set(row.grammar),
-        sampling=jax.tree.map(lambda a, r: a.at[slot].set(r[0]), state.sampling, row.sampling),
-        adapter=None if state.adapter is None else state.adapter.at[slot].set(row.adapter),
-    )  # fmt: skip
+def set_wide(state: DecodeState, slot, seen, counts, logit_bias) -> DecodeState:
+    """Slot `slot`'s vocabulary-wide state (V,) each: tokens seen (prompt and output), the output's counts, its
+    logit bias (`wide_row`); for the rows that ask for penalties or a bias, after `admit_rows` started them."""
+    sampling = state.sampling.replace(logit_bias=state.sampling.logit_bias.at[slot].set(logit_bias))
+    return state.replace(seen=state.seen.at[slot].set(seen), counts=state.counts.at[slot].set(counts),
+                         sampling=sampling)  # fmt: skip
+
+
+def retire_rows(state: DecodeState, retire) -> DecodeState:
+    """The slots in `retire` (B,) bool stop (finished, stopped by a string, cancelled or preempted): padding."""
+    return state.replace(done=state.done | retire, finish=jnp.where(retire, FINISH_LENGTH, state.finish))
 
 
 def set_grammar_table(state: DecodeState, table) -> DecodeState:
@@ -165,15 +230,19 @@ def set_grammar_table(state: DecodeState, table) -> DecodeState:
     return state.replace(grammar_table=table)
 
 
-def retire(state: DecodeState, slot) -> DecodeState:
-    """Slot `slot` stops (finished, stopped by a string, cancelled or preempted); it runs as padding."""
-    return state.replace(done=state.done.at[slot].set(True), finish=state.finish.at[slot].set(FINISH_LENGTH))
-
-
-def decode_chunk(params, state: DecodeState, limit, cfg: ModelConfig) -> DecodeState:
-    """Up to `limit` decode steps for every active slot, into buffers that start at column 0."""
+def decode_chunk(params, state: DecodeState, limit, retire, cfg: ModelConfig) -> tuple[DecodeState, tuple]:
+    """Up to `limit` decode steps for every active slot, into buffers that start at column 0; the slots in
+    `retire` (B,) bool stop first. Returns the state and what the host reads of it (`outputs`)."""
+    state = retire_rows(state, retire)
     state = decode_loop(params, state.replace(step=jnp.int32(0), limit=limit), cfg)
-    return state.replace(cache=state.cache.constrain())
+    state = state.replace(cache=state.cache.constrain())
+    return state, outputs(state)
+
+
+def outputs(state: DecodeState) -> tuple:
+    """`HostRows`' fields of `state`, as outputs of their own: the host fetches them while the next call, which
+    consumes the donated state, runs."""
+    return tuple(getattr(state, name) for name in HostRows.names())
 
 
 def history_size(context: int) -> int:
@@ -225,29 +294,23 @@ def _on_tables(pool: PagedCache, tables: PagedCache) -> PagedCache:
     return pool.replace(page_table=tables.page_table, capacity=tables.capacity)
 
 
-def prefill_draft_chunk(draft_params, spec, cache: PagedCache, slot, tokens, positions, draft_cfg: ModelConfig):
-    """The draft model's prefill of the chunk `prefill_chunk` ran (tokens, positions (1, C)) for `slot`,
-    into its own pool on `cache`'s page tables: the draft then proposes from the whole sequence."""
-    draft_cache, _ = _prefill_pool(draft_params, spec.draft_cache, cache, slot, tokens, positions, draft_cfg)
-    return spec.replace(draft_cache=draft_cache)
-
-
-def decode_chunk_speculative(params, state: DecodeState, spec, limit, cfg: ModelConfig, w: int, draft_params=None,
-                             draft_cfg: ModelConfig | None = None):  # fmt: skip
+def decode_chunk_speculative(params, state: DecodeState, spec, limit, retire, cfg: ModelConfig, w: int,
+                             draft_params=None, draft_cfg: ModelConfig | None = None):  # fmt: skip
     """`decode_chunk` with up to W drafts a step for the slots that ask (`jaxgen.inference.speculative`):
     n-gram drafts, or the draft model's (`draft_params`, its pool in `spec.draft_cache`). A slot's tokens
     fill columns 0.. of the buffers; the chunk ends early when a slot might not have room for another
-    step. The spec's counters count this chunk only."""
+    step. The spec's counters count this chunk only. Returns (state, spec, `outputs` and the three counters)."""
     spec = spec.replace(
         proposed=jnp.zeros_like(spec.proposed), accepted=jnp.zeros_like(spec.accepted),
         target_steps=jnp.zeros_like(spec.target_steps),
     )  # fmt: skip
     if draft_params is not None:
         spec = spec.replace(draft_cache=_on_tables(spec.draft_cache, state.cache))
-    state = state.replace(step=jnp.int32(0), limit=limit)
+    state = retire_rows(state, retire).replace(step=jnp.int32(0), limit=limit)
     state, spec = speculative.speculative_loop(
         params, state, spec, cfg, w, draft_params=draft_params, draft_cfg=draft_cfg, base=state.generated
     )
     if spec.draft_cache is not None:
         spec = spec.replace(draft_cache=spec.draft_cache.constrain())
-    return state.replace(cache=state.cache.constrain()), spec
+    state = state.replace(cache=state.cache.constrain())
+    return state, spec, (*outputs(state), spec.target_steps, spec.proposed, spec.accepted)
