@@ -5,16 +5,16 @@ splits its engine); the engine (`jaxgen.inference.engine`) runs the plan through
     ...                                               # the engine runs it
     freed = scheduler.update(StepOutput(prefilled=..., finished=...))   # bookkeeping; slots to retire
 
-A step's decisions, in order: waiting requests take free slots, first come first served; prefill chunks
-fill up to `prefill_chunk` tokens over the sequences in prefill, oldest first (several short prompts, or
-one chunk of a long one: running sequences wait at most one chunk), as vLLM's `max_num_batched_tokens`.
-The engine runs a step's chunks as one call of R rows x C columns (`call_shape`: both bucketed, so few
-programs), and the plan keeps that call within `padded_budget`: a long chunk does not pad many short ones;
-a sequence takes its pages when its prefill starts (prefix-cache pages first, keeping back what the
-running sequences need for their next decode chunk, and room for a draft window when it speculates: `pages.spec_margin`); then every running
-sequence, oldest first, grows room for its next decode chunk, and when the pool runs dry the most
-recently admitted sequence holding pages is preempted: back to the front of the queue with its tokens,
-readmitted later to prefill prompt + tokens again and decode on where it stopped.
+A step's decisions, in order: waiting requests take free slots, first come first served; prefill chunks fill
+up to `prefill_chunk` tokens over the sequences in prefill, oldest first (several short prompts, or one chunk
+of a long one: running sequences wait at most one chunk), as vLLM's `max_num_batched_tokens`. The engine runs
+a step's chunks as one call of R rows x C columns (`call_shape`: both bucketed, so few programs), and the plan
+keeps that call within `padded_budget`: a long chunk does not pad many short ones; a sequence takes its pages
+when its prefill starts (prefix-cache pages first, keeping back what the running sequences need for their next
+decode chunk, and room for a draft window when it speculates: `pages.spec_margin`); then every running
+sequence, oldest first, grows room for its next decode chunk, and when the pool runs dry the most recently
+admitted sequence holding pages is preempted: back to the front of the queue with its tokens, readmitted later
+to prefill prompt + tokens again and decode on where it stopped.
 
 The page policy (`jaxgen.inference.pages.PagePolicy`) owns the page lists. Not thread-safe: the engine
 calls it with its lock held (submit and cancel come from other threads). It imports nothing of JAX, so
