@@ -154,7 +154,7 @@ def main() -> None:
     cfg = load_config(ROOT / "configs" / f"{args.config}.yaml", overrides).model
     params = model.init_params(cfg, jax.random.key(0))
     tok = Tokenizer.byte_level()
-    serve = ServeConfig(slots=args.slots, chunk_steps=args.chunk_steps, prefill_chunk=256, kv_memory_gb=0.5)
+    serve = ServeConfig(slots=args.slots, chunk_steps=args.chunk_steps, kv_memory_gb=0.5)
     print(f"{args.config} with {args.layers} layers, float32; {args.requests} requests; {args.slots} slots")
     prompts, configs = workload(args.requests, args.seed)
     shared_prompts, shared_configs = workload(args.requests, args.seed, prefix=256)

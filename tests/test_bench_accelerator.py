@@ -26,9 +26,9 @@ def bench():
     return module
 
 
-@pytest.mark.parametrize("smoke", [False, True], ids=["full", "smoke"])
+@pytest.mark.parametrize("smoke", ["full", "smoke", "cpu-proxy"])
 def test_every_part_configuration_loads(bench, smoke):
-    shapes = bench.SMOKE if smoke else bench.Shapes()
+    shapes = {"full": bench.Shapes(), "smoke": bench.SMOKE, "cpu-proxy": bench.CPU_PROXY}[smoke]
     configs = bench.part_configs(shapes)  # load_config checks each (data.seq_len <= model.max_seq_len among them)
     expected = {f"train {rows}" for rows in shapes.train_rows} | {"decode small", "decode large", "batch", "engine"}
     assert set(configs) == expected
