@@ -4,8 +4,9 @@
     text = decode_loop_text(generator, prompts, sampling, device)
     loop_ops(text)                                   # the decode loop body's operations, by opcode
 
-    python -m jaxgen.targets.gpu [--config configs/tiny.yaml] [--slots 512] [--rows 1]
-        # JSON: per cache layout, the conditionals and kernels a layer adds to a decode step (sm_90)
+    python -m jaxgen.targets.gpu [--config configs/tiny.yaml] [--slots 512] [--rows 1] [--engine]
+        # JSON: per cache layout, the conditionals and kernels a layer adds to a decode step (sm_90);
+        # --engine: also the serving engine's paged decode chunk
 
 The CUDA plugin (`pip install '.[gpu-compile]'`) compiles for a GPU described by a target config, a
 `GpuTargetConfigProto` text (targets/specs/), under `JAX_PLATFORMS=cpu` and without a device:
@@ -122,6 +123,36 @@ def per_layer(layout: str, cfg, slots: int, rows: int, device) -> dict:
     }
 
 
+def engine_per_layer(cfg, slots: int, page_size: int, device) -> dict:
+    """The serving engine's decode chunk (`inference.steps.decode_chunk`: the paged cache, every slot live)
+    compiled for `device` at 1 and 2 layers of `cfg`: a step's operations and what each further layer adds,
+    as `per_layer` counts them. Nothing runs: the state is abstract."""
+    from jaxgen import model
+    from jaxgen.config import ServeConfig
+    from jaxgen.inference import steps
+
+    one = jax.sharding.SingleDeviceSharding(device)
+    counts = []
+    for layers in (1, 2):
+        c = dataclasses.replace(cfg, num_layers=layers, max_seq_len=max(cfg.max_seq_len, slots))
+        serve = ServeConfig(slots=slots, page_size=page_size, num_pages=4 * slots, cache_dtype="bfloat16")
+        params = jax.eval_shape(lambda c=c: model.decode_params(model.init_params(c, jax.random.key(0)), slots, c))
+        pages = -(-c.max_seq_len // page_size)
+        state = jax.eval_shape(lambda c=c, serve=serve, pages=pages: steps.init_state(c, serve, 4 * slots, pages))
+        limit, retire = (
+            jax.ShapeDtypeStruct((), "int32", sharding=one),
+            jax.ShapeDtypeStruct((slots,), bool, sharding=one),
+        )
+        with traced_for("gpu"):
+            lowered = jax.jit(steps.decode_chunk, static_argnames="cfg").lower(
+                placed(params, device), placed(state, device), limit, retire, cfg=c
+            )
+        counts.append(loop_ops(lowered.compile().as_text()))
+    one_layer, two = counts
+    return {"step": dict(one_layer), "conditional": two["conditional"] - one_layer["conditional"],
+            "kernels": two["total"] - one_layer["total"]}  # fmt: skip
+
+
 def main(argv=None) -> int:
     root = Path(__file__).resolve().parents[2]
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -130,6 +161,11 @@ def main(argv=None) -> int:
     parser.add_argument("--slots", type=int, default=512, help="cache slots (the Generator's min_cache_len)")
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--layouts", nargs="+", default=["flat", "blocks"], choices=["flat", "blocks"])
+    parser.add_argument(
+        "--engine",
+        action="store_true",
+        help="also the engine's paged decode chunk, every slot of --rows live (page size 16)",
+    )
     args = parser.parse_args(argv)
     jax.config.update("jax_platforms", "cpu")  # before any backend starts: the plugin then registers
     reason = unavailable()
@@ -141,6 +177,8 @@ def main(argv=None) -> int:
     cfg = load_config(args.config).model
     device = cuda_device(Path(args.spec).read_text())
     out = {layout: per_layer(layout, cfg, args.slots, args.rows, device) for layout in args.layouts}
+    if args.engine:
+        out["engine"] = engine_per_layer(cfg, args.rows, 16, device)
     print(json.dumps({"device": device.device_kind, "slots": args.slots, "rows": args.rows, **out}))
     return 0
 
