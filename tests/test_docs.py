@@ -107,16 +107,27 @@ def test_nothing_cites_a_file_outside_the_repository():
 # --- the two maps no package docstring holds: README's Layout block and docs/architecture.md -------------
 
 MAPPED_FROM_LINES = 100  # a module this long is a place a reader looks for; it must be on both maps
+JAXGEN = ROOT / "jaxgen"
 
 
-def _mapped_names() -> list[str]:
-    """Every subpackage of jaxgen (by name) and every module of MAPPED_FROM_LINES lines or more (by stem)."""
-    names = {p.name for p in PACKAGES if p != ROOT / "jaxgen"}
-    for p in (ROOT / "jaxgen").rglob("*.py"):
+def _mapped_paths() -> list[str]:
+    """Every subpackage of jaxgen (`inference/structured/`) and every module of MAPPED_FROM_LINES lines or more
+    (`inference/engine.py`), as paths relative to jaxgen/."""
+    paths = {f"{p.relative_to(JAXGEN).as_posix()}/" for p in PACKAGES if p != JAXGEN}
+    for p in JAXGEN.rglob("*.py"):
         long = len(p.read_text().splitlines()) >= MAPPED_FROM_LINES
         if long and p.stem != "__init__" and "__pycache__" not in p.parts:
-            names.add(p.stem)
-    return sorted(names)
+            paths.add(p.relative_to(JAXGEN).as_posix())
+    return sorted(paths)
+
+
+def _on_map(path: str, text: str) -> bool:
+    """`path` (relative to jaxgen/, `jaxgen/` before it allowed) or its full dotted name (`jaxgen.inference.engine`)
+    as a word of `text`: a bare file name (`engine.py`, `errors.py`) names no module, since two packages may
+    hold one of that name."""
+    dotted = "jaxgen." + path.removesuffix("/").removesuffix(".py").replace("/", ".")
+    as_path = rf"(?<![\w./-])(?:jaxgen/)?{re.escape(path)}(?![\w/])"
+    return re.search(rf"{as_path}|(?<![\w.]){re.escape(dotted)}(?!\w)", text) is not None
 
 
 def _layout_block() -> str:
@@ -128,20 +139,43 @@ def _layout_block() -> str:
     return block.group(1)
 
 
-@pytest.mark.parametrize("where", ["README.md Layout", "docs/architecture.md"])
+def _map(where: str) -> str:
+    return _layout_block() if where == "README.md Layout" else (ROOT / "docs" / "architecture.md").read_text()
+
+
+MAPS = ["README.md Layout", "docs/architecture.md"]
+
+
+@pytest.mark.parametrize("where", MAPS)
 def test_the_maps_name_every_package_and_every_long_module(where):
-    """A package, or a module of 100 lines or more, that one of the two maps leaves out fails here."""
-    text = _layout_block() if where == "README.md Layout" else (ROOT / "docs" / "architecture.md").read_text()
-    names = _mapped_names()
-    assert len(names) > 20, f"expected the tree's packages and long modules, found {names}"
-    missing = [name for name in names if not _on_map(name, text)]
+    """Both maps name every package under jaxgen/ and every module of 100 lines or more by its path relative to
+    jaxgen/ (`inference/engine.py`, `model/kernels/`; `jaxgen/` before it allowed) or its full dotted name
+    (`jaxgen.inference.engine`). A bare file name does not count: `errors.py` is in inference/ and serving/."""
+    paths = _mapped_paths()
+    assert len(paths) > 20 and "inference/engine.py" in paths, f"expected the tree's packages and modules: {paths}"
+    missing = [path for path in paths if not _on_map(path, _map(where))]
     assert not missing, f"{where} does not name {missing}"
 
 
-def _on_map(name: str, text: str) -> bool:
-    """`_named`, also as the last part of a path (`jaxgen/hf/`)."""
-    as_path = re.search(rf"/{re.escape(name)}(?:\.py|/)(?=$|[\s,)`:;])", text, re.MULTILINE)
-    return _named(name, text) or as_path is not None
+def test_on_map_takes_a_path_or_a_full_dotted_name_and_nothing_shorter():
+    """The rule of the test above, on hand-written text (so that a loosened regex fails here)."""
+    assert _on_map("inference/engine.py", "  inference/engine.py  the executor")
+    assert _on_map("inference/engine.py", "`jaxgen/inference/engine.py`, and `jaxgen.inference.engine.Engine`")
+    assert _on_map("inference/engine.py", "see jaxgen.inference.engine")
+    assert _on_map("model/kernels/", "model/kernels/ holds them")
+    for text in ["engine.py", "inference.engine", "tests/inference/engine.py", "inference/engine.pyc", "engine"]:
+        assert not _on_map("inference/engine.py", text), text
+    assert not _on_map("model/", "model/kernels/"), "a subpackage's path does not name its parent"
+
+
+def test_the_maps_name_no_module_that_is_gone():
+    """Every jaxgen path on either map (`jaxgen/x/y.py`, or `x/y.py`, `x/` where x is a package of jaxgen) exists."""
+    top = "|".join(sorted(p.name for p in PACKAGES if p.parent == JAXGEN))
+    stale = []
+    for where in MAPS:
+        found = re.findall(rf"(?<![\w./-])(?:jaxgen/)?((?:{top})/(?:\w+/)*(?:\w+\.py)?)(?![\w/])", _map(where))
+        stale += [f"{where}: {path}" for path in found if not (JAXGEN / path).exists()]
+    assert not stale, f"the maps name paths that do not exist: {stale}"
 
 
 # --- documented commands: each run folder is made by one command before another uses it --------------
