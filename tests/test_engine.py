@@ -205,7 +205,7 @@ def test_a_failed_device_step_fails_only_the_requests_in_flight_and_the_engine_g
     requests = [
         r for i, (p, c) in enumerate(zip(prompts, configs, strict=True)) for r in engine.submit(p, c, prompt_index=i)
     ]
-    real_chunk, calls = engine._chunk, []
+    real_chunk, calls = engine.runner._chunk, []
 
     def failing_once(params, state, limit, retire, cfg):
         calls.append(1)
@@ -215,7 +215,7 @@ def test_a_failed_device_step_fails_only_the_requests_in_flight_and_the_engine_g
             raise RuntimeError("device lost")
         return real_chunk(params, state, limit, retire, cfg=cfg)
 
-    monkeypatch.setattr(engine, "_chunk", failing_once)
+    monkeypatch.setattr(engine.runner, "_chunk", failing_once)
     engine.run_until_idle()
     in_flight = [r for r in requests if r.status == "failed"]
     assert len(in_flight) == 2 and all("device lost" in r.error and "retry" in r.error for r in in_flight)
@@ -429,13 +429,13 @@ def test_a_step_prefills_every_admitted_prompt_in_one_call_and_the_lag_changes_n
         serve = dataclasses.replace(SERVE, prefill_chunk=2048, overlap=overlap)
         engine = Engine(params, CFG, Tokenizer.byte_level(), serve)
         calls = []
-        real = engine._admit_rows
+        real = engine.runner._admit_rows
 
         def counted(*args, _real=real, calls=calls, **kwargs):
             calls.append(int((args[3].positions >= 0).any(axis=1).sum()))  # chunks in the call
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(engine, "_admit_rows", counted)
+        monkeypatch.setattr(engine.runner, "_admit_rows", counted)
         requests = [r for i, (p, c) in enumerate(zip(prompts, configs, strict=True))
                     for r in engine.submit(p, c, prompt_index=i)]  # fmt: skip
         engine.step()

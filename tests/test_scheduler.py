@@ -211,3 +211,55 @@ def test_the_pools_count_of_available_pages_follows_every_change():
             pass
         walked = len(pool.free) + sum(1 for p in pool.cached.values() if pool.refs[p] == 0)
         assert pool.available() == walked
+
+
+def _host(rows: dict[int, tuple[list[int], int]], slots: int = 4, finish: dict[int, int] | None = None):
+    """A decode chunk's results as the runner hands them over (`decode.HostRows`' fields), made by hand:
+    `rows` slot -> (its new tokens, its `generated` after them); `finish` slot -> finish code (the row done)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    tokens, generated = np.zeros((slots, 8), np.int32), np.zeros(slots, np.int32)
+    for slot, (new, total) in rows.items():
+        tokens[slot, : len(new)], generated[slot] = new, total
+    finish = finish or {}
+    done = np.asarray([s in finish for s in range(slots)])
+    codes = np.asarray([finish.get(s, 0) for s in range(slots)], np.int32)
+    return SimpleNamespace(tokens=tokens, logprobs=np.zeros((slots, 8), np.float32), generated=generated,
+                           done=done, finish=codes)  # fmt: skip
+
+
+def test_update_takes_a_chunks_tokens_finds_stop_strings_and_frees_pages_without_a_device():
+    """The scheduler's update with a fabricated decode chunk (no JAX, no model): tokens appended, a stop found by
+    the engine's `stopped` (here: token 9 stands for a stop string), a finish code from the device, an n > 1
+    pair sharing prompt pages ending one at a time, a sequence preempted after the chunk left (its tokens are
+    dropped, to be recomputed), every page back at the end."""
+    s = Scheduler(PagePolicy(33, Z, 4, 64, STEPS, True), 64, stopped=lambda r: 9 in r.tokens)
+    a, b, c = _submit(s, _request(9, max_new=8), _request(9, max_new=8), _request(5, first=50, max_new=8))
+    plan = s.schedule()
+    s.update(StepOutput(prefilled=plan.prefills))
+    assert plan.decode == (a, b, c) and a.pages[:2] == b.pages[:2]  # a and b: one prompt, shared pages
+    u = s.update(StepOutput(host=_host({0: ([1, 2, 3, 4], 4), 1: ([1, 9, 5, 5], 4), 2: ([7, 7], 2)}, finish={2: 1}),
+                            decoded=plan.decode))  # fmt: skip
+    assert (a.tokens, b.tokens, c.tokens) == ([1, 2, 3, 4], [1, 9, 5, 5], [7, 7]) and u.new_tokens == 10
+    assert [(r, reason) for r, reason, _ in u.finished] == [(b, "stop"), (c, "stop")] and u.progressed == [a]
+    assert u.first == [a, b, c] and sorted(u.freed) == [1, 2] and b.status == c.status == Status.DONE
+    plan = s.schedule()
+    assert plan.decode == (a,)
+    preempted = s.preempt(a)  # the pool ran dry after this chunk was dispatched
+    u = s.update(StepOutput(host=_host({0: ([5, 6, 7, 8], 8)}), decoded=plan.decode))
+    assert preempted.requeued and a.tokens == [1, 2, 3, 4] and u.new_tokens == 0 and u.finished == []
+    while not s.idle():
+        plan = s.schedule()
+        s.update(StepOutput(prefilled=plan.prefills))
+        if plan.decode:
+            (r,) = plan.decode
+            s.update(StepOutput(host=_host({r.slot: ([5, 6, 7, 8], 8)}, finish={r.slot: 2}), decoded=plan.decode))
+    assert a.tokens == [1, 2, 3, 4, 5, 6, 7, 8] and a.status == Status.DONE and s.policy.pool.in_use() == 0
+
+
+def test_the_schedulers_stop_code_is_the_devices():
+    from jaxgen.inference import decode, scheduler
+
+    assert scheduler.FINISH_STOP == decode.FINISH_STOP

@@ -216,7 +216,7 @@ TINY = dict(vocab_size=384, num_layers=2, d_model=64, num_heads=4, num_kv_heads=
 )
 def test_settings_the_model_cannot_serve_are_refused_before_the_engine_allocates(overrides, fragment, monkeypatch):
     from jaxgen.config import ModelConfig
-    from jaxgen.inference import engine as engine_module
+    from jaxgen.inference.engine import runner as engine_module
 
     def nothing(*args, **kwargs):
         raise AssertionError("allocated before the settings were checked")

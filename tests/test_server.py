@@ -210,7 +210,7 @@ def test_compilations_after_ready_are_named_in_metrics(stack):
     counts add up to the engine's own trace counter."""
     client, url, engine, _ = stack
     assert _compiles(url)[("init_state", "before_ready")] == 1
-    engine._admit_rows.jitted.clear_cache()  # admit_rows is then new to jax, whatever ran before (precompile)
+    engine.runner._admit_rows.jitted.clear_cache()  # admit_rows is then new to jax, whatever ran before (precompile)
     before = _compiles(url)
     client.completions.create(model=NAME, prompt="compile me", max_tokens=2, temperature=0)
     after = _compiles(url)
@@ -380,7 +380,7 @@ def test_bad_values_fail_alone_among_16_running_requests(stack):
 
 def test_a_failed_engine_step_ends_every_stream_and_the_server_goes_on(stack, monkeypatch):
     _, url, engine, gen = stack
-    real_chunk, calls = engine._chunk, []
+    real_chunk, calls = engine.runner._chunk, []
 
     def failing_once(params, state, limit, retire, cfg):
         calls.append(1)
@@ -395,7 +395,7 @@ def test_a_failed_engine_step_ends_every_stream_and_the_server_goes_on(stack, mo
         streamed = pool.submit(_sse_events, url, body | {"stream": True})
         whole = pool.submit(_post, url, body)
         _wait_for(lambda: engine.queue_length() == 2)
-        monkeypatch.setattr(engine, "_chunk", failing_once)
+        monkeypatch.setattr(engine.runner, "_chunk", failing_once)
     events = streamed.result()
     assert events[-1] == "[DONE]" and "device lost" in events[-2]["error"]["message"]
     assert whole.result().status_code == 500 and "device lost" in whole.result().json()["error"]["message"]

@@ -72,14 +72,36 @@ class StepPlan:
     draft_tokens: int = 0  # the most drafts a step any decoding sequence asks for (0: plain decoding)
 
 
+FINISH_STOP = 1  # a row's finish code on the device for a stop token or sequence (`decode.FINISH_STOP`)
+
+
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
-    """What the engine ran of a plan, and which sequences it finished."""
+    """What the runner ran of a plan (`engine.runner.Runner.execute`): the prefill chunks, and the results of a
+    decode chunk that came back; or what a test fabricates."""
 
     prefilled: tuple[PrefillChunk, ...] = ()  # the chunks that ran, in order
     failed: PrefillChunk | None = None  # the chunk that raised (its request marked failed)
     skipped: tuple[PrefillChunk, ...] = ()  # the chunks after it, which did not run
-    finished: tuple[Request, ...] = ()  # sequences done (a stop, their length)
+    finished: tuple[Request, ...] = ()  # sequences done outside a decode chunk (tests)
+    host: object = None  # `decode.HostRows` of a decode chunk: tokens (B, M), finish and done (B,) ...
+    decoded: tuple[Request, ...] = ()  # the sequences that chunk decoded
+    error: Exception | None = None  # a failed device step: what ran before it stands
+    phase: str = ""  # "prefill" or "decode": which failed
+
+
+@dataclasses.dataclass
+class Update:
+    """What `Scheduler.update` did, for the engine to tell: each list in order."""
+
+    finished: list[tuple[Request, str, int]] = dataclasses.field(default_factory=list)  # (seq, reason, freed slot)
+    progressed: list[Request] = dataclasses.field(default_factory=list)  # running on, with new tokens
+    first: list[Request] = dataclasses.field(default_factory=list)  # their first tokens came
+    new_tokens: int = 0
+
+    @property
+    def freed(self) -> list[int]:
+        return [slot for _, _, slot in self.finished if slot >= 0]
 
 
 def row_bucket(rows: int, slots: int) -> int:
@@ -124,8 +146,9 @@ def _size(shape: tuple[int, int]) -> int:
 class Scheduler:
     """The queues, the slots and the decisions of each step; see the module docstring."""
 
-    def __init__(self, policy: PagePolicy, prefill_chunk: int):
-        self.policy, self.prefill_chunk = policy, prefill_chunk
+    def __init__(self, policy: PagePolicy, prefill_chunk: int, stopped=lambda r: False):
+        # stopped(request) -> bool: do its tokens hold one of its stop strings (the engine decodes the text)?
+        self.policy, self.prefill_chunk, self.stopped = policy, prefill_chunk, stopped
         self.slots: list[Request | None] = [None] * policy.slots
         self.waiting: deque[Request] = deque()
         self.prefilling: deque[Request] = deque()
@@ -309,8 +332,12 @@ class Scheduler:
         holding = sorted((r for r in self.slots if r is not None), key=lambda q: q.admitted, reverse=True)
         return [self.preempt(r) for r in holding]  # newest first: appendleft leaves the oldest in front
 
-    def update(self, out: StepOutput) -> list[int]:
-        """Moves the bookkeeping on by what ran; returns the slots freed (for the engine to retire)."""
+    def update(self, out: StepOutput) -> Update:
+        """Moves the bookkeeping on by what ran: prefilled chunks counted (a prompt that was only to be scored
+        finishes), a failed chunk undone; a decode chunk's tokens taken by each sequence it decoded that still
+        runs (one whose host work raises fails alone), stop strings found, finished sequences' pages and
+        slots freed. Returns what the engine tells its clients (`Update`)."""
+        update, done = Update(), [(r, "length") for r in out.finished]
         for c in out.prefilled:
             r = c.request
             if not self.policy.holds(r):
@@ -320,13 +347,38 @@ class Scheduler:
                 self.prefilling.remove(r)
                 if r.status == Status.PREFILL:  # a cancel that came during the prefill stands
                     r.status = Status.RUNNING
+                if r.sampling.max_new_tokens == 0 and r.status == Status.RUNNING:  # the prompt only (scored)
+                    done.append((r, "length"))
         if out.failed is not None:
             self._undo(out.failed, out.skipped)
-        freed = []
-        for r in out.finished:
+        if out.host is not None:
+            done += self._take(out.host, out.decoded, update)
+        for r, reason in done:
             r.status = Status.DONE
-            freed.append(self.release(r))
-        return [s for s in freed if s >= 0]
+            update.finished.append((r, reason, self.release(r)))
+        return update
+
+    def _take(self, host, decoded: tuple[Request, ...], update: Update) -> list[tuple[Request, str]]:
+        """A decode chunk's tokens into each sequence it decoded that still runs; returns those that ended."""
+        done = []
+        for r in decoded:
+            if r.status != Status.RUNNING:
+                continue  # ended, or preempted since (its tokens are recomputed)
+            try:
+                new = r.take(host, r.slot)
+                stopped = self.stopped(r)
+            except Exception as e:  # host-side work of one request (decoding its text): it alone fails
+                log.exception("request failed after a decode chunk")
+                self.fail(r, f"{type(e).__name__}: {str(e)[:200]}")
+                continue
+            update.new_tokens += len(new)
+            if new and r.t_first is None:
+                update.first.append(r)
+            if host.done[r.slot] or stopped:
+                done.append((r, "stop" if stopped or int(host.finish[r.slot]) == FINISH_STOP else "length"))
+            else:
+                update.progressed.append(r)
+        return done
 
     def _undo(self, failed: PrefillChunk, skipped: tuple[PrefillChunk, ...]) -> None:
         """After a failed prefill chunk, what the plan assumed of it and of the chunks after it: their
