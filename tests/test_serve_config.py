@@ -216,14 +216,14 @@ TINY = dict(vocab_size=384, num_layers=2, d_model=64, num_heads=4, num_kv_heads=
 )
 def test_settings_the_model_cannot_serve_are_refused_before_the_engine_allocates(overrides, fragment, monkeypatch):
     from jaxgen.config import ModelConfig
-    from jaxgen.inference.engine import runner as engine_module
+    from jaxgen.inference.engine import Engine, runner
 
     def nothing(*args, **kwargs):
         raise AssertionError("allocated before the settings were checked")
 
-    monkeypatch.setattr(engine_module.model, "decode_params", nothing)
+    monkeypatch.setattr(runner.model, "decode_params", nothing)
     with pytest.raises(ConfigError) as e:
-        engine_module.Engine({}, ModelConfig(**TINY), None, load_serve_config(None, overrides).serve)
+        Engine({}, ModelConfig(**TINY), None, load_serve_config(None, overrides).serve)
     assert fragment in str(e.value) and "\n" not in str(e.value)
 
 
