@@ -1,6 +1,7 @@
 """Will these serving settings work with this model? Checked before the engine allocates or compiles anything.
 
     check_serving(cfg, serve, draft_cfg=None, mesh=None)   ConfigError naming the setting, or nothing
+    check_deterministic(cfg, serve, draft, mesh)            the same for what deterministic mode cannot keep
 
 A setting that loads and then fails every request (top alternatives beyond the vocabulary, a page pool of
 fewer than two pages), and sizes whose buffers do not fit in memory (slots, the page pool, a decode chunk's
@@ -50,6 +51,25 @@ def check_serving(cfg: ModelConfig, serve: ServeConfig, draft_cfg: ModelConfig |
             f"{key}={value!r} is not allowed: the engine's buffers would take {_gb(total)} ({parts}) and "
             f"{where} has {_gb(available)} ({HEADROOM:.0%} of it usable); lower {key}"
         )
+
+
+def check_deterministic(cfg: ModelConfig, serve: ServeConfig, draft, mesh) -> None:
+    """ConfigError, before anything compiles, for serving settings deterministic mode cannot keep bitwise."""
+    if not cfg.deterministic:
+        return
+    why = "with model.deterministic=true"
+    refused = [
+        (serve.page_size % cfg.attention_block != 0, "serve.page_size", serve.page_size,
+         f"a multiple of model.attention_block={cfg.attention_block} (key blocks align to pages)"),
+        (serve.cache_dtype != "float32", "serve.cache_dtype", serve.cache_dtype, "float32"),
+        (serve.quantize != "none", "serve.quantize", serve.quantize, "none"),
+        (draft is not None, "draft", "a draft model", "none (speculative decoding)"),
+        (serve.max_loras > 0, "serve.max_loras", serve.max_loras, "0 (no adapters)"),
+        (mesh is not None and mesh.size > 1, "mesh", f"{mesh.size if mesh else 1} devices", "one device"),
+    ]  # fmt: skip
+    for bad, field, value, allowed in refused:
+        if bad:
+            raise ConfigError(f"{field}={value} is not allowed {why}: {allowed}")
 
 
 def planned_bytes(cfg: ModelConfig, serve: ServeConfig, pages: int, per_page: int) -> dict[str, int]:

@@ -159,7 +159,7 @@ def run_rl(cfg: Config, run_dir: str | Path, progress: bool = True, stop_after: 
 
     if cfg.model.deterministic:  # the rollout engine's settings, refused before the warm start trains
         from jaxgen.config import ServeConfig
-        from jaxgen.inference.engine import check_deterministic
+        from jaxgen.inference.budget import check_deterministic
 
         check_deterministic(cfg.model, ServeConfig(), None, None)
     run_dir = Path(run_dir)

@@ -7,7 +7,8 @@ lora.py     AdapterControl: LoRA adapters loaded into, updated in and unloaded f
 The scheduler (`jaxgen.inference.scheduler`) plans each step and takes its outputs; it is pure Python.
 """
 
-from jaxgen.inference.engine.core import Engine, EngineAsleep, check_deterministic
+from jaxgen.inference.budget import check_deterministic
+from jaxgen.inference.engine.core import Engine, EngineAsleep
 from jaxgen.inference.requests import LIVE, EngineClosed, Request, RequestFailed, Status
 
 __all__ = [

@@ -31,11 +31,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from jaxgen.config import ConfigError, ModelConfig, ServeConfig
+from jaxgen.config import ModelConfig, ServeConfig
 from jaxgen.inference import decode, speculative, steps
 from jaxgen.inference import structured as grammar
 from jaxgen.inference.adapters import LoraRegistry
-from jaxgen.inference.budget import check_serving
+from jaxgen.inference.budget import check_deterministic, check_serving
 from jaxgen.inference.decode import Completion
 from jaxgen.inference.engine.lora import AdapterControl
 from jaxgen.inference.engine.runner import Runner
@@ -447,22 +447,3 @@ class Engine(AdapterControl):
         for r in in_flight:
             self.stats.ended(Status.FAILED)
             self._end(r)
-
-
-def check_deterministic(cfg: ModelConfig, serve: ServeConfig, draft, mesh) -> None:
-    """ConfigError, before anything compiles, for serving settings deterministic mode cannot keep bitwise."""
-    if not cfg.deterministic:
-        return
-    why = "with model.deterministic=true"
-    refused = [
-        (serve.page_size % cfg.attention_block != 0, "serve.page_size", serve.page_size,
-         f"a multiple of model.attention_block={cfg.attention_block} (key blocks align to pages)"),
-        (serve.cache_dtype != "float32", "serve.cache_dtype", serve.cache_dtype, "float32"),
-        (serve.quantize != "none", "serve.quantize", serve.quantize, "none"),
-        (draft is not None, "draft", "a draft model", "none (speculative decoding)"),
-        (serve.max_loras > 0, "serve.max_loras", serve.max_loras, "0 (no adapters)"),
-        (mesh is not None and mesh.size > 1, "mesh", f"{mesh.size if mesh else 1} devices", "one device"),
-    ]  # fmt: skip
-    for bad, field, value, allowed in refused:
-        if bad:
-            raise ConfigError(f"{field}={value} is not allowed {why}: {allowed}")
