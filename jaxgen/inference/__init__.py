@@ -10,9 +10,11 @@ beam.py        beam search
 speculative.py speculative decoding, n-gram or draft-model drafts (the speculating loop of Generator and engine)
 structured/    structured output: JSON schema, regex, choice, grammar as token automata whose tables live on the device
 scoring.py     log-probabilities of known tokens (score, prompt logprobs), the head run in blocks
-engine.py      the serving engine: its API, thread and queues; runs each step's plan on the device
+engine/        the serving engine: core.py (API, thread; schedule -> execute -> update), runner.py (the device
+               state, runs a plan), lora.py (adapters in the bank)
 budget.py      the settings checked against the model and the memory before the engine allocates anything
-scheduler.py   the engine's decisions, no JAX: admission, chunked prefill, pages, preemption (StepPlan)
+scheduler.py   the engine's decisions and bookkeeping, no JAX: admission, the prefill budget, pages, preemption
+               (StepPlan), and each step's outputs taken (StepOutput -> Update: tokens, stop strings, finishes)
 steps.py       the engine's device steps: pure jitted functions of the decode state, donated
 requests.py    a sequence in the engine (Request), its Status, the engine's errors
 pages.py       the paged cache's host side: free pages, reference counts, prefix cache, the page policy

@@ -392,8 +392,10 @@ class Engine(AdapterControl):
         for r, reason, slot in update.finished:
             try:
                 r.complete(self.tokenizer, self._stops(r.sampling), reason)
-            except Exception as e:  # host-side work of one request: it alone fails
-                self._host_failure(r, e)
+            except Exception as e:  # host-side work of one request: it alone fails (its pages are freed)
+                log.exception("request failed as it finished")
+                r.status, r.error = Status.FAILED, f"{type(e).__name__}: {str(e)[:200]}"
+                self._end(r, slot, dropped=True)
                 continue
             self.stats.finished(r.t_submit, r.t_first, r.t_done, len(r.tokens))
             self._end(r, slot)
