@@ -263,3 +263,27 @@ def test_the_schedulers_stop_code_is_the_devices():
     from jaxgen.inference import decode, scheduler
 
     assert scheduler.FINISH_STOP == decode.FINISH_STOP
+
+
+def test_a_steps_chunks_run_in_calls_that_pad_them_at_most_twice():
+    """`prefill_calls`: like chunks share a call (16 of 100 tokens: one call of 16 x 128); a long one among
+    short ones runs apart; five alike make a call of 4 and one of 1 (one of 16 rows would pad 3.2x), and
+    unlike lengths in one column bucket share one (30 and 20: 2 rows of 32); scored chunks alone and first;
+    the plan's order kept within the plain ones."""
+    from jaxgen.inference.scheduler import PrefillChunk, call_shape, prefill_calls
+
+    def chunks(*lengths, scored=()):
+        return [PrefillChunk(_request(n, **({"prompt_logprobs": 0} if i in scored else {})), i, 0, n, True, False)
+                for i, n in enumerate(lengths)]  # fmt: skip
+
+    def shapes(calls):
+        return [call_shape([c.length for c in call], 16) for call in calls]
+
+    assert shapes(prefill_calls(chunks(*[100] * 16), 16)) == [(16, 128)]
+    assert shapes(prefill_calls(chunks(500, 20, 20, 20, 20), 16)) == [(1, 512), (4, 32)]
+    assert shapes(prefill_calls(chunks(*[100] * 5), 16)) == [(4, 128), (1, 128)]
+    assert shapes(prefill_calls(chunks(30, 20, 17, 32), 16)) == [(4, 32)]
+    assert shapes(prefill_calls(chunks(30, 20, 17), 16)) == [(1, 32)] * 3  # 4 rows would pad a fourth
+    mixed = chunks(30, 40, 30, scored=(1,))
+    calls = prefill_calls(mixed, 16)
+    assert [[c.slot for c in call] for call in calls] == [[1], [0, 2]]

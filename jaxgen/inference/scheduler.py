@@ -139,6 +139,29 @@ def call_shapes(prefill_chunk: int, slots: int, longest: int) -> list[tuple[int,
     return shapes
 
 
+def prefill_calls(chunks, slots: int) -> list[list[PrefillChunk]]:
+    """The calls that run a step's chunks: each prompt-scored chunk alone, first (they never read the prefix
+    cache); the others in plan order (a chunk may read prefix pages a chunk before it registered: within a call
+    each layer writes before it reads), each call the longest run of them that costs no more than its chunks
+    in calls of their own (`call_shape`'s padding: rows in powers of 4, columns in powers of 2): prompts of
+    like lengths share a call, unlike ones do not pad each other."""
+    calls = [[c] for c in chunks if c.request.wants_prompt_scores]
+    plain = [c for c in chunks if not c.request.wants_prompt_scores]
+    i = 0
+    while i < len(plain):  # the longest run from i within the bound (a run of one always is)
+        j = max(j for j in range(i + 1, len(plain) + 1) if j == i + 1 or _thrifty(plain[i:j], slots))
+        calls.append(plain[i:j])
+        i = j
+    return calls
+
+
+def _thrifty(call: list[PrefillChunk], slots: int) -> bool:
+    """Does one call of these chunks cost no more than they cost in calls of their own? (Measured on CPU, where
+    padding costs what tokens cost: bench/serving.py's mixed lengths ran at 0.76x of one call per chunk when
+    a call could pad twice that, 0.9x this way; docs/performance.md.)"""
+    return _size(call_shape([c.length for c in call], slots)) <= sum(column_bucket(c.length) for c in call)
+
+
 def _size(shape: tuple[int, int]) -> int:
     return shape[0] * shape[1]
 

@@ -30,7 +30,7 @@ from jaxgen.inference import decode, speculative, steps
 from jaxgen.inference import structured as grammar
 from jaxgen.inference.decode import HostRows
 from jaxgen.inference.requests import Request
-from jaxgen.inference.scheduler import PrefillChunk, StepOutput, StepPlan, Tables, call_shape
+from jaxgen.inference.scheduler import PrefillChunk, StepOutput, StepPlan, Tables, call_shape, prefill_calls
 from jaxgen.model import lora
 from jaxgen.sharding import with_mesh
 
@@ -117,7 +117,7 @@ class Runner:
         failure = None
         try:
             self._push_tables(plan.prefill_tables)
-            for call in _prefill_calls(plan.prefills):
+            for call in prefill_calls(plan.prefills, self.serve.slots):
                 self._prefill_call(call)
                 ran.extend(call)
         except Exception as e:
@@ -284,15 +284,6 @@ class Runner:
     def state_lost(self) -> bool:
         """True when a failed donated call consumed the device state."""
         return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves((self.state, self.spec)))
-
-
-def _prefill_calls(chunks: tuple[PrefillChunk, ...]) -> list[list[PrefillChunk]]:
-    """A step's chunks as calls: each prompt-scored one alone, then all the others in one call (a chunk may read
-    prefix pages registered by one before it in the plan: the scored ones never read the prefix cache, and
-    within a call each layer writes before it reads)."""
-    scored = [[c] for c in chunks if c.request.wants_prompt_scores]
-    plain = [c for c in chunks if not c.request.wants_prompt_scores]
-    return scored + ([plain] if plain else [])
 
 
 def _take(chunk, stats) -> dict:
