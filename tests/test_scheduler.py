@@ -284,6 +284,5 @@ def test_a_steps_chunks_run_in_calls_that_pad_them_at_most_twice():
     assert shapes(prefill_calls(chunks(*[100] * 5), 16)) == [(4, 128), (1, 128)]
     assert shapes(prefill_calls(chunks(30, 20, 17, 32), 16)) == [(4, 32)]
     assert shapes(prefill_calls(chunks(30, 20, 17), 16)) == [(1, 32)] * 3  # 4 rows would pad a fourth
-    mixed = chunks(30, 40, 30, scored=(1,))
-    calls = prefill_calls(mixed, 16)
-    assert [[c.slot for c in call] for call in calls] == [[1], [0, 2]]
+    calls = prefill_calls(chunks(30, 40, 30, 30, 30, scored=(1,)), 16)
+    assert [[c.slot for c in call] for call in calls] == [[1], [0, 2, 3, 4]]
