@@ -418,11 +418,12 @@ def test_engine_on_a_data_and_tensor_mesh_equals_one_device(params, engine):
 
 
 def test_a_step_prefills_every_admitted_prompt_in_one_call_and_the_lag_changes_no_token(params, gen, monkeypatch):
-    """With a token budget for them all, the first step admits 8 prompts and prefills them in one call (rows
-    of the call: `scheduler.call_shape`); with and without the one-chunk lag of `serve.overlap` (the host takes
+    """With a token budget for them all, the first step admits 8 prompts of like lengths and prefills them in
+    one call (`scheduler.prefill_calls`); with and without the one-chunk lag of `serve.overlap` (the host takes
     a chunk's tokens while the next runs) every request ends as the Generator's, stop strings and early
     stops included (preemption under the lag: the page-exhaustion tests, which run with it)."""
     prompts, configs = _workload(24, seed=5)
+    prompts[:8] = [p[:40] + [7] * (40 - len(p)) for p in prompts[:8]]  # like lengths share a call (prefill_calls)
     configs[3] = dataclasses.replace(configs[3], stop=["a"], max_new_tokens=30)  # a stop string, found a chunk late
     wants = gen.generate(prompts, configs)
     for overlap in (True, False):
