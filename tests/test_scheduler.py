@@ -265,7 +265,7 @@ def test_the_schedulers_stop_code_is_the_devices():
     assert scheduler.FINISH_STOP == decode.FINISH_STOP
 
 
-def test_a_steps_chunks_run_in_calls_that_pad_them_at_most_twice():
+def test_a_steps_chunks_run_in_calls_that_cost_no_more_than_alone():
     """`prefill_calls`: like chunks share a call (16 of 100 tokens: one call of 16 x 128); a long one among
     short ones runs apart; five alike make a call of 4 and one of 1 (one of 16 rows would pad 3.2x), and
     unlike lengths in one column bucket share one (30 and 20: 2 rows of 32); scored chunks alone and first;
