@@ -98,7 +98,8 @@ class ServeConfig:
         for name in ("request_timeout_s", "shutdown_grace_s"):
             value = getattr(self, name)
             check(isinstance(value, int | float) and 0 <= value < float("inf"), f"serve.{name}", value, "a number >= 0")
-        check(isinstance(self.quantize_embedding, bool), "serve.quantize_embedding", self.quantize_embedding, "a bool")
+        for name in ("overlap", "prefix_caching", "precompile", "quantize_embedding"):  # a string is truthy
+            check(isinstance(getattr(self, name), bool), f"serve.{name}", getattr(self, name), "true or false")
         check(self.draft is None or (isinstance(self.draft, str) and bool(self.draft)), "serve.draft", self.draft,
                "null or the path of a run or Hugging Face folder")  # fmt: skip
         self._check_loras()
