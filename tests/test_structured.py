@@ -318,13 +318,18 @@ ECMA_CASES = [
      ['"198\u06f7-01-31"', '"\U0001e2f0987-01-31"']),
     (Structured(json={"type": "string", "format": "time"}), ['"12:00:00"', '"23:59:59.25Z"'],
      ['"12:00:00\\a5"', '"1\u06f2:00:00"']),  # (outlines-core wrote a backslash and any character for ".")
+    # a grammar's terminals are Python patterns (Lark lexes with `re`): \d \w \s ASCII, a subset of what that
+    # lexer takes, so every output lexes; \D \W \S keep Python's Unicode meaning, as the lexer's
+    (Structured(grammar="start: /\\d\\w\\s/ /\\D\\W\\S/"), ["1a x-\u00e9", "0_\ta-!"],
+     ["\u06f7a xa-b", "1\u00e9 xa-b", "1a\u00a0xa-b", "1a x\u0661-b", "1a xa\u00e9b", "1a xa- "]),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize("structured, good, bad", ECMA_CASES)
 def test_patterns_read_digits_words_and_spaces_as_ecma_262(structured, good, bad):
     """Issue 44: a schema's `pattern` and `format` mean what ECMA-262 says (\\d is [0-9], \\w [0-9A-Za-z_],
-    \\s its whitespace: U+00A0 and U+FEFF but not U+0085), and so do regex constraints."""
+    \\s its whitespace: U+00A0 and U+FEFF but not U+0085), and so do regex constraints; a grammar's terminals
+    read \\d \\w \\s as ASCII and their negations as Python's `re` (Lark's lexer) does."""
     tok = Tokenizer.byte_level()
     a = compile_automaton(structured, Vocabulary.of(tok, CFG.vocab_size))
 
