@@ -11,9 +11,9 @@ import jax
 import pytest
 
 from jaxgen.inference.pages import PageError, PagePolicy, spec_margin
-from jaxgen.inference.requests import Request, Status
 from jaxgen.inference.sampling import SamplingConfig
 from jaxgen.inference.scheduler import Preemption, Scheduler, StepOutput, StepPlan
+from jaxgen.inference.sequence import Sequence, Status
 
 Z, STEPS = 4, 4  # page size and decode chunk of every scheduler here
 
@@ -37,11 +37,11 @@ def _scheduler(num_pages=33, slots=4, prefill_chunk=8, context=64, prefix=True) 
     return Scheduler(PagePolicy(num_pages, Z, slots, context, STEPS, prefix), prefill_chunk)
 
 
-def _request(n: int, max_new: int = 8, first: int = 0, **settings) -> Request:
-    return Request(list(range(first, first + n)), SamplingConfig(max_new_tokens=max_new, **settings))
+def _request(n: int, max_new: int = 8, first: int = 0, **settings) -> Sequence:
+    return Sequence(list(range(first, first + n)), SamplingConfig(max_new_tokens=max_new, **settings))
 
 
-def _submit(s: Scheduler, *requests: Request) -> tuple[Request, ...]:
+def _submit(s: Scheduler, *requests: Sequence) -> tuple[Sequence, ...]:
     s.add(list(requests))
     return requests
 
@@ -59,7 +59,7 @@ def _step(s: Scheduler) -> StepPlan:
     return plan
 
 
-def _chunks(plan: StepPlan) -> list[tuple[Request, int, int]]:
+def _chunks(plan: StepPlan) -> list[tuple[Sequence, int, int]]:
     return [(c.request, c.start, c.length) for c in plan.prefills]
 
 

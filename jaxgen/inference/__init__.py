@@ -16,7 +16,7 @@ budget.py      the settings checked against the model and the memory before the 
 scheduler.py   the engine's decisions and bookkeeping, no JAX: admission, the prefill budget, pages, preemption
                (StepPlan), and each step's outputs taken (StepOutput -> Update: tokens, stop strings, finishes)
 steps.py       the engine's device steps: pure jitted functions of the decode state, donated
-requests.py    a sequence in the engine (Request), its Status, the engine's errors
+sequence.py    a sequence in the engine (Sequence), its Status, the engine's errors
 pages.py       the paged cache's host side: free pages, reference counts, prefix cache, the page policy
 adapters.py    multi-LoRA serving's host side: adapter names -> slots of the engine's bank, PEFT folders read
 stats.py       the engine's statistics in a prometheus_client registry (counters, gauges, histograms, compilations)

@@ -37,7 +37,7 @@ from jaxgen.sharding import make_mesh
 from jaxgen.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from jaxgen.inference.engine import Request
+    from jaxgen.inference.engine import Sequence
     from jaxgen.inference.generator import Completion, Generator
 
 
@@ -143,7 +143,7 @@ class LLM:
         deltas = TextDeltas(self.tokenizer, hold)
         pending: queue.SimpleQueue[str | None] = queue.SimpleQueue()  # None: the sequence ended
 
-        def on_update(request: Request) -> None:  # during engine.step(), or on the engine's thread
+        def on_update(request: Sequence) -> None:  # during engine.step(), or on the engine's thread
             final = bool(request.finish_reason)
             delta = deltas.update(request.text, final=final)
             if delta:
@@ -154,7 +154,7 @@ class LLM:
         (request,) = self.engine.submit(prompt, sampling, on_update=on_update, lora=lora)
         return self._deltas(request, pending)
 
-    def _deltas(self, request: Request, pending: queue.SimpleQueue) -> Iterator[str]:
+    def _deltas(self, request: Sequence, pending: queue.SimpleQueue) -> Iterator[str]:
         try:
             while True:
                 if pending.empty() and not self.engine.running and not self.engine.idle():
@@ -223,8 +223,8 @@ class LLM:
             results.append(score_dict(lps, greedy))
         return results
 
-    def _submit_all(self, prompts, configs, loras) -> list[list[Request]]:
-        groups: list[list[Request]] = []
+    def _submit_all(self, prompts, configs, loras) -> list[list[Sequence]]:
+        groups: list[list[Sequence]] = []
         try:
             for i, (p, c, a) in enumerate(zip(prompts, configs, loras, strict=True)):
                 groups.append(self.engine.submit(p, c, prompt_index=i, lora=a))

@@ -12,8 +12,8 @@ import hashlib
 
 import numpy as np
 
-from jaxgen.inference.requests import Request
 from jaxgen.inference.sampling import MAX_SPECULATIVE, SamplingError
+from jaxgen.inference.sequence import Sequence
 
 
 class PageError(SamplingError):
@@ -62,7 +62,7 @@ class PagePool:
 
     def match_prefix(self, prompt: list[int], salt: bytes = b"") -> list[int]:
         """Cached pages holding the prompt's leading whole pages, leaving at least its last token to run.
-        `salt` starts the hash chain: pages computed under another adapter (`Request.prefix_salt`) never match."""
+        `salt` starts the hash chain: pages computed under another adapter (`Sequence.prefix_salt`) never match."""
         z = self.page_size
         pages, h = [], salt
         for i in range((len(prompt) - 1) // z):
@@ -201,18 +201,18 @@ class PagePolicy:
         self.max_pages = min(-(-context // page_size), num_pages)
         self.pool = PagePool(num_pages, page_size)
         self.tables = PageTables(slots, self.max_pages, page_size)
-        self.held: dict[Request, list[int]] = {}  # each sequence's pages, in position order
+        self.held: dict[Sequence, list[int]] = {}  # each sequence's pages, in position order
 
     def reset(self) -> None:
         """A fresh pool and tables, nothing held (the engine rebuilt its device state)."""
         self.pool = PagePool(self.pool.num_pages, self.page_size)
         self.tables = PageTables(self.slots, self.max_pages, self.page_size)
-        self.held.clear()  # cleared, not replaced: Requests read it (`Request.pages`)
+        self.held.clear()  # cleared, not replaced: Requests read it (`Sequence.pages`)
 
-    def pages_of(self, r: Request) -> list[int]:
+    def pages_of(self, r: Sequence) -> list[int]:
         return self.held.get(r, [])
 
-    def holds(self, r: Request) -> bool:
+    def holds(self, r: Sequence) -> bool:
         return bool(self.held.get(r))
 
     def pages_for(self, tokens: int) -> int:
@@ -228,13 +228,13 @@ class PagePolicy:
                 "(raise serve.kv_memory_gb or lower max_new_tokens)"
             )
 
-    def short(self, r: Request) -> int:
+    def short(self, r: Sequence) -> int:
         """Pages a sequence lacks for its next decode chunk (and the one in flight: `ahead`)."""
         position = len(r.prompt) + len(r.tokens)  # of its next token, as far as the host knows
         need = min(position + self.ahead * self.chunk_steps + spec_margin(r, self.ahead), r.limit(self.context))
         return max(0, self.pages_for(need) - len(self.pages_of(r)))
 
-    def take_for_prefill(self, r: Request, reserve: int) -> tuple[int, int] | None:
+    def take_for_prefill(self, r: Sequence, reserve: int) -> tuple[int, int] | None:
         """Pages for a sequence's prefill and first decode chunk (shared prefix pages first) in slot
         `r.slot`, `reserve` pages kept back (what the running sequences lack for their next chunk: `short`);
         returns (tokens looked up in the prefix cache, tokens found), or None when too few pages are free."""
@@ -249,7 +249,7 @@ class PagePolicy:
         self.tables.assign(r.slot, pages)
         return len(seq), cached
 
-    def extend(self, r: Request) -> bool:
+    def extend(self, r: Sequence) -> bool:
         """Room for a running sequence's next decode chunk; False (nothing taken) when the pool is dry."""
         try:
             self.held[r] = self.pages_of(r) + self.pool.extend(self.short(r))
@@ -258,16 +258,16 @@ class PagePolicy:
         self.tables.assign(r.slot, self.held[r])
         return True
 
-    def register(self, r: Request) -> None:
+    def register(self, r: Sequence) -> None:
         """A sequence whose prefill completes in the step being planned: its whole prompt pages become
         prefix-cache entries now, so a later chunk of the same step may share them (chunks run in order)."""
         self.pool.register_prompt(r.sequence, self.held[r], r.prefix_salt)
 
-    def forget(self, r: Request) -> None:
+    def forget(self, r: Sequence) -> None:
         """Drops the prefix-cache entries of a sequence's pages (a prefill that did not run)."""
         self.pool.forget(self.pages_of(r))
 
-    def release(self, r: Request, slot: int) -> None:
+    def release(self, r: Sequence, slot: int) -> None:
         """A sequence gives back its pages; its slot's table row is cleared."""
         if slot >= 0:
             self.tables.assign(slot, [])
@@ -276,7 +276,7 @@ class PagePolicy:
             self.pool.release(pages)
 
 
-def spec_margin(r: Request, chunks: int = 1) -> int:
+def spec_margin(r: Sequence, chunks: int = 1) -> int:
     """Positions a speculating sequence may write past `chunk_steps` in each of `chunks` decode chunks: a
     chunk's last step may start up to MAX_SPECULATIVE + 1 tokens later (`steps.chunk_columns`), and the
     last writes its drafts' keys up to MAX_SPECULATIVE further."""

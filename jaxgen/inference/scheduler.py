@@ -30,7 +30,7 @@ from collections import deque
 import numpy as np
 
 from jaxgen.inference.pages import PagePolicy
-from jaxgen.inference.requests import LIVE, Request, Status
+from jaxgen.inference.sequence import LIVE, Sequence, Status
 
 log = logging.getLogger(__name__)
 Tables = tuple[np.ndarray, np.ndarray]  # every slot's page table row (B, M) and capacity in tokens (B,)
@@ -40,7 +40,7 @@ Tables = tuple[np.ndarray, np.ndarray]  # every slot's page table row (B, M) and
 class PrefillChunk:
     """`length` tokens of `request.sequence` from `start` into slot `slot`'s pages."""
 
-    request: Request
+    request: Sequence
     slot: int
     start: int
     length: int
@@ -53,7 +53,7 @@ class PrefillChunk:
 
 @dataclasses.dataclass(frozen=True)
 class Preemption:
-    request: Request
+    request: Sequence
     slot: int  # its slot, freed: the engine retires it before decoding
     requeued: bool  # False: it was cancelled or failed meanwhile, and ends instead
 
@@ -63,11 +63,11 @@ class StepPlan:
     """One engine step, decided: the engine runs the prefills in order, retires the preempted slots, then
     decodes one chunk for `decode`, pushing each table snapshot (None: unchanged) before its phase."""
 
-    admissions: tuple[tuple[Request, int], ...] = ()  # (request, slot)
+    admissions: tuple[tuple[Sequence, int], ...] = ()  # (request, slot)
     prefills: tuple[PrefillChunk, ...] = ()
     prefill_tables: Tables | None = None
     preemptions: tuple[Preemption, ...] = ()
-    decode: tuple[Request, ...] = ()  # the sequences that decode a chunk, by slot
+    decode: tuple[Sequence, ...] = ()  # the sequences that decode a chunk, by slot
     decode_tables: Tables | None = None
     draft_tokens: int = 0  # the most drafts a step any decoding sequence asks for (0: plain decoding)
 
@@ -83,9 +83,9 @@ class StepOutput:
     prefilled: tuple[PrefillChunk, ...] = ()  # the chunks that ran, in order
     failed: PrefillChunk | None = None  # the chunk that raised (its request marked failed)
     skipped: tuple[PrefillChunk, ...] = ()  # the chunks after it, which did not run
-    finished: tuple[Request, ...] = ()  # sequences done outside a decode chunk (tests)
+    finished: tuple[Sequence, ...] = ()  # sequences done outside a decode chunk (tests)
     host: object = None  # `decode.HostRows` of a decode chunk: tokens (B, M), finish and done (B,) ...
-    decoded: tuple[Request, ...] = ()  # the sequences that chunk decoded
+    decoded: tuple[Sequence, ...] = ()  # the sequences that chunk decoded
     error: Exception | None = None  # a failed device step: what ran before it stands
     phase: str = ""  # "prefill" or "decode": which failed
 
@@ -94,9 +94,9 @@ class StepOutput:
 class Update:
     """What `Scheduler.update` did, for the engine to tell: each list in order."""
 
-    finished: list[tuple[Request, str, int]] = dataclasses.field(default_factory=list)  # (seq, reason, freed slot)
-    progressed: list[Request] = dataclasses.field(default_factory=list)  # running on, with new tokens
-    first: list[Request] = dataclasses.field(default_factory=list)  # their first tokens came
+    finished: list[tuple[Sequence, str, int]] = dataclasses.field(default_factory=list)  # (seq, reason, freed slot)
+    progressed: list[Sequence] = dataclasses.field(default_factory=list)  # running on, with new tokens
+    first: list[Sequence] = dataclasses.field(default_factory=list)  # their first tokens came
     new_tokens: int = 0
 
     @property
@@ -172,9 +172,9 @@ class Scheduler:
     def __init__(self, policy: PagePolicy, prefill_chunk: int, stopped=lambda r: False):
         # stopped(request) -> bool: do its tokens hold one of its stop strings (the engine decodes the text)?
         self.policy, self.prefill_chunk, self.stopped = policy, prefill_chunk, stopped
-        self.slots: list[Request | None] = [None] * policy.slots
-        self.waiting: deque[Request] = deque()
-        self.prefilling: deque[Request] = deque()
+        self.slots: list[Sequence | None] = [None] * policy.slots
+        self.waiting: deque[Sequence] = deque()
+        self.prefilling: deque[Sequence] = deque()
         self.admissions = 0  # slots given so far: each admission's order (preemption takes the latest)
 
     # --- the queues ---------------------------------------------------------------------------------
@@ -183,7 +183,7 @@ class Scheduler:
         """PageError for a request that could never fit, even alone in the whole pool."""
         self.policy.check(prompt_len, max_new)
 
-    def add(self, requests: list[Request]) -> None:
+    def add(self, requests: list[Sequence]) -> None:
         for r in requests:
             r.held = self.policy.held  # so `r.pages` reads the policy's list
         self.waiting.extend(requests)
@@ -194,18 +194,18 @@ class Scheduler:
     def queue_length(self) -> int:
         return len(self.waiting) + len(self.prefilling)
 
-    def running(self) -> list[Request]:
+    def running(self) -> list[Sequence]:
         return [r for r in self.slots if r is not None and r.status == Status.RUNNING]
 
-    def holders(self) -> list[Request]:
+    def holders(self) -> list[Sequence]:
         return [r for r in self.slots if r is not None and self.policy.holds(r)]
 
-    def cancel(self, r: Request) -> None:
+    def cancel(self, r: Sequence) -> None:
         """Stops a live request; its slot and pages are freed when the engine next takes the ended."""
         if r.status in LIVE:
             r.status = Status.CANCELLED
 
-    def fail(self, r: Request, message: str) -> None:
+    def fail(self, r: Sequence, message: str) -> None:
         if r.status in LIVE:
             r.status, r.error = Status.FAILED, message
 
@@ -219,7 +219,7 @@ class Scheduler:
             if r is not None:
                 self.fail(r, message)
 
-    def take_ended(self) -> list[tuple[Request, int]]:
+    def take_ended(self) -> list[tuple[Sequence, int]]:
         """The sequences cancelled or failed since the last look, out of the queues, their pages and slot
         freed: (request, the slot it held or -1), for the engine to retire and tell."""
         queued = {id(r): r for r in [*self.waiting, *self.prefilling, *self.slots] if r is not None}
@@ -228,7 +228,7 @@ class Scheduler:
         self.prefilling = deque(r for r in self.prefilling if r.status in LIVE)
         return [(r, self.release(r)) for r in ended]
 
-    def release(self, r: Request) -> int:
+    def release(self, r: Sequence) -> int:
         """A sequence gives back its pages and slot; returns the slot (-1: it held none)."""
         slot = r.slot
         self.policy.release(r, slot)
@@ -237,7 +237,7 @@ class Scheduler:
             r.slot = -1
         return slot
 
-    def reset(self, message: str) -> list[Request]:
+    def reset(self, message: str) -> list[Sequence]:
         """Fails every sequence in flight and empties the slots and the page pool (the engine rebuilds
         its device state); waiting requests stay queued. Returns those in flight."""
         in_flight = list({id(r): r for r in [*self.prefilling, *self.slots] if r is not None}.values())
@@ -251,7 +251,7 @@ class Scheduler:
 
     # --- one step -----------------------------------------------------------------------------------
 
-    def admit(self) -> list[tuple[Request, int]]:
+    def admit(self) -> list[tuple[Sequence, int]]:
         """Waiting requests into free slots, first come first served."""
         admitted = []
         for slot, r in enumerate(self.slots):
@@ -278,7 +278,7 @@ class Scheduler:
             self.policy.tables.take_changes(), max((r.sampling.num_speculative_tokens for r in decode), default=0),
         )  # fmt: skip
 
-    def _plan_prefills(self, running: list[Request]) -> list[PrefillChunk]:
+    def _plan_prefills(self, running: list[Sequence]) -> list[PrefillChunk]:
         """Chunks of up to `prefill_chunk` tokens in all, oldest first, their calls within `padded_budget`; a
         sequence whose prefill completes joins `running` (its prompt pages registered now: a later chunk of
         this step may share them)."""
@@ -320,7 +320,7 @@ class Scheduler:
             return 0  # the chunks planned already would not fit
         return min(n, 1 << (per_row.bit_length() - 1)) if per_row >= 16 else 0
 
-    def _grow(self, running: list[Request]) -> list[Preemption]:
+    def _grow(self, running: list[Sequence]) -> list[Preemption]:
         """Room for the next decode chunk for each running sequence, oldest first; when the pool runs dry
         the latest admitted sequence holding pages is preempted (perhaps the one growing: the oldest
         always fits, `check`)."""
@@ -334,7 +334,7 @@ class Scheduler:
         running[:] = [q for q in running if id(q) not in preempted]
         return preemptions
 
-    def preempt(self, r: Request) -> Preemption:
+    def preempt(self, r: Sequence) -> Preemption:
         """Frees a sequence's slot and pages and queues it first again with its tokens so far; one that
         was cancelled or failed meanwhile ends instead."""
         if r in self.prefilling:
@@ -381,7 +381,7 @@ class Scheduler:
             update.finished.append((r, reason, self.release(r)))
         return update
 
-    def _take(self, host, decoded: tuple[Request, ...], update: Update) -> list[tuple[Request, str]]:
+    def _take(self, host, decoded: tuple[Sequence, ...], update: Update) -> list[tuple[Sequence, str]]:
         """A decode chunk's tokens into each sequence it decoded that still runs; returns those that ended."""
         done = []
         for r in decoded:

@@ -40,7 +40,7 @@ MAX_FAILED_STEPS = 3  # engine steps that raise in a row: the engine is broken, 
 
 
 @dataclasses.dataclass
-class Request:
+class Line:
     id: str
     prompt_ids: list[int]
     sampling: SamplingConfig
@@ -59,7 +59,7 @@ class Output:
     tokens: int = 0
     failed_steps: int = 0  # engine steps that raised since the last one that did not
 
-    def result(self, req: Request, completions) -> None:
+    def result(self, req: Line, completions) -> None:
         choices = [
             {"text": c.text, "finish_reason": c.finish_reason, "tokens": c.tokens, "logprobs": c.logprobs}
             for c in completions
@@ -122,7 +122,7 @@ def cut_torn_tail(path: Path, block: int = 1 << 16) -> None:
         os.truncate(path, keep)
 
 
-def parse_line(raw: bytes | str, lineno: int, engine: Engine, defaults: SamplingConfig) -> Request:
+def parse_line(raw: bytes | str, lineno: int, engine: Engine, defaults: SamplingConfig) -> Line:
     """A request, or an exception (SamplingError for the expected cases) saying what is wrong with the line."""
     line = _decode(raw, lineno) if isinstance(raw, bytes) else raw
     try:
@@ -146,7 +146,7 @@ def parse_line(raw: bytes | str, lineno: int, engine: Engine, defaults: Sampling
         if e.field == "structured" and field != "structured":  # named as the line named it
             raise SamplingError(f"{field}: {e}", field) from None
         raise
-    return Request(str(record["id"]), ids, sampling, adapter)
+    return Line(str(record["id"]), ids, sampling, adapter)
 
 
 def _adapter(name, engine: Engine) -> str | None:
@@ -291,7 +291,7 @@ def run_shared(engine: Engine, input_path: Path, output_path: Path, defaults: Sa
 
 def _read_requests(
     input_path: Path, engine: Engine, defaults: SamplingConfig, done: set[str], sink: Output, lines=(0, 1)
-) -> Iterator[Request]:
+) -> Iterator[Line]:
     """The good lines not done yet, streamed; every other line's error record is written on the way."""
     seen = set(done)
     with input_path.open("rb") as f:
@@ -322,7 +322,7 @@ def _read_requests(
             yield req
 
 
-def _run_on_engine(engine: Engine, requests: Iterator[Request], sink: Output) -> None:
+def _run_on_engine(engine: Engine, requests: Iterator[Line], sink: Output) -> None:
     window = 4 * engine.serve.slots  # lines queued ahead, so a freed slot refills at once
     for req in _drive(engine, requests, sink, window, alone=False):
         _drive(engine, iter([req]), sink, 1, alone=True)  # it failed beside others: alone, a failure is its own
@@ -333,10 +333,10 @@ def _run_on_engine(engine: Engine, requests: Iterator[Request], sink: Output) ->
             log.exception("engine step failed while dropping cancelled requests")
 
 
-def _drive(engine: Engine, requests: Iterator[Request], sink: Output, window: int, alone: bool) -> list[Request]:
+def _drive(engine: Engine, requests: Iterator[Line], sink: Output, window: int, alone: bool) -> list[Line]:
     """Runs the requests, at most `window` lines in the engine at once; returns the lines to run again alone."""
-    pending: dict[str, tuple[Request, list]] = {}
-    retry: list[Request] = []
+    pending: dict[str, tuple[Line, list]] = {}
+    retry: list[Line] = []
     while True:
         while len(pending) < window and (req := next(requests, None)) is not None:
             try:
@@ -361,7 +361,7 @@ def _drive(engine: Engine, requests: Iterator[Request], sink: Output, window: in
                     sink.error(req.id, error)
 
 
-def _step(engine: Engine, pending: dict, sink: Output, retry: list[Request], alone: bool) -> bool:
+def _step(engine: Engine, pending: dict, sink: Output, retry: list[Line], alone: bool) -> bool:
     """One engine step. A step that raises blames no request: every line in flight leaves the engine,
     to run again alone (or, when it ran alone, gets the error). False after such a step."""
     try:

@@ -18,8 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxgen.inference.adapters import LoraError
-from jaxgen.inference.engine import EngineClosed
-from jaxgen.inference.engine import Request as Sequence
+from jaxgen.inference.engine import EngineClosed, Sequence
 from jaxgen.inference.pages import PageError
 from jaxgen.inference.sampling import SamplingError
 from jaxgen.inference.textstream import REPLACEMENT, TextDeltas

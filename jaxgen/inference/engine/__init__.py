@@ -9,15 +9,15 @@ The scheduler (`jaxgen.inference.scheduler`) plans each step and takes its outpu
 
 from jaxgen.inference.budget import check_deterministic
 from jaxgen.inference.engine.core import Engine, EngineAsleep
-from jaxgen.inference.requests import LIVE, EngineClosed, Request, RequestFailed, Status
+from jaxgen.inference.sequence import LIVE, EngineClosed, RequestFailed, Sequence, Status
 
 __all__ = [
     "LIVE",
     "Engine",
     "EngineAsleep",
     "EngineClosed",
-    "Request",
     "RequestFailed",
+    "Sequence",
     "Status",
     "check_deterministic",
 ]

@@ -40,9 +40,9 @@ from jaxgen.inference.decode import Completion
 from jaxgen.inference.engine.lora import AdapterControl
 from jaxgen.inference.engine.runner import Runner
 from jaxgen.inference.pages import PagePolicy, PagePool
-from jaxgen.inference.requests import LIVE, EngineClosed, Request, Status, check_limits
 from jaxgen.inference.sampling import SamplingConfig, check_prompt, per_prompt
 from jaxgen.inference.scheduler import Scheduler, StepPlan, Update
+from jaxgen.inference.sequence import LIVE, EngineClosed, Sequence, Status, check_limits
 from jaxgen.inference.stats import EngineStats
 from jaxgen.tokenizer import Tokenizer
 
@@ -122,7 +122,7 @@ class Engine(AdapterControl):
         return self.scheduler.policy.pool
 
     @property
-    def slots(self) -> list[Request | None]:
+    def slots(self) -> list[Sequence | None]:
         return self.scheduler.slots
 
     @property
@@ -143,7 +143,7 @@ class Engine(AdapterControl):
         """The token automaton of `c.structured` (None when free), compiled once per constraint."""
         return self.constraints.automaton(c.structured)
 
-    def _stopped(self, r: Request) -> bool:
+    def _stopped(self, r: Sequence) -> bool:
         """Do a sequence's tokens so far hold one of its stop strings (the scheduler's update asks)?"""
         return decode.stop_string_cut(self.tokenizer, r.tokens, r.sampling.stop) is not None
 
@@ -156,8 +156,8 @@ class Engine(AdapterControl):
 
     def submit(
         self, prompt: str | list[int], sampling: SamplingConfig = SamplingConfig(), *, prompt_index: int = 0,
-        on_update: Callable[[Request], None] | None = None, lora: str | None = None,
-    ) -> list[Request]:  # fmt: skip
+        on_update: Callable[[Sequence], None] | None = None, lora: str | None = None,
+    ) -> list[Sequence]:  # fmt: skip
         """Queues sampling.n sequences for one prompt; returns their Requests (checked first).
 
         Raises SamplingError / PageError for a request that can never run, EngineClosed when the
@@ -169,7 +169,7 @@ class Engine(AdapterControl):
             self.loras.resolve(lora)  # an unknown name fails before any other check
         self.check(ids, sampling)
         requests = [
-            Request(ids, decode.sample_config(sampling, s), prompt_index, s, on_update, t_submit=time.perf_counter())
+            Sequence(ids, decode.sample_config(sampling, s), prompt_index, s, on_update, t_submit=time.perf_counter())
             for s in range(sampling.n)
         ]  # fmt: skip
         with self.wake:
@@ -185,7 +185,7 @@ class Engine(AdapterControl):
             self.wake.notify()
         return requests
 
-    def cancel(self, request: Request) -> None:
+    def cancel(self, request: Sequence) -> None:
         """Stops a request (a client went away); its slot and pages are freed at the next step."""
         with self.wake:
             self.scheduler.cancel(request)
@@ -407,14 +407,14 @@ class Engine(AdapterControl):
                 except Exception as e:
                     self._host_failure(r, e)
 
-    def _host_failure(self, r: Request, e: Exception) -> None:
+    def _host_failure(self, r: Sequence, e: Exception) -> None:
         log.exception("request failed after a decode chunk")
         with self.lock:
             self.scheduler.fail(r, f"{type(e).__name__}: {str(e)[:200]}")
 
     # --- ending -------------------------------------------------------------------------------------
 
-    def _end(self, r: Request, slot: int = -1, dropped: bool = False) -> None:
+    def _end(self, r: Sequence, slot: int = -1, dropped: bool = False) -> None:
         """Every sequence ends here, however it ends (the scheduler freed its pages and slot): the slot
         stopped, the client told, waiters woken; a `dropped` one (cancelled or failed) counted once."""
         if dropped:
@@ -430,7 +430,7 @@ class Engine(AdapterControl):
         for r, slot in ended:
             self._end(r, slot, dropped=True)
 
-    def _failed_step(self, r: Request | None, what: str, e: Exception) -> None:
+    def _failed_step(self, r: Sequence | None, what: str, e: Exception) -> None:
         log.error("engine %s step failed", what, exc_info=e)
         message = f"the engine's {what} step failed: {type(e).__name__}: {str(e)[:200]}"
         if r is not None:

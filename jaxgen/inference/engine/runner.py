@@ -29,8 +29,8 @@ from jaxgen.config import ModelConfig, ServeConfig
 from jaxgen.inference import decode, speculative, steps
 from jaxgen.inference import structured as grammar
 from jaxgen.inference.decode import HostRows
-from jaxgen.inference.requests import Request
 from jaxgen.inference.scheduler import PrefillChunk, StepOutput, StepPlan, Tables, call_shape, prefill_calls
+from jaxgen.inference.sequence import Sequence
 from jaxgen.model import lora
 from jaxgen.sharding import with_mesh
 
@@ -188,7 +188,7 @@ class Runner:
         return dataclasses.replace(admitted, prompt_len=len(r.prompt), sampling=r.sampling, stops=stops,
                                    grammar=start)  # fmt: skip
 
-    def _started(self, r: Request, slot: int) -> None:
+    def _started(self, r: Sequence, slot: int) -> None:
         """What a slot that started decoding needs beyond its row: the penalties' or bias' state, the n-gram
         history of a speculating request (each a call of its own: few requests ask)."""
         if steps.needs_wide(r.sampling):

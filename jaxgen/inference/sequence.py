@@ -1,8 +1,8 @@
-"""A sequence in the serving engine: its `Request` record, its `Status`, the engine's errors and the
+"""A sequence in the serving engine: its `Sequence` record, its `Status`, the engine's errors and the
 fixed limits it checks a request against (`check_limits`).
 
 The engine and its scheduler (`jaxgen.inference.engine`, `.scheduler`) write a request's progress (its
-pages are the page policy's: `Request.pages` reads them); clients read it (`result()`, `text`, `tokens`,
+pages are the page policy's: `Sequence.pages` reads them); clients read it (`result()`, `text`, `tokens`,
 `finish_reason`, `done_event`) and may be called back after each decode chunk (`on_update`).
 """
 
@@ -44,7 +44,7 @@ class EngineClosed(RuntimeError):
 
 
 class RequestFailed(RuntimeError):
-    """A request ended with an error (`Request.error`), not with a completion."""
+    """A request ended with an error (`Sequence.error`), not with a completion."""
 
 
 def check_limits(c: SamplingConfig, stops: list[tuple[int, ...]], max_logprobs: int) -> None:
@@ -59,14 +59,14 @@ def check_limits(c: SamplingConfig, stops: list[tuple[int, ...]], max_logprobs: 
 
 
 @dataclasses.dataclass(eq=False)
-class Request:
+class Sequence:
     """One sequence in the engine (a request with n samples is n of these)."""
 
     prompt: list[int]
     sampling: SamplingConfig  # its seed already offset for the sample index
     prompt_index: int = 0
     sample_index: int = 0
-    on_update: Callable[[Request], None] | None = None  # called from the engine thread after each chunk
+    on_update: Callable[[Sequence], None] | None = None  # called from the engine thread after each chunk
     lora: LoraRef | None = None  # the LoRA adapter it runs with (multi-LoRA serving), None: the base model
     # progress, written by the engine
     status: Status = Status.WAITING
@@ -88,7 +88,7 @@ class Request:
     t_done: float | None = None
     done_event: threading.Event = dataclasses.field(default_factory=threading.Event)
     # the page policy's lists (`PagePolicy.held`), lent by the scheduler that queues it
-    held: Mapping[Request, list[int]] = dataclasses.field(default_factory=dict, repr=False)
+    held: Mapping[Sequence, list[int]] = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def pages(self) -> list[int]:
