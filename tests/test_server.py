@@ -186,7 +186,8 @@ def test_speculative_requests_answer_as_plain_ones_and_show_in_metrics(stack):
 
 def test_a_mixed_workload_after_precompile_compiles_nothing(stack):
     """After `precompile`, short and long prompts (several prefill chunks), n > 1, logprobs, echo (the prompt
-    scored), stop strings, penalties and speculation compile no program: no request waits for one."""
+    scored), stop strings, penalties, speculation and structured output (a schema, a regex: the grammar table
+    holds serve.grammar_states from the start) compile no program: no request waits for one."""
     _, url, _, _ = stack
     before = _compiles(url)
     assert before[("decode_chunk", "before_ready")] == 1 and ("decode_chunk", "after_ready") not in before
@@ -197,7 +198,11 @@ def test_a_mixed_workload_after_precompile_compiles_nothing(stack):
         {"prompt": long[:40], "max_tokens": 0, "echo": True, "logprobs": 1},
         {"prompt": "abcabcabcabc", "max_tokens": 6, "num_speculative_tokens": 7, "stop": ["zz"]},
         {"prompt": "x = ", "max_tokens": 4, "presence_penalty": 0.5, "num_speculative_tokens": 1},
-    ]
+        {"prompt": "n: ", "max_tokens": 8, "structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}},
+        {"prompt": "p: ", "max_tokens": 12, "num_speculative_tokens": 2, "response_format": {"type": "json_schema",
+         "json_schema": {"name": "p", "schema": {"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                                 "required": ["ok"]}}}},
+    ]  # fmt: skip
     with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
         for r in pool.map(lambda body: _post(url, body), bodies):
             assert r.status_code == 200, r.text

@@ -34,6 +34,10 @@ class ServeConfig:
     # work overlaps the device's
     overlap: bool = True
     max_logprobs: int = 5  # the most top alternatives a request may ask for
+    # states of structured output's grammar table held from the start (rounded up to a power of two), so that
+    # constraints within them compile nothing after ready; each state costs vocab_size x 4 bytes of device
+    # memory. 0: as many as 64 MiB holds, at most 4096. A constraint beyond them grows the table (one compile).
+    grammar_states: int = 0
     prefix_caching: bool = True  # share the pages of prompt prefixes already in the cache
     # serve.py http: every program a request can reach compiled before /health is ok (`jaxgen.inference.precompile`)
     precompile: bool = True
@@ -91,6 +95,8 @@ class ServeConfig:
         )  # fmt: skip
         check(_is_int(self.max_logprobs) and self.max_logprobs >= 0, "serve.max_logprobs", self.max_logprobs,
               "an integer >= 0")  # fmt: skip
+        check(_is_int(self.grammar_states) and 0 <= self.grammar_states <= 2**20, "serve.grammar_states",
+              self.grammar_states, "an integer from 0 (automatic) to 1048576")  # fmt: skip
         check(
             self.quantize == "int8" or not self.quantize_embedding, "serve.quantize_embedding", self.quantize_embedding,
             f"true only with serve.quantize=int8 (it is {self.quantize}): the embedding is quantized with the rest",

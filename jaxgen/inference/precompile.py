@@ -9,10 +9,11 @@ serve.prefill_chunk, within the step's padded budget), run once each on padding 
 prompt-scored chunk of each column bucket; the decode chunk, and the speculative one at each draft window
 (2, 4, 8); and the small programs that start and stop a slot. These run through the engine itself, by a tiny
 request whose prompt (token ids) has the chunk's length: the same host code and the same argument types as a
-real request, so exactly the same programs. Not covered: the grammar table's larger sizes (each structured
-constraint's states; the table grows by powers of two) compile the decode programs again when a constraint
-first needs them. The warm-up's requests are not counted in the engine's statistics, and the pages they
-leave in the prefix cache are dropped.
+real request, so exactly the same programs. Structured output's grammar table has serve.grammar_states rows
+from the start (the decode programs above are compiled with it), and the program that pushes it to the device
+runs once here: constraints within those states compile nothing; one beyond them grows the table and compiles
+the decode programs again (counted after ready in /metrics). The warm-up's requests are not counted in the
+engine's statistics, and the pages they leave in the prefix cache are dropped.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ def precompile(engine, progress: bool = False) -> int:
     try:
         for rows, columns in tqdm(shapes, desc="precompile prefill", unit="shape", disable=not progress):
             engine.compile_prefill(rows, columns)
+        with engine.lock:
+            engine.runner.compile_grammar()
         for ids, sampling in tqdm(warm_up_requests(engine), desc="precompile", unit="request", disable=not progress):
             try:
                 engine.submit(ids, sampling)

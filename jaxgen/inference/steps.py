@@ -48,6 +48,7 @@ from jaxgen.inference.decode import (
     stop_window,
 )  # fmt: skip
 from jaxgen.inference.sampling import MAX_SPECULATIVE, MAX_STOP_SEQUENCE, SamplingArrays, SamplingConfig
+from jaxgen.inference.structured import table_rows
 from jaxgen.model import lora
 from jaxgen.model.paged import PagedCache, page_bytes
 
@@ -150,7 +151,8 @@ def init_state(cfg: ModelConfig, serve: ServeConfig, num_pages: int, max_pages: 
         stop_seqs=jnp.full((b, MAX_STOPS, MAX_STOP_SEQUENCE), -1, jnp.int32),
         recent=jnp.full((b, MAX_STOP_SEQUENCE), -1, jnp.int32),
         seen=jnp.zeros((b, v), bool), counts=jnp.zeros((b, v), jnp.int32),
-        grammar=jnp.zeros((b,), jnp.int32), grammar_table=jnp.zeros((1, v), jnp.int32),
+        grammar=jnp.zeros((b,), jnp.int32),
+        grammar_table=jnp.zeros((table_rows(serve.grammar_states, v), v), jnp.int32),  # unused rows never read
         sampling=jax.tree.map(jnp.asarray, SamplingArrays.stack([idle] * b, v)), cache=cache,
         adapter=jnp.zeros((b,), jnp.int32) if serve.max_loras else None,  # each slot's LoRA (multi-LoRA serving)
     )  # fmt: skip

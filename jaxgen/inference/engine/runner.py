@@ -52,7 +52,7 @@ class Runner:
             self.draft_params, self.draft_cfg = model.decode_params(draft[0], serve.slots), draft[1]
         self._to_decode = None  # update_params' jitted layout conversion
         self.compilations = 0
-        self.grammars = grammar.GrammarPool(cfg.vocab_size)  # the slots' constraints (the device has a copy)
+        self.grammars = self._new_grammars()  # the slots' constraints (the device has a copy)
         self._jit_steps(mesh)
         init = self._jit(steps.init_state, mesh, static=(0, 1, 2, 3))  # jitted: the pool is made in its shardings
         self._new_state = lambda: init(cfg, serve, num_pages, max_pages)
@@ -267,6 +267,16 @@ class Runner:
             return self._to_decode(params)
         return jax.tree.map(lambda x, old: jax.device_put(x, old.sharding), to_decode(params), current)
 
+    def _new_grammars(self) -> grammar.GrammarPool:
+        """An empty table of serve.grammar_states' rows, as `steps.init_state` makes the device's."""
+        rows = grammar.table_rows(self.serve.grammar_states, self.cfg.vocab_size)
+        return grammar.GrammarPool(self.cfg.vocab_size, rows)
+
+    def compile_grammar(self) -> None:
+        """Pushes the (unchanged) grammar table to the device: compiles that program before any constraint
+        needs it (`precompile`)."""
+        self.state = self._set_grammar(self.state, self.grammars.table)
+
     def free(self) -> None:
         """Frees the decode state's device memory, the page pool above all (`Engine.sleep`); the weights stay."""
         for x in jax.tree.leaves((self.state, self.spec)):
@@ -277,7 +287,7 @@ class Runner:
         """A fresh decode state, page pool, speculative state and grammar table (after `free`, or a failure that
         may have consumed the donated state): nothing compiles."""
         self.state, self.spec = self._new_state(), self._new_spec()
-        self.grammars = grammar.GrammarPool(self.cfg.vocab_size)  # the device's table is empty again
+        self.grammars = self._new_grammars()  # the device's table is empty again
         self.retiring[:] = False
         self.in_flight = None
 

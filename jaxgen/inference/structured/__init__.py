@@ -29,7 +29,7 @@ exactly KINDS); everything else reads KINDS.
 
 from jaxgen.inference.structured.automaton import Automaton, Vocabulary
 from jaxgen.inference.structured.compiler import Constraints, compile_automaton
-from jaxgen.inference.structured.pool import GrammarPool
+from jaxgen.inference.structured.pool import GrammarPool, table_rows
 from jaxgen.inference.structured.spec import JSON_OBJECT, KINDS, Structured, schema_regex
 
 __all__ = [
@@ -42,4 +42,5 @@ __all__ = [
     "Vocabulary",
     "compile_automaton",
     "schema_regex",
+    "table_rows",
 ]

@@ -41,14 +41,28 @@ def stack(distinct: tuple[Automaton, ...], vocab_size: int) -> np.ndarray:
     return table
 
 
+AUTO_TABLE_BYTES, AUTO_MAX_STATES = 64 * 2**20, 4096  # serve.grammar_states=0
+
+
+def table_rows(states: int, vocab_size: int) -> int:
+    """The engine's table rows from the start for serve.grammar_states (`states`, rounded up to a power of
+    two; 0: the most, a power of two, that AUTO_TABLE_BYTES of int32 rows hold, at most AUTO_MAX_STATES)."""
+    if not states:
+        fit = max(1, min(AUTO_MAX_STATES, AUTO_TABLE_BYTES // (4 * vocab_size)))
+        return 1 << (fit.bit_length() - 1)
+    return 1 << (states - 1).bit_length()
+
+
 class GrammarPool:
     """The engine's table: the automata of the requests in its slots, each at its own range of states (state 0
     free). A range is shared by the slots that use the same constraint and reused once none does; the table
     grows to the next power of two when full (a new shape: the engine's steps compile once more), or at once
-    to a size given to `reserve`."""
+    to a size given to `reserve`. `rows`: its size from the start (`table_rows`), the device's copy made
+    alike (`steps.init_state`): the unused rows are never reached."""
 
-    def __init__(self, vocab_size: int):
-        self.table = np.zeros((1, vocab_size), np.int32)
+    def __init__(self, vocab_size: int, rows: int = 1):
+        self.table = np.full((rows, vocab_size), -1, np.int32)
+        self.table[0] = 0  # the free state: every token allowed, and it stays
         self.changed = False  # the table differs from the device's copy
         self._slots: dict[int, Automaton] = {}
         self._ranges: dict[int, list] = {}  # id(automaton) -> [offset, size, slots using it]
