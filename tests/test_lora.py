@@ -41,16 +41,19 @@ def hf_model(request, tmp_path_factory):
     return family, ref.eval(), cfg, params, folder
 
 
-def _peft_adapted(ref, targets, seed: int):
-    """ref wrapped by PEFT with every lora_A and lora_B drawn at random (B nonzero)."""
+def _peft_adapted(ref, targets, seed: int, modules=None, **settings):
+    """ref wrapped by PEFT (`modules`, default the targets' "{t}_proj"; `settings`: more of peft.LoraConfig) with
+    every lora_A and lora_B drawn at random (B nonzero) and DoRA's magnitudes (use_dora) scaled at random."""
     import peft
 
-    modules = [f"{t}_proj" for t in targets]
-    wrapped = peft.get_peft_model(ref, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=modules))
+    modules = modules or [f"{t}_proj" for t in targets]
+    wrapped = peft.get_peft_model(ref, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=modules, **settings))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in wrapped.named_parameters():
-            if "lora_" in name:
+            if "lora_magnitude_vector" in name:  # started at ||W||: around it, so that m / ||V|| stays near 1
+                p.mul_(1 + 0.3 * torch.randn(p.shape, generator=gen))
+            elif "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
     return wrapped.eval()
 

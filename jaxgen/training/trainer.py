@@ -228,8 +228,9 @@ def _resume(
     adapters_only = bool(cfg.model.lora.rank)  # LoRA: the state is the adapters', the base rebuilt
     if not steps:
         params = _init_from_params(cfg, mesh, family)
-        if adapters_only:
-            return create_train_state(cfg, mesh), 0, create_base(cfg, mesh, params)
+        if adapters_only:  # DoRA's magnitudes start at the base's norms
+            base = create_base(cfg, mesh, params)
+            return create_train_state(cfg, mesh, base), 0, base
         return create_train_state(cfg, mesh, params), 0, None
     target = None
 
