@@ -140,26 +140,28 @@ def _batch(cfg):
 
 
 def _train(cfg, steps: int = 8):
-    """(losses, base before, base after, final state) of `steps` LoRA steps on one batch."""
+    """(losses, base before, base after, final state, the adapters it started from) of `steps` LoRA steps on
+    one batch."""
     from jaxgen.sharding import make_mesh
 
     mesh = make_mesh(cfg.mesh, jax.devices()[:1])
     base = create_base(cfg, mesh)
     before = jax.tree.map(lambda x: np.array(x), base)
-    state = create_train_state(cfg, mesh)
+    state = create_train_state(cfg, mesh, base)  # (DoRA's magnitudes start at the base's norms)
+    start = jax.tree.map(np.array, state.params)
     step_fn = make_train_step(cfg, mesh, state, base)
     batch = put_batch(_batch(cfg), mesh)
     losses = []
     for _ in range(steps):
         state, m = step_fn(state, batch)
         losses.append(float(m["loss"]))
-    return losses, before, base, state
+    return losses, before, base, state, start
 
 
 @pytest.mark.parametrize("base_dtype", ["float32", "int8"])
 def test_lora_trains_adapters_only(tiny_cfg, base_dtype):
     cfg = _lora_cfg(tiny_cfg, base_dtype=base_dtype)
-    losses, before, base, state = _train(cfg)
+    losses, before, base, state, _ = _train(cfg)
     assert losses[-1] < losses[0] - 0.05, losses
     assert quant.is_quantized(base) == (base_dtype == "int8")
     for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(base), strict=True):
@@ -170,6 +172,24 @@ def test_lora_trains_adapters_only(tiny_cfg, base_dtype):
     assert sum(x.size for x in moments) == 2 * lora.count_lora(cfg.model)  # Adam's mu and nu, adapters only
     b = state.params["q"]["b_rnh"]
     assert float(jnp.abs(b).max()) > 0  # B left zero
+
+
+def test_dora_starts_as_the_base_trains_and_merges(tiny_cfg):
+    """DoRA (model.lora.dora) on the tiny model: the untrained adapters give the base's logits (m = ||W||), a
+    few steps lower the loss and move the magnitudes, the merged weights give the adapted logits; the engine's
+    adapter bank refuses a DoRA adapter."""
+    cfg = _lora_cfg(tiny_cfg, dora=True)
+    losses, _, base, state, start = _train(cfg, steps=6)
+    assert losses[-1] < losses[0] - 0.05, losses
+    moved = [float(jnp.abs(lora.parts(state.params[t])[2] - lora.parts(start[t])[2]).max()) for t in ALL]
+    assert min(moved) > 0, moved
+    batch = _batch(cfg)
+    forward = jax.jit(lambda p: model.forward(p, batch["inputs"], batch["positions"], cfg=cfg.model)[0])
+    np.testing.assert_allclose(forward(lora.attach(base, start)), forward(base), atol=1e-5, rtol=0)
+    merged = lora.merge(base, state.params, cfg.model)
+    np.testing.assert_allclose(forward(merged), forward(lora.attach(base, state.params)), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match=r"DoRA adapter .* serves plain LoRA only"):
+        lora.bank_entry(jax.device_get(state.params), 1.0, lora.init_bank(cfg.model, 1, RANK))
 
 
 @pytest.mark.parametrize("hf_model", ["llama"], indirect=True)  # one family: the code path is shared
