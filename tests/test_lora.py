@@ -158,38 +158,38 @@ def _train(cfg, steps: int = 8):
     return losses, before, base, state, start
 
 
-@pytest.mark.parametrize("base_dtype", ["float32", "int8"])
-def test_lora_trains_adapters_only(tiny_cfg, base_dtype):
-    cfg = _lora_cfg(tiny_cfg, base_dtype=base_dtype)
-    losses, before, base, state, _ = _train(cfg)
+@pytest.mark.parametrize("base_dtype, dora", [("float32", True), ("int8", False)], ids=["float32-dora", "int8"])
+def test_lora_trains_adapters_only(tiny_cfg, base_dtype, dora):
+    """The loss falls, the base is bitwise unchanged, the optimizer holds the adapters' moments only. DoRA
+    (model.lora.dora, the magnitudes trained too): see `_check_dora`."""
+    cfg = _lora_cfg(tiny_cfg, base_dtype=base_dtype, dora=dora)
+    losses, before, base, state, start = _train(cfg)
     assert losses[-1] < losses[0] - 0.05, losses
     assert quant.is_quantized(base) == (base_dtype == "int8")
     for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(base), strict=True):
         np.testing.assert_array_equal(x, np.asarray(y))  # the base is bitwise unchanged
-    adapters = lora.init_lora(cfg.model, jax.random.key(0))
+    adapters = lora.init_lora(cfg.model, jax.random.key(0), base)
     assert jax.tree.structure(state.params) == jax.tree.structure(adapters)
     moments = [x for x in jax.tree.leaves(state.opt_state) if np.ndim(x) > 0]
     assert sum(x.size for x in moments) == 2 * lora.count_lora(cfg.model)  # Adam's mu and nu, adapters only
     b = state.params["q"]["b_rnh"]
     assert float(jnp.abs(b).max()) > 0  # B left zero
+    if dora:
+        _check_dora(cfg, base, start, state.params)
 
 
-def test_dora_starts_as_the_base_trains_and_merges(tiny_cfg):
-    """DoRA (model.lora.dora) on the tiny model: the untrained adapters give the base's logits (m = ||W||), a
-    few steps lower the loss and move the magnitudes, the merged weights give the adapted logits; the engine's
-    adapter bank refuses a DoRA adapter."""
-    cfg = _lora_cfg(tiny_cfg, dora=True)
-    losses, _, base, state, start = _train(cfg, steps=6)
-    assert losses[-1] < losses[0] - 0.05, losses
-    moved = [float(jnp.abs(lora.parts(state.params[t])[2] - lora.parts(start[t])[2]).max()) for t in ALL]
+def _check_dora(cfg, base, start, trained):
+    """DoRA's untrained adapters give the base's logits (m = ||W||), training moved every magnitude, the merged
+    weights give the adapted logits, and the engine's adapter bank refuses a DoRA adapter."""
+    moved = [float(jnp.abs(lora.parts(trained[t])[2] - lora.parts(start[t])[2]).max()) for t in ALL]
     assert min(moved) > 0, moved
     batch = _batch(cfg)
     forward = jax.jit(lambda p: model.forward(p, batch["inputs"], batch["positions"], cfg=cfg.model)[0])
     np.testing.assert_allclose(forward(lora.attach(base, start)), forward(base), atol=1e-5, rtol=0)
-    merged = lora.merge(base, state.params, cfg.model)
-    np.testing.assert_allclose(forward(merged), forward(lora.attach(base, state.params)), atol=1e-5, rtol=0)
+    merged = lora.merge(base, trained, cfg.model)
+    np.testing.assert_allclose(forward(merged), forward(lora.attach(base, trained)), atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match=r"DoRA adapter .* serves plain LoRA only"):
-        lora.bank_entry(jax.device_get(state.params), 1.0, lora.init_bank(cfg.model, 1, RANK))
+        lora.bank_entry(jax.device_get(trained), 1.0, lora.init_bank(cfg.model, 1, RANK))
 
 
 @pytest.mark.parametrize("hf_model", ["llama"], indirect=True)  # one family: the code path is shared
