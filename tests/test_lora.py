@@ -107,6 +107,7 @@ def test_adapted_logits_equal_peft(hf_model):
         ("model.lora.targets=[q, q]", "model.lora.targets=('q', 'q') is not allowed: distinct"),
         ("model.lora.dropout=0.1", "model.lora.dropout=0.1 is not allowed: 0 (adapter dropout is not implemented)"),
         ("model.lora.alpha=0", "model.lora.alpha=0.0 is not allowed"),
+        ("model.lora.dora=maybe", "model.lora.dora='maybe' is not allowed: true or false"),
         ("model.lora.ranks=4", "unknown config key model.lora.ranks; allowed keys under model.lora: rank"),
     ],
 )
@@ -119,6 +120,15 @@ def test_lora_settings_are_checked(override, message):
     with pytest.raises(ConfigError) as e:
         load_config(ROOT / "configs" / "tiny.yaml", [override])
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_reinforcement_learning_refuses_dora(tiny_cfg):
+    """The RL sampler runs the adapter from the engine's bank, which serves plain LoRA: refused before anything
+    is built."""
+    from jaxgen.rl.policy import Policy
+
+    with pytest.raises(ConfigError, match=r"model\.lora\.dora=true is not allowed in reinforcement learning"):
+        Policy.of(_lora_cfg(tiny_cfg, dora=True), None, None)
 
 
 def _lora_cfg(tiny_cfg, **lora_fields):
