@@ -140,7 +140,7 @@ def test_dora_equals_peft_both_ways(case, tmp_path):
     write_peft_adapter(tmp_path / "ours", adapters, cfg)
     if case.family == "gpt2":  # DoRA rescales every row of c_attn: one of its parts left out is refused
         part = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, targets=("q", "v")))
-        with pytest.raises(hf.HFError, match="DoRA on gpt2's attn.c_attn needs all of its parts targeted"):
+        with pytest.raises(hf.HFError, match=r"DoRA on gpt2's attn\.c_attn needs all of its parts targeted"):
             write_peft_adapter(tmp_path / "part", {t: adapters[t] for t in ("q", "v")}, part)
     assert json.loads((tmp_path / "ours" / "adapter_config.json").read_text())["use_dora"] is True
     wrapped = peft.PeftModel.from_pretrained(case.reference(), tmp_path / "ours").eval()
