@@ -129,7 +129,7 @@ def _magnitude_key(pair: dict) -> str:
 
 def is_dora(adapters: dict) -> bool:
     """Whether `adapters` ({target: {"a_..", "b_..", ...}}) carry DoRA's magnitudes."""
-    return any(parts(pair)[2] is not None for pair in adapters.values())
+    return any(k.startswith("m_") for pair in adapters.values() for k in pair)
 
 
 def _float(w) -> jax.Array:
