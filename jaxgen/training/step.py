@@ -11,7 +11,7 @@ so the optimizer state and the checkpoints are the adapters' only; the frozen ba
 `create_base` and passed to the step beside the state, never donated, differentiated or changed:
 
     base = create_base(cfg, mesh, params)      # params: starting weights (None: drawn from the seed)
-    state = create_train_state(cfg, mesh)      # adapters and their optimizer state
+    state = create_train_state(cfg, mesh, base)  # adapters and their optimizer state (DoRA: m from the base)
     step_fn = make_train_step(cfg, mesh, state, base)
 """
 
