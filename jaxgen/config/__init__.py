@@ -8,7 +8,7 @@ Every check runs here, before anything is compiled.
 
 base.py     ConfigError, the checks (one for every Literal field), YAML data to dataclasses, dotted overrides
 model.py    ModelConfig: the network
-train.py    DataConfig, OptimizerConfig, TrainingConfig, CheckpointConfig: what a training run reads
+train.py    DataConfig, OptimizerConfig, TrainingConfig, CheckpointConfig, PreferenceConfig: what a training run reads
 devices.py  MeshConfig and DistributedConfig: the device mesh and several processes
 serve.py    ServeConfig, HttpConfig, ServeCommandConfig: the engine and the HTTP server (serve.py's file)
 rl.py       RLConfig: what rl.py reads (the task and reward, rollouts, the policy-gradient loss)
@@ -21,10 +21,11 @@ from jaxgen.config.model import LoraConfig, ModelConfig
 from jaxgen.config.rl import RLConfig
 from jaxgen.config.run import Config, config_from_dict, load_config, load_serve_config, save_config
 from jaxgen.config.serve import HttpConfig, ServeCommandConfig, ServeConfig
-from jaxgen.config.train import CheckpointConfig, DataConfig, OptimizerConfig, TrainingConfig
+from jaxgen.config.train import CheckpointConfig, DataConfig, OptimizerConfig, PreferenceConfig, TrainingConfig
 
 __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistributedConfig", "HttpConfig", "LoraConfig",
-    "MeshConfig", "ModelConfig", "OptimizerConfig", "RLConfig", "ServeCommandConfig", "ServeConfig", "TrainingConfig",
+    "MeshConfig", "ModelConfig", "OptimizerConfig", "PreferenceConfig", "RLConfig", "ServeCommandConfig",
+    "ServeConfig", "TrainingConfig",
     "apply_overrides", "config_from_dict", "load_config", "load_serve_config", "save_config",
 ]  # fmt: skip

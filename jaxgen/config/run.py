@@ -24,7 +24,7 @@ from jaxgen.config.devices import DistributedConfig, MeshConfig
 from jaxgen.config.model import ModelConfig
 from jaxgen.config.rl import RLConfig
 from jaxgen.config.serve import ServeCommandConfig, ServeConfig
-from jaxgen.config.train import CheckpointConfig, DataConfig, OptimizerConfig, TrainingConfig
+from jaxgen.config.train import CheckpointConfig, DataConfig, OptimizerConfig, PreferenceConfig, TrainingConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +39,15 @@ class Config:
     serve: ServeConfig = dataclasses.field(default_factory=ServeConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     rl: RLConfig = dataclasses.field(default_factory=RLConfig)  # read by rl.py only
+    preference: PreferenceConfig = dataclasses.field(default_factory=PreferenceConfig)  # training.objective dpo...
 
     def __post_init__(self):
+        pairs, objective = self.data.source == "preference", self.training.objective
+        check(pairs == (objective != "sft"), "training.objective", objective,
+              "dpo, ipo or simpo with data.source=preference (pairs), sft with any other source")  # fmt: skip
+        if pairs:
+            check(self.training.grad_accum == 1, "training.grad_accum", self.training.grad_accum,
+                  "1 with a preference objective (each step's pairs in one micro-batch)")  # fmt: skip
         if self.training.init_from is None:  # else the folder's config replaces `model`: checked once read
             self.check_seq_len()
 

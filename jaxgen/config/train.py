@@ -10,8 +10,9 @@ from jaxgen.config.base import check, check_literals
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    source: Literal["stdlib", "files", "jsonl", "chat"] = "stdlib"  # chat: JSONL `messages`, loss on the assistant
-    paths: tuple[str, ...] = ()  # globs, for files, jsonl and chat
+    # chat: JSONL `messages`, loss on the assistant; preference: JSONL prompt, chosen, rejected (preference tuning)
+    source: Literal["stdlib", "files", "jsonl", "chat", "preference"] = "stdlib"
+    paths: tuple[str, ...] = ()  # globs, for files, jsonl, chat and preference
     text_field: str = "text"
     prompt_field: str | None = None  # jsonl fine-tuning: loss only on the response
     response_field: str | None = None
@@ -73,8 +74,12 @@ class TrainingConfig:
     # Fine-tuning: a local Hugging Face model folder. Its config.json replaces the `model` section (all
     # but model.dtype), its tokenizer replaces data.tokenizer, and its weights are the starting point.
     init_from: str | None = None
+    # sft: next-token cross-entropy; dpo, ipo, simpo: preference tuning on data.source=preference pairs
+    # (jaxgen.training.preference, its settings in the `preference` section)
+    objective: Literal["sft", "dpo", "ipo", "simpo"] = "sft"
 
     def __post_init__(self):
+        check_literals(self, "training")
         for name in ("steps", "batch_size", "grad_accum", "eval_every", "log_every", "max_nonfinite_in_row"):
             value = getattr(self, name)
             check(isinstance(value, int) and value > 0, f"training.{name}", value, "a positive integer")
@@ -96,3 +101,18 @@ class CheckpointConfig:
     def __post_init__(self):
         check(self.every > 0, "checkpoint.every", self.every, "a positive integer")
         check(self.keep > 0, "checkpoint.keep", self.keep, "a positive integer")
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferenceConfig:
+    """Preference tuning's settings (training.objective dpo, ipo or simpo; jaxgen.training.preference)."""
+
+    beta: float = 0.1  # dpo: the sigmoid's scale; ipo: the target margin is 1 / (2 beta); simpo: ~2 (SimPO's)
+    label_smoothing: float = 0.0  # dpo and simpo: the share of pairs taken to be mislabelled (conservative DPO)
+    simpo_gamma: float = 0.5  # simpo: the target reward margin
+
+    def __post_init__(self):
+        check(self.beta > 0 and self.beta < float("inf"), "preference.beta", self.beta, "a finite number > 0")
+        smoothing = self.label_smoothing
+        check(0 <= smoothing < 0.5, "preference.label_smoothing", smoothing, "a number in [0, 0.5)")
+        check(abs(self.simpo_gamma) < float("inf"), "preference.simpo_gamma", self.simpo_gamma, "a finite number")

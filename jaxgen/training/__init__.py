@@ -2,6 +2,8 @@
 
 step.py        TrainState, the optimizer, the teacher-forced loss, the jitted train and eval steps
 loss.py        the LM head and cross-entropy in chunks, gradient formed on the way (no whole logits)
+preference.py  preference tuning: DPO, IPO, SimPO as a table of objectives, their jitted step
+reference.py   preference tuning's frozen reference, scored once and cached beside the data
 trainer.py     train(cfg, run_dir): data, evaluation, checkpoints, metrics, signals, resume
 checkpoint.py  orbax checkpoints with fallback past damaged ones (loading for inference: jaxgen.inference.loading)
 metrics.py     metrics.jsonl, TensorBoard, the loss plot, the matmul-rate measurement

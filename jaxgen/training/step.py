@@ -257,28 +257,36 @@ def state_shardings(state: TrainState):
     return jax.tree.map(lambda x: x.sharding, state)
 
 
-def make_train_step(cfg: Config, mesh, state: TrainState, base: dict | None = None):
+def batch_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
+    """The global shape of each array of a training batch: (B, T) token arrays; with a preference objective
+    B pairs of two rows, (B, 2, T), and the reference's scores (B, 2) (jaxgen.training.preference)."""
+    b, t = cfg.training.batch_size, cfg.data.seq_len
+    if cfg.training.objective == "sft":
+        return {k: (b, t) for k in BATCH_KEYS}
+    return {k: (b, 2, t) for k in BATCH_KEYS} | {"reference": (b, 2)}
+
+
+def make_train_step(cfg: Config, mesh, state: TrainState, base: dict | None = None, fn=None):
     """The jitted, state-donating step `step(state, batch)`, with the state's and the batch's shardings
-    fixed; with LoRA's `base` (see create_base), the step reads it (not donated) on every call."""
+    fixed; with LoRA's `base` (see create_base), the step reads it (not donated) on every call. fn: the step
+    (default `train_step`; a preference objective's is `preference.preference_step`)."""
     tx = make_optimizer(cfg.optimizer, cfg.training.steps)
-    shape = (cfg.training.batch_size, cfg.data.seq_len)
-    batch_sh = {k: batch_sharding(mesh, shape) for k in BATCH_KEYS}
+    batch_sh = {k: batch_sharding(mesh, shape) for k, shape in batch_shapes(cfg).items()}
     state_sh = state_shardings(state)
     in_sh = (state_sh, batch_sh) if base is None else (state_sh, batch_sh, _shardings(base))
-    step = jax.jit(
-        functools.partial(train_step, cfg=cfg, tx=tx),
-        in_shardings=in_sh, out_shardings=(state_sh, None), donate_argnums=0,
-    )  # fmt: skip
+    step = functools.partial(fn or train_step, cfg=cfg, tx=tx)
+    step = jax.jit(step, in_shardings=in_sh, out_shardings=(state_sh, None), donate_argnums=0)
     return with_mesh(step, mesh) if base is None else _with_base(step, base, mesh)
 
 
-def make_eval_step(cfg: Config, mesh, state: TrainState, base: dict | None = None):
-    """The jitted `eval(params, batch) -> (loss sum, token count)`; with LoRA, params are the adapters."""
-    shape = (cfg.training.batch_size, cfg.data.seq_len)
-    batch_sh = {k: batch_sharding(mesh, shape) for k in BATCH_KEYS}
+def make_eval_step(cfg: Config, mesh, state: TrainState, base: dict | None = None, fn=None):
+    """The jitted `eval(params, batch) -> (loss sum, token count)`; with LoRA, params are the adapters. fn:
+    the evaluation (default `eval_step`; a preference objective's, `preference.preference_eval`, returns
+    (loss sum, pairs, correctly ranked pairs))."""
+    batch_sh = {k: batch_sharding(mesh, shape) for k, shape in batch_shapes(cfg).items()}
     params_sh = state_shardings(state).params
     in_sh = (params_sh, batch_sh) if base is None else (params_sh, batch_sh, _shardings(base))
-    fn = jax.jit(functools.partial(eval_step, cfg=cfg), in_shardings=in_sh)
+    fn = jax.jit(functools.partial(fn or eval_step, cfg=cfg), in_shardings=in_sh)
     return with_mesh(fn, mesh) if base is None else _with_base(fn, base, mesh)
 
 
@@ -294,10 +302,11 @@ def _with_base(jitted, base: dict, mesh):
     return call
 
 
-def put_batch(batch: dict, mesh, global_batch: int | None = None, keys: tuple[str, ...] = BATCH_KEYS) -> dict:
+def put_batch(batch: dict, mesh, global_batch: int | None = None, keys: tuple[str, ...] | None = None) -> dict:
     """Places this process's numpy rows (`process_rows` of the global batch) as global arrays sharded over
     the batch axis. global_batch: rows in all (default: this process's rows, i.e. a single process).
-    keys: the arrays of `batch` placed (default: a training batch's)."""
+    keys: the arrays of `batch` placed (default: a training batch's, with a preference batch's reference)."""
+    keys = keys or tuple(k for k in (*BATCH_KEYS, "reference") if k in batch)
     out = {}
     for k in keys:
         local = batch[k]

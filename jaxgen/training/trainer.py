@@ -30,8 +30,14 @@ from jaxgen.model import lora
 from jaxgen.sharding import check_spans_processes, make_mesh, process_rows
 from jaxgen.tokenizer import Tokenizer
 from jaxgen.training.checkpoint import Checkpointer, has_checkpoint, quiet_background_errors, restore_newest
-from jaxgen.training.data.pipeline import PackedConversations, PackedSequences, eval_batches, train_iterator
-from jaxgen.training.data.tokens import load_splits
+from jaxgen.training.data.pipeline import (
+    PackedConversations,
+    PackedSequences,
+    PreferencePairs,
+    eval_batches,
+    train_iterator,
+)
+from jaxgen.training.data.tokens import load_meta, load_splits
 from jaxgen.training.metrics import MetricsWriter, measure_matmul_flops, plot_loss
 from jaxgen.training.step import (
     TrainState,
@@ -186,11 +192,14 @@ def train(cfg: Config, run_dir: str | Path, progress: bool = True) -> TrainResul
         check_spans_processes(mesh, f"the mesh {dict(mesh.shape)}")
         with _disk_full_is_one_error(f"the token cache in {cfg.data.cache_dir}"):
             splits = load_splits(cfg.data, tokenizer)
-        packed = PackedConversations if cfg.data.source == "chat" else PackedSequences  # chats are never split
+        packed = {"chat": PackedConversations, "preference": PreferencePairs}.get(cfg.data.source, PackedSequences)
         train_src = packed(splits["train"]["tokens"], splits["train"]["flags"], cfg.data.seq_len)
         eval_src = packed(splits["eval"]["tokens"], splits["eval"]["flags"], cfg.data.seq_len)
         if getattr(train_src, "cut", 0):
-            _say(f"data: {train_src.cut} conversation(s) longer than data.seq_len + 1 tokens are cut to their start")
+            what = "answer(s)" if cfg.data.source == "preference" else "conversation(s)"
+            _say(f"data: {train_src.cut} {what} longer than data.seq_len + 1 tokens are cut to their start")
+        if cfg.data.source == "preference":
+            _references(cfg, mesh, tokenizer, family, train_src, eval_src, progress)
         rows = process_rows(mesh, cfg.training.batch_size)  # this process loads only its share of each batch
         data_iter = train_iterator(train_src, cfg.training.batch_size, cfg.data.seed, rows)
         held_out = eval_batches(eval_src, cfg.training.batch_size, cfg.data.eval_batches, rows)
@@ -209,6 +218,26 @@ def train(cfg: Config, run_dir: str | Path, progress: bool = True) -> TrainResul
         with _disk_full_is_one_error(f"a checkpoint in {ckpt.directory}"):
             ckpt.close()
         return result
+
+
+def _references(cfg: Config, mesh, tokenizer, family, train_src, eval_src, progress: bool) -> None:
+    """Reports the preference data's bad lines and gives both splits the reference's scores (computed with
+    the starting model once, then read from the cache: jaxgen.training.reference)."""
+    from jaxgen.training.reference import set_references
+
+    bad = load_meta(cfg.data, tokenizer)["bad_lines"]
+    if bad["count"]:  # said on every start, from the store's record of them
+        shown = "; ".join(bad["first"][:5]) + ("; ..." if bad["count"] > 5 else "")
+        kept = len(train_src) + len(eval_src)
+        _say(f"data: {bad['count']} bad preference line(s) skipped, {kept} pairs kept: {shown}")
+
+    def start() -> dict:  # the params the first step reads
+        params = _init_from_params(cfg, mesh, family)
+        if not cfg.model.lora.rank:
+            return create_train_state(cfg, mesh, params).params
+        return lora.attach(create_base(cfg, mesh, params), create_train_state(cfg, mesh).params)
+
+    set_references(cfg, mesh, tokenizer, {"train": train_src, "eval": eval_src}, start, progress)
 
 
 def _resume(
@@ -288,7 +317,13 @@ class _Run:
 
 def _loop(run: _Run, state: TrainState, start: int, progress: bool) -> TrainResult:
     cfg = run.cfg
-    step_fn, eval_fn = make_train_step(cfg, run.mesh, state, run.base), make_eval_step(cfg, run.mesh, state, run.base)
+    steps = (None, None)  # the defaults: next-token cross-entropy
+    if cfg.training.objective != "sft":
+        from jaxgen.training.preference import preference_eval, preference_step
+
+        steps = (preference_step, preference_eval)
+    step_fn = make_train_step(cfg, run.mesh, state, run.base, steps[0])
+    eval_fn = make_eval_step(cfg, run.mesh, state, run.base, steps[1])
     rates = _Rates(cfg)
     result = TrainResult(step=start, status="finished")
     end = cfg.training.steps
@@ -335,7 +370,8 @@ class _Rates:
     """Per-step record: loss, gradient norm, learning rate, tokens/s and MFU against the matmul rate."""
 
     def __init__(self, cfg: Config):
-        self.tokens_per_step = cfg.training.batch_size * cfg.data.seq_len
+        rows = cfg.training.batch_size * (1 if cfg.training.objective == "sft" else 2)  # a pair is two rows
+        self.tokens_per_step = rows * cfg.data.seq_len
         flops = lora.train_flops_per_token if cfg.model.lora.rank else model.flops_per_token
         self.flops_per_step = flops(cfg.model, cfg.data.seq_len) * self.tokens_per_step
         self.peak = cfg.training.peak_flops or measure_matmul_flops()
@@ -346,12 +382,16 @@ class _Rates:
             "tokens_per_s": self.tokens_per_step / dt, "mfu": self.flops_per_step / dt / self.peak, "step_time_s": dt,
             "data": _batch_hash(batch),
         }  # fmt: skip
-        return out | {k: float(m[k]) for k in ("router_aux", "router_z") if k in m}  # mixture of experts
+        extra = ("router_aux", "router_z", "rewards_chosen", "rewards_rejected", "margin", "accuracy")
+        return out | {k: float(m[k]) for k in extra if k in m}  # mixture of experts; preference tuning
 
 
 def _evaluate_now(eval_fn, state, run: _Run, step: int, result: TrainResult, bar) -> dict:
-    loss = _evaluate(eval_fn, state, run.held_out, run.mesh, run.cfg.training.batch_size)
+    loss, *accuracy = _evaluate(eval_fn, state, run.held_out, run.mesh, run.cfg.training.batch_size)
     result.eval_losses.append((step, loss))
+    if accuracy:  # preference tuning: its loss and the share of held-out pairs ranked right
+        bar.write(f"step {step}: held-out {run.cfg.training.objective} loss {loss:.4f}, accuracy {accuracy[0]:.1%}")
+        return {"eval_loss": loss, "eval_accuracy": accuracy[0]}
     ppl = math.exp(min(loss, 50.0))
     bar.write(f"step {step}: held-out loss {loss:.4f}, perplexity {ppl:.2f}")
     return {"eval_loss": loss, "eval_ppl": ppl}
@@ -381,12 +421,14 @@ def _check_nonfinite(state, cfg: Config, bar) -> None:
         )
 
 
-def _evaluate(eval_fn, state, batches, mesh, batch_size: int) -> float:
-    total = count = 0.0
+def _evaluate(eval_fn, state, batches, mesh, batch_size: int) -> tuple[float, ...]:
+    """(loss per token; a preference objective's per pair, and the share of pairs ranked right)."""
+    sums = None
     for batch in batches:
-        t, c = jax.device_get(eval_fn(state.params, put_batch(batch, mesh, batch_size)))
-        total, count = total + float(t), count + float(c)
-    return total / max(count, 1.0)
+        got = [float(x) for x in jax.device_get(eval_fn(state.params, put_batch(batch, mesh, batch_size)))]
+        sums = got if sums is None else [a + b for a, b in zip(sums, got, strict=True)]
+    total, count, *rest = sums
+    return (total / max(count, 1.0), *(r / max(count, 1.0) for r in rest))
 
 
 @contextlib.contextmanager

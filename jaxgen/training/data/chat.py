@@ -67,7 +67,7 @@ def parse_line(line: str, where: str) -> Conversation:
     if not isinstance(record, dict) or not isinstance(record.get("messages"), list) or not record["messages"]:
         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
         raise ChatDataError(f"{where}: 'messages' missing or not a non-empty list; got {keys}")
-    messages = [_message(m, f"{where}: messages[{i}]") for i, m in enumerate(record["messages"])]
+    messages = [parse_message(m, f"{where}: messages[{i}]") for i, m in enumerate(record["messages"])]
     if not any(m["role"] == "assistant" for m in messages):
         roles = [m["role"] for m in messages]
         raise ChatDataError(f"{where}: no assistant message: nothing to train on (roles: {roles})")
@@ -77,7 +77,7 @@ def parse_line(line: str, where: str) -> Conversation:
     return Conversation(messages, tools or None, where)
 
 
-def _message(m, where: str) -> dict:
+def parse_message(m, where: str) -> dict:
     if not isinstance(m, dict):
         raise ChatDataError(f"{where} is {type(m).__name__}: an object with 'role' and 'content'")
     role = m.get("role")
@@ -208,12 +208,13 @@ def encode_conversations(cfg: DataConfig, tokenizer: Tokenizer, paths: list[Path
         for conv in read_conversations(path):
             batch.append((conv, *renderer.spans(conv)))
             if len(batch) == _BATCH:
-                yield from _encode(batch, tokenizer)
+                yield from encode_rendered(batch, tokenizer)
                 batch = []
-    yield from _encode(batch, tokenizer)
+    yield from encode_rendered(batch, tokenizer)
 
 
-def _encode(batch, tokenizer: Tokenizer):
+def encode_rendered(batch, tokenizer: Tokenizer):
+    """(tokens (n,) uint32, trained (n,) bool) per (conversation, its render, the spans to train) of `batch`."""
     if not batch:
         return
     encodings = tokenizer.tok.encode_batch([text for _, text, _ in batch], add_special_tokens=True)

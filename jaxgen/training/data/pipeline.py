@@ -69,6 +69,48 @@ class PackedConversations:
         return pack_window(tokens, flags)
 
 
+class PreferencePairs:
+    """Preference pairs (data.source=preference): pair i is documents 2i (chosen) and 2i + 1 (rejected) of the
+    store, each in a row of its own, padded to T + 1 tokens (`cut` counts answers longer: their first T + 1
+    kept). An example is the pair's two rows, each array (2, T), and `reference` (2,) float32: the frozen
+    reference's log-probability of each answer (`set_reference`, before the first example is read)."""
+
+    def __init__(self, tokens: np.ndarray, flags: np.ndarray, seq_len: int):
+        self.tokens, self.flags, self.seq_len = tokens, flags, seq_len
+        self.starts = np.append(np.flatnonzero(np.asarray(flags) & DOC_START), len(tokens))
+        if len(self.starts) < 3 or len(self.starts) % 2 == 0:
+            raise ValueError(f"{len(self.starts) - 1} documents: preference data is whole pairs, at least one")
+        self.cut = int(np.sum(np.diff(self.starts) > seq_len + 1))
+        self.reference = None
+
+    def __len__(self) -> int:
+        return (len(self.starts) - 1) // 2
+
+    def set_reference(self, reference: np.ndarray) -> None:
+        """(pairs, 2) float32: the reference's summed log-probabilities of each pair's chosen, rejected answer."""
+        if reference.shape != (len(self), 2):
+            raise ValueError(f"a reference of shape {reference.shape} for {len(self)} pairs: expected {(len(self), 2)}")
+        self.reference = reference
+
+    def rows(self, i: int) -> dict[str, np.ndarray]:
+        """Pair i's two rows, each array (2, T), without the reference (what computing it reads)."""
+        rows = [self._row(2 * int(i) + k) for k in (0, 1)]
+        return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        if self.reference is None:
+            raise RuntimeError("PreferencePairs.set_reference must be called before examples are read")
+        return self.rows(i) | {"reference": np.asarray(self.reference[int(i)], np.float32)}
+
+    def _row(self, d: int) -> dict[str, np.ndarray]:
+        lo, hi = self.starts[d], min(self.starts[d + 1], self.starts[d] + self.seq_len + 1)
+        tokens = np.zeros(self.seq_len + 1, np.int64)
+        flags = np.full(self.seq_len + 1, NO_LOSS, np.uint8)
+        tokens[: hi - lo], flags[: hi - lo] = self.tokens[lo:hi], self.flags[lo:hi]
+        flags[hi - lo : hi - lo + 1] |= DOC_START  # the padding is a document of its own
+        return pack_window(tokens, flags)
+
+
 def pack_window(tokens: np.ndarray, flags: np.ndarray) -> dict[str, np.ndarray]:
     """One example from T + 1 tokens and their flags. All arrays are (T,) int32."""
     starts = (flags & DOC_START).astype(bool)

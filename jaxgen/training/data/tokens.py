@@ -2,7 +2,8 @@
 
 A store is a folder `<cache_dir>/<key>/` with, per split, `tokens.npy` (uint16 or uint32) and
 `flags.npy` (uint8 per token: bit 0 = first token of a document, bit 1 = no loss: a prompt, or a chat's
-turns other than the assistant's).
+turns other than the assistant's). Preference pairs are two documents each, chosen then rejected, held out
+or not together; `meta.json` counts the bad lines skipped and names the first (`bad_lines`).
 The key hashes the files (path, size, mtime), the tokenizer and the split settings, so a changed
 corpus or tokenizer is tokenized again, and an unchanged one is read back at once.
 """
@@ -22,6 +23,7 @@ from tqdm import tqdm
 from jaxgen.config import DataConfig
 from jaxgen.tokenizer import Tokenizer
 from jaxgen.training.data.chat import encode_conversations
+from jaxgen.training.data.preference import encode_pairs
 from jaxgen.training.data.sources import iter_documents, resolve_paths
 
 DOC_START = 1
@@ -37,14 +39,23 @@ def store_key(cfg: DataConfig, tokenizer: Tokenizer) -> str:
     h.update(tokenizer.tok.to_str().encode())
     settings = (cfg.source, cfg.text_field, cfg.prompt_field, cfg.response_field, cfg.eval_fraction, cfg.seed)
     h.update(repr(settings).encode())
-    if cfg.source == "chat":  # the template decides the text and which tokens are trained
+    if cfg.source in ("chat", "preference"):  # the template decides the text and which tokens are trained
         h.update(repr(tokenizer.chat_template).encode())
     return h.hexdigest()[:16]
 
 
+def store_folder(cfg: DataConfig, tokenizer: Tokenizer) -> Path:
+    """The store's folder (what is cached beside the data, e.g. preference tuning's reference, goes there)."""
+    return Path(os.path.expanduser(cfg.cache_dir)) / store_key(cfg, tokenizer)
+
+
+def load_meta(cfg: DataConfig, tokenizer: Tokenizer) -> dict:
+    return json.loads((store_folder(cfg, tokenizer) / "meta.json").read_text())
+
+
 def load_splits(cfg: DataConfig, tokenizer: Tokenizer) -> dict[str, dict[str, np.ndarray]]:
     """{'train': {'tokens', 'flags'}, 'eval': {...}} as read-only memory maps, building them if needed."""
-    folder = Path(os.path.expanduser(cfg.cache_dir)) / store_key(cfg, tokenizer)
+    folder = store_folder(cfg, tokenizer)
     if not (folder / "meta.json").exists():
         _build(cfg, tokenizer, folder)
     return {
@@ -75,6 +86,18 @@ def _chat_documents(cfg: DataConfig, tokenizer: Tokenizer) -> list:
     return out
 
 
+def _preference_documents(cfg: DataConfig, tokenizer: Tokenizer) -> tuple[list, list[str]]:
+    """(tokens, flags) of each pair's chosen then rejected answer (`preference.py`); the bad lines skipped."""
+    data = encode_pairs(tokenizer, resolve_paths(cfg), cfg.tokenizer)
+    out = []
+    for pair in data.pairs:
+        for tokens, trained in pair:
+            flags = np.where(trained, 0, NO_LOSS).astype(np.uint8)
+            flags[0] |= DOC_START
+            out.append((tokens, flags))
+    return out, data.bad
+
+
 def _text_documents(cfg: DataConfig, tokenizer: Tokenizer) -> list:
     docs, out = list(iter_documents(cfg)), []
     with tqdm(total=len(docs), desc="tokenizing", unit="doc", leave=False) as bar:
@@ -85,14 +108,21 @@ def _text_documents(cfg: DataConfig, tokenizer: Tokenizer) -> list:
 
 
 def _build(cfg: DataConfig, tokenizer: Tokenizer, folder: Path) -> None:
-    docs = _chat_documents(cfg, tokenizer) if cfg.source == "chat" else _text_documents(cfg, tokenizer)
-    if len(docs) < 2:
-        raise ValueError(f"the corpus has {len(docs)} document(s); at least 2 are needed (one held out)")
-    is_eval = np.random.default_rng(cfg.seed).random(len(docs)) < cfg.eval_fraction
+    bad, per = [], 1  # documents kept together (a pair's two)
+    if cfg.source == "preference":
+        (docs, bad), per = _preference_documents(cfg, tokenizer), 2
+    else:
+        docs = _chat_documents(cfg, tokenizer) if cfg.source == "chat" else _text_documents(cfg, tokenizer)
+    units = len(docs) // per
+    if units < 2:
+        what = "pair(s)" if per == 2 else "document(s)"
+        raise ValueError(f"the corpus has {units} {what}; at least 2 are needed (one held out)")
+    is_eval = np.random.default_rng(cfg.seed).random(units) < cfg.eval_fraction
     if not is_eval.any():
         is_eval[-1] = True
     if is_eval.all():
         is_eval[0] = False
+    is_eval = np.repeat(is_eval, per)
     parts = {"train": ([], []), "eval": ([], [])}
     for (tokens, flags), held_out in zip(docs, is_eval, strict=True):
         parts["eval" if held_out else "train"][0].append(tokens)
@@ -100,7 +130,12 @@ def _build(cfg: DataConfig, tokenizer: Tokenizer, folder: Path) -> None:
     dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
-    meta = {"documents": {}, "tokens": {}, "vocab_size": tokenizer.vocab_size}
+    meta = {
+        "documents": {},
+        "tokens": {},
+        "vocab_size": tokenizer.vocab_size,
+        "bad_lines": {"count": len(bad), "first": bad[:20]},
+    }
     for split, (tokens, flags) in parts.items():
         np.save(tmp / f"{split}.tokens.npy", np.concatenate(tokens).astype(dtype))
         np.save(tmp / f"{split}.flags.npy", np.concatenate(flags))
