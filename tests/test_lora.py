@@ -41,16 +41,19 @@ def hf_model(request, tmp_path_factory):
     return family, ref.eval(), cfg, params, folder
 
 
-def _peft_adapted(ref, targets, seed: int):
-    """ref wrapped by PEFT with every lora_A and lora_B drawn at random (B nonzero)."""
+def _peft_adapted(ref, targets, seed: int, modules=None, **settings):
+    """ref wrapped by PEFT (`modules`, default the targets' "{t}_proj"; `settings`: more of peft.LoraConfig) with
+    every lora_A and lora_B drawn at random (B nonzero) and DoRA's magnitudes (use_dora) scaled at random."""
     import peft
 
-    modules = [f"{t}_proj" for t in targets]
-    wrapped = peft.get_peft_model(ref, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=modules))
+    modules = modules or [f"{t}_proj" for t in targets]
+    wrapped = peft.get_peft_model(ref, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=modules, **settings))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in wrapped.named_parameters():
-            if "lora_" in name:
+            if "lora_magnitude_vector" in name:  # started at ||W||: around it, so that m / ||V|| stays near 1
+                p.mul_(1 + 0.3 * torch.randn(p.shape, generator=gen))
+            elif "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
     return wrapped.eval()
 
@@ -104,6 +107,7 @@ def test_adapted_logits_equal_peft(hf_model):
         ("model.lora.targets=[q, q]", "model.lora.targets=('q', 'q') is not allowed: distinct"),
         ("model.lora.dropout=0.1", "model.lora.dropout=0.1 is not allowed: 0 (adapter dropout is not implemented)"),
         ("model.lora.alpha=0", "model.lora.alpha=0.0 is not allowed"),
+        ("model.lora.dora=maybe", "model.lora.dora='maybe' is not allowed: true or false"),
         ("model.lora.ranks=4", "unknown config key model.lora.ranks; allowed keys under model.lora: rank"),
     ],
 )
@@ -116,6 +120,15 @@ def test_lora_settings_are_checked(override, message):
     with pytest.raises(ConfigError) as e:
         load_config(ROOT / "configs" / "tiny.yaml", [override])
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_reinforcement_learning_refuses_dora(tiny_cfg):
+    """The RL sampler runs the adapter from the engine's bank, which serves plain LoRA: refused before anything
+    is built."""
+    from jaxgen.rl.policy import Policy
+
+    with pytest.raises(ConfigError, match=r"model\.lora\.dora=true is not allowed in reinforcement learning"):
+        Policy.of(_lora_cfg(tiny_cfg, dora=True), None, None)
 
 
 def _lora_cfg(tiny_cfg, **lora_fields):
@@ -137,36 +150,54 @@ def _batch(cfg):
 
 
 def _train(cfg, steps: int = 8):
-    """(losses, base before, base after, final state) of `steps` LoRA steps on one batch."""
+    """(losses, base before, base after, final state, the adapters it started from) of `steps` LoRA steps on
+    one batch."""
     from jaxgen.sharding import make_mesh
 
     mesh = make_mesh(cfg.mesh, jax.devices()[:1])
     base = create_base(cfg, mesh)
     before = jax.tree.map(lambda x: np.array(x), base)
-    state = create_train_state(cfg, mesh)
+    state = create_train_state(cfg, mesh, base)  # (DoRA's magnitudes start at the base's norms)
+    start = jax.tree.map(np.array, state.params)
     step_fn = make_train_step(cfg, mesh, state, base)
     batch = put_batch(_batch(cfg), mesh)
     losses = []
     for _ in range(steps):
         state, m = step_fn(state, batch)
         losses.append(float(m["loss"]))
-    return losses, before, base, state
+    return losses, before, base, state, start
 
 
-@pytest.mark.parametrize("base_dtype", ["float32", "int8"])
-def test_lora_trains_adapters_only(tiny_cfg, base_dtype):
-    cfg = _lora_cfg(tiny_cfg, base_dtype=base_dtype)
-    losses, before, base, state = _train(cfg)
+@pytest.mark.parametrize("base_dtype, dora", [("float32", True), ("int8", False)], ids=["float32-dora", "int8"])
+def test_lora_trains_adapters_only(tiny_cfg, base_dtype, dora):
+    """The loss falls, the base is bitwise unchanged, the optimizer holds the adapters' moments only. DoRA
+    (model.lora.dora, the magnitudes trained too): see `_check_dora`."""
+    cfg = _lora_cfg(tiny_cfg, base_dtype=base_dtype, dora=dora)
+    losses, before, base, state, start = _train(cfg)
     assert losses[-1] < losses[0] - 0.05, losses
     assert quant.is_quantized(base) == (base_dtype == "int8")
     for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(base), strict=True):
         np.testing.assert_array_equal(x, np.asarray(y))  # the base is bitwise unchanged
-    adapters = lora.init_lora(cfg.model, jax.random.key(0))
+    adapters = lora.init_lora(cfg.model, jax.random.key(0), base)
     assert jax.tree.structure(state.params) == jax.tree.structure(adapters)
     moments = [x for x in jax.tree.leaves(state.opt_state) if np.ndim(x) > 0]
     assert sum(x.size for x in moments) == 2 * lora.count_lora(cfg.model)  # Adam's mu and nu, adapters only
     b = state.params["q"]["b_rnh"]
     assert float(jnp.abs(b).max()) > 0  # B left zero
+    if dora:
+        _check_dora(cfg, base, start, state.params)
+
+
+def _check_dora(cfg, base, start, trained):
+    """DoRA's untrained adapters give the base's logits (m = ||W||), training moved every magnitude, and the
+    merged weights give the adapted logits (the engine's bank refusing DoRA: tests/test_multi_lora.py)."""
+    moved = [float(jnp.abs(lora.parts(trained[t])[2] - lora.parts(start[t])[2]).max()) for t in ALL]
+    assert min(moved) > 0, moved
+    batch = _batch(cfg)
+    forward = jax.jit(lambda p: model.forward(p, batch["inputs"], batch["positions"], cfg=cfg.model)[0])
+    np.testing.assert_allclose(forward(lora.attach(base, start)), forward(base), atol=1e-5, rtol=0)
+    merged = lora.merge(base, trained, cfg.model)
+    np.testing.assert_allclose(forward(merged), forward(lora.attach(base, trained)), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("hf_model", ["llama"], indirect=True)  # one family: the code path is shared

@@ -21,6 +21,7 @@ from tests.test_hf import FAMILIES, _one_device, _randomise
 from tests.test_lora import ALL, ATTENTION, _adapters_from_peft, _peft_adapted
 
 RANK, ALPHA = 4, 8.0
+FUSED = {"gpt2": ["c_attn", "attn.c_proj", "c_fc"], "phi3": ["qkv_proj", "o_proj", "gate_up_proj"]}  # PEFT's modules
 TOKENS = np.random.default_rng(3).integers(0, 257, (2, 12)).astype(np.int32)
 POSITIONS = np.tile(np.arange(12, dtype=np.int32), (2, 1))
 
@@ -101,21 +102,7 @@ def test_export_loads_in_peft_with_the_same_logits(case, tmp_path):
 
 def test_import_of_a_folder_peft_saved(case, tmp_path):
     """PEFT's own save_pretrained of random adapters reads as the adapters PEFT runs (logits within 1e-4)."""
-    if case.family in ("gpt2", "phi3"):
-        modules = {"gpt2": ["c_attn", "attn.c_proj", "c_fc"], "phi3": ["qkv_proj", "o_proj", "gate_up_proj"]}
-        import peft
-
-        wrapped = peft.get_peft_model(
-            case.reference(), peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=modules[case.family])
-        )
-        gen = torch.Generator().manual_seed(5)
-        with torch.no_grad():
-            for name, p in wrapped.named_parameters():
-                if "lora_" in name:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-        wrapped.eval()
-    else:
-        wrapped = _peft_adapted(case.reference(), case.cfg.lora.targets, seed=7)
+    wrapped = _peft_adapted(case.reference(), case.cfg.lora.targets, seed=7, modules=FUSED.get(case.family))
     wrapped.save_pretrained(tmp_path)
     adapters, lora_cfg = read_peft_adapter(tmp_path, case.cfg, mesh=_one_device())  # placed in their shardings
     if case.family not in ("gpt2", "phi3"):
@@ -126,6 +113,68 @@ def test_import_of_a_folder_peft_saved(case, tmp_path):
     adapted = dataclasses.replace(case.cfg, lora=lora_cfg)
     ours = case.forward(lora.attach(case.params, adapters), adapted)
     np.testing.assert_allclose(np.asarray(ours), _torch_logits(wrapped), atol=1e-4, rtol=0)
+
+
+def _dora(case, seed: int = 1) -> tuple:
+    """(config, adapters) of `case` with DoRA: its A and B, each magnitude the adapted weight's norms times
+    random factors in [0.7, 1.3] (as a trained m would be)."""
+    cfg = dataclasses.replace(case.cfg, lora=dataclasses.replace(case.cfg.lora, dora=True))
+    specs = lora.lora_specs(cfg)
+    zeros = {t: {k: case.adapters[t].get(k, np.zeros(s.shape, np.float32)) for k, s in specs[t].items()} for t in specs}
+    adapters = jax.tree.map(np.array, lora.with_norms(case.params, zeros, cfg))
+    rng = np.random.default_rng(seed)
+    for pair in adapters.values():
+        lora.parts(pair)[2][:] *= rng.uniform(0.7, 1.3, lora.parts(pair)[2].shape).astype(np.float32)
+    return cfg, adapters
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen2", "gpt2"], indirect=True)  # qwen2, gpt2: biases; gpt2: fused
+def test_dora_equals_peft_both_ways(case, tmp_path):
+    """DoRA adapters written by jaxgen run in peft with jaxgen's logits (and read back the same); a DoRA folder
+    PEFT saved (random A, B, magnitudes) reads as the adapters PEFT runs, logits and (llama) gradients alike."""
+    import peft
+
+    cfg, adapters = _dora(case)
+    ours = np.asarray(case.forward(lora.attach(case.params, adapters), cfg))
+    assert np.abs(ours - np.asarray(case.forward(lora.attach(case.params, case.adapters)))).max() > 1e-2
+    write_peft_adapter(tmp_path / "ours", adapters, cfg)
+    if case.family == "gpt2":  # DoRA rescales every row of c_attn: one of its parts left out is refused
+        part = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, targets=("q", "v")))
+        with pytest.raises(hf.HFError, match=r"DoRA on gpt2's attn\.c_attn needs all of its parts targeted"):
+            write_peft_adapter(tmp_path / "part", {t: adapters[t] for t in ("q", "v")}, part)
+    assert json.loads((tmp_path / "ours" / "adapter_config.json").read_text())["use_dora"] is True
+    wrapped = peft.PeftModel.from_pretrained(case.reference(), tmp_path / "ours").eval()
+    np.testing.assert_allclose(ours, _torch_logits(wrapped), atol=1e-4, rtol=0)
+    back, lora_cfg = read_peft_adapter(tmp_path / "ours", cfg)
+    assert lora_cfg.dora
+    again = case.forward(lora.attach(case.params, back), dataclasses.replace(cfg, lora=lora_cfg))
+    np.testing.assert_allclose(np.asarray(again), ours, atol=1e-5, rtol=0)
+
+    theirs = _peft_adapted(case.reference(), cfg.lora.targets, 9, FUSED.get(case.family), use_dora=True)
+    theirs.save_pretrained(tmp_path / "theirs")
+    adapters, lora_cfg = read_peft_adapter(tmp_path / "theirs", cfg)
+    adapted = dataclasses.replace(cfg, lora=lora_cfg)
+    got = case.forward(lora.attach(case.params, adapters), adapted)
+    np.testing.assert_allclose(np.asarray(got), _torch_logits(theirs), atol=1e-4, rtol=0)
+    if case.family == "llama":
+        _dora_gradients_equal_peft(case, adapters, adapted, theirs)
+
+
+def _dora_gradients_equal_peft(case, adapters, cfg, wrapped):
+    """The gradients of a weighted sum of the logits, jaxgen's and PEFT's, for layer 0's q adapter: its norm is
+    held constant in the backward pass in both (a gradient through it changes A's and m's)."""
+    weights = np.random.default_rng(0).standard_normal((*TOKENS.shape, cfg.vocab_size)).astype(np.float32)
+    grads = jax.jit(jax.grad(lambda ad: (_forward(lora.attach(case.params, ad), cfg) * weights).sum()))(adapters)
+    logits = wrapped(input_ids=torch.from_numpy(TOKENS.astype(np.int64))).logits
+    (logits * torch.from_numpy(weights)).sum().backward()
+    module = wrapped.base_model.model.model.layers[0].self_attn.q_proj
+    a, _, m = lora.parts(grads["q"])
+    for ours, theirs in [
+        (a[0], module.lora_A["default"].weight.grad.T),
+        (m[0], module.lora_magnitude_vector["default"].weight.grad),
+    ]:
+        theirs = theirs.numpy().reshape(ours.shape)
+        np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-4 * np.abs(theirs).max(), rtol=0)
 
 
 def test_merged_export_equals_the_adapted_model(case, tmp_path):
@@ -215,7 +264,8 @@ def _edit(folder, tmp_path, **changes):
 @pytest.mark.parametrize(
     "changes, message",
     [
-        ({"use_dora": True}, "use_dora=True is not allowed: false"),
+        ({"use_dora": True}, "has no lora_magnitude_vector, but adapter_config.json says use_dora=true"),
+        ({"use_dora": True, "layers_to_transform": [0]}, "layers_to_transform=[0] is not allowed: null with use_dora"),
         ({"bias": "all"}, "bias='all' is not allowed: none"),
         ({"fan_in_fan_out": True}, "fan_in_fan_out=True is not allowed: false for llama"),
         ({"modules_to_save": ["lm_head"]}, "modules_to_save=['lm_head'] is not allowed"),

@@ -210,6 +210,9 @@ def test_unloading_lets_running_requests_finish(engine):
 def test_bad_adapters_are_refused_naming_the_value(engine):
     with pytest.raises(LoraError, match=r"rank 16 is above serve\.max_lora_rank=8"):
         engine.load_lora("x", {"q": {"a_dr": np.zeros((2, 64, 16)), "b_rnh": np.zeros((2, 16, 4, 16))}})
+    dora = {"a_dr": np.zeros((2, 64, 4)), "b_rnh": np.zeros((2, 4, 4, 16)), "m_nh": np.ones((2, 4, 16))}
+    with pytest.raises(LoraError, match=r"lora_name='x': it is a DoRA adapter .* serves plain LoRA only"):
+        engine.load_lora("x", {"q": dora})  # its magnitudes would need a factor per slot: merge it instead
     with pytest.raises(LoraError, match="target experts is not served"):
         engine.load_lora("x", {"experts": {}})
     with pytest.raises(LoraError, match="is loaded already"):

@@ -33,12 +33,14 @@ def _number(cfg, name: str, allowed: str, in_range, optional: bool = False, sect
 class LoraConfig:
     """Low-rank adapters (LoRA, Hu et al. 2021) on the attention and MLP products: each targeted product
     x @ W gains x @ A @ B * (alpha / rank), A (in, r) and B (r, out) trained, W frozen (see
-    jaxgen.model.lora). rank 0: no adapters, the model as it is."""
+    jaxgen.model.lora). rank 0: no adapters, the model as it is. dora: DoRA (Liu et al. 2024), the adapted
+    weight m * (W + A @ B * alpha / rank) / its norm per output feature, m trained too."""
 
     rank: int = 0  # r; 0 = off
     alpha: float = 16.0  # the adapters' product is scaled by alpha / rank (PEFT's lora_alpha)
     dropout: float = 0.0  # only 0 for now
     targets: tuple[Literal["q", "k", "v", "o", "gate", "up", "down"], ...] = ("q", "k", "v", "o")
+    dora: bool = False  # weight-decomposed LoRA: a trained magnitude per output feature (PEFT's use_dora)
     base_dtype: Literal["float32", "bfloat16", "int8"] = "float32"  # how the frozen base weights are held
     #   in training: int8 is the QLoRA-style saving (jaxgen.model.quant, matrix products only)
     # the folder of the weights the adapters adapt (a Hugging Face or run folder), written into a LoRA run's
@@ -55,6 +57,7 @@ class LoraConfig:
         ok = isinstance(targets, tuple) and len(targets) > 0 and len(set(targets)) == len(targets)
         ok = ok and all(t in LORA_TARGETS for t in targets)
         check(ok, "model.lora.targets", targets, "distinct names out of " + ", ".join(LORA_TARGETS))
+        check(isinstance(self.dora, bool), "model.lora.dora", self.dora, "true or false")
         check(isinstance(self.base, str), "model.lora.base", self.base, 'a folder, or "" (the seed\'s weights)')
 
     @property

@@ -13,6 +13,11 @@ parts' A stacked on the rank axis and their B block-diagonal, rank (parts x r), 
 alpha_pattern keeping alpha / r for that module; reading splits B's rows and gives each part the shared A.
 Modules of different rank or scale (rank_pattern, alpha_pattern, use_rslora) read exactly: each B takes its
 module's scale over the common one and is zero-padded to the largest rank.
+
+DoRA (`use_dora`, jaxgen's `model.lora.dora`): each module also holds its magnitude, one per output row
+("....q_proj.lora_magnitude_vector", (out,)), a fused module's the parts' in the order of its rows. Its
+norm is of the fused weight's rows, and with B block-diagonal each row sees only its own part's A and B: the
+same norms as jaxgen's per target.
 """
 
 from __future__ import annotations
@@ -92,6 +97,9 @@ def write_peft_adapter(
 
     if not cfg.lora.rank:
         raise ValueError("model.lora.rank=0: there are no adapters to write")
+    if lora.is_dora(adapters) != cfg.lora.dora:
+        held = "hold" if lora.is_dora(adapters) else "do not hold"
+        raise ValueError(f"model.lora.dora={cfg.lora.dora}, but the adapters {held} DoRA magnitudes")
     family = family or family_of(cfg)
     r, scale = cfg.lora.rank, cfg.lora.scale
     host = jax.tree.map(lambda x: np.asarray(jax.device_get(x), np.float32), adapters)
@@ -99,25 +107,37 @@ def write_peft_adapter(
     missing = sorted(set(host) - {p[0] for m in modules.values() for p in m.parts})
     if missing:
         raise HFError(f"model.lora.targets={missing} have no {family} module to export to (experts are not adapted)")
+    for m in modules.values():  # DoRA rescales every row of a module: one left out would need the base's norms
+        if cfg.lora.dora and sum(p[2] for p in m.parts) != m.n_out:
+            raise HFError(
+                f"DoRA on {family}'s {m.suffix} needs all of its parts targeted: model.lora.targets has "
+                f"{', '.join(p[0] for p in m.parts)} of it"
+            )
     tensors, rank_pattern, alpha_pattern = {}, {}, {}
     for m in modules.values():
         k = len(m.parts)
         for i in range(cfg.num_layers):
             a_rows, b = [], np.zeros((m.n_out, k * r), np.float32)
+            magnitude = np.zeros((m.n_out,), np.float32)
             for j, (target, start, rows) in enumerate(m.parts):
-                a, b_part = (host[target][key][i] for key in sorted(host[target]))  # "a_..." sorts first
+                a, b_part, m_part = (x if x is None else x[i] for x in lora.parts(host[target]))
                 a_rows.append(a.reshape(m.n_in, r).T)
                 b[start : start + rows, j * r : (j + 1) * r] = b_part.reshape(r, rows).T
+                if m_part is not None:
+                    magnitude[start : start + rows] = m_part.reshape(rows)
             name = _PREFIX + m.name.format(i=i)
             tensors[name + ".lora_A.weight"] = np.ascontiguousarray(np.concatenate(a_rows))
             tensors[name + ".lora_B.weight"] = b
+            if cfg.lora.dora:
+                tensors[name + ".lora_magnitude_vector"] = magnitude
         if k > 1:  # the fused module's rank is k r; its alpha keeps the scale alpha / r
             rank_pattern[m.suffix], alpha_pattern[m.suffix] = k * r, scale * k * r
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": cfg.lora.alpha,
         "target_modules": sorted(m.suffix for m in modules.values()), "rank_pattern": rank_pattern,
         "alpha_pattern": alpha_pattern, "lora_dropout": 0.0, "bias": "none", "use_rslora": False,
-        "use_dora": False, "fan_in_fan_out": FAMILY[family].layout == "gpt2",  # GPT-2's Conv1D weights are (in, out)
+        "use_dora": cfg.lora.dora,
+        "fan_in_fan_out": FAMILY[family].layout == "gpt2",  # GPT-2's Conv1D weights are (in, out)
         "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None, "init_lora_weights": True,
         "inference_mode": True, "base_model_name_or_path": base_model_name_or_path,
     }  # fmt: skip
@@ -150,7 +170,9 @@ def read_peft_adapter(
     alpha = settings.alpha if uniform and (rank, common) == (settings.r, settings.alpha / settings.r) else common * rank
     try:
         targets = tuple(t for t in LORA_TARGETS if t in per_target)
-        lora_cfg = LoraConfig(rank=rank, alpha=alpha, targets=targets, base_dtype=cfg.lora.base_dtype)
+        lora_cfg = LoraConfig(
+            rank=rank, alpha=alpha, targets=targets, dora=settings.dora, base_dtype=cfg.lora.base_dtype
+        )
         adapted = dataclasses.replace(cfg, lora=lora_cfg)
     except ConfigError as e:
         raise HFError(f"{folder / CONFIG}: {e}") from None
@@ -163,8 +185,9 @@ def read_peft_adapter(
 
 
 def _per_target(found: dict, modules: dict[str, _Module], settings: _Settings, folder: Path) -> tuple[dict, list]:
-    """({target: {layer: (A (in, r_m), B (r_m, out), the module's scale)}}, [(r_m, scale) per module]) of the
-    file's (module, layer) pairs, each checked against the model and adapter_config.json."""
+    """({target: {layer: (A (in, r_m), B (r_m, out), the module's scale, DoRA's magnitude (out,) or None)}},
+    [(r_m, scale) per module]) of the file's (module, layer) pairs, each checked against the model and
+    adapter_config.json."""
     per_target, scales = {}, []
     for (name, i), pair in sorted(found.items()):
         m, module = modules[name], name.format(i=i)
@@ -172,6 +195,7 @@ def _per_target(found: dict, modules: dict[str, _Module], settings: _Settings, f
         where = f"{folder / WEIGHTS}: {_PREFIX}{module}"
         if a is None or b is None:
             raise HFError(f"{where} has lora_{'A' if a is None else 'B'} missing (both are needed)")
+        magnitude = _magnitude(pair.get("M"), settings, m, where)
         rank = a.shape[0] if a.ndim == 2 else -1
         if a.shape != (rank, m.n_in) or b.shape != (m.n_out, rank) or rank < 1:
             raise HFError(
@@ -182,10 +206,21 @@ def _per_target(found: dict, modules: dict[str, _Module], settings: _Settings, f
             raise HFError(f"{where}: lora_A has rank {rank}, but {CONFIG} says r={settings.rank(module)} for it")
         scales.append((rank, settings.scale(module, rank)))
         for target, start, rows in m.parts:  # a fused module's parts share its A
-            per_target.setdefault(target, {})[i] = (a.T, b[start : start + rows].T, scales[-1][1])
+            part = None if magnitude is None else magnitude[start : start + rows]
+            per_target.setdefault(target, {})[i] = (a.T, b[start : start + rows].T, scales[-1][1], part)
     if not per_target:
         raise HFError(f"{folder / WEIGHTS} holds no LoRA weights")
     return per_target, scales
+
+
+def _magnitude(x, settings: _Settings, m: _Module, where: str):
+    """DoRA's magnitude of one module (n_out,), checked: present exactly when use_dora says so."""
+    if (x is None) == settings.dora:
+        has = "has no lora_magnitude_vector" if x is None else "has a lora_magnitude_vector"
+        raise HFError(f"{where} {has}, but {CONFIG} says use_dora={str(settings.dora).lower()}")
+    if x is not None and x.shape != (m.n_out,):
+        raise HFError(f"{where}: lora_magnitude_vector {tuple(x.shape)} does not fit this model: allowed ({m.n_out},)")
+    return x
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +231,7 @@ class _Settings:
     rank_pattern: dict
     alpha_pattern: dict
     layers: tuple[int, ...] | None  # layers_to_transform: the others may have no weights
+    dora: bool = False  # use_dora: each module has a magnitude vector
 
     def rank(self, module: str) -> int:
         """PEFT's rank of one module (its full name): rank_pattern's, else r."""
@@ -216,9 +252,8 @@ def _check_settings(f: Fields, family: str) -> _Settings:
     """adapter_config.json's settings, refusing those that jaxgen does not run as PEFT does."""
     if f.text("peft_type", "LORA") != "LORA":
         raise f.error("peft_type", f.data["peft_type"], "LORA (the only adapter type jaxgen reads)")
-    for key, allowed in (("use_dora", False), ("lora_bias", False)):
-        if f.flag(key, False) != allowed:
-            raise f.error(key, True, "false (DoRA and adapter biases are not implemented)")
+    if f.flag("lora_bias", False):
+        raise f.error("lora_bias", True, "false (adapter biases are not implemented)")
     if f.text("bias", "none") != "none":
         raise f.error("bias", f.data["bias"], "none (trained biases are not implemented)")
     if f.flag("fan_in_fan_out", False) and family != "gpt2":
@@ -234,16 +269,20 @@ def _check_settings(f: Fields, family: str) -> _Settings:
         patterns[key] = value
     layers = f.data.get("layers_to_transform")
     layers = (layers,) if isinstance(layers, int) else tuple(layers) if layers is not None else None
+    dora = f.flag("use_dora", False)
+    if dora and layers is not None:  # a layer left out would need its magnitudes at the base's norms
+        raise f.error("layers_to_transform", f.data["layers_to_transform"], "null with use_dora (every layer)")
     return _Settings(
         r=f.integer("r"), alpha=f.number("lora_alpha"), rslora=f.flag("use_rslora", False),
-        rank_pattern=patterns["rank_pattern"], alpha_pattern=patterns["alpha_pattern"], layers=layers,
+        rank_pattern=patterns["rank_pattern"], alpha_pattern=patterns["alpha_pattern"], layers=layers, dora=dora,
     )  # fmt: skip
 
 
 def _match(tensors: dict, modules: dict[str, _Module], cfg: ModelConfig, where: str) -> dict:
-    """{(module name, layer): {"A": array, "B": array}} of the file's tensors; HFError for any other."""
-    patterns = [(re.compile(re.escape(name).replace(r"\{i\}", r"(\d+)") + r"\.lora_([AB])\.weight"), name)
-                for name in modules]  # fmt: skip
+    """{(module name, layer): {"A": array, "B": array, "M": DoRA's magnitude}} of the file's tensors; HFError
+    for any other."""
+    tail = r"\.lora_(?:([AB])\.weight|magnitude_vector)"
+    patterns = [(re.compile(re.escape(name).replace(r"\{i\}", r"(\d+)") + tail), name) for name in modules]
     found: dict = {}
     for key, x in tensors.items():
         name = key.removeprefix(_PREFIX)
@@ -251,9 +290,10 @@ def _match(tensors: dict, modules: dict[str, _Module], cfg: ModelConfig, where: 
         if hit is None or int(hit[0][1]) >= cfg.num_layers:
             allowed = ", ".join(m.suffix for m in modules.values())
             raise HFError(
-                f"{where}: {key} is not an adapter jaxgen runs on this model: allowed lora_A/lora_B of {allowed}"
+                f"{where}: {key} is not an adapter jaxgen runs on this model: allowed lora_A/lora_B/"
+                f"lora_magnitude_vector of {allowed}"
             )
-        found.setdefault((hit[1], int(hit[0][1])), {})[hit[0][2]] = x
+        found.setdefault((hit[1], int(hit[0][1])), {})[hit[0][2] or "M"] = x
     return found
 
 
@@ -263,17 +303,20 @@ def _stack(per_target: dict, cfg: ModelConfig, common: float, layers, folder: Pa
     out = {}
     r = cfg.lora.rank
     for target, specs in lora.lora_specs(cfg).items():
-        (a_key, a_spec), (b_key, b_spec) = sorted(specs.items())
+        (a_key, a_spec), (b_key, b_spec), *dora = sorted(specs.items())  # DoRA: ("m_..", its spec)
         a_all, b_all = np.zeros(a_spec.shape, np.float32), np.zeros(b_spec.shape, np.float32)
+        m_all = np.zeros(dora[0][1].shape, np.float32) if dora else None
         for i in range(cfg.num_layers):
             if i not in per_target[target]:
                 if layers is None or i in layers:
                     raise HFError(f"{folder / WEIGHTS} has no adapter for target {target} in layer {i}")
                 continue
-            a, b, s = per_target[target][i]
+            a, b, s, magnitude = per_target[target][i]
             rank = a.shape[1]
             b = b if s == common else b * np.float32(s / common)
             a_all[i] = np.pad(a, ((0, 0), (0, r - rank))).reshape(a_spec.shape[1:])
             b_all[i] = np.pad(b, ((0, r - rank), (0, 0))).reshape(b_spec.shape[1:])
-        out[target] = {a_key: a_all, b_key: b_all}
+            if m_all is not None:
+                m_all[i] = magnitude.reshape(m_all.shape[1:])
+        out[target] = {a_key: a_all, b_key: b_all} | ({dora[0][0]: m_all} if dora else {})
     return out

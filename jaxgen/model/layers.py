@@ -193,11 +193,11 @@ def gelu(x):
 def mlp(x_btd, p: dict, cfg: ModelConfig, adapters: dict | None = None):
     """GELU MLP (GPT-2), SwiGLU (Llama) or GeGLU (Gemma; tanh-approximated GELU gate). adapters: the
     layer's low-rank adapters (jaxgen.model.lora), of which gate, up and down apply here."""
-    up = lora.add(dense(x_btd, p["w_up_df"], cfg=cfg), x_btd, adapters, "up", cfg)
+    up = lora.add(dense(x_btd, p["w_up_df"], cfg=cfg), x_btd, adapters, "up", cfg, w=p["w_up_df"])
     if "b_up_f" in p:
         up = up + p["b_up_f"]
     if cfg.mlp in ("swiglu", "geglu"):
-        gate = lora.add(dense(x_btd, p["w_gate_df"], cfg=cfg), x_btd, adapters, "gate", cfg)
+        gate = lora.add(dense(x_btd, p["w_gate_df"], cfg=cfg), x_btd, adapters, "gate", cfg, w=p["w_gate_df"])
         if "b_gate_f" in p:
             gate = gate + p["b_gate_f"]
         if cfg.deterministic:  # per tile, as every transcendental function (see `rope`)
@@ -207,7 +207,7 @@ def mlp(x_btd, p: dict, cfg: ModelConfig, adapters: dict | None = None):
             hidden = gated(gate, up, cfg.mlp)
     else:
         hidden = over_rows(gelu, up) if cfg.deterministic else gelu(up)
-    out = lora.add(dense(hidden, p["w_down_fd"], cfg=cfg), hidden, adapters, "down", cfg)
+    out = lora.add(dense(hidden, p["w_down_fd"], cfg=cfg), hidden, adapters, "down", cfg, w=p["w_down_fd"])
     if "b_down_d" in p:
         out = out + p["b_down_d"]
     return out

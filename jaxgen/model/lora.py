@@ -13,6 +13,12 @@ product's own axes (q's B is (r, N, H), o's A is (N, H, r)); PEFT stores lora_A 
 as (out, r). B starts at zero, as in PEFT, so an untrained adapter changes nothing. The rank axis is
 replicated (logical name None); the long side keeps the base weight's logical name.
 
+DoRA (`model.lora.dora`, weight-decomposed LoRA as PEFT runs it): each target also holds a magnitude
+"m_<out>" (L, *out), one per output feature, and its product becomes x @ W' with W' = m * V / ||V||,
+V = W + A @ B * alpha / rank and the norm per output feature over the input axes. As PEFT (and DoRA's
+section 4.3), the norm is held constant in the backward pass: no gradient flows through it. m starts at
+||W|| (`init_lora` reads the base), so an untrained DoRA adapter changes nothing either.
+
 Serving many adapters at once (`Bank`, the engine's multi-LoRA): up to M adapters stacked on a slot axis,
 slot 0 all zeros (rows without an adapter), each row of the batch reading its own slot (Punica / S-LoRA's
 gathered low-rank product):
@@ -52,7 +58,8 @@ def _product_axes(cfg: ModelConfig) -> dict:
 
 def lora_specs(cfg: ModelConfig) -> dict:
     """{target: {"a_<in>r": ParamSpec (L, *in, r), "b_r<out>": ParamSpec (L, r, *out)}} of the configured
-    targets; "normal" marks A (drawn), "zeros" B."""
+    targets; "normal" marks A (drawn), "zeros" B. DoRA adds "m_<out>": ParamSpec (L, *out), "norms" (the
+    base weight's, see `init_lora`)."""
     L, r = cfg.num_layers, cfg.lora.rank
     specs = {}
     for target in cfg.lora.targets:
@@ -63,6 +70,9 @@ def lora_specs(cfg: ModelConfig) -> dict:
             a_name: ParamSpec((L, *(x[0] for x in ins), r), ("layers", *(x[1] for x in ins), None), "normal"),
             b_name: ParamSpec((L, r, *(x[0] for x in outs)), ("layers", None, *(x[1] for x in outs)), "zeros"),
         }
+        if cfg.lora.dora:
+            m_name = "m_" + "".join(x[2] for x in outs)
+            specs[target][m_name] = ParamSpec((L, *(x[0] for x in outs)), ("layers", *(x[1] for x in outs)), "norms")
     return specs
 
 
@@ -74,18 +84,82 @@ def lora_shardings(cfg: ModelConfig, mesh) -> dict:
     return jax.tree.map(lambda s: named_sharding(mesh, s.names, s.shape), lora_specs(cfg), is_leaf=_is_spec)
 
 
-def init_lora(cfg: ModelConfig, rng: jax.Array) -> dict:
-    """Float32 adapters: A uniform in +-1/sqrt(fan_in) (PEFT's kaiming_uniform_(a=sqrt(5))), B zeros."""
+def init_lora(cfg: ModelConfig, rng: jax.Array, base: dict | None = None) -> dict:
+    """Float32 adapters: A uniform in +-1/sqrt(fan_in) (PEFT's kaiming_uniform_(a=sqrt(5))), B zeros.
+    DoRA: each magnitude the norms of `base`'s weight per output feature (the layer-stacked params the
+    adapters will ride on; needed then), as PEFT starts it: with B zero the adapted weight is W."""
     leaves, treedef = jax.tree.flatten(lora_specs(cfg), is_leaf=_is_spec)
     keys = jax.random.split(rng, len(leaves))
 
     def make(spec: ParamSpec, key):
-        if spec.init == "zeros":
+        if spec.init in ("zeros", "norms"):  # the norms are set below, from the base
             return jnp.zeros(spec.shape, jnp.float32)
         bound = 1.0 / math.sqrt(math.prod(spec.shape[1:-1]))  # fan_in: the input axes between L and r
         return jax.random.uniform(key, spec.shape, jnp.float32, -bound, bound)
 
-    return jax.tree.unflatten(treedef, [make(s, k) for s, k in zip(leaves, keys, strict=True)])
+    adapters = jax.tree.unflatten(treedef, [make(s, k) for s, k in zip(leaves, keys, strict=True)])
+    if not cfg.lora.dora:
+        return adapters
+    if base is None:
+        raise ValueError("model.lora.dora: the magnitudes start at the base weights' norms, and no base was given")
+    return with_norms(base, adapters, cfg)
+
+
+def with_norms(base: dict, adapters: dict, cfg: ModelConfig) -> dict:
+    """`adapters` (DoRA's) with each magnitude set to ||W + A @ B * scale|| per output feature, W `base`'s
+    (layer-stacked) weight: the magnitudes that make the DoRA adapter act as the plain LoRA one."""
+    out = {}
+    for target, pair in adapters.items():
+        a, b, m = parts(pair)
+        w = _float(_base_weight(base, target))  # (L, *in, *out)
+        norms = jax.vmap(weight_norms, in_axes=(0, 0, 0, None))(w, a, b, cfg.lora.scale)
+        out[target] = pair | {_magnitude_key(pair): norms.astype(m.dtype)}
+    return out
+
+
+def parts(pair: dict) -> tuple:
+    """(A, B, DoRA's magnitude or None) of one target's adapter: "a_..", "b_.." and "m_.." sort in that order."""
+    a, b, *m = (pair[k] for k in sorted(pair))
+    return a, b, (m[0] if m else None)
+
+
+def _magnitude_key(pair: dict) -> str:
+    return next(k for k in pair if k.startswith("m_"))
+
+
+def is_dora(adapters: dict) -> bool:
+    """Whether `adapters` ({target: {"a_..", "b_..", ...}}) carry DoRA's magnitudes."""
+    return any(k.startswith("m_") for pair in adapters.values() for k in pair)
+
+
+def _float(w) -> jax.Array:
+    """A weight as a float32 array in its own shape (*in, *out), whatever its layout: int8 (`quant.QArray`)
+    dequantized, decoding's output-major (`layout.OutMajor`) back to (I, O)."""
+    from jaxgen.model import layout, quant
+
+    if layout.is_out_major(w):
+        w = w.in_major()
+    return w.dequantize(jnp.float32) if quant.is_q(w) else w.astype(jnp.float32)
+
+
+def weight_norms(w, a, b, scale: float) -> jax.Array:
+    """||W + A @ B * scale|| per output feature, over the input axes: w (*in, *out), a (*in, r), b (r, *out) ->
+    (*out) float32 (PEFT's get_weight_norm: the norm of each row of its (out, in) weight)."""
+    r = a.shape[-1]
+    n_in = a.size // r
+    ab = jnp.dot(
+        a.reshape(n_in, r).astype(jnp.float32), b.reshape(r, -1).astype(jnp.float32),
+        precision=jax.lax.Precision.HIGHEST,
+    )  # fmt: skip
+    v = _float(w).reshape(n_in, -1) + ab * scale  # (in, out)
+    return jnp.sqrt(jnp.sum(v * v, axis=0)).reshape(b.shape[1:])
+
+
+def _base_weight(base: dict, target: str):
+    node = base
+    for key in TARGET_PARAMS[target]:
+        node = node[key]
+    return node
 
 
 def count_lora(cfg: ModelConfig) -> int:
@@ -151,6 +225,8 @@ def bank_entry(adapters: dict, scale: float, bank: dict) -> dict:
     layers_ = bank if isinstance(bank, list) else None
     ref = layers_[0] if layers_ is not None else jax.tree.map(lambda w: w[0], bank)  # one layer: (M + 1, ...)
     num_layers = len(layers_) if layers_ is not None else jax.tree.leaves(bank)[0].shape[0]
+    if is_dora(adapters):  # its rows would need W' = m * V / ||V||: a factor per slot the bank does not hold
+        raise ValueError("it is a DoRA adapter (use_dora): the adapter bank serves plain LoRA only; merge it first")
     unknown = sorted(set(adapters) - set(ref))
     if unknown:
         raise ValueError(f"adapter target {unknown[0]} is not served: the adapter bank holds {', '.join(ref)}")
@@ -272,7 +348,7 @@ def delta(x, adapters: dict | None, target: str, cfg: ModelConfig, in_axes: int 
         return _gathered_delta(x, adapters, target, in_axes)
     if adapters is None or target not in adapters:
         return None
-    a, b = (adapters[target][k] for k in sorted(adapters[target]))  # "a_..." sorts before "b_..."
+    a, b, _ = parts(adapters[target])
     n_in = math.prod(a.shape[:in_axes])
     lead = x.shape[: x.ndim - in_axes]
     low = x.reshape(-1, n_in) @ a.reshape(n_in, -1)  # (R, r): two thin products, never the (in, out) matrix
@@ -280,10 +356,19 @@ def delta(x, adapters: dict | None, target: str, cfg: ModelConfig, in_axes: int 
     return y.reshape(*lead, *b.shape[1:])
 
 
-def add(y, x, adapters: dict | None, target: str, cfg: ModelConfig, in_axes: int = 1):
-    """y plus `delta` (y itself, untouched, without an adapter for `target`)."""
+def add(y, x, adapters: dict | None, target: str, cfg: ModelConfig, in_axes: int = 1, w=None):
+    """y plus `delta` (y itself, untouched, without an adapter for `target`). DoRA: (y + delta) * m / ||V||,
+    V = `w` (the product's weight, (*in, *out)) + A @ B * scale, the norm held constant for the gradient
+    (as PEFT: `weight_norm.detach()`), so that m, A and B train as they do there."""
     d = delta(x, adapters, target, cfg, in_axes)
-    return y if d is None else y + d.astype(y.dtype)
+    if d is None:
+        return y
+    y = y + d.astype(y.dtype)
+    a, b, m = (None, None, None) if isinstance(adapters, Bank) else parts(adapters[target])
+    if m is None:
+        return y
+    norms = jax.lax.stop_gradient(weight_norms(w, a, b, cfg.lora.scale))  # (*out)
+    return y * (m.astype(jnp.float32) / norms).astype(y.dtype)
 
 
 TARGET_PARAMS = {  # target -> the path of the (layer-stacked) base weight it adapts
@@ -294,7 +379,8 @@ TARGET_PARAMS = {  # target -> the path of the (layer-stacked) base weight it ad
 
 def merge(base: dict, adapters: dict, cfg: ModelConfig) -> dict:
     """The base params (as trained: layers stacked, no adapters attached) with each target's weight
-    W (L, *in, *out) replaced by W + A @ B * alpha / rank, computed in float32 and cast back to W's dtype.
+    W (L, *in, *out) replaced by W + A @ B * alpha / rank, computed in float32 and cast back to W's dtype;
+    DoRA: by m * V / ||V||, V that sum, the norm per output feature (what `add` computes, in one weight).
 
     An int8 weight (`jaxgen.model.quant.QArray`) is dequantized and comes back as a float32 array:
     quantizing again would round most of the (small) update away. Everything else is returned as it is.
@@ -313,10 +399,15 @@ def _merge(base: dict, adapters: dict, scale: float) -> dict:
         for key in parents:
             node = node[key]
         w = node[name]
-        a, b = (pair[k].astype(jnp.float32) for k in sorted(pair))  # A (L, *in, r), B (L, r, *out)
+        a, b, m = parts(pair)  # A (L, *in, r), B (L, r, *out), DoRA's m (L, *out) or None
         L, r = a.shape[0], a.shape[-1]
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
         ab = jnp.einsum("lir,lro->lio", a.reshape(L, -1, r), b.reshape(L, r, -1), precision=jax.lax.Precision.HIGHEST)
-        w32 = w.dequantize(jnp.float32) if quant.is_q(w) else w.astype(jnp.float32)
-        merged = w32 + (ab * scale).reshape(w32.shape)
+        w32 = _float(w)
+        merged = w32.reshape(ab.shape) + ab * scale  # (L, in, out)
+        if m is not None:  # W' = m * V / ||V||, the norm over the input axis
+            norms = jnp.sqrt(jnp.sum(merged * merged, axis=1, keepdims=True))
+            merged = merged * (m.reshape(L, 1, -1).astype(jnp.float32) / norms)
+        merged = merged.reshape(w32.shape)
         node[name] = merged if quant.is_q(w) else merged.astype(w.dtype)
     return out

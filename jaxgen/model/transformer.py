@@ -246,9 +246,9 @@ def _qkv(x, p, positions, consts, cfg: ModelConfig):
     normed (qk_norm), then rotated (RoPE, with this layer's frequencies)."""
     h = layers.norm(x, p["attn_norm"], cfg) if "attn_norm" in p else x
     adapters = p.get("lora")  # low-rank adapters (jaxgen.model.lora); None: the products alone
-    q = lora.add(layers.dense(h, p["w_q_dnh"], cfg=cfg), h, adapters, "q", cfg)  # (B, T, N, H)
-    k = lora.add(layers.dense(h, p["w_k_dkh"], cfg=cfg), h, adapters, "k", cfg)  # (B, T, K, H)
-    v = lora.add(layers.dense(h, p["w_v_dkh"], cfg=cfg), h, adapters, "v", cfg)
+    q = lora.add(layers.dense(h, p["w_q_dnh"], cfg=cfg), h, adapters, "q", cfg, w=p["w_q_dnh"])  # (B, T, N, H)
+    k = lora.add(layers.dense(h, p["w_k_dkh"], cfg=cfg), h, adapters, "k", cfg, w=p["w_k_dkh"])  # (B, T, K, H)
+    v = lora.add(layers.dense(h, p["w_v_dkh"], cfg=cfg), h, adapters, "v", cfg, w=p["w_v_dkh"])
     if "b_q_nh" in p:
         q, k, v = q + p["b_q_nh"], k + p["b_k_kh"], v + p["b_v_kh"]
     if cfg.qk_norm != "none":
@@ -267,7 +267,8 @@ def _block(x, p, positions, consts, attend, cfg: ModelConfig):
     q, k, v = _qkv(x, p, positions, consts, cfg)
     out, kv = attend(q, k, v, consts)
     adapters = p.get("lora")
-    out = lora.add(layers.dense(out, p["w_o_nhd"], in_axes=2, cfg=cfg), out, adapters, "o", cfg, in_axes=2)  # (B, T, D)
+    o = layers.dense(out, p["w_o_nhd"], in_axes=2, cfg=cfg)  # (B, T, D)
+    out = lora.add(o, out, adapters, "o", cfg, in_axes=2, w=p["w_o_nhd"])
     if "b_o_d" in p:
         out = out + p["b_o_d"]
     if "post_attn_norm" in p:

@@ -25,7 +25,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxgen.config import Config, LoraConfig
+from jaxgen.config import Config, ConfigError, LoraConfig
 from jaxgen.model import lora
 from jaxgen.training.step import TrainState, create_base
 
@@ -45,6 +45,9 @@ class Policy:
     @classmethod
     def of(cls, cfg: Config, mesh, start_params: dict) -> Policy:
         """The policy of `cfg` starting from `start_params` (float32, in their shardings on `mesh`)."""
+        if cfg.model.lora.dora:  # the sampling engine runs the adapter from its bank, which holds plain LoRA only
+            raise ConfigError("model.lora.dora=true is not allowed in reinforcement learning: the sampler's "
+                              "adapter bank serves plain LoRA only (train DoRA with train.py)")  # fmt: skip
         if cfg.model.lora.rank:
             return cls(cfg, create_base(cfg, mesh, start_params), None)
         # a copy: the train state starts on these very arrays and its update donates them

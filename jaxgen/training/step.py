@@ -11,7 +11,7 @@ so the optimizer state and the checkpoints are the adapters' only; the frozen ba
 `create_base` and passed to the step beside the state, never donated, differentiated or changed:
 
     base = create_base(cfg, mesh, params)      # params: starting weights (None: drawn from the seed)
-    state = create_train_state(cfg, mesh)      # adapters and their optimizer state
+    state = create_train_state(cfg, mesh, base)  # adapters and their optimizer state (DoRA: m from the base)
     step_fn = make_train_step(cfg, mesh, state, base)
 """
 
@@ -78,6 +78,8 @@ def create_train_state(cfg: Config, mesh, params: dict | None = None) -> TrainSt
     """Fresh state, created directly in its shardings (params and optimizer moments alike).
 
     params: starting weights already in their shardings (fine-tuning); None draws them at random.
+    With LoRA `params` is the frozen base (`create_base`'s), read only by DoRA (`model.lora.dora`), whose
+    magnitudes start at the base weights' norms; None: the base the seed draws (a run without init_from).
     """
     tx = make_optimizer(cfg.optimizer, cfg.training.steps)
 
@@ -87,7 +89,8 @@ def create_train_state(cfg: Config, mesh, params: dict | None = None) -> TrainSt
     with jax.set_mesh(mesh):
         if cfg.model.lora.rank:  # the adapters are what trains; `params` is the base (see create_base)
             shardings = lora.lora_shardings(cfg.model, mesh)
-            params = jax.jit(lambda: lora.init_lora(cfg.model, rng(2)), out_shardings=shardings)()
+            base = (params if params is not None else create_base(cfg, mesh)) if cfg.model.lora.dora else None
+            params = jax.jit(lambda b: lora.init_lora(cfg.model, rng(2), b), out_shardings=shardings)(base)
         elif params is None:
             shardings = param_shardings(cfg.model, mesh)
             params = jax.jit(lambda: model.init_params(cfg.model, rng(0)), out_shardings=shardings)()

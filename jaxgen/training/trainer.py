@@ -235,7 +235,8 @@ def _references(cfg: Config, mesh, tokenizer, family, train_src, eval_src, progr
         params = _init_from_params(cfg, mesh, family)
         if not cfg.model.lora.rank:
             return create_train_state(cfg, mesh, params).params
-        return lora.attach(create_base(cfg, mesh, params), create_train_state(cfg, mesh).params)
+        base = create_base(cfg, mesh, params)  # DoRA's magnitudes start at this base's norms
+        return lora.attach(base, create_train_state(cfg, mesh, base).params)
 
     set_references(cfg, mesh, tokenizer, {"train": train_src, "eval": eval_src}, start, progress)
 
@@ -257,8 +258,9 @@ def _resume(
     adapters_only = bool(cfg.model.lora.rank)  # LoRA: the state is the adapters', the base rebuilt
     if not steps:
         params = _init_from_params(cfg, mesh, family)
-        if adapters_only:
-            return create_train_state(cfg, mesh), 0, create_base(cfg, mesh, params)
+        if adapters_only:  # DoRA's magnitudes start at the base's norms
+            base = create_base(cfg, mesh, params)
+            return create_train_state(cfg, mesh, base), 0, base
         return create_train_state(cfg, mesh, params), 0, None
     target = None
 
