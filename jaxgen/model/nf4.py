@@ -76,6 +76,7 @@ def is_nf4(x) -> bool:
     return isinstance(x, NF4)
 
 
+@jax.jit  # one program per shape, not a dispatch per operation (create_base runs eagerly)
 def quantize_matrix(w_oi) -> tuple[jax.Array, jax.Array]:
     """(packed (..., O, I' / 2) uint8, absmax (..., O, I' / 64) float32) of w (..., O, I): see the module."""
     w = jnp.asarray(w_oi, jnp.float32)
@@ -89,6 +90,7 @@ def quantize_matrix(w_oi) -> tuple[jax.Array, jax.Array]:
     return (pairs[..., 0] << 4) | pairs[..., 1], absmax
 
 
+@functools.partial(jax.jit, static_argnums=(2, 3))
 def dequantize(packed, absmax, n_in: int, dtype=jnp.float32) -> jax.Array:
     """The (..., O, I) weight `quantize_matrix` packed, I = n_in: code times its block's absmax."""
     codes = jnp.stack([packed >> 4, packed & 15], axis=-1).reshape(*packed.shape[:-1], -1, BLOCK)
@@ -104,8 +106,21 @@ def quantize(w, lead: int, n_in: int, sharding=None) -> NF4:
     w2 = jnp.asarray(w).reshape(*w.shape[:lead], math.prod(in_dims), -1).swapaxes(-1, -2)  # (stack..., O, I)
     packed, absmax = quantize_matrix(w2)
     if sharding is not None:
-        packed, absmax = jax.device_put(packed, sharding), jax.device_put(absmax, sharding)
+        packed, absmax = (jax.device_put(x, _fitted(sharding, x.shape)) for x in (packed, absmax))
     return NF4(packed=packed, absmax=absmax, in_dims=in_dims, out_dims=out_dims)
+
+
+def _fitted(sharding, shape):
+    """`sharding` less the mesh axes that do not divide their dimension (a small I has fewer blocks than
+    a tensor-parallel split has devices: its scales are then whole on each)."""
+    mesh, spec = sharding.mesh, tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+
+    def fits(axes, size):
+        names = (axes,) if isinstance(axes, str) else axes or ()
+        return size % math.prod(mesh.shape[a] for a in names) == 0
+
+    fitted = [axes if fits(axes, size) else None for axes, size in zip(spec, shape, strict=True)]
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*fitted))
 
 
 def dense(x2, w: NF4, out_dtype):
