@@ -212,3 +212,22 @@ def test_nf4_keeps_the_float_weights_shardings(params):
     assert q.packed.sharding.spec[1] == q.absmax.sharding.spec[1] == "tensor"
     assert o.packed.sharding.spec[2] == "tensor"  # (L, D, N * H / 2): the input split as the heads are
     assert o.absmax.sharding.spec[2] is None and o.absmax.shape[2] == 1  # one block of 64: it cannot split
+
+
+@pytest.mark.parametrize("experts", [0, 4])
+def test_nf4_forward_is_the_dequantized_weights_and_near_float32(params, experts):
+    """The NF4 base's forward (dequantized inside each product; MoE experts expanded) equals the forward of
+    its dequantized weights, and stays near the float32 model's: 4-bit rounding shows, bounded."""
+    cfg = dataclasses.replace(CFG, num_experts=experts)
+    weights = params if not experts else model.init_params(cfg, jax.random.key(0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 257, (2, 24)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(24), (2, 24))
+    forward = jax.jit(lambda p: model.forward(p, tokens, positions, None, cfg=cfg)[0])
+    base = quant.frozen_base(weights, "nf4")
+    expanded = jax.tree.map(lambda w: w.dequantize() if nf4.is_nf4(w) else w, base, is_leaf=nf4.is_nf4)
+    want, got = np.asarray(forward(weights)), np.asarray(forward(base))
+    np.testing.assert_allclose(got, np.asarray(forward(expanded)), atol=1e-5 * np.abs(want).max(), rtol=0)
+    # measured 0.062 (dense) and 0.064 (experts) of the largest logit: NF4's 16 levels leave these Gaussian
+    # weights 9% RMS off (int8's rounding: 0.6%, and its logits move 0.6%); the bfloat16 rest adds 0.25%
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert 0.01 < err < 0.1
