@@ -1,5 +1,5 @@
-"""LoRA: train step time and memory of full fine-tuning vs LoRA over a float32, bfloat16, int8 or nf4 base, measured here and
-planned for real models; serving throughput of mixed adapters vs the base alone.
+"""LoRA: train step time and memory of full fine-tuning vs LoRA over a float32, bfloat16, int8 or nf4 base,
+measured here and planned for real models; serving throughput of mixed adapters vs the base alone.
 
     python bench/lora.py                                   # all three tables
     python bench/lora.py --skip plan serve --config tiny   # one table, quickly

@@ -11,7 +11,9 @@ What is quantized (`quantize_params`): every matrix of the attention and the MLP
 those are stored int8 and expanded per step, as their einsums take no int8 path), and, with
 `embedding=True`, the embedding (one scale per vocabulary row: the lookup reads row scales, the tied
 head's output channels are the same rows) and an untied head. Norms, biases and anything training
-needs stay as they are: quantized params are for inference only (`jaxgen.model.transformer.forward`).
+needs stay as they are: quantized params are for inference only (`jaxgen.model.transformer.forward`),
+or a LoRA run's frozen base (`frozen_base`: int8, or NF4 from `jaxgen.model.nf4`, which `is_q` and `dense`
+take too).
 
 Why not qwix (Google's JAX quantization library): it quantizes by intercepting the products of Flax
 modules, and jaxgen's model is plain functions over a dict of arrays; the one product and the scale
