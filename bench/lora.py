@@ -1,8 +1,9 @@
-"""LoRA: train step time and memory of full fine-tuning vs LoRA vs int8-base LoRA, measured here and
-planned for real models; serving throughput of mixed adapters vs the base alone.
+"""LoRA: train step time and memory of full fine-tuning vs LoRA over a float32, bfloat16, int8 or nf4 base,
+measured here and planned for real models; serving throughput of mixed adapters vs the base alone.
 
     python bench/lora.py                                   # all three tables
     python bench/lora.py --skip plan serve --config tiny   # one table, quickly
+    python bench/lora.py --skip train serve --plan-models llama-3.1-8b --variants bfloat16 int8 nf4
 
 train: one config (default llama-small), batch x seq tokens, float32, best of --steps steps. Memory is what
 the step holds on this machine: its state (parameters or adapters, AdamW moments), the frozen base, and
@@ -29,6 +30,7 @@ VARIANTS = {  # name -> model.lora overrides
     "LoRA (float32 base)": ["model.lora.rank=16"],
     "LoRA (bfloat16 base)": ["model.lora.rank=16", "model.lora.base_dtype=bfloat16"],
     "LoRA (int8 base)": ["model.lora.rank=16", "model.lora.base_dtype=int8"],
+    "LoRA (nf4 base)": ["model.lora.rank=16", "model.lora.base_dtype=nf4"],
 }
 ALL_TARGETS = "model.lora.targets=[q,k,v,o,gate,up,down]"
 
@@ -69,13 +71,18 @@ def bench_train(config: str, batch: int, seq: int, steps: int, overrides: list[s
             "temps": float(temps), "loss": (losses[0], losses[-1])}  # fmt: skip
 
 
+def _variants(args) -> list:
+    """(name, overrides) of the variants `--variants` picks (words of their names), all by default."""
+    return [(n, o) for n, o in VARIANTS.items() if not args.variants or any(w in n for w in args.variants)]
+
+
 def print_train(args) -> None:
     print(f"\ntrain: {args.config}, batch {args.batch} x {args.seq} tokens, float32 compute, best of {args.steps} "
           f"steps, targets q k v o gate up down, rank 16")  # fmt: skip
     header = f"{'variant':<22}{'step s':>8}{'tokens/s':>10}{'x full':>8}{'state MB':>10}{'base MB':>9}{'temps MB':>10}"
     print(header + f"{'loss first -> last':>22}")
     full = None
-    for name, overrides in VARIANTS.items():
+    for name, overrides in _variants(args):
         r = bench_train(args.config, args.batch, args.seq, args.steps, overrides + ([ALL_TARGETS] if overrides else []))
         full = full or r["tokens_per_s"]
         first, last = r["loss"]
@@ -95,8 +102,8 @@ def print_plan(args) -> None:
           "per-device GB (parameters or base + adapters + moments + gradients + XLA:CPU temporaries)")  # fmt: skip
     columns = "".join(f"{d:>11}" for d in devices)
     print(f"{'model':<14}{'variant':<22}{'state GB':>9}{'temps GB':>9}{'peak GB':>9}{columns}")
-    for config in ("llama-3.2-1b", "llama-3.1-8b"):
-        for name, overrides in VARIANTS.items():
+    for config in args.plan_models:
+        for name, overrides in _variants(args):
             extra = ["model.remat=full", f"training.batch_size={args.plan_batch}", f"data.seq_len={args.plan_seq}"]
             extra += overrides + ([ALL_TARGETS] if overrides else [])
             cfg = load_config(ROOT / "configs" / f"{config}.yaml", extra)
@@ -155,6 +162,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed train steps per variant (the best is reported)")
     parser.add_argument("--plan-batch", type=int, default=1)
     parser.add_argument("--plan-seq", type=int, default=2048)
+    parser.add_argument("--plan-models", nargs="+", default=["llama-3.2-1b", "llama-3.1-8b"], help="configs/NAME")
+    parser.add_argument("--variants", nargs="*", default=[], help="only these (a word of the name: full, nf4, ...)")
     parser.add_argument("--serve-batches", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--skip", nargs="*", default=[], choices=["train", "plan", "serve"])
     args = parser.parse_args()

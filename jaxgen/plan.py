@@ -286,20 +286,20 @@ def abstract_adapters(model_cfg, mesh):
 
 
 def _abstract_base(model_cfg, mesh):
-    """A LoRA run's frozen base as `model.lora.base_dtype` holds it (`training.step.create_base`); int8: the
-    shapes and shardings of `quant.quantize_params` over the sharded float32 weights."""
+    """A LoRA run's frozen base as `model.lora.base_dtype` holds it (`training.step.create_base`); int8 and
+    nf4: the shapes and shardings of `quant.frozen_base` over the sharded float32 weights."""
     import jax
 
     from jaxgen.model import quant
 
     kind = model_cfg.lora.base_dtype
-    if kind != "int8":
+    if kind not in ("int8", "nf4"):
         return abstract_params(model_cfg, mesh, kind)
     params = abstract_params(model_cfg, mesh)
+    hold = functools.partial(quant.frozen_base, kind=kind)
     with jax.set_mesh(mesh):
-        quantize = jax.jit(quant.quantize_params)
-        placed = quantize.lower(params).compile().output_shardings
-    shapes = jax.eval_shape(quant.quantize_params, params)
+        placed = jax.jit(hold).lower(params).compile().output_shardings
+    shapes = jax.eval_shape(hold, params)
     return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, placed)
 
 

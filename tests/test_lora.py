@@ -1,5 +1,5 @@
 """LoRA: the adapted forward against PEFT on the same transformers model, and LoRA training (adapters
-only, the base bitwise unchanged, int8 base, resume) on tiny models."""
+only, the base bitwise unchanged, int8 and nf4 bases, resume) on tiny models."""
 
 import dataclasses
 import json
@@ -109,6 +109,7 @@ def test_adapted_logits_equal_peft(hf_model):
         ("model.lora.alpha=0", "model.lora.alpha=0.0 is not allowed"),
         ("model.lora.dora=maybe", "model.lora.dora='maybe' is not allowed: true or false"),
         ("model.lora.ranks=4", "unknown config key model.lora.ranks; allowed keys under model.lora: rank"),
+        ("model.lora.base_dtype=int4", "model.lora.base_dtype='int4' is not allowed: float32, bfloat16, int8, nf4"),
     ],
 )
 def test_lora_settings_are_checked(override, message):
@@ -168,14 +169,17 @@ def _train(cfg, steps: int = 8):
     return losses, before, base, state, start
 
 
-@pytest.mark.parametrize("base_dtype, dora", [("float32", True), ("int8", False)], ids=["float32-dora", "int8"])
+@pytest.mark.parametrize(
+    "base_dtype, dora", [("float32", True), ("int8", False), ("nf4", False)], ids=["float32-dora", "int8", "nf4"]
+)
 def test_lora_trains_adapters_only(tiny_cfg, base_dtype, dora):
     """The loss falls, the base is bitwise unchanged, the optimizer holds the adapters' moments only. DoRA
     (model.lora.dora, the magnitudes trained too): see `_check_dora`."""
     cfg = _lora_cfg(tiny_cfg, base_dtype=base_dtype, dora=dora)
     losses, before, base, state, start = _train(cfg)
     assert losses[-1] < losses[0] - 0.05, losses
-    assert quant.is_quantized(base) == (base_dtype == "int8")
+    assert quant.is_quantized(base) == (base_dtype != "float32")
+    assert (base["layers"]["w_q_dnh"].dtype == jnp.uint8) == (base_dtype == "nf4")  # packed codes
     for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(base), strict=True):
         np.testing.assert_array_equal(x, np.asarray(y))  # the base is bitwise unchanged
     adapters = lora.init_lora(cfg.model, jax.random.key(0), base)

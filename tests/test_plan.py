@@ -105,6 +105,9 @@ def test_lora_step_is_planned_beside_the_full_fine_tune(cfg):
     int8_base = plan.train_program(int8, mesh).parts["base (int8, frozen)"]
     held = quant.weight_bytes(create_base(int8, mesh))  # what training really holds: int8 matrices, scales
     assert int8_base == held < 4 * model.count_params(cfg.model)
+    nf4 = _with_model(cfg, lora=dataclasses.replace(adapted.model.lora, base_dtype="nf4"))
+    nf4_base = plan.train_program(nf4, mesh).parts["base (nf4, frozen)"]
+    assert nf4_base == quant.weight_bytes(create_base(nf4, mesh)) < int8_base  # packed codes, absmax, bfloat16 rest
 
 
 def test_search_longest_equals_brute_force_on_curves():

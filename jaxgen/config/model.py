@@ -41,8 +41,9 @@ class LoraConfig:
     dropout: float = 0.0  # only 0 for now
     targets: tuple[Literal["q", "k", "v", "o", "gate", "up", "down"], ...] = ("q", "k", "v", "o")
     dora: bool = False  # weight-decomposed LoRA: a trained magnitude per output feature (PEFT's use_dora)
-    base_dtype: Literal["float32", "bfloat16", "int8"] = "float32"  # how the frozen base weights are held
-    #   in training: int8 is the QLoRA-style saving (jaxgen.model.quant, matrix products only)
+    base_dtype: Literal["float32", "bfloat16", "int8", "nf4"] = "float32"  # how the frozen base weights are
+    #   held in training: int8 (jaxgen.model.quant) and nf4 (QLoRA's 4-bit NormalFloat, jaxgen.model.nf4)
+    #   quantize the matrix products' weights only
     # the folder of the weights the adapters adapt (a Hugging Face or run folder), written into a LoRA run's
     # config.yaml by train.py (training.init_from) and rl.py (the starting policy) and read by
     # jaxgen.inference.loading; "" = the weights the run's seed draws. Not a setting: set by the run itself

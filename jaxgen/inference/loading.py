@@ -119,7 +119,7 @@ def load_lora_run(run_dir: str | Path, mesh=None, step: int | None = None):
     """(Config, Tokenizer, base, adapters) of a LoRA run folder: the float32 adapters of its latest good (or
     given) checkpoint ({target: {"a_...": (L, *in, r), "b_...": (L, r, *out)}}, `jaxgen.model.lora`) and the
     float32 base they adapt: model.lora.base's weights (`lora_base_folder`), or the weights the run's seed draws
-    (the checkpoints hold no base). model.lora.base_dtype (bfloat16, int8) was how training held the base
+    (the checkpoints hold no base). model.lora.base_dtype (bfloat16, int8, nf4) was how training held the base
     to save memory; the base here is the full-precision one."""
     run_dir = Path(run_dir)
     cfg = _run_config(run_dir)

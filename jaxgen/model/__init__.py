@@ -15,6 +15,7 @@
     paged.py        the paged KV cache pytree (the serving engine)
     storage.py      how caches store keys and values (bfloat16 bits on CPU, int8 with per-token scales)
     quant.py        int8 weights for inference (QArray, per-channel scales, int8 x int8 products)
+    nf4.py          4-bit NormalFloat weights for a LoRA run's frozen base (NF4, dequantized in the product)
     layout.py       decoding's weight layout: matrix products' weights output-major (OutMajor)
 
 `from jaxgen import model; model.forward(params, tokens, positions, cache=None, cfg=cfg)`.

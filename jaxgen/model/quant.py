@@ -11,7 +11,9 @@ What is quantized (`quantize_params`): every matrix of the attention and the MLP
 those are stored int8 and expanded per step, as their einsums take no int8 path), and, with
 `embedding=True`, the embedding (one scale per vocabulary row: the lookup reads row scales, the tied
 head's output channels are the same rows) and an untied head. Norms, biases and anything training
-needs stay as they are: quantized params are for inference only (`jaxgen.model.transformer.forward`).
+needs stay as they are: quantized params are for inference only (`jaxgen.model.transformer.forward`),
+or a LoRA run's frozen base (`frozen_base`: int8, or NF4 from `jaxgen.model.nf4`, which `is_q` and `dense`
+take too).
 
 Why not qwix (Google's JAX quantization library): it quantizes by intercepting the products of Flax
 modules, and jaxgen's model is plain functions over a dict of arrays; the one product and the scale
@@ -27,6 +29,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxgen.model import nf4
 
 # contracted axes of each weight kind, by the name's axis letters (the glossary in jaxgen.sharding),
 # counted on one layer's weight (a stacked layer weight has a leading L axis on top)
@@ -81,7 +85,8 @@ class QArray:
 
 
 def is_q(x) -> bool:
-    return isinstance(x, QArray)
+    """A quantized weight: int8 (`QArray`) or NF4 (`jaxgen.model.nf4.NF4`, a LoRA run's frozen base)."""
+    return isinstance(x, QArray | nf4.NF4)
 
 
 def quantize(w, contracted: tuple[int, ...], out_major: bool = False) -> QArray:
@@ -116,22 +121,42 @@ def _out_major_sharding(w, lead: int, n_in: int):
     return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*out_major))
 
 
-def quantize_params(params: dict, embedding: bool = False) -> dict:
-    """The params with every matrix product's weight as a `QArray` (see the module docstring).
+def quantize_params(params: dict, embedding: bool = False, kind: str = "int8") -> dict:
+    """The params with every matrix product's weight as a `QArray` (see the module docstring), or with
+    `kind="nf4"` as `nf4.NF4` (MoE experts too; all output-major, (stack..., O, I)).
 
-    `embedding`: also the embedding and an untied head. Already quantized weights are left alone."""
+    `embedding`: also the embedding and an untied head (int8 only). Already quantized weights are left alone."""
 
     def visit(path, w):
         name = str(getattr(path[-1], "key", ""))
-        kind = product_kind(name)
-        if is_q(w) or kind is None:
+        axes = product_kind(name)
+        if is_q(w) or axes is None:
             return w
-        if name in _EMBEDDING and not embedding:
+        if name in _EMBEDDING and not (embedding and kind == "int8"):
             return w
-        lead = w.ndim - len(kind)  # a stacked layer weight's L axis
-        return quantize(w, tuple(lead + a for a in CONTRACTED[kind]), out_major=kind in OUT_MAJOR_KINDS)
+        lead = w.ndim - len(axes)  # a stacked layer weight's L axis
+        contracted = tuple(lead + a for a in CONTRACTED[axes])
+        if kind == "nf4":  # the stack axes (L, and E of experts) lead, then the contracted ones
+            sharding = _out_major_sharding(w, contracted[0], len(contracted))
+            return nf4.quantize(w, contracted[0], len(contracted), sharding)
+        return quantize(w, contracted, out_major=axes in OUT_MAJOR_KINDS)
 
     return jax.tree_util.tree_map_with_path(visit, params, is_leaf=is_q)
+
+
+def frozen_base(params: dict, kind: str) -> dict:
+    """A LoRA run's frozen base as `model.lora.base_dtype` = `kind` holds it: float32 as it is; bfloat16
+    cast; int8 every matrix product's weight quantized per output channel, the rest as it is; nf4 those
+    weights NF4 and the rest (embedding, head, norms) bfloat16, as QLoRA holds them (the float32 embedding
+    and head alone would be 4.2 GB of Llama 3.1 8B's base)."""
+    if kind == "bfloat16":
+        return jax.tree.map(lambda w: w.astype(jnp.bfloat16), params)
+    if kind == "int8":
+        return quantize_params(params)
+    if kind == "nf4":
+        half = lambda w: w if is_q(w) or not jnp.issubdtype(w.dtype, jnp.floating) else w.astype(jnp.bfloat16)
+        return jax.tree.map(half, quantize_params(params, kind="nf4"), is_leaf=is_q)
+    return params
 
 
 def is_quantized(params: dict) -> bool:
@@ -143,8 +168,8 @@ def weight_bytes(params: dict) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
 
 
-def dense(x2, w: QArray, out_dtype):
-    """x2 (R, I) float times a QArray (I, O) -> (R, O) `out_dtype`.
+def dense(x2, w: QArray | nf4.NF4, out_dtype):
+    """x2 (R, I) float times a QArray (I, O) -> (R, O) `out_dtype` (an NF4 weight: `nf4.dense`).
 
     The activations are quantized per row and multiplied int8 x int8 into int32. On XLA:CPU (2 cores,
     x (B, 2048) by (2048, 8192)) that product took 2.33 ms at B=8 against 4.66 ms in float32, while
@@ -152,6 +177,8 @@ def dense(x2, w: QArray, out_dtype):
     matrix is written every step). The weight is stored output-major, (O, I), so both operands run
     along I in memory: for one row by (768, 3072) that product took 0.27-0.30 ms against 0.53-0.56 ms in
     float32 and 0.60-0.72 ms with the (I, O) layout (`quantize_params` stores these weights so)."""
+    if nf4.is_nf4(w):
+        return nf4.dense(x2, w, out_dtype)
     if w.in_dims is None:
         wq, out_major = w.q.reshape(x2.shape[-1], -1), False
     else:

@@ -9,7 +9,7 @@
 Full training (`model.lora.rank` 0): the state's params are the whole model, the reference policy is the
 starting params and the swap is `LLM.update_params` (every weight laid out again and copied).
 LoRA (`model.lora.rank` > 0): the state's params are the adapters (`jaxgen.training.step.create_train_state`),
-the base is held frozen as `model.lora.base_dtype` says (`create_base`: float32, bfloat16 or int8) and shared
+the base is held frozen as `model.lora.base_dtype` says (`create_base`: float32, bfloat16, int8 or nf4) and shared
 by the trainer's forward and the engine; the engine serves the adapters from slot 1 of its LoRA bank
 (`serve.max_loras=1`, `jaxgen.model.lora.Bank`) and the swap rewrites that slot in place (`LLM.update_lora`: a
 jitted write with the bank donated, the adapters' bytes only, no recompilation). Merging instead would rewrite

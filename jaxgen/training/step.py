@@ -110,19 +110,15 @@ def _seed_key(cfg: Config, which: int):
 def create_base(cfg: Config, mesh, params: dict | None = None) -> dict | None:
     """The frozen base weights of a LoRA run (None without LoRA), held as `model.lora.base_dtype` says:
     `params` (fine-tuning, already in their shardings) or drawn from the seed as full training draws them
-    (so a resumed run rebuilds the same base). int8: every matrix product's weight (jaxgen.model.quant)."""
+    (so a resumed run rebuilds the same base). int8, nf4: every matrix product's weight quantized
+    (`jaxgen.model.quant.frozen_base`)."""
     if not cfg.model.lora.rank:
         return None
     with jax.set_mesh(mesh):
         if params is None:
             shardings = param_shardings(cfg.model, mesh)
             params = jax.jit(lambda: model.init_params(cfg.model, _seed_key(cfg, 0)), out_shardings=shardings)()
-        kind = cfg.model.lora.base_dtype
-        if kind == "bfloat16":
-            params = jax.tree.map(lambda w: w.astype(jnp.bfloat16), params)
-        elif kind == "int8":
-            params = quant.quantize_params(params)
-        return params
+        return quant.frozen_base(params, cfg.model.lora.base_dtype)
 
 
 def _zero():
