@@ -3,8 +3,9 @@ against holding a reference model.
 
     python bench/preference.py [--config llama-small] [--layers 4] [--pairs 4] [--seq 256] [--steps 5]
 
-The DPO step reads P pairs (2P rows of T tokens, the reference's scores from the batch); the SFT step 2P
-rows of the same T tokens. Step times are the median of `--steps` calls, the two steps alternating in one
+The DPO step reads 2P rows of T tokens, each holding one pair packed (the chosen and the rejected answer
+of T / 2 tokens each, a quarter of each the prompt; the reference's scores from the batch); the SFT step
+the same 2P rows as plain sequences. Step times are the median of `--steps` calls, the two steps alternating in one
 process (this machine is noisy: compare the ratio). Memory: XLA's buffer assignment of each compiled step
 (temporaries; arguments and outputs are the same state). The reference: the bytes a second model held in
 memory would take, against the cache's 8 bytes per pair (two float32 scores).
@@ -41,7 +42,8 @@ def _rows(n: int, t: int, vocab: int, rng) -> dict:
 def _step(cfg, batch, fn=None):
     mesh = make_mesh(cfg.mesh)
     state = create_train_state(cfg, mesh)
-    step = make_train_step(cfg, mesh, state, fn=fn)
+    shapes = {k: v.shape for k, v in batch.items()}
+    step = make_train_step(cfg, mesh, state, fn=fn, shapes=shapes)
     data = put_batch(batch, mesh)
     with jax.set_mesh(mesh):
         compiled = step.jitted.lower(state, data).compile()
@@ -60,12 +62,18 @@ def main() -> None:
     p, t = args.pairs, args.seq
     base = [f"model.num_layers={args.layers}", f"data.seq_len={t}", f"model.max_seq_len={max(t, 256)}"]
     sft = load_config(ROOT / "configs" / f"{args.config}.yaml", [*base, f"training.batch_size={2 * p}"])
-    dpo = load_config(ROOT / "configs" / f"{args.config}.yaml", [*base, f"training.batch_size={p}",
+    dpo = load_config(ROOT / "configs" / f"{args.config}.yaml", [*base, f"training.batch_size={2 * p}",
                       "data.source=preference", "data.paths=[pairs.jsonl]", "training.objective=dpo"])  # fmt: skip
     sft, dpo = (dataclasses.replace(c, mesh=MeshConfig(data=1)) for c in (sft, dpo))
     rows = _rows(2 * p, t, sft.model.vocab_size, np.random.default_rng(0))
-    pairs = {k: v.reshape(p, 2, *v.shape[1:]) for k, v in rows.items()}
-    pairs["reference"] = np.full((p, 2), -100.0, np.float32)
+    half = np.arange(t) >= t // 2  # the rejected answer's half of each row
+    segments = np.where(half, 2, 1)[None].repeat(2 * p, 0).astype(np.int32)
+    positions = np.where(half, np.arange(t) - t // 2, np.arange(t))[None].repeat(2 * p, 0).astype(np.int32)
+    trained = (np.arange(t) % (t // 2)) >= t // 8  # a quarter of each answer's half is its prompt
+    answer = np.where(trained, half.astype(np.int32), -1)[None].repeat(2 * p, 0).astype(np.int32)
+    pairs = rows | {"segment_ids": segments, "positions": positions, "loss_mask": (answer >= 0).astype(np.int32),
+                    "answer": answer, "pairs": np.ones((2 * p, 1), np.float32),
+                    "reference": np.full((2 * p, 1, 2), -100.0, np.float32)}  # fmt: skip
     runs = {"sft": _step(sft, rows), "dpo": _step(dpo, pairs, preference_step)}
     times = {name: [] for name in runs}
     states = {name: r[1] for name, r in runs.items()}
@@ -76,7 +84,7 @@ def main() -> None:
             jax.block_until_ready(m)
             times[name].append(time.perf_counter() - t0)
     median = {name: statistics.median(ts[1:]) for name, ts in times.items()}
-    print(f"{args.config}, {args.layers} layers, {p} pairs x 2 rows x {t} tokens (SFT: {2 * p} rows), float32, "
+    print(f"{args.config}, {args.layers} layers, {2 * p} rows x {t} tokens (DPO: a pair a row), float32, "
           f"{jax.devices()[0].device_kind}")  # fmt: skip
     print(f"{'step':<6} {'time (s)':>10} {'temporaries (MB)':>18}")
     for name in runs:

@@ -27,7 +27,7 @@ from tests.conftest import ROOT
 from tests.test_hf import SMALL, _one_device, _randomise
 from tests.test_resume import _finished_steps, records, run, train_cmd
 
-T, P = 12, 3  # tokens per row, pairs
+T, P = 32, 5  # tokens per row (several pairs packed in each), pairs
 
 
 @pytest.fixture(scope="module")
@@ -92,32 +92,54 @@ CASES = [("dpo", 0.1, 0.0, 0.0), ("dpo", 0.5, 0.2, 0.0), ("ipo", 0.1, 0.0, 0.0),
 def test_loss_and_gradients_equal_trls(llama, objective, beta, smoothing, gamma):
     """On one Llama model (transformers' and jaxgen's, the same weights), the same pairs and settings: the loss
     and the gradient of the embedding table (so every layer's backward) within 1e-5 (relative to the largest
-    entry where it passes 1). TRL scores the sequences
-    with its `get_batch_logps` (shifted labels, -100 outside the answers)."""
+    entry where it passes 1). jaxgen packs the pairs several to a row (each answer its own segment); TRL scores
+    each sequence alone with its `get_batch_logps` (shifted labels, -100 outside the answer)."""
     from trl.experimental.cpo import CPOTrainer
 
     ref_model, model_cfg, params = llama
     rng = np.random.default_rng(len(objective) + int(beta * 10))
-    source = PreferencePairs(*_pairs(rng), T)
+    tokens, flags = _pairs(rng)
+    source = PreferencePairs(tokens, flags, T)
+    assert len(source) < P and source.cut == 0  # packed: fewer rows than pairs, nothing cut
     reference = rng.normal(-20, 3, (P, 2)).astype(np.float32)
     source.set_reference(reference)
-    batch = {k: np.stack([source[i][k] for i in range(P)]) for k in source[0]}
+    batch = {k: np.stack([source[i][k] for i in range(len(source))]) for k in source[0]}
     cfg = _config(objective, beta, smoothing, gamma, model_cfg)
     (loss, _), grads = jax.value_and_grad(preference.preference_loss, has_aux=True)(params, batch, cfg)
 
-    rows = [(i, side) for side in (0, 1) for i in range(P)]  # TRL's order: every chosen, then every rejected
-    window = np.stack([np.append(batch["inputs"][i, s], batch["targets"][i, s, -1]) for i, s in rows])
-    labels = np.where(np.stack([np.append(0, batch["loss_mask"][i, s]) for i, s in rows]) > 0, window, -100)
+    window, labels = np.zeros((2 * P, T + 1), np.int64), np.full((2 * P, T + 1), -100)
+    for side in (0, 1):  # TRL's order: every chosen, then every rejected
+        for k in range(P):
+            lo, hi = source.spans[k, side]
+            window[side * P + k, : hi - lo] = tokens[lo:hi]
+            trained = (flags[lo:hi] & NO_LOSS) == 0
+            labels[side * P + k, : hi - lo] = np.where(trained, tokens[lo:hi], -100)
     ref_model.zero_grad()
     logits = ref_model(torch.tensor(window)).logits.float()
     logps = CPOTrainer.get_batch_logps(logits, torch.tensor(labels), average_log_prob=False)
-    counts = torch.tensor(batch["loss_mask"].sum(-1), dtype=torch.float32)
+    counts = torch.tensor((labels[:, 1:] != -100).sum(-1).reshape(2, P).T, dtype=torch.float32)
     want = _trl(objective, beta, smoothing, gamma, logps[:P], logps[P:], torch.tensor(reference), counts)
     want.backward()
     assert abs(float(loss) - float(want)) <= 1e-5 * max(1.0, abs(float(want))), (float(loss), float(want))
     embed = ref_model.model.embed_tokens.weight.grad.numpy()  # (IPO's squared loss makes gradients of ~10)
     np.testing.assert_allclose(np.asarray(grads["embed_vd"]), embed, atol=1e-5 * max(1.0, np.abs(embed).max()))
     assert np.abs(embed).max() > 1e-3  # the gradient compared is not vanishingly small
+
+
+def test_pairs_pack_whole_and_a_pair_too_long_keeps_half_of_each_answer():
+    """Rows hold whole pairs in store order; the `answer` ids mark each packed answer's trained targets; a pair
+    longer than T + 1 tokens keeps the first (T + 1) // 2 tokens of each of its two answers."""
+    tokens = np.arange(1, 61)
+    lengths = [6, 5, 4, 7, 20, 30]  # pairs of 11, 11 and 50 tokens
+    flags = np.zeros(60, np.uint8)
+    flags[np.cumsum([0, *lengths[:-1]])] = DOC_START
+    flags[np.cumsum([0, *lengths[:-1]])] |= NO_LOSS  # each answer's first token is its prompt
+    source = PreferencePairs(tokens, flags, 23)  # T + 1 = 24 tokens a row
+    assert [list(source.pairs_of(r)) for r in range(len(source))] == [[0, 1], [2]] and source.width == 2
+    assert source.cut == 1 and [hi - lo for lo, hi in source.spans[2]] == [12, 12]
+    row = source.rows(0)
+    assert [int(np.sum(row["answer"] == a)) for a in range(4)] == [5, 4, 3, 6] and row["pairs"].tolist() == [1, 1]
+    assert row["positions"][:12].tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 0]  # each answer from 0
 
 
 def test_objectives_are_the_configs_names():

@@ -2,9 +2,11 @@
 
     state, metrics = preference_step(state, batch, base, cfg=cfg, tx=tx)   # as training.step.train_step
 
-A batch holds P pairs (training.batch_size): the token arrays of `training.step.BATCH_KEYS`, each
-(P, 2, T) (row 0 the chosen answer, row 1 the rejected, the loss mask on the answer's tokens), and
-`reference` (P, 2) float32, the frozen reference's summed log-probability of each answer. The reference is
+A batch is B rows (training.batch_size) of whole pairs packed (`data.pipeline.PreferencePairs`: each
+answer its own segment, so packing is exact): the (B, T) token arrays of `training.step.BATCH_KEYS` (the
+loss mask on the answers' tokens), `answer` (B, T) int32 (2k + side of the row's k-th pair for each target
+token, -1 elsewhere), `pairs` (B, K) (1 where the row holds a k-th pair) and `reference` (B, K, 2) float32,
+the frozen reference's summed log-probability of each answer. The reference is
 the starting model (training.init_from's weights, or the seed's; with LoRA the base), scored once before
 training with this module's own forward (`sequence_logps`) and cached beside the data (`reference.py`), so
 no reference model is held while training.
@@ -38,15 +40,18 @@ REFERENCE_FREE = ("simpo",)  # objectives that read no reference (its log-probab
 
 
 def sequence_logps(params, batch: dict, cfg: Config):
-    """(summed log-probabilities (P, 2), answer token counts (P, 2)) of each row's masked targets: the
-    full-vocabulary softmax of the model's logits, in float32 (as TRL's scoring)."""
-    rows = {k: v.reshape(-1, v.shape[-1]) for k, v in batch.items() if k != "reference"}  # (2P, T)
-    logits, _ = model.forward(params, rows["inputs"], rows["positions"], cfg=cfg.model, segment_ids=rows["segment_ids"])
+    """(summed log-probabilities (B, K, 2), answer token counts (B, K, 2)) of each packed answer's targets:
+    the full-vocabulary softmax of the model's logits, in float32 (as TRL's scoring)."""
+    logits, _ = model.forward(params, batch["inputs"], batch["positions"], cfg=cfg.model,
+                              segment_ids=batch["segment_ids"])  # fmt: skip
     logp = layers.log_softmax(logits.astype(jnp.float32), cfg.model)
-    target = jnp.take_along_axis(logp, rows["targets"][..., None], axis=-1)[..., 0]
-    mask = rows["loss_mask"].astype(jnp.float32)
-    shape = batch["loss_mask"].shape[:2]
-    return jnp.sum(target * mask, axis=-1).reshape(shape), jnp.sum(mask, axis=-1).reshape(shape)
+    target = jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]  # (B, T)
+    b, k = batch["pairs"].shape
+    answer = batch["answer"]
+    ids = jnp.where(answer >= 0, answer + 2 * k * jnp.arange(b)[:, None], 2 * k * b)  # padding: one bin past
+    sums = jax.ops.segment_sum(target.reshape(-1), ids.reshape(-1), num_segments=2 * k * b + 1)[:-1]
+    counts = jax.ops.segment_sum(jnp.ones_like(target).reshape(-1), ids.reshape(-1), num_segments=2 * k * b + 1)[:-1]
+    return sums.reshape(b, k, 2), counts.reshape(b, k, 2)
 
 
 def _smoothed(delta, p: PreferenceConfig):
@@ -76,19 +81,26 @@ OBJECTIVES: dict[str, Callable] = {"dpo": _dpo, "ipo": _ipo, "simpo": _simpo}
 
 
 def preference_loss(params, batch: dict, cfg: Config):
-    """(mean loss over the pairs, metrics): see the module's docstring."""
-    logp, count = sequence_logps(params, batch, cfg)
-    ref = jax.lax.stop_gradient(batch["reference"].astype(jnp.float32))
+    """(mean loss over the batch's pairs, metrics): see the module's docstring."""
+    logp, count = (x.reshape(-1, 2) for x in sequence_logps(params, batch, cfg))  # (B K, 2)
+    ref = jax.lax.stop_gradient(batch["reference"].astype(jnp.float32).reshape(-1, 2))
+    held = batch["pairs"].astype(jnp.float32).reshape(-1)  # (B K,): the slots that hold a pair
     losses, rewards = OBJECTIVES[cfg.training.objective](logp, ref, count, cfg.preference)
     rewards = jax.lax.stop_gradient(rewards)
+    pairs = jnp.maximum(jnp.sum(held), 1.0)
+
+    def mean(x):  # over the pairs held
+        return jnp.sum(jnp.where(held > 0, x, 0.0)) / pairs
+
     metrics = {
-        "rewards_chosen": jnp.mean(rewards[:, 0]),
-        "rewards_rejected": jnp.mean(rewards[:, 1]),
-        "margin": jnp.mean(rewards[:, 0] - rewards[:, 1]),
-        "accuracy": jnp.mean((rewards[:, 0] > rewards[:, 1]).astype(jnp.float32)),
+        "rewards_chosen": mean(rewards[:, 0]),
+        "rewards_rejected": mean(rewards[:, 1]),
+        "margin": mean(rewards[:, 0] - rewards[:, 1]),
+        "accuracy": mean((rewards[:, 0] > rewards[:, 1]).astype(jnp.float32)),
+        "pairs": jnp.sum(held),
         "tokens": jnp.sum(count),
     }
-    return jnp.mean(losses), metrics
+    return mean(losses), metrics
 
 
 def preference_step(state, batch: dict, base: dict | None = None, *, cfg: Config, tx: optax.GradientTransformation):
@@ -107,5 +119,5 @@ def preference_step(state, batch: dict, base: dict | None = None, *, cfg: Config
 def preference_eval(params, batch: dict, base: dict | None = None, *, cfg: Config):
     """(loss summed over the batch's pairs, pairs, correctly ranked pairs): held-out evaluation."""
     loss, metrics = preference_loss(params if base is None else lora.attach(base, params), batch, cfg)
-    pairs = batch["loss_mask"].shape[0]
-    return loss * pairs, float(pairs), metrics["accuracy"] * pairs
+    pairs = metrics["pairs"]
+    return loss * pairs, pairs, metrics["accuracy"] * pairs

@@ -33,7 +33,7 @@ from jaxgen.training.preference import REFERENCE_FREE, sequence_logps
 def reference_key(cfg: Config, tokenizer: Tokenizer) -> str:
     """What the reference's scores depend on: the data store, the model, the starting weights."""
     h = hashlib.sha256(store_key(cfg.data, tokenizer).encode())
-    h.update(repr(cfg.model).encode())
+    h.update(f"{cfg.model!r} seq_len {cfg.data.seq_len}".encode())  # (the length decides which answers are cut)
     if cfg.training.init_from:
         for f in sorted(Path(cfg.training.init_from).glob("*.safetensors")):
             st = f.stat()
@@ -49,7 +49,7 @@ def set_references(cfg: Config, mesh, tokenizer: Tokenizer, sources: dict[str, P
     params and cached (written whole or not at all)."""
     if cfg.training.objective in REFERENCE_FREE:
         for src in sources.values():
-            src.set_reference(np.zeros((len(src), 2), np.float32))
+            src.set_reference(np.zeros((src.num_pairs, 2), np.float32))
         return
     path = store_folder(cfg.data, tokenizer) / f"reference-{reference_key(cfg, tokenizer)}.npz"
     if path.exists():
@@ -68,17 +68,18 @@ def set_references(cfg: Config, mesh, tokenizer: Tokenizer, sources: dict[str, P
 
 
 def score(params, source: PreferencePairs, cfg: Config, mesh, progress: bool = True) -> np.ndarray:
-    """(pairs, 2) float32: summed log-probabilities of every pair's answers, training.batch_size pairs a call
-    (the last call padded with the first pairs)."""
-    p = cfg.training.batch_size
+    """(pairs, 2) float32: summed log-probabilities of every pair's answers, the source's rows
+    training.batch_size a call (the last call padded with the first rows)."""
+    b = cfg.training.batch_size
     fn = jax.jit(functools.partial(sequence_logps, cfg=cfg))
-    out = np.zeros((len(source), 2), np.float32)
+    out = np.zeros((source.num_pairs, 2), np.float32)
     with jax.set_mesh(mesh):
-        for lo in tqdm(range(0, len(source), p), desc="reference", unit="batch", disable=not progress, leave=False):
-            idx = [(lo + i) % len(source) for i in range(p)]
+        for lo in tqdm(range(0, len(source), b), desc="reference", unit="batch", disable=not progress, leave=False):
+            idx = [(lo + i) % len(source) for i in range(b)]
             rows = [source.rows(i) for i in idx]
-            batch = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
-            logp, _ = fn(params, batch)
-            n = min(p, len(source) - lo)
-            out[lo : lo + n] = np.asarray(logp)[:n]
+            logp, _ = fn(params, {k: np.stack([r[k] for r in rows]) for k in rows[0]})
+            logp = np.asarray(logp)  # (b, width, 2)
+            for j, row in enumerate(idx[: min(b, len(source) - lo)]):
+                held = source.pairs_of(row)
+                out[held.start : held.stop] = logp[j, : len(held)]
     return out

@@ -253,21 +253,27 @@ def state_shardings(state: TrainState):
     return jax.tree.map(lambda x: x.sharding, state)
 
 
-def batch_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
+PREFERENCE_KEYS = ("answer", "pairs", "reference")  # a preference batch's arrays beside BATCH_KEYS
+
+
+def batch_shapes(cfg: Config, width: int = 1) -> dict[str, tuple[int, ...]]:
     """The global shape of each array of a training batch: (B, T) token arrays; with a preference objective
-    B pairs of two rows, (B, 2, T), and the reference's scores (B, 2) (jaxgen.training.preference)."""
+    also each target's answer (B, T) and, for the up to `width` pairs a row holds, which it holds (B, width)
+    and the reference's scores (B, width, 2) (`data.pipeline.PreferencePairs`, jaxgen.training.preference)."""
     b, t = cfg.training.batch_size, cfg.data.seq_len
+    shapes = {k: (b, t) for k in BATCH_KEYS}
     if cfg.training.objective == "sft":
-        return {k: (b, t) for k in BATCH_KEYS}
-    return {k: (b, 2, t) for k in BATCH_KEYS} | {"reference": (b, 2)}
+        return shapes
+    return shapes | {"answer": (b, t), "pairs": (b, width), "reference": (b, width, 2)}
 
 
-def make_train_step(cfg: Config, mesh, state: TrainState, base: dict | None = None, fn=None):
+def make_train_step(cfg: Config, mesh, state: TrainState, base: dict | None = None, fn=None, shapes=None):
     """The jitted, state-donating step `step(state, batch)`, with the state's and the batch's shardings
     fixed; with LoRA's `base` (see create_base), the step reads it (not donated) on every call. fn: the step
-    (default `train_step`; a preference objective's is `preference.preference_step`)."""
+    (default `train_step`; a preference objective's is `preference.preference_step`); shapes: the batch's
+    (default `batch_shapes(cfg)`)."""
     tx = make_optimizer(cfg.optimizer, cfg.training.steps)
-    batch_sh = {k: batch_sharding(mesh, shape) for k, shape in batch_shapes(cfg).items()}
+    batch_sh = {k: batch_sharding(mesh, shape) for k, shape in (shapes or batch_shapes(cfg)).items()}
     state_sh = state_shardings(state)
     in_sh = (state_sh, batch_sh) if base is None else (state_sh, batch_sh, _shardings(base))
     step = functools.partial(fn or train_step, cfg=cfg, tx=tx)
@@ -275,11 +281,11 @@ def make_train_step(cfg: Config, mesh, state: TrainState, base: dict | None = No
     return with_mesh(step, mesh) if base is None else _with_base(step, base, mesh)
 
 
-def make_eval_step(cfg: Config, mesh, state: TrainState, base: dict | None = None, fn=None):
+def make_eval_step(cfg: Config, mesh, state: TrainState, base: dict | None = None, fn=None, shapes=None):
     """The jitted `eval(params, batch) -> (loss sum, token count)`; with LoRA, params are the adapters. fn:
     the evaluation (default `eval_step`; a preference objective's, `preference.preference_eval`, returns
-    (loss sum, pairs, correctly ranked pairs))."""
-    batch_sh = {k: batch_sharding(mesh, shape) for k, shape in batch_shapes(cfg).items()}
+    (loss sum, pairs, correctly ranked pairs)); shapes: as make_train_step's."""
+    batch_sh = {k: batch_sharding(mesh, shape) for k, shape in (shapes or batch_shapes(cfg)).items()}
     params_sh = state_shardings(state).params
     in_sh = (params_sh, batch_sh) if base is None else (params_sh, batch_sh, _shardings(base))
     fn = jax.jit(functools.partial(fn or eval_step, cfg=cfg), in_shardings=in_sh)
@@ -302,7 +308,7 @@ def put_batch(batch: dict, mesh, global_batch: int | None = None, keys: tuple[st
     """Places this process's numpy rows (`process_rows` of the global batch) as global arrays sharded over
     the batch axis. global_batch: rows in all (default: this process's rows, i.e. a single process).
     keys: the arrays of `batch` placed (default: a training batch's, with a preference batch's reference)."""
-    keys = keys or tuple(k for k in (*BATCH_KEYS, "reference") if k in batch)
+    keys = keys or tuple(k for k in (*BATCH_KEYS, *PREFERENCE_KEYS) if k in batch)
     out = {}
     for k in keys:
         local = batch[k]

@@ -41,6 +41,7 @@ from jaxgen.training.data.tokens import load_meta, load_splits
 from jaxgen.training.metrics import MetricsWriter, measure_matmul_flops, plot_loss
 from jaxgen.training.step import (
     TrainState,
+    batch_shapes,
     create_base,
     create_train_state,
     make_eval_step,
@@ -199,6 +200,7 @@ def train(cfg: Config, run_dir: str | Path, progress: bool = True) -> TrainResul
             what = "answer(s)" if cfg.data.source == "preference" else "conversation(s)"
             _say(f"data: {train_src.cut} {what} longer than data.seq_len + 1 tokens are cut to their start")
         if cfg.data.source == "preference":
+            train_src.width = eval_src.width = max(train_src.width, eval_src.width)  # one shape for both
             _references(cfg, mesh, tokenizer, family, train_src, eval_src, progress)
         rows = process_rows(mesh, cfg.training.batch_size)  # this process loads only its share of each batch
         data_iter = train_iterator(train_src, cfg.training.batch_size, cfg.data.seed, rows)
@@ -209,7 +211,7 @@ def train(cfg: Config, run_dir: str | Path, progress: bool = True) -> TrainResul
             if state is None:
                 result = TrainResult(step=step, status="already finished")
             else:
-                run = _Run(cfg, run_dir, mesh, data_iter, held_out, ckpt, base)
+                run = _Run(cfg, run_dir, mesh, data_iter, held_out, ckpt, base, getattr(train_src, "width", 1))
                 result = _loop(run, state, step, progress)
         except BaseException:
             with contextlib.suppress(Exception):  # the error in flight is the one to report
@@ -228,7 +230,7 @@ def _references(cfg: Config, mesh, tokenizer, family, train_src, eval_src, progr
     bad = load_meta(cfg.data, tokenizer)["bad_lines"]
     if bad["count"]:  # said on every start, from the store's record of them
         shown = "; ".join(bad["first"][:5]) + ("; ..." if bad["count"] > 5 else "")
-        kept = len(train_src) + len(eval_src)
+        kept = train_src.num_pairs + eval_src.num_pairs
         _say(f"data: {bad['count']} bad preference line(s) skipped, {kept} pairs kept: {shown}")
 
     def start() -> dict:  # the params the first step reads
@@ -314,17 +316,18 @@ class _Run:
     held_out: list
     ckpt: Checkpointer
     base: dict | None = None  # LoRA's frozen weights (see jaxgen.training.step.create_base)
+    width: int = 1  # preference tuning: the most pairs a row holds (`PreferencePairs.width`)
 
 
 def _loop(run: _Run, state: TrainState, start: int, progress: bool) -> TrainResult:
     cfg = run.cfg
-    steps = (None, None)  # the defaults: next-token cross-entropy
+    steps, shapes = (None, None), None  # the defaults: next-token cross-entropy
     if cfg.training.objective != "sft":
         from jaxgen.training.preference import preference_eval, preference_step
 
-        steps = (preference_step, preference_eval)
-    step_fn = make_train_step(cfg, run.mesh, state, run.base, steps[0])
-    eval_fn = make_eval_step(cfg, run.mesh, state, run.base, steps[1])
+        steps, shapes = (preference_step, preference_eval), batch_shapes(cfg, run.width)
+    step_fn = make_train_step(cfg, run.mesh, state, run.base, steps[0], shapes)
+    eval_fn = make_eval_step(cfg, run.mesh, state, run.base, steps[1], shapes)
     rates = _Rates(cfg)
     result = TrainResult(step=start, status="finished")
     end = cfg.training.steps
@@ -371,8 +374,7 @@ class _Rates:
     """Per-step record: loss, gradient norm, learning rate, tokens/s and MFU against the matmul rate."""
 
     def __init__(self, cfg: Config):
-        rows = cfg.training.batch_size * (1 if cfg.training.objective == "sft" else 2)  # a pair is two rows
-        self.tokens_per_step = rows * cfg.data.seq_len
+        self.tokens_per_step = cfg.training.batch_size * cfg.data.seq_len
         flops = lora.train_flops_per_token if cfg.model.lora.rank else model.flops_per_token
         self.flops_per_step = flops(cfg.model, cfg.data.seq_len) * self.tokens_per_step
         self.peak = cfg.training.peak_flops or measure_matmul_flops()
@@ -383,7 +385,7 @@ class _Rates:
             "tokens_per_s": self.tokens_per_step / dt, "mfu": self.flops_per_step / dt / self.peak, "step_time_s": dt,
             "data": _batch_hash(batch),
         }  # fmt: skip
-        extra = ("router_aux", "router_z", "rewards_chosen", "rewards_rejected", "margin", "accuracy")
+        extra = ("router_aux", "router_z", "rewards_chosen", "rewards_rejected", "margin", "accuracy", "pairs")
         return out | {k: float(m[k]) for k in extra if k in m}  # mixture of experts; preference tuning
 
 

@@ -70,45 +70,77 @@ class PackedConversations:
 
 
 class PreferencePairs:
-    """Preference pairs (data.source=preference): pair i is documents 2i (chosen) and 2i + 1 (rejected) of the
-    store, each in a row of its own, padded to T + 1 tokens (`cut` counts answers longer: their first T + 1
-    kept). An example is the pair's two rows, each array (2, T), and `reference` (2,) float32: the frozen
-    reference's log-probability of each answer (`set_reference`, before the first example is read)."""
+    """Preference pairs (data.source=preference) packed into rows of T + 1 tokens: pair i is documents 2i
+    (chosen) and 2i + 1 (rejected) of the store, each its own segment (positions from 0, attention kept
+    inside it: exact), whole pairs laid out in store order and a new row begun when the next pair does not
+    fit. A pair longer than T + 1 tokens in all keeps the first (T + 1) // 2 of each answer (`cut` counts
+    them). An example (a row) holds up to `width` pairs (the most any row holds; `width` may be raised so
+    that two sources share one shape): the (T,) arrays of `pack_window`, `answer` (T,) int32 (2k + side for
+    a target token of the row's k-th pair, side 0 chosen and 1 rejected, -1 elsewhere), `pairs` (width,)
+    float32 (1 for each pair the row holds) and `reference` (width, 2) float32: the frozen reference's
+    summed log-probability of each answer (`set_reference`, before the first example is read)."""
 
     def __init__(self, tokens: np.ndarray, flags: np.ndarray, seq_len: int):
         self.tokens, self.flags, self.seq_len = tokens, flags, seq_len
-        self.starts = np.append(np.flatnonzero(np.asarray(flags) & DOC_START), len(tokens))
-        if len(self.starts) < 3 or len(self.starts) % 2 == 0:
-            raise ValueError(f"{len(self.starts) - 1} documents: preference data is whole pairs, at least one")
-        self.cut = int(np.sum(np.diff(self.starts) > seq_len + 1))
+        starts = np.append(np.flatnonzero(np.asarray(flags) & DOC_START), len(tokens))
+        if len(starts) < 3 or len(starts) % 2 == 0:
+            raise ValueError(f"{len(starts) - 1} documents: preference data is whole pairs, at least one")
+        lengths = np.diff(starts).reshape(-1, 2)
+        self.cut = int(np.sum(lengths.sum(axis=1) > seq_len + 1))
+        half = (seq_len + 1) // 2
+        lengths = np.where(lengths.sum(axis=1, keepdims=True) > seq_len + 1, np.minimum(lengths, half), lengths)
+        self.spans = np.stack([starts[:-1].reshape(-1, 2), starts[:-1].reshape(-1, 2) + lengths], -1)  # (N, 2, 2)
+        firsts, used = [0], 0
+        for k, n in enumerate(lengths.sum(axis=1).tolist()):
+            if used + n > seq_len + 1:
+                firsts.append(k)
+                used = 0
+            used += n
+        self.bounds = np.append(firsts, len(lengths))  # row r holds pairs bounds[r]:bounds[r + 1]
+        self.width = int(np.max(np.diff(self.bounds)))
         self.reference = None
 
     def __len__(self) -> int:
-        return (len(self.starts) - 1) // 2
+        return len(self.bounds) - 1
+
+    @property
+    def num_pairs(self) -> int:
+        return len(self.spans)
+
+    def pairs_of(self, row: int) -> range:
+        """The pairs (store order) row `row` holds."""
+        return range(self.bounds[int(row)], self.bounds[int(row) + 1])
 
     def set_reference(self, reference: np.ndarray) -> None:
         """(pairs, 2) float32: the reference's summed log-probabilities of each pair's chosen, rejected answer."""
-        if reference.shape != (len(self), 2):
-            raise ValueError(f"a reference of shape {reference.shape} for {len(self)} pairs: expected {(len(self), 2)}")
+        if reference.shape != (self.num_pairs, 2):
+            raise ValueError(f"a reference of shape {reference.shape} for {self.num_pairs} pairs")
         self.reference = reference
 
     def rows(self, i: int) -> dict[str, np.ndarray]:
-        """Pair i's two rows, each array (2, T), without the reference (what computing it reads)."""
-        rows = [self._row(2 * int(i) + k) for k in (0, 1)]
-        return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+        """Row i without the reference (what scoring the reference reads)."""
+        tokens = np.zeros(self.seq_len + 1, np.int64)
+        flags = np.full(self.seq_len + 1, NO_LOSS, np.uint8)
+        answer = np.full(self.seq_len + 1, -1, np.int32)
+        pairs = np.zeros(self.width, np.float32)
+        at = 0
+        for k, pair in enumerate(self.pairs_of(i)):
+            pairs[k] = 1.0
+            for side, (lo, hi) in enumerate(self.spans[pair]):
+                tokens[at : at + hi - lo], flags[at : at + hi - lo] = self.tokens[lo:hi], self.flags[lo:hi]
+                answer[at : at + hi - lo] = 2 * k + side
+                at += hi - lo
+        flags[at : at + 1] |= DOC_START  # the padding is a document of its own
+        out = pack_window(tokens, flags)
+        return out | {"answer": np.where(out["loss_mask"] > 0, answer[1:], -1).astype(np.int32), "pairs": pairs}
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         if self.reference is None:
             raise RuntimeError("PreferencePairs.set_reference must be called before examples are read")
-        return self.rows(i) | {"reference": np.asarray(self.reference[int(i)], np.float32)}
-
-    def _row(self, d: int) -> dict[str, np.ndarray]:
-        lo, hi = self.starts[d], min(self.starts[d + 1], self.starts[d] + self.seq_len + 1)
-        tokens = np.zeros(self.seq_len + 1, np.int64)
-        flags = np.full(self.seq_len + 1, NO_LOSS, np.uint8)
-        tokens[: hi - lo], flags[: hi - lo] = self.tokens[lo:hi], self.flags[lo:hi]
-        flags[hi - lo : hi - lo + 1] |= DOC_START  # the padding is a document of its own
-        return pack_window(tokens, flags)
+        reference = np.zeros((self.width, 2), np.float32)
+        held = self.pairs_of(i)
+        reference[: len(held)] = self.reference[held.start : held.stop]
+        return self.rows(i) | {"reference": reference}
 
 
 def pack_window(tokens: np.ndarray, flags: np.ndarray) -> dict[str, np.ndarray]:

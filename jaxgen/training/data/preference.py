@@ -9,7 +9,8 @@ Plain text is the prompt's tokens (with the tokenizer's own BOS, if any), then t
 end-of-text, each tokenized alone (as TRL does). Conversational lines are rendered with the tokenizer's chat
 template as chat SFT renders them (`chat.py`): the prompt's messages, then the answer as an assistant turn
 (a string) or turns (a list); the trained tokens are the answer's turns. A pair is two documents, chosen
-then rejected, and stays whole (never split between train and held-out).
+then rejected, and stays whole (never split between train and held-out; packed into rows whole:
+`pipeline.PreferencePairs`).
 
 A bad line (not JSON, a missing or empty field, a field of the wrong type, an answer with no trained token)
 is skipped, counted and reported with its path:line and field (`PreferenceData.bad`); a file with no good
