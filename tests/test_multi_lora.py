@@ -275,6 +275,21 @@ def test_llm_scores_with_an_adapter_as_the_merged_weights_do(engine, score):
     assert engine.idle()
 
 
+def test_after_precompiles_bank_write_loading_an_adapter_compiles_nothing(params):
+    """`precompile` writes zeros into an empty slot of the bank (`Runner.compile_bank`): the program an adapter
+    load runs is then compiled before ready (issue 45), and the zeros change no output (slot 0 and 1 alike)."""
+    engine = Engine(params, CFG, Tokenizer.byte_level(), dataclasses.replace(SERVE, max_loras=1))
+    try:
+        engine.runner.compile_bank()
+        bank = lora.bank_of(engine.params)
+        assert all(not np.any(np.asarray(w)) for w in jax.tree.leaves(bank))  # still all zeros
+        compiled = engine.compilations
+        engine.load_lora("a1", _adapter("a1"), _lora_cfg("a1").lora.scale)
+        assert engine.compilations == compiled
+    finally:
+        engine.stop()
+
+
 def test_a_replacement_takes_the_old_slot_only_when_no_request_holds_it():
     """LoraRegistry.reserve(replace=True): the loaded adapter's own slot counts as free unless a live request
     uses it; with no slot free it is refused and the old adapter stays (load_inplace lost it before issue 44)."""

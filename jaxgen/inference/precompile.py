@@ -12,8 +12,9 @@ request whose prompt (token ids) has the chunk's length: the same host code and 
 real request, so exactly the same programs. Structured output's grammar table has serve.grammar_states rows
 from the start (the decode programs above are compiled with it), and the program that pushes it to the device
 runs once here: constraints within those states compile nothing; one beyond them grows the table and compiles
-the decode programs again (counted after ready in /metrics). The warm-up's requests are not counted in the
-engine's statistics, and the pages they leave in the prefix cache are dropped.
+the decode programs again (counted after ready in /metrics). With a LoRA bank (serve.max_loras), its write
+runs once (zeros into an empty slot), so loading an adapter compiles nothing. The warm-up's requests are not
+counted in the engine's statistics, and the pages they leave in the prefix cache are dropped.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def precompile(engine, progress: bool = False) -> int:
             engine.compile_prefill(rows, columns)
         with engine.lock:
             engine.runner.compile_grammar()
+            engine.runner.compile_bank()
         for ids, sampling in tqdm(warm_up_requests(engine), desc="precompile", unit="request", disable=not progress):
             try:
                 engine.submit(ids, sampling)

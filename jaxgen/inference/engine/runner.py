@@ -235,6 +235,13 @@ class Runner:
         written = self._write_slot(lora.bank_of(self.params), np.int32(slot), decode.upload(entry))
         self.params = lora.with_bank(self.params, written)
 
+    def compile_bank(self) -> None:
+        """Writes zeros into the LoRA bank's first adapter slot (empty at start): compiles the bank's write
+        before a load needs it (`precompile`). Without a bank, nothing."""
+        bank = lora.bank_of(self.params)
+        if bank is not None:
+            self.write_bank_entry(1, lora.bank_entry({}, 1.0, bank))
+
     def set_params(self, new) -> None:
         """New weights from `checked_params`; the LoRA bank stays (see `Engine.update_params`)."""
         bank = lora.bank_of(self.params)  # the LoRA adapters stay loaded (multi-LoRA serving)
