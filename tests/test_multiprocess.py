@@ -109,13 +109,13 @@ def _launcher(n: int, grace: float, *children: str):
     code = f"import os; i = int(os.environ.get('JAX_PROCESS_ID', 0)); exec({list(children)!r}[i % {len(children)}])"
     cmd = [sys.executable, "launch.py", "-n", str(n), "--grace", str(grace), "--", sys.executable, "-c", code]
     launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    pids, seen = [], 0
-    while seen < n:
+    by_child = {}  # child i -> its pid and its own child's; in child order, whichever printed first
+    while len(by_child) < n:
         line = launcher.stdout.readline()
         assert line, "the launcher ended before its children started"
-        if " pids " in line:
-            pids += [int(x) for x in line.split()[2:] if x != "0"]
-            seen += 1
+        if " pids " in line:  # "[i] pids PID KID"
+            by_child[int(line.split("]")[0].lstrip("["))] = [int(x) for x in line.split()[2:] if x != "0"]
+    pids = [pid for i in sorted(by_child) for pid in by_child[i]]
     return launcher, pids
 
 
