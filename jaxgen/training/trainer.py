@@ -235,8 +235,8 @@ def _references(cfg: Config, mesh, tokenizer, family, train_src, eval_src, progr
 
     def start() -> dict:  # the params the first step reads
         params = _init_from_params(cfg, mesh, family)
-        if not cfg.model.lora.rank:
-            return create_train_state(cfg, mesh, params).params
+        if not cfg.model.lora.rank:  # init_from's weights as they are; else the seed's (no optimizer state for them)
+            return params if params is not None else create_train_state(cfg, mesh).params
         base = create_base(cfg, mesh, params)  # DoRA's magnitudes start at this base's norms
         return lora.attach(base, create_train_state(cfg, mesh, base).params)
 
