@@ -301,3 +301,16 @@ def test_sizes_the_model_cannot_serve_stop_serve_py_before_the_weights_load(tmp_
         assert serve.main(["generate", "--checkpoint", str(tmp_path), "--prompt", "x", override]) == 1
         err = capsys.readouterr().err
         assert fragment in err and len(err.splitlines()) == 1, err
+
+
+def test_a_grammar_table_beyond_memory_is_refused_before_allocating():
+    """serve.grammar_states sizes a (states, vocab) int32 table: counted in the engine's budget, so a value the
+    device cannot hold is a ConfigError naming it, before anything is allocated."""
+    from jaxgen.config import ModelConfig
+    from jaxgen.inference.budget import check_serving
+
+    cfg = ModelConfig(vocab_size=128256, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128,
+                      max_seq_len=128)  # fmt: skip
+    check_serving(cfg, ServeConfig(num_pages=8))  # the default: 128 states, 63 MB
+    with pytest.raises(ConfigError, match=r"serve\.grammar_states=1048576 is not allowed"):
+        check_serving(cfg, ServeConfig(num_pages=8, grammar_states=2**20))

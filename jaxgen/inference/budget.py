@@ -17,6 +17,7 @@ import os
 from jaxgen.config import ConfigError, ModelConfig, ServeConfig
 from jaxgen.inference.decode import MAX_STOPS
 from jaxgen.inference.sampling import MAX_SPECULATIVE, MAX_STOP_SEQUENCE
+from jaxgen.inference.structured.pool import table_rows
 from jaxgen.model.lora import bank_bytes
 from jaxgen.model.paged import page_bytes
 
@@ -86,6 +87,7 @@ def planned_bytes(cfg: ModelConfig, serve: ServeConfig, pages: int, per_page: in
     )  # fmt: skip
     chunk = serve.slots * columns * (8 + 8 * serve.max_logprobs)  # tokens, logprobs, top ids and logprobs
     needs = {pool_key: pages * per_page, "serve.slots": serve.slots * per_slot, "serve.chunk_steps": chunk}
+    needs["serve.grammar_states"] = 4 * v * table_rows(serve.grammar_states, v)  # structured output's table
     if serve.max_loras:  # the LoRA bank (multi-LoRA serving)
         needs["serve.max_loras"] = bank_bytes(cfg, serve.max_loras, serve.max_lora_rank)
     return needs
