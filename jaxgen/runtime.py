@@ -9,14 +9,18 @@ import jax
 
 
 def enable_compilation_cache() -> None:
-    """XLA's persistent compilation cache, so a resumed or repeated run skips most compiling.
-
-    Location: $JAXGEN_XLA_CACHE, default ~/.cache/jaxgen/xla; set it to an empty string to disable.
-    """
+    """Compiled programs kept between runs, so a resumed or repeated run skips compiling: XLA's persistent
+    compilation cache ($JAXGEN_XLA_CACHE, default ~/.cache/jaxgen/xla) for every program, and jaxgen's store of
+    serialized executables ($JAXGEN_EXECUTABLES, default ~/.cache/jaxgen/executables; `jaxgen.executables`) for
+    the engine's and the train step's, which are then loaded without tracing them. An empty string disables
+    either."""
     path = os.environ.get("JAXGEN_XLA_CACHE", "~/.cache/jaxgen/xla")
     if path:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    from jaxgen import executables
+
+    executables.use(os.environ.get("JAXGEN_EXECUTABLES", "~/.cache/jaxgen/executables") or None)
 
 
 def process_seconds() -> float | None:

@@ -11,10 +11,11 @@ prefilled, recomputed, served from the prefix cache); gauges read the engine's s
 with vLLM's buckets. Every name starts with `jaxgen_`; prometheus_client adds `_total` to counters.
 
 Compilation (issue 45): `jaxgen_compiles_total{program, phase}` counts each trace of one of the engine's
-programs (one XLA compilation, or one load from jax's persistent cache), `phase` "before_ready" or
-"after_ready" (after `Engine.start`, or `LLM` built): a program compiled after ready made a request wait.
-`jaxgen_compile_seconds_total` sums, per program, the seconds jax reported tracing, lowering and compiling
-it (a load from the persistent cache counts as its compile), `jaxgen_compile_cache_hits_total` the loads.
+programs (one XLA compilation, or one load from jax's persistent cache, which traces and lowers first),
+`phase` "before_ready" or "after_ready" (after `Engine.start`, or `LLM` built): a program compiled after ready
+made a request wait. A program loaded from `jaxgen.executables`' store is not traced: it counts only in
+`jaxgen_compile_cache_hits_total`, beside the persistent cache's hits. `jaxgen_compile_seconds_total` sums,
+per program, the seconds jax reported tracing, lowering and compiling it, and the store's loads.
 `jaxgen_startup_seconds{phase}` is what the command line measured at start (import, load, engine).
 """
 
@@ -27,6 +28,8 @@ from collections.abc import Callable
 
 from jax import monitoring
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from jaxgen import executables
 
 # snapshot key: (metric name, help). The keys are the names `Engine.metrics()` has always returned.
 COUNTERS = {
@@ -63,9 +66,9 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 # jax's duration events of one compilation (each names the function; the engine's program is the caller's)
 COMPILE_EVENTS = frozenset({
     "/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
-    "/jax/core/compile/backend_compile_duration",
+    "/jax/core/compile/backend_compile_duration", executables.LOAD_DURATION_EVENT,
 })  # fmt: skip
-CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+CACHE_HIT_EVENTS = frozenset({"/jax/compilation_cache/cache_hits", executables.LOADED_EVENT})
 _calling = threading.local()  # .program = (EngineStats, name) while the engine calls one of its programs
 
 
@@ -106,7 +109,7 @@ class EngineStats:
                                 labels, registry=r)  # fmt: skip
         self.compile_seconds = Counter("jaxgen_compile_seconds", "seconds jax spent tracing, lowering and compiling",
                                        labels, registry=r)  # fmt: skip
-        self.cache_hits = Counter("jaxgen_compile_cache_hits", "programs loaded from jax's persistent cache",
+        self.cache_hits = Counter("jaxgen_compile_cache_hits", "programs loaded from a cache (jax's, the store)",
                                   labels, registry=r)  # fmt: skip
         self.startup_seconds = Gauge("jaxgen_startup_seconds", "seconds each phase of the start took", ["phase"],
                                      registry=r)  # fmt: skip
@@ -252,7 +255,7 @@ def _on_duration(event: str, seconds: float, **_) -> None:
 
 def _on_event(event: str, **_) -> None:
     target = getattr(_calling, "program", None)
-    if target is not None and event == CACHE_HIT_EVENT:
+    if target is not None and event in CACHE_HIT_EVENTS:
         stats, program = target
         stats.cache_hits.labels(program, stats.phase).inc()
 

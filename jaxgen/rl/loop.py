@@ -33,6 +33,7 @@ import numpy as np
 
 from jaxgen.config import Config, DataConfig, LoraConfig, save_config
 from jaxgen.distributed import barrier, is_main
+from jaxgen.executables import Program
 from jaxgen.rl import objectives, tasks
 from jaxgen.rl.policy import Policy
 from jaxgen.sharding import batch_sharding, check_spans_processes, process_rows, with_mesh
@@ -88,9 +89,11 @@ def make_rl_update(cfg: Config, mesh, state: TrainState, tx=None, base=None):
     shapes = {"tokens": (B, T), "positions": (B, T), "mask": (B, T - 1), "old_logp": (B, T - 1), "advantages": (B,)}
     batch_sh = {k: batch_sharding(mesh, shape) for k, shape in shapes.items()}
     state_sh = state_shardings(state)
+    # a caller's optimizer is not seen by the store's key: that update is compiled, never stored
+    key = f"{cfg.model!r}|{cfg.optimizer!r}|{cfg.training!r}|{cfg.rl!r}" if tx is None else None
     tx = make_optimizer(cfg.optimizer, cfg.training.steps) if tx is None else tx
-    step = jax.jit(
-        functools.partial(rl_step, cfg=cfg, tx=tx, settings=settings_of(cfg)),
+    step = Program(
+        functools.partial(rl_step, cfg=cfg, tx=tx, settings=settings_of(cfg)), "rl_update", key,
         in_shardings=(state_sh, batch_sh, batch_sh["mask"], jax.tree.map(lambda x: x.sharding, base)),
         out_shardings=(state_sh, None), donate_argnums=0,
     )  # fmt: skip
@@ -279,8 +282,9 @@ def _loop(cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params
     policy = Policy.of(cfg, mesh, start_params)
     update = make_rl_update(cfg, mesh, state, base=policy.base)
     B = r.prompts_per_step * r.group_size
-    score_ref = with_mesh(jax.jit(
+    score_ref = with_mesh(Program(
         lambda p, t, pos: objectives.token_logprobs(p, t, pos, cfg=cfg.model, temperature=r.temperature)[0],
+        "rl_reference_logprobs", f"{cfg.model!r}|{r.temperature!r}",
         out_shardings=batch_sharding(mesh, (B, r.max_prompt_tokens + r.max_new_tokens - 1)),
     ), mesh)  # fmt: skip
     # Several processes: each generates (and rewards) its own rows of the step on its own engine, data parallel

@@ -27,6 +27,7 @@ import optax
 
 from jaxgen import model
 from jaxgen.config import Config, OptimizerConfig
+from jaxgen.executables import Program
 from jaxgen.model import lora, param_shardings, quant
 from jaxgen.sharding import batch_sharding, with_mesh
 from jaxgen.training.loss import head_cross_entropy
@@ -276,8 +277,9 @@ def make_train_step(cfg: Config, mesh, state: TrainState, base: dict | None = No
     batch_sh = {k: batch_sharding(mesh, shape) for k, shape in (shapes or batch_shapes(cfg)).items()}
     state_sh = state_shardings(state)
     in_sh = (state_sh, batch_sh) if base is None else (state_sh, batch_sh, _shardings(base))
-    step = functools.partial(fn or train_step, cfg=cfg, tx=tx)
-    step = jax.jit(step, in_shardings=in_sh, out_shardings=(state_sh, None), donate_argnums=0)
+    fn = fn or train_step
+    step = Program(functools.partial(fn, cfg=cfg, tx=tx), fn.__name__, step_key(cfg, fn), in_shardings=in_sh,
+                   out_shardings=(state_sh, None), donate_argnums=0)  # fmt: skip
     return with_mesh(step, mesh) if base is None else _with_base(step, base, mesh)
 
 
@@ -288,8 +290,15 @@ def make_eval_step(cfg: Config, mesh, state: TrainState, base: dict | None = Non
     batch_sh = {k: batch_sharding(mesh, shape) for k, shape in (shapes or batch_shapes(cfg)).items()}
     params_sh = state_shardings(state).params
     in_sh = (params_sh, batch_sh) if base is None else (params_sh, batch_sh, _shardings(base))
-    fn = jax.jit(functools.partial(fn or eval_step, cfg=cfg), in_shardings=in_sh)
+    fn = fn or eval_step
+    fn = Program(functools.partial(fn, cfg=cfg), fn.__name__, step_key(cfg, fn), in_shardings=in_sh)
     return with_mesh(fn, mesh) if base is None else _with_base(fn, base, mesh)
+
+
+def step_key(cfg: Config, fn) -> str:
+    """What a train or evaluation step closes over, as text (`jaxgen.executables.Program`'s key): the function
+    and the config sections the step reads (the optimizer is built from them)."""
+    return f"{fn.__module__}.{fn.__qualname__}|{cfg.model!r}|{cfg.optimizer!r}|{cfg.training!r}|{cfg.preference!r}"
 
 
 def _shardings(tree):

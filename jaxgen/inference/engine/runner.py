@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxgen import model
 from jaxgen.config import ModelConfig, ServeConfig
+from jaxgen.executables import Program, describe_mesh
 from jaxgen.inference import decode, speculative, steps
 from jaxgen.inference import structured as grammar
 from jaxgen.inference.decode import HostRows
@@ -68,11 +69,12 @@ class Runner:
 
     def _jit(self, fn, mesh, donate=(), static=()) -> Callable:
         """`fn` jitted (`static`: argument names, or positions), each trace counted in `compilations` and, with
-        its compile seconds and cache hits, by name in `stats` (/metrics' jaxgen_compiles_total)."""
+        its compile seconds and cache hits, by name in `stats` (/metrics' jaxgen_compiles_total); its
+        executables loaded from the store of `jaxgen.executables` where one is in use (no trace then)."""
         names = tuple(s for s in static if isinstance(s, str))
         nums = tuple(s for s in static if isinstance(s, int))
-        jitted = jax.jit(decode.counted(self, fn, self.stats), static_argnames=names, static_argnums=nums,
-                         donate_argnums=donate)  # fmt: skip
+        jitted = Program(decode.counted(self, fn, self.stats), fn.__name__, describe_mesh(mesh),
+                         static_argnames=names, static_argnums=nums, donate_argnums=donate)  # fmt: skip
         return self.stats.attributed(fn.__name__, with_mesh(jitted, mesh))
 
     def _jit_steps(self, mesh) -> None:

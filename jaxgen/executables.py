@@ -1,0 +1,287 @@
+"""Compiled programs kept on disk and loaded at the next start, without tracing, lowering or compiling (issue 45).
+
+    executables.use("~/.cache/jaxgen/executables")     # process-wide; the command lines do it (jaxgen.runtime)
+    step = executables.Program(fn, "decode_chunk", static_argnames="cfg", donate_argnums=1)
+    state = step(params, state, cfg=cfg)                # compiled once per signature, or loaded from the store
+
+jax's persistent compilation cache skips XLA's compile but not jax's tracing and lowering, which it needs for
+its key (the program's text): for the engine's programs those took most of a warm start. A `Program` keys
+its executables by what it can read without tracing: its name, the text `key` that names what its function
+closes over, the static arguments' reprs, and each array argument's shape, dtype, weak type and sharding.
+That key does not see the code, so every stored entry also carries a fingerprint of everything else that
+changes a program: jaxgen's own source, the versions of jax, jaxlib, flax, optax and numpy, the backend and
+its devices, the process count, jax's numerics flags and XLA_FLAGS. An entry is used only when all of it
+matches; a stale one (another jaxgen, another jax, another device), a foreign one (its signature is not the
+one asked for) or a damaged one (its checksum, or it does not load) is compiled again, with one log line that
+says why, and replaced. Without a store (`use(None)`, the library's default) a Program is `jax.jit`.
+
+A store entry is one file: a JSON header line (fingerprint, signature, payload's sha256) and the payload,
+`jax.experimental.serialize_executable`'s bytes and the argument and result tree structures, pickled. Files
+are written whole and renamed into place, so a killed process or two processes at once leave no torn entry.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import pickle
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import numpy as np
+
+log = logging.getLogger(__name__)
+LOADED_EVENT = "/jaxgen/executables/loaded"  # jax.monitoring events, one per program loaded (stats count them)
+LOAD_DURATION_EVENT = "/jaxgen/executables/load_duration"
+SUFFIX = ".jaxexe"
+_store: Store | None = None
+
+
+def use(path: str | os.PathLike | None) -> Store | None:
+    """Keeps every Program's executables in the folder `path` from now on (None: none kept). Returns the store."""
+    global _store
+    _store = Store(path) if path else None
+    return _store
+
+
+def current() -> Store | None:
+    return _store
+
+
+@functools.cache
+def source_hash() -> str:
+    """sha256 of jaxgen's Python sources, which a stored executable was traced from."""
+    digest = hashlib.sha256()
+    root = Path(__file__).resolve().parent
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def fingerprint() -> dict[str, str]:
+    """Everything beside a program's signature that changes what compiles (see the module docstring)."""
+    import flax
+    import jaxlib
+    import optax
+
+    devices = jax.devices()
+    flags = ("jax_enable_x64", "jax_default_matmul_precision", "jax_threefry_partitionable", "jax_numpy_rank_promotion")
+    return {
+        "jaxgen_source": source_hash(),
+        "versions": f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, flax {flax.__version__}, "
+        f"optax {optax.__version__}, numpy {np.__version__}, python {sys.version.split()[0]}",
+        "backend": f"{jax.default_backend()} {devices[0].client.platform_version}",
+        "devices": f"{len(devices)} x {devices[0].device_kind}, {jax.process_count()} process(es)",
+        "flags": ", ".join(f"{f}={getattr(jax.config, f, None)}" for f in flags),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+
+
+class Store:
+    """A folder of serialized executables, one file per (program, signature); see the module docstring."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.root = Path(os.path.expanduser(str(path)))
+        self.loaded = self.saved = 0
+
+    def path(self, name: str, signature: str) -> Path:
+        return self.root / f"{name}-{hashlib.sha256(signature.encode()).hexdigest()[:24]}{SUFFIX}"
+
+    def load(self, name: str, signature: str):
+        """The executable stored for `signature`, loaded onto this process's devices; None (with a line in the
+        log saying why, unless there is no entry) when there is none it may use."""
+        path = self.path(name, signature)
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            return _refused(name, path, f"it could not be read ({e})")
+        head, _, payload = raw.partition(b"\n")
+        try:
+            header = json.loads(head)
+        except ValueError:
+            return _refused(name, path, "it is damaged (no header)")
+        if header.get("sha256") != hashlib.sha256(payload).hexdigest():
+            return _refused(name, path, "it is damaged (its checksum does not match)")
+        if header.get("signature") != signature:
+            return _refused(name, path, "it was built for another signature (a foreign file)")
+        now = fingerprint()
+        changed = [f"{k}: {header.get('fingerprint', {}).get(k)!r} -> {v!r}" for k, v in now.items()
+                   if header.get("fingerprint", {}).get(k) != v]  # fmt: skip
+        if changed:
+            return _refused(name, path, "it is stale (" + "; ".join(changed) + ")")
+        from jax.experimental.serialize_executable import deserialize_and_load
+
+        by_id = {d.id: d for d in jax.devices()}
+        if not set(header.get("devices", [-1])) <= set(by_id):
+            return _refused(name, path, f"it runs on devices {header.get('devices')}, not all of them here")
+        t0 = time.perf_counter()
+        try:
+            serialized, in_tree, out_tree = pickle.loads(payload)
+            # on the devices it was compiled for, in their order (jax's default: every device of the backend)
+            devices = [by_id[i] for i in header["devices"]]
+            compiled = deserialize_and_load(serialized, in_tree, out_tree, execution_devices=devices)
+        except Exception as e:  # an executable this jax, or these devices, cannot load
+            return _refused(name, path, f"it did not load ({type(e).__name__}: {str(e)[:200]})")
+        jax.monitoring.record_event_duration_secs(LOAD_DURATION_EVENT, time.perf_counter() - t0)
+        jax.monitoring.record_event(LOADED_EVENT)
+        self.loaded += 1
+        return compiled
+
+    def save(self, name: str, signature: str, compiled) -> None:
+        """Stores `compiled` for `signature` (a failure to write is logged, never raised: it only costs a compile
+        at the next start)."""
+        from jax.experimental.serialize_executable import serialize
+
+        path = self.path(name, signature)
+        try:
+            payload = pickle.dumps(serialize(compiled))
+            devices = [d.id for d in compiled._executable._unloaded_executable.device_list]  # no public name
+            header = {"program": name, "signature": signature, "fingerprint": fingerprint(), "devices": devices,
+                      "sha256": hashlib.sha256(payload).hexdigest()}  # fmt: skip
+            self.root.mkdir(parents=True, exist_ok=True)
+            partial = path.with_suffix(f".{os.getpid()}.partial")
+            partial.write_bytes(json.dumps(header).encode() + b"\n" + payload)
+            os.replace(partial, path)
+            self.saved += 1
+        except Exception as e:  # a full disk, a read-only folder, an executable jax cannot serialize
+            log.warning("executables: %s not stored in %s: %s: %s", name, self.root, type(e).__name__, e)
+
+
+def _refused(name: str, path: Path, why: str) -> None:
+    log.warning("executables: compiling %s again: the stored %s is not used: %s", name, path.name, why)
+    return None
+
+
+class Program:
+    """`jax.jit(fn, **jit_kwargs)` whose executables are loaded from the current store, or compiled and stored
+    there (see the module docstring). `name` names the program in the store and the log; `key` is text that
+    names what `fn` closes over (a partial's config, say), since the store cannot see it; None when nothing can
+    (it is then never stored). Called like `fn`; `compile(*args, **kwargs)` compiles (or loads) without running."""
+
+    def __init__(self, fn: Callable, name: str, key: str | None = "", **jit_kwargs):
+        # A program with no array argument (or a replicated output) takes its devices from the mesh it is
+        # traced under, which the signature does not see: its `key` names that mesh (`describe_mesh`).
+        self.jitted = jax.jit(fn, **jit_kwargs)
+        self.name, self.key = name, key
+        nums = jit_kwargs.get("static_argnums", ())
+        names = jit_kwargs.get("static_argnames", ())
+        self.static_nums = frozenset((nums,) if isinstance(nums, int) else nums)
+        self.static_names = frozenset((names,) if isinstance(names, str) else names)
+        self._compiled: dict = {}  # in-memory key -> executable
+
+    def __call__(self, *args, **kwargs):
+        if not self._stored():
+            return self.jitted(*args, **kwargs)
+        dynamic, dynamic_kw, memory_key = self._split(args, kwargs)
+        compiled = self._compiled.get(memory_key)
+        if compiled is None:
+            compiled = self._executable(memory_key, args, kwargs)
+        return compiled(*dynamic, **dynamic_kw)
+
+    def compile(self, *args, **kwargs) -> None:
+        """The executable for these arguments made ready (from the store, or compiled and stored), not run."""
+        if not self._stored():
+            self.jitted.lower(*args, **kwargs).compile()
+            return
+        _, _, memory_key = self._split(args, kwargs)
+        if memory_key not in self._compiled:
+            self._executable(memory_key, args, kwargs)
+
+    def _stored(self) -> bool:
+        # several processes: each would call an executable over arrays it holds only part of, which a loaded
+        # executable refuses where jit's call reshards ("not fully addressable"): not stored there yet
+        return _store is not None and self.key is not None and jax.process_count() == 1
+
+    def lower(self, *args, **kwargs):
+        return self.jitted.lower(*args, **kwargs)
+
+    def clear_cache(self) -> None:
+        """Forgets the executables held in memory (the store's files stay)."""
+        self.jitted.clear_cache()
+        self._compiled.clear()
+
+    def _split(self, args, kwargs):
+        """(dynamic positional arguments, dynamic keyword arguments, the in-memory key of this call)."""
+        dynamic = [a for i, a in enumerate(args) if i not in self.static_nums]
+        dynamic_kw = {k: v for k, v in kwargs.items() if k not in self.static_names}
+        static = tuple(a for i, a in enumerate(args) if i in self.static_nums)
+        static += tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_names))
+        leaves, treedef = jax.tree.flatten((dynamic, dynamic_kw))
+        return dynamic, dynamic_kw, (treedef, static, tuple(map(_leaf_key, leaves)))
+
+    def _executable(self, memory_key, args, kwargs):
+        treedef, static, leaves = memory_key
+        described = [leaf[:-1] + (_describe(leaf[-1]),) if isinstance(leaf, tuple) and len(leaf) == 4 else leaf
+                     for leaf in leaves]  # fmt: skip
+        signature = f"{self.name}|{self.key}|{static!r}|{treedef}|{described!r}"
+        stable = " at 0x" not in signature  # an object's address in a repr: a key no other process can match
+        compiled = _store.load(self.name, signature) if stable else None
+        if compiled is None:
+            lowered = self.jitted.lower(*args, **kwargs)
+            compiled = _compile_fresh(lowered) if stable else lowered.compile()
+            if stable:
+                _store.save(self.name, signature, compiled)
+            else:
+                log.info("executables: %s not stored: a static argument's repr holds an address", self.name)
+        self._compiled[memory_key] = compiled
+        return compiled
+
+
+def _compile_fresh(lowered):
+    """`lowered` compiled by XLA, not loaded from jax's persistent cache: an XLA:CPU executable loaded from that
+    cache serializes without its kernels (it loads, then fails to run: "Function ... not found"), so what the
+    store keeps is compiled here. On a hit, compiled again with an option that changes the cache's key and
+    nothing else, and not written back to that cache."""
+    _hits.seen = False
+    _listen_for_cache_hits()
+    compiled = lowered.compile()
+    if not _hits.seen:
+        return compiled
+    log.info("executables: compiling again what jax's persistent cache had, to store it")
+    min_secs = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)  # not written to that cache
+    try:
+        return lowered.compile(compiler_options={"xla_embed_ir_in_executable": False})  # its default value
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", min_secs)
+
+
+_hits = threading.local()
+
+
+@functools.cache
+def _listen_for_cache_hits() -> None:
+    def on_event(event: str, **_) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            _hits.seen = True
+
+    jax.monitoring.register_event_listener(on_event)
+
+
+def describe_mesh(mesh) -> str:
+    """A mesh as text that names its devices (a Mesh's repr names only its axes); "" for None."""
+    return "" if mesh is None else f"mesh {dict(mesh.shape)} on devices {mesh.device_ids.tolist()}"
+
+
+def _describe(sharding) -> str:
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return f"NamedSharding({describe_mesh(sharding.mesh)}, {sharding.spec}, {sharding.memory_kind})"
+    return repr(sharding)
+
+
+def _leaf_key(x):
+    """What of an argument leaf its executable depends on."""
+    if isinstance(x, jax.Array):
+        return (x.shape, str(x.dtype), getattr(x, "weak_type", False), x.sharding)  # a key array has no weak type
+    if isinstance(x, np.ndarray | np.generic):
+        return (x.shape, x.dtype.name)
+    return type(x).__name__  # a Python scalar: weakly typed
