@@ -5,9 +5,11 @@
 
 Every figure comes from real processes: the run folders are trained here (offline: the stdlib corpus, the
 byte tokenizer; llama-small's shapes with a byte tokenizer), `serve.py http` is started as a user starts it and
-polled over HTTP (httpx) until /health is ok. Cold: an empty $JAXGEN_XLA_CACHE folder; warm: the same folder
-again, in a new process; each with serve.precompile=false (nothing compiled before ready but the engine's
-state) and true (`jaxgen.inference.precompile`). Printed as markdown tables:
+polled over HTTP (httpx) until /health is ok. Cold: empty $JAXGEN_XLA_CACHE and $JAXGEN_EXECUTABLES folders;
+warm (xla): the XLA cache again in a new process, no store of executables (jax's persistent cache alone: each
+program traced and lowered, then loaded); warm (store): both again (`jaxgen.executables`: loaded without
+tracing); each with serve.precompile=false (nothing compiled before ready but the engine's state) and true
+(`jaxgen.inference.precompile`). Printed as markdown tables:
 
 - ready: seconds from the process's start (Popen) to /health ok, split as the server measured it
   (/metrics' jaxgen_startup_seconds: import = interpreter, imports and the backend's start; load = weights;
@@ -73,7 +75,7 @@ def build(name: str, work: Path) -> Path:
     """The run folder of `name` (trained for 2 steps, once; kept in `work` for later runs)."""
     run_dir = work / "runs" / name
     if not (run_dir / "config.yaml").exists():
-        env = os.environ | {"JAXGEN_XLA_CACHE": "", "JAX_PLATFORMS": "cpu"}
+        env = os.environ | {"JAXGEN_XLA_CACHE": "", "JAXGEN_EXECUTABLES": "", "JAX_PLATFORMS": "cpu"}
         run([sys.executable, "train.py", *MODELS[name], "--run-dir", str(run_dir), *TRAIN], env, work / f"{name}.log")
     return run_dir
 
@@ -96,13 +98,19 @@ def metrics(url: str) -> dict[str, dict[tuple, float]]:
     return out
 
 
-def serve(run_dir: Path, cache: Path, work: Path, tag: str, precompile: bool) -> dict:
+def caches(cache: Path, store: bool = True) -> dict:
+    """The environment of a process whose compiled programs are kept in `cache` (the store too, if `store`)."""
+    return {"JAXGEN_XLA_CACHE": str(cache / "xla"), "JAXGEN_EXECUTABLES": str(cache / "executables") if store else "",
+            "JAX_PLATFORMS": "cpu"}  # fmt: skip
+
+
+def serve(run_dir: Path, cache: Path, work: Path, tag: str, precompile: bool, store: bool = True) -> dict:
     """One `serve.py http` start on `cache`: ready, first token, the workload's compilations; then SIGTERM."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "serve.py", "http", "--checkpoint", str(run_dir), "--port", str(port), "--slots", "4",
            "--kv-memory-gb", "0.25", "--shutdown-grace", "0", f"serve.precompile={precompile}"]  # fmt: skip
-    env = os.environ | {"JAXGEN_XLA_CACHE": str(cache), "JAX_PLATFORMS": "cpu"}
+    env = os.environ | caches(cache, store)
     with open(work / f"serve-{tag}.log", "w") as log:
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -147,14 +155,14 @@ def first_token(url: str) -> float:
     raise AssertionError("no token streamed")
 
 
-def resumed_train(name: str, run_dir: Path, cache: Path, work: Path, tag: str) -> float:
+def resumed_train(name: str, run_dir: Path, cache: Path, work: Path, tag: str, store: bool = True) -> float:
     """Seconds from a resumed train.py's start to its first step's record (a fresh copy of the 2-step run)."""
     copy = work / f"resume-{tag}"
     shutil.rmtree(copy, ignore_errors=True)
     shutil.copytree(run_dir, copy)
     records = copy / "metrics.jsonl"
     seen = records.read_text().count("\n") if records.exists() else 0
-    env = os.environ | {"JAXGEN_XLA_CACHE": str(cache), "JAX_PLATFORMS": "cpu"}
+    env = os.environ | caches(cache, store)
     cmd = [sys.executable, "train.py", *MODELS[name], "--run-dir", str(copy), *TRAIN[1:], "training.steps=4"]
     with open(work / f"train-{tag}.log", "w") as log:
         t0 = time.perf_counter()
@@ -227,15 +235,16 @@ def main() -> None:
         for precompile in (False, True):
             cache = args.work / f"xla-{name}-{precompile}"
             shutil.rmtree(cache, ignore_errors=True)  # cold: empty
-            for start in ("cold", "warm"):
+            for start, store in (("cold", True), ("warm (xla)", False), ("warm (store)", True)):
                 tag = f"{start}{', precompiled' if precompile else ''}"
-                runs[tag] = serve(run_dir, cache, args.work, f"{name}-{start}-{precompile}", precompile)
+                runs[tag] = serve(run_dir, cache, args.work, f"{name}-{start[:4]}{store}-{precompile}", precompile, store)
         report(name, runs)
         if not args.no_train:
             train_cache = args.work / f"xla-train-{name}"
             shutil.rmtree(train_cache, ignore_errors=True)
-            t = {tag: resumed_train(name, run_dir, train_cache, args.work, f"{name}-{tag}") for tag in ("cold", "warm")}
-            print(f"\n{name}: resumed train.py to its first step: cold {t['cold']:.2f} s, warm {t['warm']:.2f} s")
+            t = {tag: resumed_train(name, run_dir, train_cache, args.work, f"{name}-{tag[:4]}{store}", store)
+                 for tag, store in (("cold", True), ("warm (xla)", False), ("warm (store)", True))}  # fmt: skip
+            print(f"\n{name}: resumed train.py to its first step (s): " + ", ".join(f"{k} {v:.2f}" for k, v in t.items()))
             runs["train"] = t
         everything[name] = runs
     if args.json:

@@ -61,7 +61,7 @@ class DiskFullError(RuntimeError):
 @dataclass
 class TrainResult:
     step: int
-    status: str  # "finished", "already finished", "stopped" (signal or steps_per_run)
+    status: str  # "finished", "already finished", "stopped" (signal or steps_per_run), "compiled" (compile_only)
     losses: list[float] = field(default_factory=list)
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     nonfinite_total: int = 0
@@ -183,7 +183,9 @@ def resolve_init_from(cfg: Config) -> tuple[Config, str | None]:
     return resolved, family
 
 
-def train(cfg: Config, run_dir: str | Path, progress: bool = True) -> TrainResult:
+def train(cfg: Config, run_dir: str | Path, progress: bool = True, compile_only: bool = False) -> TrainResult:
+    """Trains `cfg` in `run_dir` (resuming what is there). compile_only: the train and evaluation steps are
+    compiled (into `jaxgen.executables`' store when one is in use) and no step is taken (status "compiled")."""
     run_dir = Path(run_dir)
     cfg, family = resolve_init_from(cfg)
     quiet_background_errors(_NO_SPACE)  # a full disk is reported once, by DiskFullError
@@ -212,7 +214,7 @@ def train(cfg: Config, run_dir: str | Path, progress: bool = True) -> TrainResul
                 result = TrainResult(step=step, status="already finished")
             else:
                 run = _Run(cfg, run_dir, mesh, data_iter, held_out, ckpt, base, getattr(train_src, "width", 1))
-                result = _loop(run, state, step, progress)
+                result = _compile_steps(run, state, step) if compile_only else _loop(run, state, step, progress)
         except BaseException:
             with contextlib.suppress(Exception):  # the error in flight is the one to report
                 ckpt.close()
@@ -319,7 +321,8 @@ class _Run:
     width: int = 1  # preference tuning: the most pairs a row holds (`PreferencePairs.width`)
 
 
-def _loop(run: _Run, state: TrainState, start: int, progress: bool) -> TrainResult:
+def _step_fns(run: _Run, state: TrainState):
+    """The jitted (train step, evaluation) of the run's objective."""
     cfg = run.cfg
     steps, shapes = (None, None), None  # the defaults: next-token cross-entropy
     if cfg.training.objective != "sft":
@@ -327,7 +330,23 @@ def _loop(run: _Run, state: TrainState, start: int, progress: bool) -> TrainResu
 
         steps, shapes = (preference_step, preference_eval), batch_shapes(cfg, run.width)
     step_fn = make_train_step(cfg, run.mesh, state, run.base, steps[0], shapes)
-    eval_fn = make_eval_step(cfg, run.mesh, state, run.base, steps[1], shapes)
+    return step_fn, make_eval_step(cfg, run.mesh, state, run.base, steps[1], shapes)
+
+
+def _compile_steps(run: _Run, state: TrainState, start: int) -> TrainResult:
+    """The train and evaluation steps compiled for the run's first batch (its shapes), not run."""
+    step_fn, eval_fn = _step_fns(run, state)
+    batch = put_batch(next(run.data_iter), run.mesh, run.cfg.training.batch_size)
+    base = () if run.base is None else (run.base,)
+    with jax.set_mesh(run.mesh):
+        step_fn.jitted.compile(state, batch, *base)
+        eval_fn.jitted.compile(state.params, batch, *base)
+    return TrainResult(step=start, status="compiled")
+
+
+def _loop(run: _Run, state: TrainState, start: int, progress: bool) -> TrainResult:
+    cfg = run.cfg
+    step_fn, eval_fn = _step_fns(run, state)
     rates = _Rates(cfg)
     result = TrainResult(step=start, status="finished")
     end = cfg.training.steps

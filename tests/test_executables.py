@@ -1,0 +1,167 @@
+"""jaxgen.executables: compiled programs stored on disk and loaded without tracing (issue 45).
+
+A new `Program` object is what a new process has: nothing in memory, only the store's files; loading from a
+file is the same deserialization either way. What only a new process shows (an executable that jax's
+persistent cache loaded, serialized again; a command line's start) runs in subprocesses.
+"""
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgen import executables, model
+from jaxgen.config import ModelConfig, ServeConfig
+from jaxgen.inference.engine import Engine
+from jaxgen.inference.precompile import precompile
+from jaxgen.inference.sampling import SamplingConfig
+from jaxgen.inference.structured import Structured
+from jaxgen.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = executables.use(tmp_path / "executables")
+    try:
+        yield s
+    finally:
+        executables.use(None)
+
+
+def _program(traces: list):
+    def step(state, x, *, scale):
+        traces.append(1)
+        return {"w": state["w"] * scale + x.sum()}, jnp.tanh(state["w"]).sum()
+
+    return executables.Program(step, "step", static_argnames="scale", donate_argnums=0)
+
+
+def _args():
+    return {"w": jnp.arange(8, dtype=jnp.float32) / 7}, np.linspace(0, 1, 3, dtype=np.float32)
+
+
+def test_a_program_is_stored_then_loaded_without_tracing_and_runs_bitwise_alike(store):
+    traces = []
+    cold = _program(traces)(*_args(), scale=1.5)
+    assert len(traces) == 1 and store.saved == 1 and store.loaded == 0
+    warm = _program(traces)(*_args(), scale=1.5)  # a new Program: nothing in memory
+    assert len(traces) == 1 and store.loaded == 1  # loaded, not traced
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), cold, warm)
+    _program(traces)(*_args(), scale=2.0)  # another static value: another program, compiled
+    x = _args()
+    _program(traces)({"w": x[0]["w"][:4]}, x[1], scale=1.5)  # another shape: compiled
+    assert len(traces) == 3 and store.saved == 3
+
+
+def _damage(path: Path, how: str) -> None:
+    head, payload = path.read_bytes().split(b"\n", 1)
+    header = json.loads(head)
+    if how == "stale":  # as another jax would have written it
+        header["fingerprint"]["versions"] = header["fingerprint"]["versions"].replace("jax ", "jax 0.0.0-")
+    elif how == "other source":
+        header["fingerprint"]["jaxgen_source"] = "0" * 16
+    elif how == "foreign":
+        header["signature"] += "|another program"
+    elif how == "damaged":
+        payload = payload[:-100] + bytes(100)
+    path.write_bytes(json.dumps(header).encode() + b"\n" + payload if how != "no header" else payload)
+
+
+@pytest.mark.parametrize("how, reason", [
+    ("stale", "it is stale (versions: 'jax 0.0.0-"), ("other source", "it is stale (jaxgen_source"),
+    ("foreign", "another signature"), ("damaged", "checksum"), ("no header", "damaged (no header)"),
+])  # fmt: skip
+def test_a_stale_foreign_or_damaged_entry_is_compiled_again_saying_why(store, caplog, how, reason):
+    traces = []
+    cold = _program(traces)(*_args(), scale=1.5)
+    (path,) = store.root.iterdir()
+    _damage(path, how)
+    with caplog.at_level(logging.WARNING, logger="jaxgen.executables"):
+        again = _program(traces)(*_args(), scale=1.5)
+    assert len(traces) == 2 and store.loaded == 0  # compiled again, never used
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "compiling step again" in line and path.name in line and reason in line, line
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), cold, again)
+    _program(traces)(*_args(), scale=1.5)  # the entry was replaced by a good one
+    assert len(traces) == 2 and store.loaded == 1
+
+
+CFG = ModelConfig(vocab_size=257, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, max_seq_len=256)
+SERVE = ServeConfig(slots=4, page_size=16, num_pages=64, chunk_steps=4, prefill_chunk=32, grammar_states=64)
+LONG = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"  # 3 chunks
+
+
+def _mixed(engine) -> list:
+    """Short and long prompts, n > 1 sampled, logprobs, a scored prompt, penalties, speculation, a regex."""
+    work = [
+        ("a", SamplingConfig(max_new_tokens=3, temperature=0.0)),
+        (LONG, SamplingConfig(max_new_tokens=3, temperature=0.9, seed=3, n=2, logprobs=2)),
+        (LONG[:40], SamplingConfig(max_new_tokens=0, prompt_logprobs=1)),
+        ("abcabcabcabc", SamplingConfig(max_new_tokens=6, temperature=0.0, num_speculative_tokens=3)),
+        ("x = ", SamplingConfig(max_new_tokens=4, temperature=0.0, presence_penalty=0.5)),
+        ("n: ", SamplingConfig(max_new_tokens=8, temperature=0.0, structured=Structured(regex="[0-9]{3}-[a-z]{2}"))),
+    ]
+    return engine.generate([p for p, _ in work], [s for _, s in work])
+
+
+def test_a_warm_engine_loads_every_program_compiles_nothing_and_answers_bitwise_alike(store):
+    """The engine's start with its precompile, then a mixed workload, twice on one store: the second engine
+    (new programs, as in a new process) traces nothing, before or after its requests, and its outputs (tokens
+    and log-probabilities) equal the first's bitwise."""
+    params = model.init_params(CFG, jax.random.key(0))
+    runs = []
+    for _ in range(2):
+        engine = Engine(params, CFG, Tokenizer.byte_level(), SERVE)
+        precompile(engine)
+        ready = engine.compilations
+        runs.append((ready, _mixed(engine), engine.compilations - ready))
+    (cold_ready, cold, cold_after), (warm_ready, warm, warm_after) = runs
+    assert cold_ready > 10 and store.saved >= cold_ready
+    assert warm_ready == 0 and warm_after == 0 and store.loaded >= cold_ready
+    assert [dataclasses.asdict(c) for c in warm] == [dataclasses.asdict(c) for c in cold]
+
+
+def test_an_executable_jaxs_persistent_cache_loaded_is_compiled_again_before_it_is_stored(tmp_path):
+    """XLA:CPU: an executable loaded from jax's persistent cache serializes without its kernels (it loads,
+    then fails to run). Three processes: the first fills jax's cache (and store A), the second finds the
+    program in jax's cache with an empty store B, the third loads it from B and runs it."""
+    script = """
+import sys, jax, jax.numpy as jnp
+from jaxgen import executables
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+f = executables.Program(lambda x: jnp.cumsum(jnp.sin(x) * 2) + jnp.broadcast_to(x[:1], x.shape), "f")
+s = executables.use(sys.argv[2])
+print(float(f(jnp.arange(16.0)).sum()), s.saved, s.loaded)
+"""
+    outs = []
+    for store in ("a", "b", "b"):
+        run = subprocess.run([sys.executable, "-c", script, str(tmp_path / "xla"), str(tmp_path / store)],
+                             capture_output=True, text=True, cwd=ROOT, env=os.environ | {"JAX_PLATFORMS": "cpu"})  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+        outs.append(run.stdout.split())
+    assert outs[0][1:] == ["1", "0"] and outs[1][1:] == ["1", "0"] and outs[2][1:] == ["0", "1"]
+    assert outs[0][0] == outs[1][0] == outs[2][0]
+
+
+def test_precompile_train_fills_the_store_a_run_then_loads(store, tiny_cfg, tmp_path):
+    """`train(compile_only=True)` (what `python -m jaxgen.precompile train` runs) compiles the train and
+    evaluation steps and takes no step; a run of the same config then loads both and compiles neither."""
+    from jaxgen.training.trainer import train
+
+    cfg = dataclasses.replace(tiny_cfg, training=dataclasses.replace(tiny_cfg.training, steps=2, eval_every=2))
+    result = train(cfg, tmp_path / "scratch", progress=False, compile_only=True)
+    assert result.status == "compiled" and result.losses == []
+    assert store.saved == 2 and store.loaded == 0
+    assert train(cfg, tmp_path / "run", progress=False).status == "finished"
+    assert store.saved == 2 and store.loaded == 2
