@@ -48,6 +48,8 @@ def use(path: str | os.PathLike | None) -> Store | None:
     """Keeps every Program's executables in the folder `path` from now on (None: none kept). Returns the store."""
     global _store
     _store = Store(path) if path else None
+    if _store is not None:
+        source_hash()  # now, before the files can change under a running process
     return _store
 
 

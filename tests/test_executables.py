@@ -165,3 +165,45 @@ def test_precompile_train_fills_the_store_a_run_then_loads(store, tiny_cfg, tmp_
     assert store.saved == 2 and store.loaded == 0
     assert train(cfg, tmp_path / "run", progress=False).status == "finished"
     assert store.saved == 2 and store.loaded == 2
+
+
+def test_what_the_precompile_command_stores_is_what_serve_py_loads(tiny_run, tmp_path):
+    """`python -m jaxgen.precompile serve` with serve.py's flags, then `serve.py http` with the same: it traces
+    no program before ready nor for a request (/metrics' jaxgen_compiles_total has no sample), every program
+    it runs was loaded from the store (jaxgen_compile_cache_hits_total), and it answers."""
+    import socket
+    import time
+
+    import httpx
+
+    env = os.environ | {"JAXGEN_EXECUTABLES": str(tmp_path / "store"), "JAXGEN_XLA_CACHE": "", "JAX_PLATFORMS": "cpu"}
+    flags = ["--checkpoint", str(tiny_run), "--slots", "2", "--kv-memory-gb", "0.05", "serve.prefill_chunk=32"]
+    run = subprocess.run([sys.executable, "-m", "jaxgen.precompile", "serve", *flags], cwd=ROOT, env=env,
+                         capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert " programs compiled and stored, 0 already stored" in run.stdout, run.stdout
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "serve.py", "http", *flags, "--port", str(port), "--shutdown-grace", "0"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            assert time.time() < deadline, "not ready within 300 s"
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "def ", "max_tokens": 4, "logprobs": 1}, timeout=120)
+        assert r.status_code == 200, r.text
+        metrics = httpx.get(f"{url}/metrics").text.splitlines()
+        assert not [m for m in metrics if m.startswith("jaxgen_compiles_total{")], "a program was traced"
+        hits = [m for m in metrics if m.startswith("jaxgen_compile_cache_hits_total{")]
+        assert {"decode_chunk", "admit_rows", "init_state"} <= {h.split('program="')[1].split('"')[0] for h in hits}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

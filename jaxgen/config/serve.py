@@ -18,6 +18,12 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+# what only the host reads (the HTTP server, the scheduler, the loader); the page count and the draft's config
+# reach the programs as arguments of their own
+HOST_ONLY = ("kv_memory_gb", "num_pages", "prefix_caching", "precompile", "overlap", "draft", "lora_root", "max_body_bytes",
+             "max_queue", "request_timeout_s", "shutdown_grace_s", "admin_token")  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
     """The serving engine (`jaxgen.inference.engine`): decode slots and the paged KV cache's memory budget."""
@@ -76,6 +82,13 @@ class ServeConfig:
     # the bearer token of POST /v1/admin/update_weights (new weights into the live engine; None = no such route)
     # and of POST /v1/load_lora_adapter from any folder
     admin_token: str | None = None
+
+    @property
+    def for_programs(self) -> ServeConfig:
+        """These settings with the host-only ones (`HOST_ONLY`) at their defaults: a jitted program's static
+        `serve` argument, so that settings differing only in those share compiled programs (jaxgen.executables)."""
+        defaults = ServeConfig()
+        return dataclasses.replace(self, **{k: getattr(defaults, k) for k in HOST_ONLY})
 
     def __post_init__(self):
         check_literals(self, "serve")

@@ -56,9 +56,9 @@ class Runner:
         self.grammars = self._new_grammars()  # the slots' constraints (the device has a copy)
         self._jit_steps(mesh)
         init = self._jit(steps.init_state, mesh, static=(0, 1, 2, 3))  # jitted: the pool is made in its shardings
-        self._new_state = lambda: init(cfg, serve, num_pages, max_pages)
+        self._new_state = lambda: init(cfg, serve.for_programs, num_pages, max_pages)
         init_spec = self._jit(steps.init_spec, mesh, static=(0, 1, 2, 3, 4))
-        self._new_spec = lambda: init_spec(cfg, serve, self.draft_cfg, num_pages, max_pages)
+        self._new_spec = lambda: init_spec(cfg, serve.for_programs, self.draft_cfg, num_pages, max_pages)
         self.state = self._new_state()
         self.spec = self._new_spec()  # speculative decoding's per-slot state (and the draft model's pool)
         self.retiring = np.zeros(serve.slots, bool)  # slots to stop, sent with the next call that changes rows
