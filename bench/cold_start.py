@@ -237,14 +237,16 @@ def main() -> None:
             shutil.rmtree(cache, ignore_errors=True)  # cold: empty
             for start, store in (("cold", True), ("warm (xla)", False), ("warm (store)", True)):
                 tag = f"{start}{', precompiled' if precompile else ''}"
-                runs[tag] = serve(run_dir, cache, args.work, f"{name}-{start[:4]}{store}-{precompile}", precompile, store)
+                log = f"{name}-{start[:4]}{store}-{precompile}"
+                runs[tag] = serve(run_dir, cache, args.work, log, precompile, store)
         report(name, runs)
         if not args.no_train:
             train_cache = args.work / f"xla-train-{name}"
             shutil.rmtree(train_cache, ignore_errors=True)
             t = {tag: resumed_train(name, run_dir, train_cache, args.work, f"{name}-{tag[:4]}{store}", store)
                  for tag, store in (("cold", True), ("warm (xla)", False), ("warm (store)", True))}  # fmt: skip
-            print(f"\n{name}: resumed train.py to its first step (s): " + ", ".join(f"{k} {v:.2f}" for k, v in t.items()))
+            seconds = ", ".join(f"{k} {v:.2f}" for k, v in t.items())
+            print(f"\n{name}: resumed train.py to its first step (s): {seconds}")
             runs["train"] = t
         everything[name] = runs
     if args.json:

@@ -222,7 +222,7 @@ class Program:
 
     def _executable(self, memory_key, args, kwargs):
         treedef, static, leaves = memory_key
-        described = [leaf[:-1] + (_describe(leaf[-1]),) if isinstance(leaf, tuple) and len(leaf) == 4 else leaf
+        described = [(*leaf[:-1], _describe(leaf[-1])) if isinstance(leaf, tuple) and len(leaf) == 4 else leaf
                      for leaf in leaves]  # fmt: skip
         signature = f"{self.name}|{self.key}|{static!r}|{treedef}|{described!r}"
         stable = " at 0x" not in signature  # an object's address in a repr: a key no other process can match

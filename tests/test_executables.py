@@ -125,7 +125,7 @@ def test_a_warm_engine_loads_every_program_compiles_nothing_and_answers_bitwise_
         precompile(engine)
         ready = engine.compilations
         runs.append((ready, _mixed(engine), engine.compilations - ready))
-    (cold_ready, cold, cold_after), (warm_ready, warm, warm_after) = runs
+    (cold_ready, cold, _), (warm_ready, warm, warm_after) = runs
     assert cold_ready > 10 and store.saved >= cold_ready
     assert warm_ready == 0 and warm_after == 0 and store.loaded >= cold_ready
     assert [dataclasses.asdict(c) for c in warm] == [dataclasses.asdict(c) for c in cold]
@@ -146,8 +146,8 @@ print(float(f(jnp.arange(16.0)).sum()), s.saved, s.loaded)
 """
     outs = []
     for store in ("a", "b", "b"):
-        run = subprocess.run([sys.executable, "-c", script, str(tmp_path / "xla"), str(tmp_path / store)],
-                             capture_output=True, text=True, cwd=ROOT, env=os.environ | {"JAX_PLATFORMS": "cpu"})  # fmt: skip
+        cmd = [sys.executable, "-c", script, str(tmp_path / "xla"), str(tmp_path / store)]
+        run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=os.environ | {"JAX_PLATFORMS": "cpu"})
         assert run.returncode == 0, run.stderr[-3000:]
         outs.append(run.stdout.split())
     assert outs[0][1:] == ["1", "0"] and outs[1][1:] == ["1", "0"] and outs[2][1:] == ["0", "1"]

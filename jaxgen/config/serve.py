@@ -20,8 +20,8 @@ def _is_int(value) -> bool:
 
 # what only the host reads (the HTTP server, the scheduler, the loader); the page count and the draft's config
 # reach the programs as arguments of their own
-HOST_ONLY = ("kv_memory_gb", "num_pages", "prefix_caching", "precompile", "overlap", "draft", "lora_root", "max_body_bytes",
-             "max_queue", "request_timeout_s", "shutdown_grace_s", "admin_token")  # fmt: skip
+HOST_ONLY = ("kv_memory_gb", "num_pages", "prefix_caching", "precompile", "overlap", "draft", "lora_root",
+             "max_body_bytes", "max_queue", "request_timeout_s", "shutdown_grace_s", "admin_token")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
