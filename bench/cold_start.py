@@ -44,6 +44,7 @@ MODELS = {
     "default": ["--config", "configs/default.yaml"],
     "llama-small": ["--config", "configs/llama-small.yaml", *LLAMA],
 }
+RL = ["rl.warm_start_steps=10", "checkpoint.every=1", "--no-progress"]
 TRAIN = ["training.steps=2", "checkpoint.every=1", "training.eval_every=1000", "data.eval_batches=1", "--no-progress"]
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
@@ -160,17 +161,64 @@ def resumed_train(name: str, run_dir: Path, cache: Path, work: Path, tag: str, s
     copy = work / f"resume-{tag}"
     shutil.rmtree(copy, ignore_errors=True)
     shutil.copytree(run_dir, copy)
-    records = copy / "metrics.jsonl"
-    seen = records.read_text().count("\n") if records.exists() else 0
-    env = os.environ | caches(cache, store)
     cmd = [sys.executable, "train.py", *MODELS[name], "--run-dir", str(copy), *TRAIN[1:], "training.steps=4"]
-    with open(work / f"train-{tag}.log", "w") as log:
+    return _first_record(cmd, copy / "metrics.jsonl", caches(cache, store), work / f"train-{tag}.log")
+
+
+LLM_SCRIPT = """
+import json, sys, time
+t0 = time.perf_counter()
+from jaxgen.runtime import enable_compilation_cache
+enable_compilation_cache()
+from jaxgen import LLM, SamplingConfig
+t1 = time.perf_counter()
+llm = LLM(sys.argv[1], slots=4, kv_memory_gb=0.25)
+t2 = time.perf_counter()
+llm.generate(["def "], SamplingConfig(max_new_tokens=4, temperature=0.0))
+t3 = time.perf_counter()
+print(json.dumps({"import": t1 - t0, "LLM()": t2 - t1, "first generate": t3 - t2,
+                  "compiles": llm.engine.compilations}))
+"""
+
+
+def llm_start(run_dir: Path, cache: Path, store: bool) -> dict:
+    """An `LLM(run)` in a new process (the command lines' caches turned on): seconds to build it, to its
+    first generate (4 greedy tokens), and the programs it traced."""
+    env = os.environ | caches(cache, store)
+    out = subprocess.run([sys.executable, "-c", LLM_SCRIPT, str(run_dir)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, check=True)  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def build_rl(work: Path) -> Path:
+    """A 2-step rl.py run of configs/rl-arithmetic.yaml (a 10-step warm start), once."""
+    run_dir = work / "runs" / "rl"
+    if not (run_dir / "config.yaml").exists():
+        env = os.environ | {"JAXGEN_XLA_CACHE": "", "JAXGEN_EXECUTABLES": "", "JAX_PLATFORMS": "cpu"}
+        cmd = [sys.executable, "rl.py", "--run-dir", str(run_dir), *RL, "training.steps=2"]
+        run(cmd, env, work / "rl.log")
+    return run_dir
+
+
+def resumed_rl(run_dir: Path, cache: Path, work: Path, tag: str, store: bool) -> float:
+    """Seconds from a resumed rl.py's start to its first step's record (a fresh copy of the 2-step run)."""
+    copy = work / f"resume-rl-{tag}"
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(run_dir, copy)
+    cmd = [sys.executable, "rl.py", "--run-dir", str(copy), *RL, "training.steps=4"]
+    return _first_record(cmd, copy / "metrics.jsonl", caches(cache, store), work / f"rl-{tag}.log")
+
+
+def _first_record(cmd: list[str], records: Path, env: dict, log_path: Path) -> float:
+    """Seconds from `cmd`'s start to a new line in `records` (its first step); then it runs to its end."""
+    seen = records.read_text().count("\n") if records.exists() else 0
+    with open(log_path, "w") as log:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=os.environ | env, stdout=log, stderr=subprocess.STDOUT)
         try:
             while not (records.exists() and records.read_text().count("\n") > seen):
                 if proc.poll() is not None:
-                    sys.exit(f"train.py exited with {proc.returncode} before its first step")
+                    sys.exit(f"{cmd[1]} exited with {proc.returncode} before its first step: {log_path}")
                 time.sleep(0.02)
             return time.perf_counter() - t0
         finally:
@@ -220,37 +268,61 @@ def report(name: str, runs: dict[str, dict]) -> None:
               + (", ".join(f"{p} x{n:.0f}" for p, n in sorted(later.items()) if n) or "nothing"))  # fmt: skip
 
 
+STARTS = (("cold", True), ("warm (xla)", False), ("warm (store)", True))  # (name, store of executables)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="default,llama-small", help="comma-separated, of: " + ", ".join(MODELS))
+    p.add_argument("--parts", default="serve,train,llm,rl", help="comma-separated, of: serve, train, llm, rl "
+                   "(rl: configs/rl-arithmetic.yaml, once, whatever --models)")  # fmt: skip
     p.add_argument("--work", type=Path, default=Path("/tmp/jaxgen-cold-start"), help="run folders, caches, logs")
-    p.add_argument("--no-train", action="store_true", help="skip the resumed train.py")
     p.add_argument("--json", type=Path, help="also write every figure here")
     args = p.parse_args()
+    parts = set(args.parts.split(","))
     args.work.mkdir(parents=True, exist_ok=True)
     everything = {}
     for name in args.models.split(","):
         run_dir = build(name, args.work)
-        runs = {}
-        for precompile in (False, True):
-            cache = args.work / f"xla-{name}-{precompile}"
-            shutil.rmtree(cache, ignore_errors=True)  # cold: empty
-            for start, store in (("cold", True), ("warm (xla)", False), ("warm (store)", True)):
-                tag = f"{start}{', precompiled' if precompile else ''}"
-                log = f"{name}-{start[:4]}{store}-{precompile}"
-                runs[tag] = serve(run_dir, cache, args.work, log, precompile, store)
-        report(name, runs)
-        if not args.no_train:
-            train_cache = args.work / f"xla-train-{name}"
-            shutil.rmtree(train_cache, ignore_errors=True)
-            t = {tag: resumed_train(name, run_dir, train_cache, args.work, f"{name}-{tag[:4]}{store}", store)
-                 for tag, store in (("cold", True), ("warm (xla)", False), ("warm (store)", True))}  # fmt: skip
-            seconds = ", ".join(f"{k} {v:.2f}" for k, v in t.items())
-            print(f"\n{name}: resumed train.py to its first step (s): {seconds}")
+        runs = everything.setdefault(name, {})
+        if "serve" in parts:
+            for precompile in (False, True):
+                cache = _empty(args.work / f"cache-{name}-{precompile}")
+                for start, store in STARTS:
+                    tag = f"{start}{', precompiled' if precompile else ''}"
+                    log = f"{name}-{start[:4]}{store}-{precompile}"
+                    runs[tag] = serve(run_dir, cache, args.work, log, precompile, store)
+            report(name, runs)
+        if "train" in parts:
+            cache = _empty(args.work / f"cache-train-{name}")
+            t = {tag: resumed_train(name, run_dir, cache, args.work, f"{name}-{tag[:4]}{store}", store)
+                 for tag, store in STARTS}  # fmt: skip
+            print(f"\n{name}: resumed train.py to its first step (s): {_seconds(t)}")
             runs["train"] = t
-        everything[name] = runs
+        if "llm" in parts:
+            cache = _empty(args.work / f"cache-llm-{name}")
+            t = {tag: llm_start(run_dir, cache, store) for tag, store in STARTS}
+            print(f"\n{name}: LLM(run) in a new process (s):")
+            for tag, r in t.items():
+                print(f"- {tag}: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                                              for k, v in r.items()))  # fmt: skip
+            runs["llm"] = t
+    if "rl" in parts:
+        run_dir, cache = build_rl(args.work), _empty(args.work / "cache-rl")
+        t = {tag: resumed_rl(run_dir, cache, args.work, f"{tag[:4]}{store}", store) for tag, store in STARTS}
+        print(f"\nrl-arithmetic: resumed rl.py to its first step (s): {_seconds(t)}")
+        everything["rl"] = t
     if args.json:
         args.json.write_text(json.dumps(jsonable(everything), indent=1))
+
+
+def _empty(folder: Path) -> Path:
+    shutil.rmtree(folder, ignore_errors=True)
+    return folder
+
+
+def _seconds(t: dict) -> str:
+    return ", ".join(f"{k} {v:.2f}" for k, v in t.items())
 
 
 def jsonable(x):

@@ -3,7 +3,8 @@
 The package is laid out by concern; imports only point down this list:
     config, sharding, tokenizer   configs, the axis glossary and mesh rules, tokenizers
     chat_template                 chat templates in jinja2's sandbox (the server's prompts, chat SFT data)
-    runtime                       process-wide JAX settings for the command lines (compilation cache)
+    executables                   compiled programs kept on disk, loaded at the next start without tracing
+    runtime                       process-wide JAX settings for the command lines (the compilation caches)
     distributed                   joining other processes (jax.distributed), what only process 0 does
     model/                        the network and its KV caches
     hf/                           Hugging Face folders: config mapping, import, export
@@ -13,6 +14,7 @@ The package is laid out by concern; imports only point down this list:
     rl/                           reinforcement learning: policy-gradient objectives over sampled completions
     plan_length                   the longest sequence that fits: the search and its table (`--max-seq`)
     plan                          `python -m jaxgen.plan`: per-device memory of a config on a mesh
+    precompile                    `python -m jaxgen.precompile`: a deployment's programs compiled ahead
     targets/                      compiling for TPU and GPU without one: targets, their compilers, a roofline
     evaluation/                   the lm-evaluation-harness model, `python -m jaxgen.evaluation`
 
