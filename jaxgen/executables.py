@@ -222,9 +222,7 @@ class Program:
 
     def _executable(self, memory_key, args, kwargs):
         treedef, static, leaves = memory_key
-        described = [(*leaf[:-1], _describe(leaf[-1])) if isinstance(leaf, tuple) and len(leaf) == 4 else leaf
-                     for leaf in leaves]  # fmt: skip
-        signature = f"{self.name}|{self.key}|{static!r}|{treedef}|{described!r}"
+        signature = f"{self.name}|{self.key}|{static!r}|{treedef}|{leaves!r}"
         stable = " at 0x" not in signature  # an object's address in a repr: a key no other process can match
         compiled = _store.load(self.name, signature) if stable else None
         if compiled is None:
@@ -274,16 +272,20 @@ def describe_mesh(mesh) -> str:
     return "" if mesh is None else f"mesh {dict(mesh.shape)} on devices {mesh.device_ids.tolist()}"
 
 
-def _describe(sharding) -> str:
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        return f"NamedSharding({describe_mesh(sharding.mesh)}, {sharding.spec}, {sharding.memory_kind})"
-    return repr(sharding)
+@functools.lru_cache(maxsize=4096)
+def _placement(sharding, ndim: int) -> str:
+    """Where an array of `ndim` dimensions with `sharding` lives, as text: its devices in order, XLA's sharding
+    of it and the memory kind. Equivalent shardings read alike (on one device, P() and P('tensor') are both
+    "replicated"): a compiled program returns them either way, and the next call must find the same program."""
+    devices = [d.id for d in sharding._device_assignment]  # no public name for the order
+    return f"devices {devices} {sharding._to_xla_hlo_sharding(ndim)} {sharding.memory_kind}"
 
 
 def _leaf_key(x):
     """What of an argument leaf its executable depends on."""
     if isinstance(x, jax.Array):
-        return (x.shape, str(x.dtype), getattr(x, "weak_type", False), x.sharding)  # a key array has no weak type
+        weak = getattr(x, "weak_type", False)  # a key array has none
+        return (x.shape, str(x.dtype), weak, _placement(x.sharding, x.ndim))
     if isinstance(x, np.ndarray | np.generic):
         return (x.shape, x.dtype.name)
     return type(x).__name__  # a Python scalar: weakly typed

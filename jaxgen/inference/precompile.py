@@ -19,8 +19,13 @@ counted in the engine's statistics, and the pages they leave in the prefix cache
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import sys
+import time
 
+from jaxgen import executables
 from jaxgen.inference.decode import bucket
 from jaxgen.inference.sampling import SamplingConfig
 from jaxgen.inference.scheduler import call_shapes
@@ -48,10 +53,11 @@ def warm_up_requests(engine) -> list[tuple[list[int], SamplingConfig]]:
     return [([1 + (i + j) % ids for j in range(n)], s) for i, (n, s) in enumerate(todo)]
 
 
-def precompile(engine, progress: bool = False) -> int:
+def precompile(engine, progress: bool = False, workers: int = min(4, os.cpu_count() or 1)) -> int:
     """Runs `warm_up_requests` through `engine` (not started: its thread would run them too) and returns the
     programs compiled. A request the engine refuses (a pool too small for the longest bucket) is skipped,
-    with a line in the log."""
+    with a line in the log. With a store of executables in use (`jaxgen.executables`), the prefill calls are
+    first compiled in `workers` threads (XLA compiles without the GIL; tracing them still takes turns)."""
     if engine.running:
         raise RuntimeError("precompile(engine) runs before engine.start()")
     from tqdm import tqdm
@@ -61,6 +67,9 @@ def precompile(engine, progress: bool = False) -> int:
     longest = min(engine.serve.prefill_chunk, engine.cfg.max_seq_len - 2)
     shapes = call_shapes(engine.serve.prefill_chunk, engine.serve.slots, longest)
     try:
+        if executables.current() is not None and workers > 1:  # compiled ahead into the store, then run below
+            with _progress(progress, len(shapes)):
+                engine.compile_prefill_ahead(shapes, workers)
         for rows, columns in tqdm(shapes, desc="precompile prefill", unit="shape", disable=not progress):
             engine.compile_prefill(rows, columns)
         with engine.lock:
@@ -78,3 +87,18 @@ def precompile(engine, progress: bool = False) -> int:
     with engine.lock:
         engine.pool.clear_cache()
     return engine.compilations - before
+
+
+@contextlib.contextmanager
+def _progress(shown: bool, shapes: int):
+    """One line for the threads' compiles (a bar cannot follow them): their count, then their time."""
+    t0 = time.perf_counter()
+    if shown:
+        print(f"precompile prefill: compiling {shapes} shapes in threads", file=sys.stderr, flush=True)
+    yield
+    if shown:
+        print(
+            f"precompile prefill: {shapes} shapes ready in {time.perf_counter() - t0:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )

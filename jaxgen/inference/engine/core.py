@@ -267,6 +267,11 @@ class Engine(AdapterControl):
         with self.wake:
             self.wake.notify()
 
+    def compile_prefill_ahead(self, shapes: list[tuple[int, int]], workers: int) -> None:
+        """Compiles the prefill calls of `shapes` in `workers` threads, not run (`Runner.compile_prefill_ahead`)."""
+        with self._exclusive:
+            self.runner.compile_prefill_ahead(shapes, workers)
+
     def compile_prefill(self, rows: int, columns: int) -> None:
         """Compiles the prefill call of `rows` x `columns` (`jaxgen.inference.precompile`), changing nothing."""
         with self._exclusive:

@@ -16,6 +16,8 @@ with the next call that changes rows (`retiring`).
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -54,6 +56,7 @@ class Runner:
         self._to_decode = None  # update_params' jitted layout conversion
         self.compilations = 0
         self.grammars = self._new_grammars()  # the slots' constraints (the device has a copy)
+        self.mesh = mesh
         self._jit_steps(mesh)
         init = self._jit(steps.init_state, mesh, static=(0, 1, 2, 3))  # jitted: the pool is made in its shardings
         self._new_state = lambda: init(cfg, serve.for_programs, num_pages, max_pages)
@@ -99,6 +102,23 @@ class Runner:
                                     np.zeros(v, np.float32))  # fmt: skip
         history = steps.spec_history(self.max_pages * self.serve.page_size, [0])
         self.spec = self._activate_spec(self.spec, np.int32(0), *history, np.int32(0))
+
+    def compile_prefill_ahead(self, shapes: list[tuple[int, int]], workers: int) -> None:
+        """Compiles (or loads) the prefill calls of the (rows, columns) `shapes` in `workers` threads without
+        running them: XLA compiles without holding the GIL. `compile_prefill` then finds them ready."""
+        program = self._admit_rows.jitted  # the Program under the mesh and stats wrappers
+        retiring = np.zeros_like(self.retiring)  # what `_take_retiring` gives when none is pending
+        rows_of = functools.partial(steps.pack_rows, [], cfg=self.cfg, lora_bank=bool(self.serve.max_loras))
+
+        def one(shape):
+            with self.stats.calling("admit_rows"), contextlib.ExitStack() as stack:
+                if self.mesh is not None:
+                    stack.enter_context(jax.set_mesh(self.mesh))
+                program.compile(self.params, self.state, self.spec, rows_of(*shape), retiring, cfg=self.cfg,
+                                draft_params=self.draft_params, draft_cfg=self.draft_cfg)  # fmt: skip
+
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool:
+            list(pool.map(one, shapes))
 
     def compile_prefill(self, rows: int, columns: int) -> None:
         """Compiles the prefill call of `rows` x `columns` (`jaxgen.inference.precompile`) by running it on padding
