@@ -178,7 +178,8 @@ class Program:
         names = jit_kwargs.get("static_argnames", ())
         self.static_nums = frozenset((nums,) if isinstance(nums, int) else nums)
         self.static_names = frozenset((names,) if isinstance(names, str) else names)
-        self._compiled: dict = {}  # in-memory key -> executable
+        self._compiled: dict = {}  # in-memory key (cheap: the arrays' abstract values and shardings) -> executable
+        self._by_signature: dict = {}  # the store's key (equivalent shardings read alike) -> executable
 
     def __call__(self, *args, **kwargs):
         if not self._stored():
@@ -210,6 +211,7 @@ class Program:
         """Forgets the executables held in memory (the store's files stay)."""
         self.jitted.clear_cache()
         self._compiled.clear()
+        self._by_signature.clear()
 
     def _split(self, args, kwargs):
         """(dynamic positional arguments, dynamic keyword arguments, the in-memory key of this call)."""
@@ -218,11 +220,16 @@ class Program:
         static = tuple(a for i, a in enumerate(args) if i in self.static_nums)
         static += tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_names))
         leaves, treedef = jax.tree.flatten((dynamic, dynamic_kw))
-        return dynamic, dynamic_kw, (treedef, static, tuple(map(_leaf_key, leaves)))
+        return dynamic, dynamic_kw, (treedef, static, tuple(map(_memory_key, leaves)))
 
     def _executable(self, memory_key, args, kwargs):
-        treedef, static, leaves = memory_key
+        treedef, static, _ = memory_key
+        dynamic, dynamic_kw, _ = self._split(args, kwargs)
+        leaves = tuple(map(_leaf_key, jax.tree.leaves((dynamic, dynamic_kw))))
         signature = f"{self.name}|{self.key}|{static!r}|{treedef}|{leaves!r}"
+        if signature in self._by_signature:  # the same program, reached with equivalent shardings
+            self._compiled[memory_key] = self._by_signature[signature]
+            return self._by_signature[signature]
         stable = " at 0x" not in signature  # an object's address in a repr: a key no other process can match
         compiled = _store.load(self.name, signature) if stable else None
         if compiled is None:
@@ -232,7 +239,7 @@ class Program:
                 _store.save(self.name, signature, compiled)
             else:
                 log.info("executables: %s not stored: a static argument's repr holds an address", self.name)
-        self._compiled[memory_key] = compiled
+        self._compiled[memory_key] = self._by_signature[signature] = compiled
         return compiled
 
 
@@ -279,6 +286,17 @@ def _placement(sharding, ndim: int) -> str:
     "replicated"): a compiled program returns them either way, and the next call must find the same program."""
     devices = [d.id for d in sharding._device_assignment]  # no public name for the order
     return f"devices {devices} {sharding._to_xla_hlo_sharding(ndim)} {sharding.memory_kind}"
+
+
+def _memory_key(x):
+    """An argument leaf's key within this process: its abstract value and its sharding object (a few times
+    cheaper than `_leaf_key`, which the store needs; this runs on every call)."""
+    if type(x) in _ARRAY_TYPES or (isinstance(x, jax.Array) and not _ARRAY_TYPES.add(type(x))):
+        return (x.aval, x.sharding)
+    return _leaf_key(x)
+
+
+_ARRAY_TYPES: set[type] = set()  # the concrete jax.Array types seen (an ABC's isinstance is slow per call)
 
 
 def _leaf_key(x):
