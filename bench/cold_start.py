@@ -5,10 +5,11 @@
 
 Every figure comes from real processes: the run folders are trained here (offline: the stdlib corpus, the
 byte tokenizer; llama-small's shapes with a byte tokenizer), `serve.py http` is started as a user starts it and
-polled over HTTP (httpx) until /health is ok. Cold: empty $JAXGEN_XLA_CACHE and $JAXGEN_EXECUTABLES folders;
-warm (xla): the XLA cache again in a new process, no store of executables (jax's persistent cache alone: each
-program traced and lowered, then loaded); warm (store): both again (`jaxgen.executables`: loaded without
-tracing); each with serve.precompile=false (nothing compiled before ready but the engine's state) and true
+polled over HTTP (httpx) until /health is ok. Two ways to keep programs, each in folders of its own: "xla",
+jax's persistent cache alone ($JAXGEN_EXECUTABLES empty: each program traced and lowered, then loaded), and
+"store", what the command lines do (the persistent cache and `jaxgen.executables`' store, loaded without
+tracing). Cold: empty folders; warm: the same folders again, in a new process. Each with
+serve.precompile=false (nothing compiled before ready but the engine's state) and true
 (`jaxgen.inference.precompile`). Printed as markdown tables:
 
 - ready: seconds from the process's start (Popen) to /health ok, split as the server measured it
@@ -268,7 +269,8 @@ def report(name: str, runs: dict[str, dict]) -> None:
               + (", ".join(f"{p} x{n:.0f}" for p, n in sorted(later.items()) if n) or "nothing"))  # fmt: skip
 
 
-STARTS = (("cold", True), ("warm (xla)", False), ("warm (store)", True))  # (name, store of executables)
+# (name, store of executables in use); each mode's cold run empties its folders, its warm run reuses them
+STARTS = (("cold (xla)", False), ("warm (xla)", False), ("cold (store)", True), ("warm (store)", True))
 
 
 def main() -> None:
@@ -287,37 +289,39 @@ def main() -> None:
         runs = everything.setdefault(name, {})
         if "serve" in parts:
             for precompile in (False, True):
-                cache = _empty(args.work / f"cache-{name}-{precompile}")
                 for start, store in STARTS:
+                    cache = _cache(args.work / f"cache-{name}-{precompile}-{store}", start)
                     tag = f"{start}{', precompiled' if precompile else ''}"
                     log = f"{name}-{start[:4]}{store}-{precompile}"
                     runs[tag] = serve(run_dir, cache, args.work, log, precompile, store)
             report(name, runs)
         if "train" in parts:
-            cache = _empty(args.work / f"cache-train-{name}")
-            t = {tag: resumed_train(name, run_dir, cache, args.work, f"{name}-{tag[:4]}{store}", store)
-                 for tag, store in STARTS}  # fmt: skip
+            t = {tag: resumed_train(name, run_dir, _cache(args.work / f"cache-train-{name}-{store}", tag), args.work,
+                                    f"{name}-{tag[:4]}{store}", store) for tag, store in STARTS}  # fmt: skip
             print(f"\n{name}: resumed train.py to its first step (s): {_seconds(t)}")
             runs["train"] = t
         if "llm" in parts:
-            cache = _empty(args.work / f"cache-llm-{name}")
-            t = {tag: llm_start(run_dir, cache, store) for tag, store in STARTS}
+            t = {tag: llm_start(run_dir, _cache(args.work / f"cache-llm-{name}-{store}", tag), store)
+                 for tag, store in STARTS}  # fmt: skip
             print(f"\n{name}: LLM(run) in a new process (s):")
             for tag, r in t.items():
                 print(f"- {tag}: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
                                               for k, v in r.items()))  # fmt: skip
             runs["llm"] = t
     if "rl" in parts:
-        run_dir, cache = build_rl(args.work), _empty(args.work / "cache-rl")
-        t = {tag: resumed_rl(run_dir, cache, args.work, f"{tag[:4]}{store}", store) for tag, store in STARTS}
+        run_dir = build_rl(args.work)
+        t = {tag: resumed_rl(run_dir, _cache(args.work / f"cache-rl-{store}", tag), args.work, f"{tag[:4]}{store}",
+                             store) for tag, store in STARTS}  # fmt: skip
         print(f"\nrl-arithmetic: resumed rl.py to its first step (s): {_seconds(t)}")
         everything["rl"] = t
     if args.json:
         args.json.write_text(json.dumps(jsonable(everything), indent=1))
 
 
-def _empty(folder: Path) -> Path:
-    shutil.rmtree(folder, ignore_errors=True)
+def _cache(folder: Path, start: str) -> Path:
+    """`folder`, emptied for a cold start."""
+    if start.startswith("cold"):
+        shutil.rmtree(folder, ignore_errors=True)
     return folder
 
 
