@@ -57,6 +57,13 @@ def current() -> Store | None:
     return _store
 
 
+def in_use() -> bool:
+    """Programs are stored and loaded: a store is set, and this is the only process (with several, each would
+    call an executable over arrays it holds only part of, which a loaded executable refuses where jit's call
+    reshards them: "not fully addressable"; not stored there yet)."""
+    return _store is not None and jax.process_count() == 1
+
+
 @functools.cache
 def source_hash() -> str:
     """sha256 of jaxgen's Python sources, which a stored executable was traced from."""
@@ -200,9 +207,7 @@ class Program:
             self._executable(memory_key, args, kwargs)
 
     def _stored(self) -> bool:
-        # several processes: each would call an executable over arrays it holds only part of, which a loaded
-        # executable refuses where jit's call reshards ("not fully addressable"): not stored there yet
-        return _store is not None and self.key is not None and jax.process_count() == 1
+        return self.key is not None and in_use()
 
     def lower(self, *args, **kwargs):
         return self.jitted.lower(*args, **kwargs)

@@ -1,7 +1,7 @@
 """Compiles a deployment's programs ahead, into the store that serve.py and train.py load them from (issue 45).
 
     python -m jaxgen.precompile serve --checkpoint runs/default [--config configs/serve.yaml] [key=value ...]
-    python -m jaxgen.precompile train --config configs/default.yaml [key=value ...]
+    python -m jaxgen.precompile train [--config configs/default.yaml] [key=value ...]
 
 `serve` builds the engine exactly as `serve.py http` does with the same settings (the same flags and
 overrides) and runs its start's precompile (`jaxgen.inference.precompile`): every program a request can
@@ -32,7 +32,8 @@ def parser() -> argparse.ArgumentParser:
                        epilog=cli.PRECEDENCE)  # fmt: skip
     cli._engine_args(s)
     t = sub.add_parser("train", help="a run's train and evaluation steps, as `train.py` with the same config")
-    t.add_argument("--config", required=True, help="the run's YAML config (as train.py takes it)")
+    t.add_argument("--config", default="configs/default.yaml", help="the run's YAML config, as train.py takes it "
+                   "(default: configs/default.yaml)")  # fmt: skip
     t.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, as train.py takes them")
     return top
 

@@ -19,11 +19,9 @@ counted in the engine's statistics, and the pages they leave in the prefix cache
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import logging
 import os
-import sys
-import time
 
 from jaxgen import executables
 from jaxgen.inference.decode import bucket
@@ -55,9 +53,10 @@ def warm_up_requests(engine) -> list[tuple[list[int], SamplingConfig]]:
 
 def precompile(engine, progress: bool = False, workers: int = min(4, os.cpu_count() or 1)) -> int:
     """Runs `warm_up_requests` through `engine` (not started: its thread would run them too) and returns the
-    programs compiled. A request the engine refuses (a pool too small for the longest bucket) is skipped,
-    with a line in the log. With a store of executables in use (`jaxgen.executables`), the prefill calls are
-    first compiled in `workers` threads (XLA compiles without the GIL; tracing them still takes turns)."""
+    programs traced. A request the engine refuses (a pool too small for the longest bucket) is skipped, with a
+    line in the log. With a store of executables in use (`jaxgen.executables.in_use`), the prefill calls are
+    compiled or loaded in `workers` threads and not run (XLA compiles without the GIL; tracing takes turns);
+    without one, each is run once on padding rows, which is what makes jit compile it."""
     if engine.running:
         raise RuntimeError("precompile(engine) runs before engine.start()")
     from tqdm import tqdm
@@ -66,12 +65,14 @@ def precompile(engine, progress: bool = False, workers: int = min(4, os.cpu_coun
     engine.stats.muted = True  # the warm-up is not traffic
     longest = min(engine.serve.prefill_chunk, engine.cfg.max_seq_len - 2)
     shapes = call_shapes(engine.serve.prefill_chunk, engine.serve.slots, longest)
+    bar = functools.partial(tqdm, desc="precompile prefill", unit="shape", disable=not progress)
     try:
-        if executables.current() is not None and workers > 1:  # compiled ahead into the store, then run below
-            with _progress(progress, len(shapes)):
-                engine.compile_prefill_ahead(shapes, workers)
-        for rows, columns in tqdm(shapes, desc="precompile prefill", unit="shape", disable=not progress):
-            engine.compile_prefill(rows, columns)
+        if executables.in_use():
+            with bar(total=len(shapes)) as b:
+                engine.compile_prefill_ahead(shapes, workers, done=lambda: b.update(1))
+        else:
+            for rows, columns in bar(shapes):
+                engine.compile_prefill(rows, columns)
         with engine.lock:
             engine.runner.compile_grammar()
             engine.runner.compile_bank()
@@ -87,18 +88,3 @@ def precompile(engine, progress: bool = False, workers: int = min(4, os.cpu_coun
     with engine.lock:
         engine.pool.clear_cache()
     return engine.compilations - before
-
-
-@contextlib.contextmanager
-def _progress(shown: bool, shapes: int):
-    """One line for the threads' compiles (a bar cannot follow them): their count, then their time."""
-    t0 = time.perf_counter()
-    if shown:
-        print(f"precompile prefill: compiling {shapes} shapes in threads", file=sys.stderr, flush=True)
-    yield
-    if shown:
-        print(
-            f"precompile prefill: {shapes} shapes ready in {time.perf_counter() - t0:.1f} s",
-            file=sys.stderr,
-            flush=True,
-        )

@@ -103,9 +103,11 @@ class Runner:
         history = steps.spec_history(self.max_pages * self.serve.page_size, [0])
         self.spec = self._activate_spec(self.spec, np.int32(0), *history, np.int32(0))
 
-    def compile_prefill_ahead(self, shapes: list[tuple[int, int]], workers: int) -> None:
+    def compile_prefill_ahead(self, shapes: list[tuple[int, int]], workers: int, done=lambda: None) -> None:
         """Compiles (or loads) the prefill calls of the (rows, columns) `shapes` in `workers` threads without
-        running them: XLA compiles without holding the GIL. `compile_prefill` then finds them ready."""
+        running them (XLA compiles without holding the GIL), into `jaxgen.executables`' store (without one in
+        use they would be compiled for nothing: jit keeps no executable it did not compile itself). `done()`
+        after each shape."""
         program = self._admit_rows.jitted  # the Program under the mesh and stats wrappers
         retiring = np.zeros_like(self.retiring)  # what `_take_retiring` gives when none is pending
         rows_of = functools.partial(steps.pack_rows, [], cfg=self.cfg, lora_bank=bool(self.serve.max_loras))
@@ -116,6 +118,7 @@ class Runner:
                     stack.enter_context(jax.set_mesh(self.mesh))
                 program.compile(self.params, self.state, self.spec, rows_of(*shape), retiring, cfg=self.cfg,
                                 draft_params=self.draft_params, draft_cfg=self.draft_cfg)  # fmt: skip
+            done()
 
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool:
             list(pool.map(one, shapes))
