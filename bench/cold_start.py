@@ -192,22 +192,19 @@ def llm_start(run_dir: Path, cache: Path, store: bool) -> dict:
 
 
 def build_rl(work: Path) -> Path:
-    """A 2-step rl.py run of configs/rl-arithmetic.yaml (a 10-step warm start), once."""
+    """A 2-step rl.py run of configs/rl-arithmetic.yaml (a 10-step warm start), made afresh."""
     run_dir = work / "runs" / "rl"
-    if not (run_dir / "config.yaml").exists():
-        env = os.environ | {"JAXGEN_XLA_CACHE": "", "JAXGEN_EXECUTABLES": "", "JAX_PLATFORMS": "cpu"}
-        cmd = [sys.executable, "rl.py", "--run-dir", str(run_dir), *RL, "training.steps=2"]
-        run(cmd, env, work / "rl.log")
+    shutil.rmtree(run_dir, ignore_errors=True)  # the resumed runs below add steps to it
+    env = os.environ | {"JAXGEN_XLA_CACHE": "", "JAXGEN_EXECUTABLES": "", "JAX_PLATFORMS": "cpu"}
+    run([sys.executable, "rl.py", "--run-dir", str(run_dir), *RL, "training.steps=2"], env, work / "rl.log")
     return run_dir
 
 
-def resumed_rl(run_dir: Path, cache: Path, work: Path, tag: str, store: bool) -> float:
-    """Seconds from a resumed rl.py's start to its first step's record (a fresh copy of the 2-step run)."""
-    copy = work / f"resume-rl-{tag}"
-    shutil.rmtree(copy, ignore_errors=True)
-    shutil.copytree(run_dir, copy)
-    cmd = [sys.executable, "rl.py", "--run-dir", str(copy), *RL, "training.steps=4"]
-    return _first_record(cmd, copy / "metrics.jsonl", caches(cache, store), work / f"rl-{tag}.log")
+def resumed_rl(run_dir: Path, cache: Path, work: Path, tag: str, store: bool, steps: int) -> float:
+    """Seconds from rl.py's start, resuming `run_dir` in place to `steps` (one more step than it holds: its
+    warm start's folder records where it was made, so a copy would not resume), to that step's record."""
+    cmd = [sys.executable, "rl.py", "--run-dir", str(run_dir), *RL, f"training.steps={steps}"]
+    return _first_record(cmd, run_dir / "metrics.jsonl", caches(cache, store), work / f"rl-{tag}.log")
 
 
 def _first_record(cmd: list[str], records: Path, env: dict, log_path: Path) -> float:
@@ -311,7 +308,7 @@ def main() -> None:
     if "rl" in parts:
         run_dir = build_rl(args.work)
         t = {tag: resumed_rl(run_dir, _cache(args.work / f"cache-rl-{store}", tag), args.work, f"{tag[:4]}{store}",
-                             store) for tag, store in STARTS}  # fmt: skip
+                             store, steps) for steps, (tag, store) in enumerate(STARTS, start=3)}  # fmt: skip
         print(f"\nrl-arithmetic: resumed rl.py to its first step (s): {_seconds(t)}")
         everything["rl"] = t
     if args.json:
