@@ -191,7 +191,10 @@ class Program:
     def __call__(self, *args, **kwargs):
         if not self._stored():
             return self.jitted(*args, **kwargs)
-        dynamic, dynamic_kw, memory_key = self._split(args, kwargs)
+        try:
+            dynamic, dynamic_kw, memory_key = self._split(args, kwargs)
+        except _Traced:  # called inside another function being traced: part of that program
+            return self.jitted(*args, **kwargs)
         compiled = self._compiled.get(memory_key)
         if compiled is None:
             compiled = self._executable(memory_key, args, kwargs)
@@ -238,6 +241,7 @@ class Program:
         stable = " at 0x" not in signature  # an object's address in a repr: a key no other process can match
         compiled = _store.load(self.name, signature) if stable else None
         if compiled is None:
+            log.info("executables: compiling %s (%s)", self.name, "not stored yet" if stable else "not storable")
             lowered = self.jitted.lower(*args, **kwargs)
             compiled = _compile_fresh(lowered) if stable else lowered.compile()
             if stable:
@@ -296,12 +300,21 @@ def _placement(sharding, ndim: int) -> str:
 def _memory_key(x):
     """An argument leaf's key within this process: its abstract value and its sharding object (a few times
     cheaper than `_leaf_key`, which the store needs; this runs on every call)."""
-    if type(x) in _ARRAY_TYPES or (isinstance(x, jax.Array) and not _ARRAY_TYPES.add(type(x))):
+    if type(x) in _ARRAY_TYPES:
+        return (x.aval, x.sharding)
+    if isinstance(x, jax.core.Tracer):
+        raise _Traced
+    if isinstance(x, jax.Array):
+        _ARRAY_TYPES.add(type(x))
         return (x.aval, x.sharding)
     return _leaf_key(x)
 
 
 _ARRAY_TYPES: set[type] = set()  # the concrete jax.Array types seen (an ABC's isinstance is slow per call)
+
+
+class _Traced(Exception):
+    """An argument is a tracer: the call is being traced into another program."""
 
 
 def _leaf_key(x):

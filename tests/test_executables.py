@@ -207,3 +207,14 @@ def test_what_the_precompile_command_stores_is_what_serve_py_loads(tiny_run, tmp
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_a_program_called_inside_another_traced_function_is_part_of_it(store):
+    traces = []
+    inner = _program(traces)
+    outer = jax.jit(lambda state, x: inner(state, x, scale=2.0))
+    state, x = _args()
+    want = _program([])(*_args(), scale=2.0)
+    got = outer(state, x)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6), want, got)
+    assert store.saved == 1  # only the direct call's program: the inner one is inlined, not stored
