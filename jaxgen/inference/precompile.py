@@ -15,6 +15,11 @@ runs once here: constraints within those states compile nothing; one beyond them
 the decode programs again (counted after ready in /metrics). With a LoRA bank (serve.max_loras), its write
 runs once (zeros into an empty slot), so loading an adapter compiles nothing. The warm-up's requests are not
 counted in the engine's statistics, and the pages they leave in the prefix cache are dropped.
+
+With a store of executables in use (`jaxgen.executables`: the command lines' default), the prefill calls and
+the prompt-scored ones are compiled, or loaded, from their arguments' shapes in threads and never run (running
+them took most of a warm start: llama-small's scored chunks of up to 256 tokens), and only the other warm-up
+requests run.
 """
 
 from __future__ import annotations
@@ -26,25 +31,30 @@ import os
 from jaxgen import executables
 from jaxgen.inference.decode import bucket
 from jaxgen.inference.sampling import SamplingConfig
-from jaxgen.inference.scheduler import call_shapes
+from jaxgen.inference.scheduler import call_shape, call_shapes
 
 log = logging.getLogger(__name__)
 WINDOWS = (2, 4, 8)  # speculative.window's draft windows
 
 
-def warm_up_requests(engine) -> list[tuple[list[int], SamplingConfig]]:
-    """(prompt ids, settings) of one request per program a request can reach (see the module docstring)."""
-    cfg, serve = engine.cfg, engine.serve
-    longest = min(serve.prefill_chunk, cfg.max_seq_len - 2)  # a chunk, and room for a token after it
+def scored_sizes(engine) -> list[int]:
+    """The prompt length that reaches each column bucket of a prompt-scored chunk."""
+    longest = min(engine.serve.prefill_chunk, engine.cfg.max_seq_len - 2)  # a chunk, and room for a token after it
     sizes, c = [], 16
     while c < bucket(longest):
         sizes.append(c)
         c *= 2
-    sizes.append(min(c, longest))  # the last bucket, reached by the longest chunk
+    return [*sizes, min(c, longest)]  # the last bucket, reached by the longest chunk
+
+
+def warm_up_requests(engine, scored: bool = True) -> list[tuple[list[int], SamplingConfig]]:
+    """(prompt ids, settings) of one request per program a request can reach (see the module docstring);
+    without the prompt-scored ones when not `scored` (compiled ahead instead)."""
+    cfg = engine.cfg
     plain = SamplingConfig(max_new_tokens=1, temperature=0.0)
-    scored = SamplingConfig(max_new_tokens=1, temperature=0.0, prompt_logprobs=0)
+    score = SamplingConfig(max_new_tokens=1, temperature=0.0, prompt_logprobs=0)
     wide = SamplingConfig(max_new_tokens=1, temperature=0.0, repetition_penalty=1.1)  # `steps.set_wide`
-    todo = [(16, plain), (16, wide)] + [(n, scored) for n in sizes]
+    todo = [(16, plain), (16, wide)] + [(n, score) for n in (scored_sizes(engine) if scored else ())]
     todo += [(16, SamplingConfig(max_new_tokens=2, temperature=0.0, num_speculative_tokens=w)) for w in WINDOWS]
     # distinct first tokens: no prompt reuses another's pages (a prefix hit would shorten its chunk)
     ids = min(cfg.vocab_size - 1, 200)  # ids 1..200: bytes for a byte tokenizer, any model's tokens
@@ -67,16 +77,19 @@ def precompile(engine, progress: bool = False, workers: int = min(4, os.cpu_coun
     shapes = call_shapes(engine.serve.prefill_chunk, engine.serve.slots, longest)
     bar = functools.partial(tqdm, desc="precompile prefill", unit="shape", disable=not progress)
     try:
-        if executables.in_use():
-            with bar(total=len(shapes)) as b:
-                engine.compile_prefill_ahead(shapes, workers, done=lambda: b.update(1))
+        ahead = executables.in_use()  # the plain and the prompt-scored prefill calls compiled, not run
+        if ahead:
+            scored = [call_shape([n], engine.serve.slots)[1] for n in scored_sizes(engine)]
+            with bar(total=len(shapes) + len(scored)) as b:
+                engine.compile_prefill_ahead(shapes, workers, done=lambda: b.update(1), scored_columns=scored)
         else:
             for rows, columns in bar(shapes):
                 engine.compile_prefill(rows, columns)
         with engine.lock:
             engine.runner.compile_grammar()
             engine.runner.compile_bank()
-        for ids, sampling in tqdm(warm_up_requests(engine), desc="precompile", unit="request", disable=not progress):
+        todo = warm_up_requests(engine, scored=not ahead)
+        for ids, sampling in tqdm(todo, desc="precompile", unit="request", disable=not progress):
             try:
                 engine.submit(ids, sampling)
             except ValueError as e:  # SamplingError, PageError

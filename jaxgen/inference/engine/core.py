@@ -267,11 +267,12 @@ class Engine(AdapterControl):
         with self.wake:
             self.wake.notify()
 
-    def compile_prefill_ahead(self, shapes: list[tuple[int, int]], workers: int, done=lambda: None) -> None:
-        """Compiles the prefill calls of `shapes` in `workers` threads, not run (`Runner.compile_prefill_ahead`);
-        `done()` after each."""
+    def compile_prefill_ahead(self, shapes: list[tuple[int, int]], workers: int, done=lambda: None,
+                              scored_columns: list[int] = ()) -> None:  # fmt: skip
+        """Compiles the prefill calls of `shapes` (and the prompt-scored ones of `scored_columns`) in `workers`
+        threads, not run (`Runner.compile_prefill_ahead`); `done()` after each."""
         with self._exclusive:
-            self.runner.compile_prefill_ahead(shapes, workers, done)
+            self.runner.compile_prefill_ahead(shapes, workers, done, scored_columns)
 
     def compile_prefill(self, rows: int, columns: int) -> None:
         """Compiles the prefill call of `rows` x `columns` (`jaxgen.inference.precompile`), changing nothing."""

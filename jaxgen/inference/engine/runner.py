@@ -103,25 +103,29 @@ class Runner:
         history = steps.spec_history(self.max_pages * self.serve.page_size, [0])
         self.spec = self._activate_spec(self.spec, np.int32(0), *history, np.int32(0))
 
-    def compile_prefill_ahead(self, shapes: list[tuple[int, int]], workers: int, done=lambda: None) -> None:
-        """Compiles (or loads) the prefill calls of the (rows, columns) `shapes` in `workers` threads without
-        running them (XLA compiles without holding the GIL), into `jaxgen.executables`' store (without one in
-        use they would be compiled for nothing: jit keeps no executable it did not compile itself). `done()`
-        after each shape."""
+    def compile_prefill_ahead(self, shapes: list[tuple[int, int]], workers: int, done=lambda: None,
+                              scored_columns: list[int] = ()) -> None:  # fmt: skip
+        """Compiles (or loads) the prefill calls of the (rows, columns) `shapes`, and the prompt-scored calls (one
+        row) of `scored_columns`, in `workers` threads without running them (XLA compiles without holding the
+        GIL), into `jaxgen.executables`' store (without one in use they would be compiled for nothing: jit keeps
+        no executable it did not compile itself). `done()` after each."""
         program = self._admit_rows.jitted  # the Program under the mesh and stats wrappers
         retiring = np.zeros_like(self.retiring)  # what `_take_retiring` gives when none is pending
         rows_of = functools.partial(steps.pack_rows, [], cfg=self.cfg, lora_bank=bool(self.serve.max_loras))
+        options = dict(cfg=self.cfg, draft_params=self.draft_params, draft_cfg=self.draft_cfg)
+        scoring = dict(top=self.serve.max_logprobs)  # as `_prefill_call` scores a prompt's chunk
 
-        def one(shape):
+        def one(shape, scored=False):
+            extra = dict(targets=np.zeros((1, shape[1]), np.int32), **scoring) if scored else {}
             with self.stats.calling("admit_rows"), contextlib.ExitStack() as stack:
                 if self.mesh is not None:
                     stack.enter_context(jax.set_mesh(self.mesh))
-                program.compile(self.params, self.state, self.spec, rows_of(*shape), retiring, cfg=self.cfg,
-                                draft_params=self.draft_params, draft_cfg=self.draft_cfg)  # fmt: skip
+                program.compile(self.params, self.state, self.spec, rows_of(*shape), retiring, **extra, **options)
             done()
 
+        calls = [(s, False) for s in shapes] + [((1, c), True) for c in scored_columns]
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool:
-            list(pool.map(one, shapes))
+            list(pool.map(lambda call: one(*call), calls))
 
     def compile_prefill(self, rows: int, columns: int) -> None:
         """Compiles the prefill call of `rows` x `columns` (`jaxgen.inference.precompile`) by running it on padding
