@@ -15,6 +15,11 @@ matches; a stale one (another jaxgen, another jax, another device), a foreign on
 one asked for) or a damaged one (its checksum, or it does not load) is compiled again, with one log line that
 says why, and replaced. Without a store (`use(None)`, the library's default) a Program is `jax.jit`.
 
+XLA:CPU serializes an executable that jax's persistent cache loaded without its kernels (it loads, then fails
+to run: "Function ... not found"), so the store keeps only what XLA compiled in this process: when a program
+missing from the store comes from jax's cache, the process runs that one and a background thread compiles it
+afresh for the store (`wait` waits for it; the command lines do at exit).
+
 A store entry is one file: a JSON header line (fingerprint, signature, payload's sha256) and the payload,
 `jax.experimental.serialize_executable`'s bytes and the argument and result tree structures, pickled. Files
 are written whole and renamed into place, so a killed process or two processes at once leave no torn entry.
@@ -28,6 +33,7 @@ import json
 import logging
 import os
 import pickle
+import queue
 import sys
 import threading
 import time
@@ -243,32 +249,64 @@ class Program:
         if compiled is None:
             log.info("executables: compiling %s (%s)", self.name, "not stored yet" if stable else "not storable")
             lowered = self.jitted.lower(*args, **kwargs)
-            compiled = _compile_fresh(lowered) if stable else lowered.compile()
-            if stable:
+            compiled, fresh = _compile(lowered)
+            if not stable:
+                log.info("executables: %s not stored: a static argument's repr holds an address", self.name)
+            elif fresh:
                 _store.save(self.name, signature, compiled)
             else:
-                log.info("executables: %s not stored: a static argument's repr holds an address", self.name)
+                _later(functools.partial(_store_fresh, _store, self.name, signature, lowered))
         self._compiled[memory_key] = self._by_signature[signature] = compiled
         return compiled
 
 
-def _compile_fresh(lowered):
-    """`lowered` compiled by XLA, not loaded from jax's persistent cache: an XLA:CPU executable loaded from that
-    cache serializes without its kernels (it loads, then fails to run: "Function ... not found"), so what the
-    store keeps is compiled here. On a hit, compiled again with an option that changes the cache's key and
-    nothing else, and not written back to that cache."""
+def _compile(lowered):
+    """(`lowered` compiled, whether XLA compiled it here rather than jax's persistent cache loaded it)."""
     _hits.seen = False
     _listen_for_cache_hits()
     compiled = lowered.compile()
-    if not _hits.seen:
-        return compiled
-    log.info("executables: compiling again what jax's persistent cache had, to store it")
-    min_secs = jax.config.jax_persistent_cache_min_compile_time_secs
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)  # not written to that cache
-    try:
-        return lowered.compile(compiler_options={"xla_embed_ir_in_executable": False})  # its default value
-    finally:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", min_secs)
+    return compiled, not _hits.seen
+
+
+def _store_fresh(store: Store, name: str, signature: str, lowered) -> None:
+    """Compiles `lowered` afresh and stores it. An XLA:CPU executable that jax's persistent cache loaded
+    serializes without its kernels (it loads, then fails to run: "Function ... not found"), so what the store
+    keeps is compiled by XLA: with an option at its default value, which changes jax's cache key and nothing
+    else. Runs on the background thread (`_later`): the caller already runs the executable the cache gave."""
+    compiled = lowered.compile(compiler_options={"xla_embed_ir_in_executable": False})
+    store.save(name, signature, compiled)
+
+
+_jobs: queue.Queue = queue.Queue()
+_worker: threading.Thread | None = None
+
+
+def _later(job: Callable[[], None]) -> None:
+    """Runs `job` on one background thread (a daemon: a process may end before it; `wait` waits for it)."""
+    global _worker
+    if _worker is None:
+        _worker = threading.Thread(target=_work, name="executables", daemon=True)
+        _worker.start()
+    _jobs.put(job)
+
+
+def _work() -> None:
+    while True:
+        job = _jobs.get()
+        try:
+            job()
+        except Exception as e:  # a failed store costs a compile at the next start, nothing more
+            log.warning("executables: a program not stored: %s: %s", type(e).__name__, e)
+        finally:
+            _jobs.task_done()
+
+
+def wait() -> None:
+    """Waits until the programs being compiled again for the store in the background are stored (the command
+    lines call it before they exit)."""
+    if _worker is not None and _jobs.unfinished_tasks:
+        log.info("executables: storing %d program(s) compiled again for the store", _jobs.unfinished_tasks)
+        _jobs.join()
 
 
 _hits = threading.local()

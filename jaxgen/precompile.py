@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    executables.wait()  # what jax's persistent cache gave, compiled again for the store
     print(f"{store.saved} programs compiled and stored, {store.loaded} already stored, in {store.root} "
           f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
     return 0

@@ -18,9 +18,12 @@ def enable_compilation_cache() -> None:
     if path:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    import atexit
+
     from jaxgen import executables
 
-    executables.use(os.environ.get("JAXGEN_EXECUTABLES", "~/.cache/jaxgen/executables") or None)
+    if executables.use(os.environ.get("JAXGEN_EXECUTABLES", "~/.cache/jaxgen/executables") or None):
+        atexit.register(executables.wait)  # programs still being compiled again for the store
 
 
 def process_seconds() -> float | None:
