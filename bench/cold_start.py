@@ -1,7 +1,7 @@
-"""Cold start (issue 45): how long a user waits for `serve.py http` and a resumed `train.py`, and what compiles.
+"""Cold start (issue 45): how long a user waits for `serve.py http`, `LLM`, a resumed `train.py` and `rl.py`.
 
-    python bench/cold_start.py                          # default and llama-small, cold then warm (~30 min, 2 cores)
-    python bench/cold_start.py --models default --work /tmp/cs
+    python bench/cold_start.py                          # default and llama-small, every part (~30 min, 2 cores)
+    python bench/cold_start.py --models default --parts serve --work /tmp/cs
 
 Every figure comes from real processes: the run folders are trained here (offline: the stdlib corpus, the
 byte tokenizer; llama-small's shapes with a byte tokenizer), `serve.py http` is started as a user starts it and
@@ -19,8 +19,10 @@ serve.precompile=false (nothing compiled before ready but the engine's state) an
 - first token: a streamed one-token request just after ready (what compiles then made it wait);
 - programs: per program, compilations and compile seconds (jaxgen_compile_seconds_total) before ready and
   after ready under a mixed workload (short and long prompts, n > 1, logprobs, echo, a JSON schema,
-  speculation), and the loads from jax's persistent cache (jaxgen_compile_cache_hits_total);
-- train: seconds from a resumed `train.py`'s start to its first step's record in metrics.jsonl.
+  speculation), and the loads from jax's persistent cache or the store (jaxgen_compile_cache_hits_total);
+- train, rl: seconds from a resumed `train.py`'s (`rl.py`'s) start to its first step's record in metrics.jsonl;
+- llm: `LLM(run)` in a new process with the command lines' caches: seconds to build it and to its first
+  generate, and the programs it traced.
 """
 
 from __future__ import annotations
