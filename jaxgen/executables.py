@@ -1,6 +1,6 @@
 """Compiled programs kept on disk and loaded at the next start, without tracing, lowering or compiling (issue 45).
 
-    executables.use("~/.cache/jaxgen/executables")     # process-wide; the command lines do it (jaxgen.runtime)
+    executables.use("~/.cache/jaxgen/executables")     # process-wide; the command lines do it with $JAXGEN_EXECUTABLES
     step = executables.Program(fn, "decode_chunk", static_argnames="cfg", donate_argnums=1)
     state = step(params, state, cfg=cfg)                # compiled once per signature, or loaded from the store
 
@@ -16,9 +16,9 @@ one asked for) or a damaged one (its checksum, or it does not load) is compiled 
 says why, and replaced. Without a store (`use(None)`, the library's default) a Program is `jax.jit`.
 
 XLA:CPU serializes an executable that jax's persistent cache loaded without its kernels (it loads, then fails
-to run: "Function ... not found"), so the store keeps only what XLA compiled in this process: when a program
-missing from the store comes from jax's cache, the process runs that one and a background thread compiles it
-afresh for the store (`wait` waits for it; the command lines do at exit).
+to run: "Function ... not found"), so a program missing from the store is compiled by XLA in this process,
+never taken from jax's caches (`_compile_fresh`): after an upgrade of jaxgen (every entry stale) each program
+is compiled once more, even where jax's cache has it.
 
 A store entry is one file: a JSON header line (fingerprint, signature, payload's sha256) and the payload,
 `jax.experimental.serialize_executable`'s bytes and the argument and result tree structures, pickled. Files
@@ -27,13 +27,13 @@ are written whole and renamed into place, so a killed process or two processes a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import logging
 import os
 import pickle
-import queue
 import sys
 import threading
 import time
@@ -249,76 +249,45 @@ class Program:
         if compiled is None:
             log.info("executables: compiling %s (%s)", self.name, "not stored yet" if stable else "not storable")
             lowered = self.jitted.lower(*args, **kwargs)
-            compiled, fresh = _compile(lowered)
-            if not stable:
-                log.info("executables: %s not stored: a static argument's repr holds an address", self.name)
-            elif fresh:
+            if stable:
+                compiled = _compile_fresh(lowered)
                 _store.save(self.name, signature, compiled)
             else:
-                _later(functools.partial(_store_fresh, _store, self.name, signature, lowered))
+                compiled = lowered.compile()
+                log.info("executables: %s not stored: a static argument's repr holds an address", self.name)
         self._compiled[memory_key] = self._by_signature[signature] = compiled
         return compiled
 
 
-def _compile(lowered):
-    """(`lowered` compiled, whether XLA compiled it here rather than jax's persistent cache loaded it)."""
-    _hits.seen = False
-    _listen_for_cache_hits()
-    compiled = lowered.compile()
-    return compiled, not _hits.seen
+def _compile_fresh(lowered):
+    """`lowered` compiled by XLA now, never an executable from a cache: XLA:CPU serializes an executable that
+    jax's persistent cache loaded without its kernels (it loads, then fails to run: "Function ... not found"),
+    and jax's in-memory cache may hand back such an executable compiled earlier in the process. So the store's
+    programs are compiled with an option at its default value, which gives them cache keys of their own, and
+    not written to jax's persistent cache (so that no later compile of them can be a hit there)."""
+    with _no_persistent_cache_writes():
+        return lowered.compile(compiler_options={"xla_embed_ir_in_executable": False})
 
 
-def _store_fresh(store: Store, name: str, signature: str, lowered) -> None:
-    """Compiles `lowered` afresh and stores it. An XLA:CPU executable that jax's persistent cache loaded
-    serializes without its kernels (it loads, then fails to run: "Function ... not found"), so what the store
-    keeps is compiled by XLA: with an option at its default value, which changes jax's cache key and nothing
-    else. Runs on the background thread (`_later`): the caller already runs the executable the cache gave."""
-    compiled = lowered.compile(compiler_options={"xla_embed_ir_in_executable": False})
-    store.save(name, signature, compiled)
+_writes_lock = threading.Lock()
+_writes_off = [0, None]  # (compiles in progress with writes off, the setting they replaced)
 
 
-_jobs: queue.Queue = queue.Queue()
-_worker: threading.Thread | None = None
-
-
-def _later(job: Callable[[], None]) -> None:
-    """Runs `job` on one background thread (a daemon: a process may end before it; `wait` waits for it)."""
-    global _worker
-    if _worker is None:
-        _worker = threading.Thread(target=_work, name="executables", daemon=True)
-        _worker.start()
-    _jobs.put(job)
-
-
-def _work() -> None:
-    while True:
-        job = _jobs.get()
-        try:
-            job()
-        except Exception as e:  # a failed store costs a compile at the next start, nothing more
-            log.warning("executables: a program not stored: %s: %s", type(e).__name__, e)
-        finally:
-            _jobs.task_done()
-
-
-def wait() -> None:
-    """Waits until the programs being compiled again for the store in the background are stored (the command
-    lines call it before they exit)."""
-    if _worker is not None and _jobs.unfinished_tasks:
-        log.info("executables: storing %d program(s) compiled again for the store", _jobs.unfinished_tasks)
-        _jobs.join()
-
-
-_hits = threading.local()
-
-
-@functools.cache
-def _listen_for_cache_hits() -> None:
-    def on_event(event: str, **_) -> None:
-        if event == "/jax/compilation_cache/cache_hits":
-            _hits.seen = True
-
-    jax.monitoring.register_event_listener(on_event)
+@contextlib.contextmanager
+def _no_persistent_cache_writes():
+    """jax's persistent cache writes nothing while any thread is inside (a process-wide setting: counted)."""
+    with _writes_lock:
+        if _writes_off[0] == 0:
+            _writes_off[1] = jax.config.jax_persistent_cache_min_compile_time_secs
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e12)
+        _writes_off[0] += 1
+    try:
+        yield
+    finally:
+        with _writes_lock:
+            _writes_off[0] -= 1
+            if _writes_off[0] == 0:
+                jax.config.update("jax_persistent_cache_min_compile_time_secs", _writes_off[1])
 
 
 def describe_mesh(mesh) -> str:

@@ -7,7 +7,7 @@
 overrides) and runs its start's precompile (`jaxgen.inference.precompile`): every program a request can
 reach is compiled, or found in the store, and kept there. `train` builds the run as `train.py` does (in a
 scratch folder: nothing is written to a run folder) and compiles its train and evaluation steps without taking
-a step. The store is $JAXGEN_EXECUTABLES (default ~/.cache/jaxgen/executables; `jaxgen.executables`): run this
+a step. The store is the folder $JAXGEN_EXECUTABLES names (`jaxgen.executables`; opt-in for now): run this
 on the machine kind that will load them (an executable is refused on another jax, another device kind or
 another device count, and compiled there again).
 """
@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     enable_compilation_cache()
     store = executables.current()
     if store is None:
-        print("error: JAXGEN_EXECUTABLES is empty: there is no store to compile into", file=sys.stderr)
+        print("error: JAXGEN_EXECUTABLES is not set: name the folder to compile into (serve.py and train.py "
+              "started with the same JAXGEN_EXECUTABLES load from it)", file=sys.stderr)  # fmt: skip
         return 2
     t0 = time.perf_counter()
     try:
@@ -55,7 +56,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    executables.wait()  # what jax's persistent cache gave, compiled again for the store
     print(f"{store.saved} programs compiled and stored, {store.loaded} already stored, in {store.root} "
           f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
     return 0

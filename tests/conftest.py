@@ -4,14 +4,18 @@ from jaxgen.runtime import quiet_libtpu_off_tpu
 
 quiet_libtpu_off_tpu()  # the test extra installs libtpu (compiling for TPU); this machine has no TPU
 
+import os  # noqa: E402
+
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+os.environ.pop("JAXGEN_EXECUTABLES", None)  # the command lines the tests run: no store unless a test asks
 
 import pathlib  # noqa: E402
 
 import pytest  # noqa: E402
 
+from jaxgen import executables  # noqa: E402
 from jaxgen.config import load_config  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -48,3 +52,4 @@ def _free_compiled_programs():
     shared between files (each builds its own models), so their executables would only pile up."""
     yield
     jax.clear_caches()
+    executables.use(None)  # a command line run in this process turned the store on: off for the next file

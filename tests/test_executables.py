@@ -134,18 +134,19 @@ def test_a_warm_engine_loads_every_program_compiles_nothing_and_answers_bitwise_
 
 def test_an_executable_jaxs_persistent_cache_loaded_is_compiled_again_before_it_is_stored(tmp_path):
     """XLA:CPU: an executable loaded from jax's persistent cache serializes without its kernels (it loads,
-    then fails to run). Three processes: the first fills jax's cache (and store A), the second finds the
-    program in jax's cache with an empty store B, the third loads it from B and runs it."""
+    then fails to run). Three processes: the first fills jax's cache with the program (run by plain jit) and
+    store A, the second finds it in jax's cache (and in jax's memory: plain jit compiled it first) with an empty
+    store B, the third loads it from B and runs it."""
     script = """
 import sys, jax, jax.numpy as jnp
 from jaxgen import executables
 jax.config.update("jax_compilation_cache_dir", sys.argv[1])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-f = executables.Program(lambda x: jnp.cumsum(jnp.sin(x) * 2) + jnp.broadcast_to(x[:1], x.shape), "f")
+fn = lambda x: jnp.cumsum(jnp.sin(x) * 2) + jnp.broadcast_to(x[:1], x.shape)
+jax.jit(fn)(jnp.arange(16.0)).block_until_ready()  # plain jit first: jax's caches hold it
+f = executables.Program(fn, "f")
 s = executables.use(sys.argv[2])
-out = float(f(jnp.arange(16.0)).sum())
-executables.wait()  # a program jax's cache gave is compiled again for the store in the background
-print(out, s.saved, s.loaded)
+print(float(f(jnp.arange(16.0)).sum()), s.saved, s.loaded)
 """
     outs = []
     for store in ("a", "b", "b"):
