@@ -250,8 +250,16 @@ class Program:
             log.info("executables: compiling %s (%s)", self.name, "not stored yet" if stable else "not storable")
             lowered = self.jitted.lower(*args, **kwargs)
             if stable:
-                compiled = _compile_fresh(lowered)
-                _store.save(self.name, signature, compiled)
+                compiled, fresh = _compile_fresh(lowered)
+                if fresh and signature not in _unstorable:
+                    _store.save(self.name, signature, compiled)
+                else:  # jax's in-memory cache hands the same executable back later: never stored in this process
+                    _unstorable.add(signature)
+                    log.warning(
+                        "executables: %s not stored: jax's persistent cache had this compile (written by "
+                        "another version of jaxgen?), and such an executable cannot be stored",
+                        self.name,
+                    )
             else:
                 compiled = lowered.compile()
                 log.info("executables: %s not stored: a static argument's repr holds an address", self.name)
@@ -264,9 +272,26 @@ def _compile_fresh(lowered):
     jax's persistent cache loaded without its kernels (it loads, then fails to run: "Function ... not found"),
     and jax's in-memory cache may hand back such an executable compiled earlier in the process. So the store's
     programs are compiled with an option at its default value, which gives them cache keys of their own, and
-    not written to jax's persistent cache (so that no later compile of them can be a hit there)."""
+    not written to jax's persistent cache (so that no later compile of them can be a hit there). Returns
+    (the executable, whether XLA compiled it: False when that cache had it anyway, from another writer)."""
+    _hits.seen = False
+    _listen_for_cache_hits()
     with _no_persistent_cache_writes():
-        return lowered.compile(compiler_options={"xla_embed_ir_in_executable": False})
+        compiled = lowered.compile(compiler_options={"xla_embed_ir_in_executable": False})
+    return compiled, not _hits.seen
+
+
+_hits = threading.local()  # .seen: jax reported a persistent-cache hit on this thread since it was cleared
+_unstorable: set[str] = set()  # signatures whose executable came from jax's persistent cache in this process
+
+
+@functools.cache
+def _listen_for_cache_hits() -> None:
+    def on_event(event: str, **_) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            _hits.seen = True
+
+    jax.monitoring.register_event_listener(on_event)
 
 
 _writes_lock = threading.Lock()

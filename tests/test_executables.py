@@ -222,3 +222,31 @@ def test_a_program_called_inside_another_traced_function_is_part_of_it(store):
     got = outer(state, x)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6), want, got)
     assert store.saved == 1  # only the direct call's program: the inner one is inlined, not stored
+
+
+def test_a_compile_jaxs_persistent_cache_had_anyway_is_not_stored(tmp_path):
+    """The store's compiles are written nowhere, but jax's cache may hold one from another writer (an older
+    jaxgen did write them): the executable is used and not stored (it would fail in the next process)."""
+    script = """
+import sys, jax, jax.numpy as jnp
+from jaxgen import executables
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+fn = lambda x: jnp.cumsum(jnp.sin(x) * 2) + jnp.broadcast_to(x[:1], x.shape)
+x = jnp.arange(16.0)
+if sys.argv[2] == "write":  # the store's own compile, written to jax's cache by someone else
+    jax.jit(fn).lower(x).compile(compiler_options={"xla_embed_ir_in_executable": False})
+else:
+    s = executables.use(sys.argv[2])
+    f = executables.Program(fn, "f")
+    print(float(f(x).sum()), float(executables.Program(fn, "f")(x).sum()), s.saved, s.loaded)
+"""
+    outs = []
+    for second in ("write", str(tmp_path / "store")):
+        cmd = [sys.executable, "-c", script, str(tmp_path / "xla"), second]
+        run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=os.environ | {"JAX_PLATFORMS": "cpu"})
+        assert run.returncode == 0, run.stderr[-3000:]
+        outs.append((run.stdout.split(), run.stderr))
+    (value, again, saved, loaded), stderr = outs[1]
+    assert value == again and saved == "0" and loaded == "0", outs[1]
+    assert "not stored: jax's persistent cache had this compile" in stderr
