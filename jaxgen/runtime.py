@@ -13,8 +13,7 @@ def enable_compilation_cache() -> None:
     compilation cache ($JAXGEN_XLA_CACHE, default ~/.cache/jaxgen/xla; an empty string disables it) for every
     program, and, when $JAXGEN_EXECUTABLES names a folder, jaxgen's store of serialized executables
     (`jaxgen.executables`) for the engine's, the train step's and RL's programs, which are then loaded without
-    tracing. The store is opt-in for now: on XLA:CPU an executable loaded in a process that had compiled it
-    before has failed to run ("Function ... not found"; docs/serving.md)."""
+    tracing. The store is opt-in for now (docs/serving.md, "Loading instead of compiling")."""
     path = os.environ.get("JAXGEN_XLA_CACHE", "~/.cache/jaxgen/xla")
     if path:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
