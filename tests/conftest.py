@@ -52,4 +52,10 @@ def _free_compiled_programs():
     shared between files (each builds its own models), so their executables would only pile up."""
     yield
     jax.clear_caches()
-    executables.use(None)  # a command line run in this process turned the store on: off for the next file
+    # a command line run in this process (train.main, serve's) turned on jax's persistent cache and maybe the
+    # store: off again, so that the next file compiles as a library user's process does
+    executables.use(None)
+    jax.config.update("jax_compilation_cache_dir", None)
+    from jax._src import compilation_cache  # no public way to let jax look at the setting again
+
+    compilation_cache.reset_cache()
