@@ -7,7 +7,7 @@ Every figure comes from real processes: the run folders are trained here (offlin
 byte tokenizer; llama-small's shapes with a byte tokenizer), `serve.py http` is started as a user starts it and
 polled over HTTP (httpx) until /health is ok. Two ways to keep programs, each in folders of its own: "xla",
 jax's persistent cache alone ($JAXGEN_EXECUTABLES empty: each program traced and lowered, then loaded), and
-"store", what the command lines do (the persistent cache and `jaxgen.executables`' store, loaded without
+"store", the persistent cache and `jaxgen.executables`' store ($JAXGEN_EXECUTABLES set: loaded without
 tracing). Cold: empty folders; warm: the same folders again, in a new process. Each with
 serve.precompile=false (nothing compiled before ready but the engine's state) and true
 (`jaxgen.inference.precompile`). Printed as markdown tables:
