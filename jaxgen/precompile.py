@@ -7,9 +7,10 @@
 overrides) and runs its start's precompile (`jaxgen.inference.precompile`): every program a request can
 reach is compiled, or found in the store, and kept there. `train` builds the run as `train.py` does (in a
 scratch folder: nothing is written to a run folder) and compiles its train and evaluation steps without taking
-a step. The store is the folder $JAXGEN_EXECUTABLES names (`jaxgen.executables`; opt-in for now): run this
-on the machine kind that will load them (an executable is refused on another jax, another device kind or
-another device count, and compiled there again).
+a step. The store is the folder $JAXGEN_EXECUTABLES names (`jaxgen.executables`; default
+~/.cache/jaxgen/executables, as for serve.py and train.py): run this on the machine kind that will load
+them (an executable is refused on another jax, another device kind or another device count, and compiled
+there again).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ def parser() -> argparse.ArgumentParser:
 
     top = argparse.ArgumentParser(
         prog="python -m jaxgen.precompile",
-        description="Compile a deployment's programs into jaxgen's store of executables ($JAXGEN_EXECUTABLES), "
+        description="Compile a deployment's programs into jaxgen's store of executables ($JAXGEN_EXECUTABLES, "
+        "default ~/.cache/jaxgen/executables), "
         "so that serve.py and train.py load them at start instead of compiling.",
     )
     sub = top.add_subparsers(dest="command", required=True)
@@ -47,8 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     enable_compilation_cache()
     store = executables.current()
     if store is None:
-        print("error: JAXGEN_EXECUTABLES is not set: name the folder to compile into (serve.py and train.py "
-              "started with the same JAXGEN_EXECUTABLES load from it)", file=sys.stderr)  # fmt: skip
+        print("error: JAXGEN_EXECUTABLES is empty (the store is off): name the folder to compile into, or "
+              "unset it for ~/.cache/jaxgen/executables (serve.py and train.py load from the same folder)",
+              file=sys.stderr)  # fmt: skip
         return 2
     t0 = time.perf_counter()
     try:

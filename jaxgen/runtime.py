@@ -11,16 +11,16 @@ import jax
 def enable_compilation_cache() -> None:
     """Compiled programs kept between runs, so a resumed or repeated run skips compiling: XLA's persistent
     compilation cache ($JAXGEN_XLA_CACHE, default ~/.cache/jaxgen/xla; an empty string disables it) for every
-    program, and, when $JAXGEN_EXECUTABLES names a folder, jaxgen's store of serialized executables
-    (`jaxgen.executables`) for the engine's, the train step's and RL's programs, which are then loaded without
-    tracing. The store is opt-in for now (docs/serving.md, "Loading instead of compiling")."""
+    program, and jaxgen's store of serialized executables ($JAXGEN_EXECUTABLES, default
+    ~/.cache/jaxgen/executables; an empty string disables it: `jaxgen.executables`) for the engine's, the
+    train step's and RL's programs, which are then loaded without tracing."""
     path = os.environ.get("JAXGEN_XLA_CACHE", "~/.cache/jaxgen/xla")
     if path:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     from jaxgen import executables
 
-    executables.use(os.environ.get("JAXGEN_EXECUTABLES") or None)
+    executables.use(os.environ.get("JAXGEN_EXECUTABLES", "~/.cache/jaxgen/executables") or None)
 
 
 def process_seconds() -> float | None:

@@ -4,12 +4,19 @@ from jaxgen.runtime import quiet_libtpu_off_tpu
 
 quiet_libtpu_off_tpu()  # the test extra installs libtpu (compiling for TPU); this machine has no TPU
 
+import atexit  # noqa: E402
 import os  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
 
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
-os.environ.pop("JAXGEN_EXECUTABLES", None)  # the command lines the tests run: no store unless a test asks
+# the command lines the tests run use the store of executables, as by default, but one of this process's own
+# (its subprocesses share it): never the user's ~/.cache/jaxgen/executables
+_STORE = tempfile.mkdtemp(prefix="jaxgen-test-executables-")
+os.environ["JAXGEN_EXECUTABLES"] = _STORE
+atexit.register(shutil.rmtree, _STORE, ignore_errors=True)
 
 import pathlib  # noqa: E402
 
