@@ -50,10 +50,12 @@ SUFFIX = ".jaxexe"
 _store: Store | None = None
 
 
-def use(path: str | os.PathLike | None) -> Store | None:
-    """Keeps every Program's executables in the folder `path` from now on (None: none kept). Returns the store."""
+def use(path: str | os.PathLike | None, target: tuple[str, list] | None = None) -> Store | None:
+    """Keeps every Program's executables in the folder `path` from now on (None: none kept). Returns the store.
+    target: (backend, compile-only devices) of another machine (`jaxgen.targets.devices`): the programs are
+    compiled for it and stored under its fingerprint, never loaded here (see `Store`)."""
     global _store
-    _store = Store(path) if path else None
+    _store = Store(path, target) if path else None
     if _store is not None:
         source_hash()  # now, before the files can change under a running process
     return _store
@@ -80,19 +82,20 @@ def source_hash() -> str:
     return digest.hexdigest()[:16]
 
 
-def fingerprint() -> dict[str, str]:
-    """Everything beside a program's signature that changes what compiles (see the module docstring)."""
+def fingerprint(target: tuple[str, list] | None = None) -> dict[str, str]:
+    """Everything beside a program's signature that changes what compiles (see the module docstring), here or
+    on `target`'s devices (their compiler's platform version is the one its real devices report: the plugin's)."""
     import flax
     import jaxlib
     import optax
 
-    devices = jax.devices()
+    backend, devices = target or (jax.default_backend(), jax.devices())
     flags = ("jax_enable_x64", "jax_default_matmul_precision", "jax_threefry_partitionable", "jax_numpy_rank_promotion")
     return {
         "jaxgen_source": source_hash(),
         "versions": f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, flax {flax.__version__}, "
         f"optax {optax.__version__}, numpy {np.__version__}, python {sys.version.split()[0]}",
-        "backend": f"{jax.default_backend()} {devices[0].client.platform_version}",
+        "backend": f"{backend} {devices[0].client.platform_version}",
         "devices": f"{len(devices)} x {devices[0].device_kind}, {jax.process_count()} process(es)",
         "flags": ", ".join(f"{f}={getattr(jax.config, f, None)}" for f in flags),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
@@ -100,19 +103,30 @@ def fingerprint() -> dict[str, str]:
 
 
 class Store:
-    """A folder of serialized executables, one file per (program, signature); see the module docstring."""
+    """A folder of serialized executables, one file per (program, signature); see the module docstring.
 
-    def __init__(self, path: str | os.PathLike):
+    With a `target` (backend, compile-only devices: `python -m jaxgen.precompile --target`) the programs are
+    compiled for that machine on this one and stored under its fingerprint; nothing is loaded (there are no
+    such devices here), so every program is compiled and its entry replaced."""
+
+    def __init__(self, path: str | os.PathLike, target: tuple[str, list] | None = None):
         self.root = Path(os.path.expanduser(str(path)))
+        self.target = target
         self.loaded = self.saved = 0
 
     def path(self, name: str, signature: str) -> Path:
-        return self.root / f"{name}-{hashlib.sha256(signature.encode()).hexdigest()[:24]}{SUFFIX}"
+        """The entry's file, named by the program, its signature and the devices it is for (so that a folder
+        holding a target's programs and this machine's keeps both)."""
+        backend, devices = self.target or (jax.default_backend(), jax.devices())
+        machine = f"{backend} {len(devices)} x {devices[0].device_kind}"
+        return self.root / f"{name}-{hashlib.sha256(f'{signature}|{machine}'.encode()).hexdigest()[:24]}{SUFFIX}"
 
     def load(self, name: str, signature: str):
         """The executable stored for `signature`, loaded onto this process's devices; None (with a line in the
         log saying why, unless there is no entry) when there is none it may use."""
         path = self.path(name, signature)
+        if self.target is not None:
+            return None
         try:
             raw = path.read_bytes()
         except FileNotFoundError:
@@ -160,8 +174,8 @@ class Store:
         try:
             payload = pickle.dumps(serialize(compiled))
             devices = [d.id for d in compiled._executable._unloaded_executable.device_list]  # no public name
-            header = {"program": name, "signature": signature, "fingerprint": fingerprint(), "devices": devices,
-                      "sha256": hashlib.sha256(payload).hexdigest()}  # fmt: skip
+            header = {"program": name, "signature": signature, "fingerprint": fingerprint(self.target),
+                      "devices": devices, "sha256": hashlib.sha256(payload).hexdigest()}  # fmt: skip
             self.root.mkdir(parents=True, exist_ok=True)
             partial = path.with_suffix(f".{os.getpid()}.partial")
             partial.write_bytes(json.dumps(header).encode() + b"\n" + payload)
@@ -339,7 +353,7 @@ def _memory_key(x):
     if isinstance(x, jax.Array):
         _ARRAY_TYPES.add(type(x))
         return (x.aval, x.sharding)
-    return _leaf_key(x)
+    return _leaf_key(x)  # a ShapeDtypeStruct (`compile` for abstract arguments) reads as the array it stands for
 
 
 _ARRAY_TYPES: set[type] = set()  # the concrete jax.Array types seen (an ABC's isinstance is slow per call)
@@ -351,9 +365,10 @@ class _Traced(Exception):
 
 def _leaf_key(x):
     """What of an argument leaf its executable depends on."""
-    if isinstance(x, jax.Array):
+    if isinstance(x, jax.Array | jax.ShapeDtypeStruct):
         weak = getattr(x, "weak_type", False)  # a key array has none
-        return (x.shape, str(x.dtype), weak, _placement(x.sharding, x.ndim))
+        where = "the default device" if x.sharding is None else _placement(x.sharding, len(x.shape))
+        return (x.shape, str(x.dtype), weak, where)
     if isinstance(x, np.ndarray | np.generic):
         return (x.shape, x.dtype.name)
     return type(x).__name__  # a Python scalar: weakly typed

@@ -200,9 +200,31 @@ def _train_step(cfg, mesh, unrolled: bool = False):
     """(params, opt_state, base, memory analysis, costs, HLO text) of the train step compiled on `mesh` for
     abstract inputs; `unrolled`: its layers a Python loop (params' `layers` a list) instead of a `lax.scan`."""
     import jax
+
+    from jaxgen.training import step as train
+
+    tx = train.make_optimizer(cfg.optimizer, cfg.training.steps)
+    state, base = abstract_train_state(cfg, mesh, unrolled)
+    params, opt_state = state.params, state.opt_state
+    batch = abstract_batch(cfg, mesh)
+    shardings = functools.partial(jax.tree.map, lambda x: x.sharding)
+    step = jax.jit(
+        functools.partial(train.train_step, cfg=_plannable(cfg, mesh), tx=tx),
+        in_shardings=(shardings(state), shardings(batch), shardings(base)), out_shardings=(shardings(state), None),
+        donate_argnums=0,
+    )  # fmt: skip
+    with jax.set_mesh(mesh):
+        mem, costs, text = _compile(step, state, batch, base)
+    return params, opt_state, base, mem, costs, text
+
+
+def abstract_train_state(cfg, mesh, unrolled: bool = False):
+    """(TrainState, LoRA's frozen base or None) as ShapeDtypeStructs in the shardings `create_train_state`
+    and `create_base` give them on `mesh` (a target's compile-only devices too); `unrolled`: as
+    `_train_step`'s."""
+    import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from jaxgen.sharding import batch_sharding
     from jaxgen.training import step as train
 
     tx = train.make_optimizer(cfg.optimizer, cfg.training.steps)
@@ -219,19 +241,18 @@ def _train_step(cfg, mesh, unrolled: bool = False):
         step=scalar, params=params, opt_state=opt_state, rng=key.update(sharding=scalar.sharding),
         nonfinite_in_row=scalar, nonfinite_total=scalar,
     )  # fmt: skip
-    shape = (cfg.training.batch_size, cfg.data.seq_len)
-    batch = {
-        k: jax.ShapeDtypeStruct(shape, jax.numpy.int32, sharding=batch_sharding(mesh, shape)) for k in train.BATCH_KEYS
-    }
-    shardings = functools.partial(jax.tree.map, lambda x: x.sharding)
-    step = jax.jit(
-        functools.partial(train.train_step, cfg=_plannable(cfg, mesh), tx=tx),
-        in_shardings=(shardings(state), shardings(batch), shardings(base)), out_shardings=(shardings(state), None),
-        donate_argnums=0,
-    )  # fmt: skip
-    with jax.set_mesh(mesh):
-        mem, costs, text = _compile(step, state, batch, base)
-    return params, opt_state, base, mem, costs, text
+    return state, base
+
+
+def abstract_batch(cfg, mesh) -> dict:
+    """A next-token training batch as ShapeDtypeStructs in `put_batch`'s shardings on `mesh`."""
+    import jax
+
+    from jaxgen.sharding import batch_sharding
+    from jaxgen.training import step as train
+
+    shapes = train.batch_shapes(cfg)
+    return {k: jax.ShapeDtypeStruct(s, jax.numpy.int32, sharding=batch_sharding(mesh, s)) for k, s in shapes.items()}
 
 
 def train_costs(cfg, mesh):

@@ -6,9 +6,11 @@ persistent cache loaded, serialized again; a command line's start) runs in subpr
 """
 
 import dataclasses
+import importlib.util
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -169,6 +171,55 @@ def test_precompile_train_fills_the_store_a_run_then_loads(store, tiny_cfg, tmp_
     assert store.saved == 2 and store.loaded == 0
     assert train(cfg, tmp_path / "run", progress=False).status == "finished"
     assert store.saved == 2 and store.loaded == 2
+
+
+@pytest.mark.parametrize("lora", [0, 4])
+def test_steps_compiled_from_abstract_state_are_the_ones_a_run_loads(store, tiny_cfg, tmp_path, lora):
+    """`precompile train --target` compiles from ShapeDtypeStructs (`plan.abstract_train_state`): on this
+    machine's devices the same path must store exactly the programs a real run of the config then asks for
+    (same signatures: the run loads both steps and compiles nothing), full training and LoRA alike."""
+    from jaxgen.precompile import compile_train_steps
+    from jaxgen.sharding import make_mesh
+    from jaxgen.training.trainer import train
+
+    training = dataclasses.replace(tiny_cfg.training, steps=2, eval_every=2)
+    cfg = dataclasses.replace(tiny_cfg, training=training)
+    if lora:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+            cfg.model, lora=dataclasses.replace(cfg.model.lora, rank=lora, base_dtype="bfloat16")))  # fmt: skip
+    compile_train_steps(cfg, make_mesh(cfg.mesh))
+    assert store.saved == 2 and store.loaded == 0
+    assert train(cfg, tmp_path / "run", progress=False).status == "finished"
+    assert store.saved == 2 and store.loaded == 2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu (the test extra) compiles for TPU")
+def test_precompile_for_a_tpu_target_stores_its_programs_under_its_fingerprint(tmp_path, caplog):
+    """`python -m jaxgen.precompile train --target tpu-v5p-8`: libtpu compiles the steps on this CPU machine
+    for 4 v5p chips; the entries carry the target's fingerprint, and this machine refuses them, saying why."""
+    env = os.environ | {"JAXGEN_EXECUTABLES": str(tmp_path / "store"), "JAXGEN_XLA_CACHE": "", "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, "-m", "jaxgen.precompile", "train", "--config", "configs/tiny.yaml", "--target",
+           "tpu-v5p-8", "mesh.data=2", "mesh.fsdp=2", f"data.cache_dir={tmp_path / 'tokens'}"]  # fmt: skip
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "2 programs compiled and stored" in run.stdout and "libtpu for 4 x TPU v5" in run.stdout, run.stdout
+    entries = sorted((tmp_path / "store").glob("*.jaxexe"))
+    assert [e.name.split("-")[0] for e in entries] == ["eval_step", "train_step"]
+    header = json.loads(entries[1].read_bytes().partition(b"\n")[0])
+    assert header["fingerprint"]["backend"].startswith("tpu PJRT C API")
+    assert header["fingerprint"]["devices"] == "4 x TPU v5, 1 process(es)" and header["devices"] == [0, 1, 2, 3]
+    s = executables.use(tmp_path / "store")
+    try:  # the files of a target and this machine's have names of their own: put it where this machine looks
+        shutil.copy(entries[1], s.path(header["program"], header["signature"]))
+        with caplog.at_level(logging.WARNING, logger="jaxgen.executables"):
+            assert s.load(header["program"], header["signature"]) is None
+    finally:
+        executables.use(None)
+    assert "it is stale (backend: 'tpu PJRT C API" in caplog.text and "devices: '4 x TPU v5" in caplog.text
+    bad = subprocess.run([*cmd[:-3], "mesh.data=8"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "error:" in bad.stderr and "mesh" in bad.stderr, bad.stderr[-2000:]
+    far = subprocess.run([*cmd[:6], "--target", "tpu-v5p-64"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert far.returncode == 2 and "--target tpu-v5p-64 is not allowed: it spans several hosts" in far.stderr
 
 
 def test_what_the_precompile_command_stores_is_what_serve_py_loads(tiny_run, tmp_path):
