@@ -20,6 +20,11 @@ to run: "Function ... not found"), so a program missing from the store is compil
 never taken from jax's caches (`_compile_fresh`): after an upgrade of jaxgen (every entry stale) each program
 is compiled once more, even where jax's cache has it.
 
+Programs of one `group` (an engine's, named by everything that decides its programs) are listed, in the
+order they were first used, in a manifest beside the entries; `Store.prefetch(group)` loads that list in
+threads at the next start (XLA loads without holding the GIL), so the loads overlap each other and the start's
+other work, and a Program that asks for one of them waits for its load instead of starting it.
+
 A store entry is one file: a JSON header line (fingerprint, signature, payload's sha256) and the payload,
 `jax.experimental.serialize_executable`'s bytes and the argument and result tree structures, pickled. Files
 are written whole and renamed into place, so a killed process or two processes at once leave no torn entry.
@@ -27,6 +32,7 @@ are written whole and renamed into place, so a killed process or two processes a
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import hashlib
@@ -113,6 +119,9 @@ class Store:
         self.root = Path(os.path.expanduser(str(path)))
         self.target = target
         self.loaded = self.saved = 0
+        self._lock = threading.Lock()
+        self._pending: dict[str, concurrent.futures.Future] = {}  # signature -> its prefetched load
+        self._listed: dict[str, list] = {}  # group -> its manifest's [name, signature] pairs
 
     def path(self, name: str, signature: str) -> Path:
         """The entry's file, named by the program, its signature and the devices it is for (so that a folder
@@ -124,13 +133,68 @@ class Store:
     def load(self, name: str, signature: str):
         """The executable stored for `signature`, loaded onto this process's devices; None (with a line in the
         log saying why, unless there is no entry) when there is none it may use."""
+        with self._lock:
+            pending = self._pending.pop(signature, None)
+        compiled, seconds = pending.result() if pending is not None else self._load(name, signature)
+        if compiled is not None:  # counted on the caller's thread, where the engine's statistics look for it
+            jax.monitoring.record_event_duration_secs(LOAD_DURATION_EVENT, seconds)
+            jax.monitoring.record_event(LOADED_EVENT)
+            with self._lock:
+                self.loaded += 1
+        return compiled
+
+    def prefetch(self, group: str, workers: int = min(4, os.cpu_count() or 1)) -> int:
+        """Starts loading, in `workers` threads, the programs `group`'s manifest lists (those it used at an
+        earlier start); returns how many. `load` then waits for each instead of loading it."""
+        listed = self._manifest(group)
+        if not listed or self.target is not None:
+            return 0
+        pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="executables")
+        with self._lock:
+            for name, signature in listed:
+                if signature not in self._pending:
+                    self._pending[signature] = pool.submit(self._load, name, signature)
+        pool.shutdown(wait=False)  # its threads end when the queue is empty
+        return len(listed)
+
+    def note(self, group: str, name: str, signature: str) -> None:
+        """Lists (name, signature) in `group`'s manifest (written whole and renamed into place when it grows)."""
+        with self._lock:
+            listed = self._manifest(group)
+            if [name, signature] in listed:
+                return
+            listed.append([name, signature])
+            path = self._manifest_path(group)
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                partial = path.with_suffix(f".{os.getpid()}.partial")
+                partial.write_text(json.dumps(listed))
+                os.replace(partial, path)
+            except OSError as e:
+                log.warning("executables: the manifest %s not written: %s", path, e)
+
+    def _manifest_path(self, group: str) -> Path:
+        return self.root / f"manifest-{hashlib.sha256(group.encode()).hexdigest()[:24]}.json"
+
+    def _manifest(self, group: str) -> list:
+        if group not in self._listed:
+            try:
+                listed = json.loads(self._manifest_path(group).read_text())
+                ok = isinstance(listed, list) and all(isinstance(x, list) and len(x) == 2 for x in listed)
+            except (OSError, ValueError):
+                listed, ok = [], True
+            self._listed[group] = listed if ok else []
+        return self._listed[group]
+
+    def _load(self, name: str, signature: str):
+        """(the executable, seconds its load took), or (None, 0) as `load` says; any thread."""
         path = self.path(name, signature)
         if self.target is not None:
-            return None
+            return None, 0.0
         try:
             raw = path.read_bytes()
         except FileNotFoundError:
-            return None
+            return None, 0.0
         except OSError as e:
             return _refused(name, path, f"it could not be read ({e})")
         head, _, payload = raw.partition(b"\n")
@@ -160,10 +224,7 @@ class Store:
             compiled = deserialize_and_load(serialized, in_tree, out_tree, execution_devices=devices)
         except Exception as e:  # an executable this jax, or these devices, cannot load
             return _refused(name, path, f"it did not load ({type(e).__name__}: {str(e)[:200]})")
-        jax.monitoring.record_event_duration_secs(LOAD_DURATION_EVENT, time.perf_counter() - t0)
-        jax.monitoring.record_event(LOADED_EVENT)
-        self.loaded += 1
-        return compiled
+        return compiled, time.perf_counter() - t0
 
     def save(self, name: str, signature: str, compiled) -> None:
         """Stores `compiled` for `signature` (a failure to write is logged, never raised: it only costs a compile
@@ -180,27 +241,29 @@ class Store:
             partial = path.with_suffix(f".{os.getpid()}.partial")
             partial.write_bytes(json.dumps(header).encode() + b"\n" + payload)
             os.replace(partial, path)
-            self.saved += 1
+            with self._lock:
+                self.saved += 1
         except Exception as e:  # a full disk, a read-only folder, an executable jax cannot serialize
             log.warning("executables: %s not stored in %s: %s: %s", name, self.root, type(e).__name__, e)
 
 
-def _refused(name: str, path: Path, why: str) -> None:
+def _refused(name: str, path: Path, why: str) -> tuple[None, float]:
     log.warning("executables: compiling %s again: the stored %s is not used: %s", name, path.name, why)
-    return None
+    return None, 0.0
 
 
 class Program:
     """`jax.jit(fn, **jit_kwargs)` whose executables are loaded from the current store, or compiled and stored
     there (see the module docstring). `name` names the program in the store and the log; `key` is text that
     names what `fn` closes over (a partial's config, say), since the store cannot see it; None when nothing can
-    (it is then never stored). Called like `fn`; `compile(*args, **kwargs)` compiles (or loads) without running."""
+    (it is then never stored); `group`: the manifest its signatures are listed in (`Store.prefetch`). Called
+    like `fn`; `compile(*args, **kwargs)` compiles (or loads) without running."""
 
-    def __init__(self, fn: Callable, name: str, key: str | None = "", **jit_kwargs):
+    def __init__(self, fn: Callable, name: str, key: str | None = "", group: str | None = None, **jit_kwargs):
         # A program with no array argument (or a replicated output) takes its devices from the mesh it is
         # traced under, which the signature does not see: its `key` names that mesh (`describe_mesh`).
         self.jitted = jax.jit(fn, **jit_kwargs)
-        self.name, self.key = name, key
+        self.name, self.key, self.group = name, key, group  # group: see `Store.prefetch`
         nums = jit_kwargs.get("static_argnums", ())
         names = jit_kwargs.get("static_argnames", ())
         self.static_nums = frozenset((nums,) if isinstance(nums, int) else nums)
@@ -277,6 +340,8 @@ class Program:
             else:
                 compiled = lowered.compile()
                 log.info("executables: %s not stored: a static argument's repr holds an address", self.name)
+        if stable and self.group is not None:
+            _store.note(self.group, self.name, signature)
         self._compiled[memory_key] = self._by_signature[signature] = compiled
         return compiled
 

@@ -122,7 +122,9 @@ def test_a_warm_engine_loads_every_program_compiles_nothing_and_answers_bitwise_
     the requests make), the second engine (new programs, as in a new process) traces nothing at all, and its
     outputs (tokens and log-probabilities) equal the first's bitwise."""
     params = model.init_params(CFG, jax.random.key(0))
-    runs = []
+    runs, prefetched = [], []
+    real_prefetch = store.prefetch
+    store.prefetch = lambda group: prefetched.append(real_prefetch(group)) or prefetched[-1]
     for _ in range(2):
         engine = Engine(params, CFG, Tokenizer.byte_level(), SERVE)
         precompile(engine)
@@ -132,6 +134,8 @@ def test_a_warm_engine_loads_every_program_compiles_nothing_and_answers_bitwise_
     assert cold_ready > 10 and store.saved >= cold_ready and cold_after == 0  # compiled ahead: what requests call
     assert warm_ready == 0 and warm_after == 0 and store.loaded >= cold_ready
     assert [dataclasses.asdict(c) for c in warm] == [dataclasses.asdict(c) for c in cold]
+    # the second engine's programs were loaded in threads from the first's manifest, every one of them used
+    assert prefetched == [0, store.saved] and not store._pending
 
 
 def test_an_executable_jaxs_persistent_cache_loaded_is_compiled_again_before_it_is_stored(tmp_path):

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgen import model
+from jaxgen import executables, model
 from jaxgen.config import ModelConfig, ServeConfig
 from jaxgen.executables import Program, describe_mesh
 from jaxgen.inference import decode, speculative, steps
@@ -57,6 +57,11 @@ class Runner:
         self.compilations = 0
         self.grammars = self._new_grammars()  # the slots' constraints (the device has a copy)
         self.mesh = mesh
+        # the programs this engine's settings decide, loaded in threads from the store's list of an earlier start
+        settings = f"{cfg!r}|{serve.for_programs!r}|{self.draft_cfg!r}|{num_pages}|{max_pages}"
+        self.group = f"engine|{settings}|{describe_mesh(mesh)}"
+        if executables.in_use():
+            executables.current().prefetch(self.group)
         self._jit_steps(mesh)
         init = self._jit(steps.init_state, mesh, static=(0, 1, 2, 3))  # jitted: the pool is made in its shardings
         self._new_state = lambda: init(cfg, serve.for_programs, num_pages, max_pages)
@@ -76,7 +81,7 @@ class Runner:
         executables loaded from the store of `jaxgen.executables` where one is in use (no trace then)."""
         names = tuple(s for s in static if isinstance(s, str))
         nums = tuple(s for s in static if isinstance(s, int))
-        jitted = Program(decode.counted(self, fn, self.stats), fn.__name__, describe_mesh(mesh),
+        jitted = Program(decode.counted(self, fn, self.stats), fn.__name__, describe_mesh(mesh), self.group,
                          static_argnames=names, static_argnums=nums, donate_argnums=donate)  # fmt: skip
         return self.stats.attributed(fn.__name__, with_mesh(jitted, mesh))
 
