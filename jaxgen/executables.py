@@ -122,6 +122,16 @@ class Store:
         self._lock = threading.Lock()
         self._pending: dict[str, concurrent.futures.Future] = {}  # signature -> its prefetched load
         self._listed: dict[str, list] = {}  # group -> its manifest's [name, signature] pairs
+        self._clear_leftovers()
+
+    def _clear_leftovers(self, age_s: float = 3600.0) -> None:
+        """Deletes what processes killed while writing left (`.partial` files older than `age_s`: a live
+        writer's is seconds old)."""
+        now = time.time()
+        for partial in self.root.glob("*.partial"):
+            with contextlib.suppress(OSError):  # another process's cleanup got there first
+                if now - partial.stat().st_mtime > age_s:
+                    partial.unlink()
 
     def path(self, name: str, signature: str) -> Path:
         """The entry's file, named by the program, its signature and the devices it is for (so that a folder

@@ -116,6 +116,17 @@ def _mixed(engine) -> list:
     return engine.generate([p for p, _ in work], [s for _, s in work])
 
 
+def test_what_a_killed_writer_left_is_cleared_at_the_next_start(tmp_path):
+    """A process killed while writing an entry leaves its `.partial` file: the next store deletes it once it is
+    old enough that no live writer can own it, and leaves a fresh one (another process writing now) alone."""
+    (tmp_path / "s").mkdir()
+    old, fresh = tmp_path / "s" / "step-abc.123.partial", tmp_path / "s" / "step-def.456.partial"
+    old.write_bytes(b"torn"), fresh.write_bytes(b"being written")
+    os.utime(old, (0, 0))
+    executables.Store(tmp_path / "s")
+    assert not old.exists() and fresh.exists()
+
+
 def test_a_warm_engine_loads_every_program_compiles_nothing_and_answers_bitwise_alike(store):
     """The engine's start with its precompile, then a mixed workload, twice on one store: the first engine's
     requests trace nothing after its precompile (the prefill calls it compiled without running them are those
