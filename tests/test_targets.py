@@ -129,6 +129,20 @@ def test_the_train_step_compiles_for_a_tpu_slice_with_splash_inside_shard_map(sm
     assert not re.search(r" (send|recv|infeed|outfeed)\(|host_callback|xla_python_cpu_callback", text)
 
 
+@needs_libtpu
+def test_a_mixture_of_experts_train_step_compiles_for_a_tpu_slice_with_megablox(small_cfg, tpu_mesh):
+    """moe_impl auto is megablox on TPU, a Mosaic kernel the compiler does not partition: on a mesh it runs
+    per device under shard_map (before, libtpu refused the step: "Mosaic kernels cannot be automatically
+    partitioned")."""
+    model = dataclasses.replace(small_cfg.model, num_experts=4, experts_per_token=2)
+    with devices.traced_for("tpu"):
+        memory, costs = plan._train_step(dataclasses.replace(small_cfg, model=model), tpu_mesh)[3:5]
+    assert memory.argument_size_in_bytes < 2**40, "the compiler refused it"
+    # in the layer loop's body: splash forward and backward (2), megablox's three grouped products forward
+    # and their six gradients (each of x and of the weights) backward
+    assert costs.kernels.get("tpu_custom_call", 0) >= 2 + 3 + 6
+
+
 def test_attention_flops_the_compiler_misses_are_added(small_cfg):
     # the compiler does not see inside a custom call, and counts a loop's body once: the model's attention
     # flops stand in for splash's and blockwise's

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxgen.config import ModelConfig
 from jaxgen.model import layers, quant
@@ -42,6 +43,8 @@ def mlp(x_btd, p: dict, valid_bt, cfg: ModelConfig):
     impl = _impl(cfg)
     if impl == "dense":
         out = _dense(x_md, weights_mk, experts_mk, p, cfg)
+    elif impl == "megablox":
+        out = _sorted_per_device(x_md, weights_mk, experts_mk, p, cfg, impl)
     else:
         out = _sorted(x_md, weights_mk, experts_mk, p, cfg, impl)
     return out.reshape(b, t, d), router_stats(logits_me, experts_mk, valid_bt.reshape(-1), cfg.num_experts)
@@ -122,6 +125,28 @@ def _sorted(x_md, weights_mk, experts_mk, p: dict, cfg: ModelConfig, impl: str):
         h = layers.gated(product(xs, p["w_gate_edf"], sizes), product(xs, p["w_up_edf"], sizes), cfg.mlp)
         y = jnp.zeros_like(xs).at[order].set(product(h, p["w_down_efd"], sizes), unique_indices=True)
     return (y.reshape(m, k, d) * weights_mk[..., None].astype(y.dtype)).sum(1)
+
+
+def _sorted_per_device(x_md, weights_mk, experts_mk, p: dict, cfg: ModelConfig, impl: str):
+    """`_sorted` on each device's share of the rows under a mesh (`shard_map`): the compiler does not partition
+    a Mosaic kernel (megablox), which the TPU compiler refuses otherwise. Rows are independent (a token's
+    output is its own experts' sum), so any split of them is exact: they are padded to a multiple of the mesh's
+    size (zero rows, expert 0, weight 0: they add nothing to an output or a gradient) and split over every mesh
+    axis, so no two devices hold the same row and shard_map's transpose sums the expert weights' gradients
+    over all of them; each device multiplies by the whole expert weights (gathered into the call)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return _sorted(x_md, weights_mk, experts_mk, p, cfg, impl)
+    m = x_md.shape[0]
+    pad = -m % mesh.size
+    rows = P(tuple(mesh.axis_names))
+    experts = {k: p[k] for k in ("w_gate_edf", "w_up_edf", "w_down_efd")}
+    local = jax.shard_map(
+        lambda x, w, e, ps: _sorted(x, w, e, ps, cfg, impl), mesh=mesh,
+        in_specs=(rows, rows, rows, jax.tree.map(lambda _: P(), experts)), out_specs=rows, check_vma=False,
+    )  # fmt: skip
+    padded = [jnp.pad(a, ((0, pad), (0, 0))) for a in (x_md, weights_mk, experts_mk)]
+    return local(*padded, experts)[:m]
 
 
 def _megablox(x_ad, w_eio, sizes_e):
