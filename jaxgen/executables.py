@@ -95,7 +95,7 @@ def fingerprint(target: tuple[str, list] | None = None) -> dict[str, str]:
     import jaxlib
     import optax
 
-    backend, devices = target or (jax.default_backend(), jax.devices())
+    backend, devices = _machine(target)
     flags = ("jax_enable_x64", "jax_default_matmul_precision", "jax_threefry_partitionable", "jax_numpy_rank_promotion")
     return {
         "jaxgen_source": source_hash(),
@@ -106,6 +106,11 @@ def fingerprint(target: tuple[str, list] | None = None) -> dict[str, str]:
         "flags": ", ".join(f"{f}={getattr(jax.config, f, None)}" for f in flags),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
+
+
+def _machine(target: tuple[str, list] | None) -> tuple[str, list]:
+    """(backend, devices) a program is compiled for: `target`'s, or this process's."""
+    return target or (jax.default_backend(), jax.devices())
 
 
 class Store:
@@ -136,7 +141,7 @@ class Store:
     def path(self, name: str, signature: str) -> Path:
         """The entry's file, named by the program, its signature and the devices it is for (so that a folder
         holding a target's programs and this machine's keeps both)."""
-        backend, devices = self.target or (jax.default_backend(), jax.devices())
+        backend, devices = _machine(self.target)
         machine = f"{backend} {len(devices)} x {devices[0].device_kind}"
         return self.root / f"{name}-{hashlib.sha256(f'{signature}|{machine}'.encode()).hexdigest()[:24]}{SUFFIX}"
 
@@ -156,7 +161,8 @@ class Store:
     def prefetch(self, group: str, workers: int = min(4, os.cpu_count() or 1)) -> int:
         """Starts loading, in `workers` threads, the programs `group`'s manifest lists (those it used at an
         earlier start); returns how many. `load` then waits for each instead of loading it."""
-        listed = self._manifest(group)
+        with self._lock:
+            listed = list(self._manifest(group))
         if not listed or self.target is not None:
             return 0
         pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="executables")

@@ -251,8 +251,9 @@ def abstract_batch(cfg, mesh) -> dict:
     from jaxgen.sharding import batch_sharding
     from jaxgen.training import step as train
 
-    shapes = train.batch_shapes(cfg)
-    return {k: jax.ShapeDtypeStruct(s, jax.numpy.int32, sharding=batch_sharding(mesh, s)) for k, s in shapes.items()}
+    shape = (cfg.training.batch_size, cfg.data.seq_len)
+    token = jax.ShapeDtypeStruct(shape, jax.numpy.int32, sharding=batch_sharding(mesh, shape))
+    return dict.fromkeys(train.BATCH_KEYS, token)
 
 
 def train_costs(cfg, mesh):
