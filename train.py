@@ -16,11 +16,14 @@ def main(argv: list[str] | None = None) -> int:
         "tokenizer, metrics.jsonl, TensorBoard events, loss.png) goes to one run folder; running the same "
         "command again resumes from its latest checkpoint.",
         epilog="examples:\n  python train.py\n  python train.py --config configs/tiny.yaml training.steps=50\n"
-        "  python train.py --config configs/llama-small.yaml model.num_layers=4 optimizer.learning_rate=3e-4",
+        "  python train.py --config configs/llama-small.yaml model.num_layers=4 optimizer.learning_rate=3e-4\n"
+        "  python train.py draft.target=runs/default    # an EAGLE-3 draft head for a trained model",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", default="configs/default.yaml", help="YAML config (default: configs/default.yaml)")
-    parser.add_argument("--run-dir", help="run folder (default: runs/<config name>)")
+    parser.add_argument(
+        "--run-dir", help="run folder (default: runs/<config name>; a draft head: <draft.target>-eagle3)"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
     add_distributed_flags(parser)
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. model.num_layers=4")
@@ -45,7 +48,12 @@ def main(argv: list[str] | None = None) -> int:
         print(describe(joined))
 
     try:
-        train(cfg, args.run_dir or f"runs/{cfg.name}", progress=not args.no_progress)
+        if cfg.draft.target:  # a draft head for a frozen target, not the model
+            from jaxgen.training.eagle import default_run_dir, train_head
+
+            train_head(cfg, args.run_dir or default_run_dir(cfg), progress=not args.no_progress)
+        else:
+            train(cfg, args.run_dir or f"runs/{cfg.name}", progress=not args.no_progress)
     except (ConfigError, NonFiniteError, DiskFullError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

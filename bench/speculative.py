@@ -1,7 +1,13 @@
-"""Speculative decoding: tokens/s with and without, acceptance rate, tokens per target step, at batch
-1 and 8, with n-gram drafts and (with --draft) a draft model.
+"""Speculative decoding: tokens/s with and without, acceptance rate (overall and by draft position),
+tokens per target step, at batch 1 and 8, with n-gram drafts, (with --draft) a draft model and (with
+--eagle) an EAGLE-3 head trained for the run.
 
     python bench/speculative.py [--run runs/default] [--windows 4 8] [--new-tokens 48] [--draft RUN]
+    python bench/speculative.py --eagle runs/default-eagle3 --workload text --windows 4 --batches 1 8 32
+
+--eagle HEAD: a head run folder (`python train.py draft.target=runs/default`) or an EAGLE-3 folder in
+vLLM's layout. --workload text prompts with 32 tokens from a third of the way into stdlib files (no copy
+to find: what a head is for); the default, copy, is described below.
 
 --draft RUN: a run folder whose model (same tokenizer) drafts for --run's; --draft runs/default with
 the default --run drafts with the target itself, the upper bound of acceptance at the draft's full cost.
@@ -107,6 +113,19 @@ def _copied(params, cfg, tok, prompts, refs, new: int) -> None:
     print(f"e.g. {tok.decode(prompts[0][-24:])!r} -> {outs[0].text[:48]!r}\n")
 
 
+def text_workload(tok, count: int, length: int = 32) -> list[list[int]]:
+    """`count` prompts of `length` tokens from a third of the way into stdlib files (in the default run's
+    training corpus: the text the model and its head were trained on)."""
+    prompts = []
+    for f in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        ids = tok.encode(f.read_text(errors="replace"), special=False)
+        if len(ids) >= 3 * length:
+            prompts.append(ids[len(ids) // 3 :][:length])
+        if len(prompts) == count:
+            return prompts
+    raise SystemExit(f"fewer than {count} stdlib files of {3 * length} tokens")
+
+
 def ab(gen: Generator, prompts, plain: SamplingConfig, fast: SamplingConfig, repeats: int) -> tuple:
     """tokens/s without and with speculation, each the best of `repeats` runs taken in turn (this
     machine's speed drifts between runs, so the two sides alternate), and the speculating runs' counts."""
@@ -132,6 +151,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=48, help="at most half the run's data.seq_len")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--draft", type=Path, default=None, help="a run folder with a draft model")
+    parser.add_argument("--eagle", type=Path, default=None, help="an EAGLE-3 head (a head run or a vLLM-layout folder)")
+    parser.add_argument("--no-ngram", action="store_true", help="skip the n-gram drafter's rows")
+    parser.add_argument("--workload", choices=("copy", "text"), default="copy", help="copy-heavy or plain text prompts")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs of each side, taken in turn")
     parser.add_argument("--write-corpus", type=Path, default=None, help="write copy documents as JSONL and exit")
     parser.add_argument("--corpus-docs", type=int, default=64, help="documents --write-corpus writes")
@@ -150,15 +172,21 @@ def main() -> None:
         draft_cfg, _, draft_params = load_model(args.draft)
         draft = (draft_params, draft_cfg)
     room = room_for(min(cfg.max_seq_len, trained), new)
-    prompts, refs = workload(tok, data, max(8, *args.batches), room)
-    print(f"{args.run}: prompts of {len(prompts[0])} tokens; {new} new tokens")
-    _copied(params, cfg, tok, prompts[:8], refs[:8], new)
+    if args.workload == "text":
+        prompts = text_workload(tok, max(8, *args.batches))
+        print(f"{args.run}: prompts of {len(prompts[0])} tokens of stdlib text; {new} new tokens")
+    else:
+        prompts, refs = workload(tok, data, max(8, *args.batches), room)
+        print(f"{args.run}: prompts of {len(prompts[0])} tokens; {new} new tokens")
+        _copied(params, cfg, tok, prompts[:8], refs[:8], new)
     print(
         "| drafter | window | batch | sampling | plain tok/s | speculative tok/s | speedup | acceptance "
-        "| tokens / target step |"
+        "| tokens / target step | kept drafts 1..i (share of steps) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
-    drafters = [("n-gram", None)] + ([(f"model {args.draft.name}", draft)] if draft else [])
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    drafters = ([] if args.no_ngram else [("n-gram", None)]) + ([(f"model {args.draft.name}", draft)] if draft else [])
+    if args.eagle is not None:
+        drafters.append((f"eagle {args.eagle.name}", _eagle(args.eagle, cfg, tok)))
     for (drafter, d), b in itertools.product(drafters, args.batches):
         gen = Generator(params, cfg, tok, GeneratorConfig(max_batch=b, chunk_steps=new), draft=d)
         for w, (name, temp) in itertools.product(args.windows, (("greedy", 0.0), ("t=0.7", 0.7))):
@@ -167,11 +195,23 @@ def main() -> None:
             base, fast, c = ab(gen, prompts[:b], plain, spec, args.repeats)
             rate = c["accepted"] / max(c["proposed"], 1)
             per_step = c["tokens"] / max(c["target_steps"], 1)
+            at = " ".join(f"{n / max(c['target_steps'], 1):.2f}" for n in c["kept_at"][:w])
             print(
                 f"| {drafter} | {w} | {b} | {name} | {base:.1f} | {fast:.1f} | {fast / base:.2f}x | {rate:.2f} "
-                f"| {per_step:.2f} |",
+                f"| {per_step:.2f} | {at} |",
                 flush=True,
             )
+
+
+def _eagle(path: Path, cfg, tok):
+    """The EAGLE-3 head at `path`: a head run folder (head.json) or a folder in vLLM's layout."""
+    if (path / "head.json").exists():
+        from jaxgen.training.eagle import load_head
+
+        return load_head(path)
+    from jaxgen.hf import eagle3
+
+    return eagle3.load(path, cfg, tok)
 
 
 if __name__ == "__main__":

@@ -21,11 +21,35 @@ from jaxgen.config.model import LoraConfig, ModelConfig
 from jaxgen.config.rl import RLConfig
 from jaxgen.config.run import Config, config_from_dict, load_config, load_serve_config, save_config
 from jaxgen.config.serve import HttpConfig, ServeCommandConfig, ServeConfig
-from jaxgen.config.train import CheckpointConfig, DataConfig, OptimizerConfig, PreferenceConfig, TrainingConfig
+from jaxgen.config.train import (
+    CheckpointConfig,
+    DataConfig,
+    DraftHeadConfig,
+    OptimizerConfig,
+    PreferenceConfig,
+    TrainingConfig,
+)
 
 __all__ = [
-    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistributedConfig", "HttpConfig", "LoraConfig",
-    "MeshConfig", "ModelConfig", "OptimizerConfig", "PreferenceConfig", "RLConfig", "ServeCommandConfig",
-    "ServeConfig", "TrainingConfig",
-    "apply_overrides", "config_from_dict", "load_config", "load_serve_config", "save_config",
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "DistributedConfig",
+    "DraftHeadConfig",
+    "HttpConfig",
+    "LoraConfig",
+    "MeshConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "PreferenceConfig",
+    "RLConfig",
+    "ServeCommandConfig",
+    "ServeConfig",
+    "TrainingConfig",
+    "apply_overrides",
+    "config_from_dict",
+    "load_config",
+    "load_serve_config",
+    "save_config",
 ]  # fmt: skip

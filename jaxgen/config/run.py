@@ -24,7 +24,14 @@ from jaxgen.config.devices import DistributedConfig, MeshConfig
 from jaxgen.config.model import ModelConfig
 from jaxgen.config.rl import RLConfig
 from jaxgen.config.serve import ServeCommandConfig, ServeConfig
-from jaxgen.config.train import CheckpointConfig, DataConfig, OptimizerConfig, PreferenceConfig, TrainingConfig
+from jaxgen.config.train import (
+    CheckpointConfig,
+    DataConfig,
+    DraftHeadConfig,
+    OptimizerConfig,
+    PreferenceConfig,
+    TrainingConfig,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +47,7 @@ class Config:
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     rl: RLConfig = dataclasses.field(default_factory=RLConfig)  # read by rl.py only
     preference: PreferenceConfig = dataclasses.field(default_factory=PreferenceConfig)  # training.objective dpo...
+    draft: DraftHeadConfig = dataclasses.field(default_factory=DraftHeadConfig)  # draft.target: train a draft head
 
     def __post_init__(self):
         pairs, objective = self.data.source == "preference", self.training.objective
@@ -48,7 +56,11 @@ class Config:
         if pairs:
             check(self.training.grad_accum == 1, "training.grad_accum", self.training.grad_accum,
                   "1 with a preference objective (each step's pairs in one micro-batch)")  # fmt: skip
-        if self.training.init_from is None:  # else the folder's config replaces `model`: checked once read
+        if self.draft.target:
+            check(objective == "sft" and self.training.init_from is None and not self.model.lora.rank,
+                  "draft.target", self.draft.target, "a head for a frozen target: no init_from, LoRA or preference "
+                  "objective beside it")  # fmt: skip
+        if self.training.init_from is None and not self.draft.target:  # else `model` is replaced: checked once read
             self.check_seq_len()
 
     def check_seq_len(self, source: str = "") -> None:

@@ -116,3 +116,28 @@ class PreferenceConfig:
         smoothing = self.label_smoothing
         check(0 <= smoothing < 0.5, "preference.label_smoothing", smoothing, "a number in [0, 0.5)")
         check(abs(self.simpo_gamma) < float("inf"), "preference.simpo_gamma", self.simpo_gamma, "a finite number")
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftHeadConfig:
+    """A draft head for speculative decoding, trained for a frozen target (`draft.target` set: train.py
+    trains the head, `jaxgen.training.eagle`, not the model)."""
+
+    kind: Literal["eagle3"] = (
+        "eagle3"  # EAGLE-3: one decoder layer on three of the target's layers (jaxgen.model.eagle)
+    )
+    target: str = ""  # the frozen target: a jaxgen run folder or a local Hugging Face folder; "" = no head
+    layers: tuple[int, ...] = ()  # the target layers tapped (their input; num_layers = the last output); () = default
+    vocab_size: int = 0  # the draft vocabulary: the most frequent tokens of the training data; 0 = the target's
+    unroll: int = 3  # k: draft steps unrolled in training (EAGLE-3's training-time test), each fed its own features
+    data: Literal["corpus", "generations"] = "corpus"  # what the head learns on: the training data, or the
+    #   target's own greedy continuations of the training data's prompts (made once, kept in the run folder)
+    generations: int = 512  # data=generations: sequences the target writes (each data.seq_len tokens)
+
+    def __post_init__(self):
+        check_literals(self, "draft")
+        check(self.vocab_size >= 0, "draft.vocab_size", self.vocab_size, "an integer >= 0 (0 = the target's)")
+        check(isinstance(self.unroll, int) and 1 <= self.unroll <= 8, "draft.unroll", self.unroll, "1..8")
+        check(len(self.layers) in (0, 3) and all(isinstance(i, int) and i >= 0 for i in self.layers),
+              "draft.layers", self.layers, "three layer indices >= 0, or [] (the default)")  # fmt: skip
+        check(self.generations > 0, "draft.generations", self.generations, "a positive integer")

@@ -33,6 +33,7 @@ Modules (imports point down the list; safetensors needs only HFError from config
     export       save_pretrained (sharded safetensors, config.json, generation_config.json, tokenizer)
     peft         PEFT LoRA adapter folders in and out: write_peft_adapter, read_peft_adapter (the modules
                  of `weights.tensor_map`; fused ones as one adapter of stacked rank)
+    eagle3       EAGLE-3 draft heads in vLLM's and SGLang's layout (LlamaForCausalLMEagle3): save, load
 """
 
 from jaxgen.hf.config import FAMILIES, HFError, family_of, hf_config, read_config

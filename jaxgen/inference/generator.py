@@ -48,6 +48,7 @@ from jaxgen.inference.decode import (
 )
 from jaxgen.inference.sampling import SamplingArrays, SamplingConfig, SamplingError, per_prompt
 from jaxgen.inference.structured import pool
+from jaxgen.model import eagle
 from jaxgen.sharding import with_mesh
 from jaxgen.tokenizer import Tokenizer
 
@@ -85,7 +86,8 @@ class Generator:
     `Generator(params, cfg, tokenizer, GeneratorConfig(max_batch=64))`; keyword overrides of the
     config's fields (`Generator(params, cfg, tokenizer, chunk_steps=16)`) are the same thing.
     `draft=(draft_params, draft_cfg)`: a smaller model with the same tokenizer that proposes the drafts
-    of requests with `num_speculative_tokens` > 0 (without it, n-gram lookup does).
+    of requests with `num_speculative_tokens` > 0 (without it, n-gram lookup does); or `draft=head`, an
+    EAGLE-3 head trained for this model (`jaxgen.model.eagle.Head`).
     """
 
     def __init__(
@@ -93,8 +95,10 @@ class Generator:
         draft: tuple | None = None, **overrides,
     ):  # fmt: skip
         config = dataclasses.replace(config, **overrides)
-        self.draft_params, self.draft_cfg = None, None
-        if draft is not None:
+        self.draft_params, self.draft_cfg, self.head = None, None, None
+        if isinstance(draft, eagle.Head):
+            self.head = eagle.check_head(draft, cfg)
+        elif draft is not None:
             self.draft_cfg = speculative.check_draft(draft[1], cfg)
             self.draft_params = model.decode_params(draft[0], config.max_batch)
         # per-layer weights, output-major from 8 rows on: see model.decode_params
@@ -118,8 +122,12 @@ class Generator:
             ),
             mesh,
         )
+        self._prefill_with_head = with_mesh(
+            jax.jit(counted(self, speculative.prefill_with_head), static_argnames=("cfg", "cache_len", "cache_dtype")),
+            mesh,
+        )
         # speculative decoding so far: target steps and drafts proposed and kept, summed over rows
-        self.speculation = {"target_steps": 0, "tokens": 0, "proposed": 0, "accepted": 0}
+        self.speculation = {"target_steps": 0, "tokens": 0, "proposed": 0, "accepted": 0, "kept_at": np.zeros(8, int)}
         self.scorer = scoring.Scorer(
             cfg, tokenizer, self.max_batch, self.cache_dtype,
             jit=lambda fn, statics: with_mesh(jax.jit(counted(self, fn), static_argnames=statics), mesh),
@@ -190,14 +198,21 @@ class Generator:
         where = {p: i for i, p in enumerate(prompt_idx)}
         batch_rows = group + [group[0]] * (b - len(group))  # filler rows, finished from the start
         rows = np.asarray([where[p] for p, _ in batch_rows], np.int32)
-        cache, logits = self.prefill(tokens, positions, rows, lengths, cache_len)
+        eagle_start = None
+        if w and self.head is not None:  # the head's prefill rides on the target's: the features it taps
+            cache, logits, *eagle_start = self._prefill_with_head(
+                self.params, self.head, tokens, positions, rows, lengths, cfg=cfg, cache_len=cache_len,
+                cache_dtype=self.cache_dtype,
+            )  # fmt: skip
+        else:
+            cache, logits = self.prefill(tokens, positions, rows, lengths, cache_len)
         state = self._init_state(ids, configs, automata, batch_rows, len(group), cache, logits, longest_new)
         prompt_scores = self.scorer.prompt_scores(self.params, ids, configs, prompt_idx)
         stop_at: list[int | None] = [None] * len(group)
         spec = None
         if w:
             spec = self._spec_state(ids, configs, batch_rows, (tokens, positions, rows, lengths), cache_len,
-                                    bucket(t + longest_new + w + 1))  # fmt: skip
+                                    bucket(t + longest_new + w + 1), eagle_start and (*eagle_start, w))  # fmt: skip
         step = 0
         while True:
             state = state.replace(limit=np.int32(min(step + self.chunk_steps, longest_new)))
@@ -206,7 +221,7 @@ class Generator:
             else:
                 state, spec = self._spec_loop(
                     self.params, state, spec, cfg=cfg, w=w, draft_params=self.draft_params,
-                    draft_cfg=self.draft_cfg,
+                    draft_cfg=self.draft_cfg, head=self.head,
                 )  # fmt: skip
             host = HostRows.of(state)
             step = int(host.step)
@@ -221,19 +236,24 @@ class Generator:
                     self._count_speculation(spec, host, len(group))
                 return
 
-    def _spec_state(self, ids, configs, batch_rows, prompts_in, cache_len: int, history: int):
+    def _spec_state(self, ids, configs, batch_rows, prompts_in, cache_len: int, history: int, eagle_start=None):
         """The rows' speculative state; with a draft model, its own prefill of the prompts (`prompts_in`:
-        `prefill`'s tokens, positions, rows and lengths) into as many slots as the target's."""
+        `prefill`'s tokens, positions, rows and lengths) into as many slots as the target's; with an EAGLE
+        head, `eagle_start` (its cache, the last features, W: `prefill_with_head`)."""
         draft_cache = None
         if self.draft_cfg is not None:
             draft_cache, _ = self._prefill(
                 self.draft_params, *prompts_in, cfg=self.draft_cfg, cache_len=cache_len, cache_dtype=self.cache_dtype
             )
         num_spec = [configs[p].num_speculative_tokens for p, _ in batch_rows]
-        return speculative.SpecState.init([ids[p] for p, _ in batch_rows], num_spec, history, draft_cache)
+        return speculative.SpecState.init([ids[p] for p, _ in batch_rows], num_spec, history, draft_cache,
+                                          eagle=eagle_start)  # fmt: skip
 
     def _count_speculation(self, spec, host: HostRows, live: int) -> None:
-        steps, proposed, accepted = jax.device_get((spec.target_steps, spec.proposed, spec.accepted))
+        steps, proposed, accepted, kept_at = jax.device_get(
+            (spec.target_steps, spec.proposed, spec.accepted, spec.kept_at)
+        )  # fmt: skip
+        self.speculation["kept_at"] = self.speculation["kept_at"] + kept_at[:live].sum(0)
         self.speculation["target_steps"] += int(steps[:live].sum())
         self.speculation["tokens"] += int(host.generated[:live].sum())
         self.speculation["proposed"] += int(proposed[:live].sum())
@@ -246,6 +266,8 @@ class Generator:
             **c,
             "acceptance_rate": c["accepted"] / c["proposed"] if c["proposed"] else 0.0,
             "tokens_per_step": c["tokens"] / c["target_steps"] if c["target_steps"] else 0.0,
+            # by draft position i: the share of target steps that kept drafts 1..i
+            "accepted_at": [round(int(n) / c["target_steps"], 4) if c["target_steps"] else 0.0 for n in c["kept_at"]],
         }
 
     def _init_state(self, ids, configs, automata, batch_rows, live, cache, logits, longest_new) -> DecodeState:

@@ -1,5 +1,6 @@
-"""Speculative decoding inside the Generator's on-device loop: n-gram drafts (prompt lookup) or a
-smaller draft model with the same tokenizer.
+"""Speculative decoding inside the Generator's on-device loop: n-gram drafts (prompt lookup), a
+smaller draft model with the same tokenizer, or an EAGLE-3 head on the target's own features
+(`jaxgen.model.eagle`, `eagle_drafts`).
 
 Each target step feeds W + 1 tokens: the token just drawn and W drafts. N-gram drafts are copied from
 what followed the latest earlier occurrence of the row's last n tokens (n = 3, else 2, else 1) in its
@@ -33,8 +34,9 @@ from jaxgen import model
 from jaxgen.config import ModelConfig
 from jaxgen.inference.decode import DecodeState, allowed, append, finish_code, record, stop_hit, upload
 from jaxgen.inference.sampling import sample
-from jaxgen.model import lora
+from jaxgen.model import eagle, kvcache, lora
 from jaxgen.model.cache import Cache
+from jaxgen.model.kvcache import KVCache
 
 NGRAMS = (3, 2, 1)  # the longest match wins
 
@@ -52,9 +54,16 @@ class SpecState:
     # in it yet (all W drafts were kept: the draft model never ran on the last one)
     draft_cache: Cache | None = None
     missing: jax.Array | None = None  # (B,) bool
+    # with an EAGLE head (its cache is draft_cache): the target's tapped features (B, W + 1, n D) of the
+    # last step's fed tokens, of which the first feature_len (B,) were kept, from position feature_pos (B,)
+    features: jax.Array | None = None
+    feature_len: jax.Array | None = None
+    feature_pos: jax.Array | None = None
+    kept_at: jax.Array | None = None  # (B, 8) int32: steps that kept drafts 1..i + 1 (acceptance by position)
 
     @classmethod
-    def init(cls, prompts: list[list[int]], num_spec: list[int], size: int, draft_cache=None) -> SpecState:
+    def init(cls, prompts: list[list[int]], num_spec: list[int], size: int, draft_cache=None, eagle=None) -> SpecState:
+        """`eagle`: (head cache, the prompts' last features (B, n D), W) from `prefill_with_head`."""
         history = np.full((len(prompts), size), -1, np.int32)
         for r, p in enumerate(prompts):
             history[r, : len(p)] = p
@@ -65,9 +74,16 @@ class SpecState:
         host = dict(  # sent in one transfer: each eager jnp op would dispatch on its own
             history=history, length=np.asarray([len(p) for p in prompts], np.int32),
             num_spec=np.asarray(num_spec, np.int32), proposed=zeros(), accepted=zeros(), target_steps=zeros(),
-            missing=None if draft_cache is None else zeros(bool),
+            kept_at=np.zeros((len(prompts), 8), np.int32),
+            missing=None if draft_cache is None or eagle is not None else zeros(bool),
         )  # fmt: skip
-        return cls(**upload(host), draft_cache=draft_cache)
+        if eagle is None:
+            return cls(**upload(host), draft_cache=draft_cache)
+        head_cache, last_features, w = eagle
+        b, f = last_features.shape
+        features = jnp.zeros((b, w + 1, f), last_features.dtype).at[:, 0].set(last_features)
+        host |= dict(feature_len=np.ones((b,), np.int32), feature_pos=host["length"] - 1)
+        return cls(**upload(host), draft_cache=head_cache, features=features)
 
 
 def window(num_spec: list[int]) -> int:
@@ -123,6 +139,57 @@ def model_drafts(draft_params, draft_cfg: ModelConfig, sp: SpecState, prev, x0, 
     return drafts.astype(jnp.int32), cache
 
 
+def eagle_drafts(head: eagle.Head, embed_vd, sp: SpecState, history_bs, position_b, live_b, w: int):
+    """An EAGLE head's greedy W drafts after each row's newest token (already in `history_bs`, at
+    `position_b` (B,)): returns drafts (B, W) and the head's cache.
+
+    The head first catches up on the target's features of the last step's kept tokens (`sp.features`:
+    feature_len of them from feature_pos, each with the token that followed it, the newest token last),
+    storing their keys as training's step 0 made them; its output at the last one is draft 1. Then W - 1
+    single steps feed back its own hidden state with the draft before; those keys are forgotten after (the
+    next catch-up stores the verified ones), so the cache keeps W + 1 slots a step, as the target's."""
+    b, s = history_bs.shape
+    i = jnp.arange(w + 1)[None]
+    fed = live_b[:, None] & (i < sp.feature_len[:, None])
+    positions = jnp.where(fed, sp.feature_pos[:, None] + i, -1)
+    follow = jnp.take_along_axis(history_bs, jnp.clip(sp.feature_pos[:, None] + i + 1, 0, s - 1), axis=1)
+    before = sp.draft_cache
+    hidden, logits, cache = eagle.step(head, embed_vd, eagle.project(head, sp.features), follow, positions, before)
+    cache = cache.forget_rejected(before, fed)
+    last = jnp.maximum(sp.feature_len - 1, 0)[:, None, None]
+    hidden = jnp.take_along_axis(hidden, last, axis=1)  # (B, 1, D)
+    first = eagle.to_target(head, jnp.argmax(jnp.take_along_axis(logits, last, axis=1)[:, 0], axis=-1))
+    drafts = jnp.zeros((b, w), jnp.int32).at[:, 0].set(first)
+
+    caught_up = cache
+    for j in range(1, w):  # unrolled: a loop inside the decode loop made XLA:CPU copy the carried cache
+        pos = position_b + j - 1  # draft j - 1 is token position + j: the head's token sits one before
+        pos = jnp.where(live_b & (pos < head.cfg.max_seq_len), pos, -1)
+        hidden, logits, cache = eagle.step(head, embed_vd, hidden, drafts[:, j - 1 : j], pos[:, None], cache)
+        drafts = drafts.at[:, j].set(eagle.to_target(head, jnp.argmax(logits[:, 0], axis=-1)))
+    cache = cache.forget_rejected(caught_up, jnp.zeros((b, w - 1), bool))
+    return drafts, cache
+
+
+def prefill_with_head(params, head: eagle.Head, tokens, positions, rows, lengths, cfg: ModelConfig,
+                      cache_len: int, cache_dtype: str):  # fmt: skip
+    """`decode.prefill` that also prefills an EAGLE head: the target's tapped features of every prompt
+    token but the last, each with the token after it, go into the head's cache (W + 1 slots more than the
+    target's: its drafting steps write past the kept ones); the last feature is what the first step
+    catches up on. Returns (cache, next-token logits (B, V), head cache, last features (B, n D))."""
+    cache = KVCache.init(cfg, tokens.shape[0], cache_len, cache_dtype).constrain()
+    x, cache, features = model.hidden_states(params, tokens, positions, cache, cfg=cfg, taps=head.layers)
+    x_last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)
+    last = model.lm_head(params, x_last, cfg)[:, 0]
+    # BLOCK more slots: W - 1 <= 7 for its drafting steps, keeping the target's block size (`num_blocks`)
+    head_cache = KVCache.init(head.cfg, tokens.shape[0], cache_len + kvcache.BLOCK, cache_dtype)
+    follow = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+    head_pos = jnp.where(positions + 1 < lengths[:, None], positions, -1)
+    _, _, head_cache = eagle.step(head, params["embed_vd"], eagle.project(head, features), follow, head_pos, head_cache)
+    last_features = jnp.take_along_axis(features, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    return cache.take_rows(rows), last[rows], head_cache.take_rows(rows), last_features[rows]
+
+
 def check_draft(draft_cfg, cfg: ModelConfig) -> ModelConfig:
     """A draft model must share the target's tokens and reach as far: ValueError naming what differs."""
     if not isinstance(draft_cfg, ModelConfig):
@@ -150,10 +217,11 @@ def _draft_kept(cache, before, missing, live, kept, w: int):
 
 
 def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConfig, w: int, draft_params=None,
-                     draft_cfg: ModelConfig | None = None, base=None):  # fmt: skip
+                     draft_cfg: ModelConfig | None = None, base=None, head: eagle.Head | None = None):  # fmt: skip
     """`decode.decode_loop` with W drafts per step; returns (state, spec). Pure; the caches are updated in
-    place. Drafts come from n-gram lookup, or from the draft model when `draft_params` is given (then
-    `spec.draft_cache` holds the prompts, prefilled by the draft model).
+    place. Drafts come from n-gram lookup, from the draft model when `draft_params` is given (then
+    `spec.draft_cache` holds the prompts, prefilled by the draft model), or from an EAGLE `head` (then
+    `spec.draft_cache` is the head's, and each target pass also returns the features it taps).
 
     base: (B,) int32 or None: the row's `generated` at the start of this call when the buffers hold one
     chunk (the engine: token i of the chunk at column i), else None (the Generator: column = token index).
@@ -162,6 +230,7 @@ def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConf
     as in `decode.decode_loop`; the body's parts that stand alone are `model_drafts` and `_verify`.)"""
     rows = jnp.arange(state.tokens.shape[0])
     base = jnp.zeros_like(state.generated) if base is None else base
+    embed = params["embed_vd"]  # the head embeds with the base's embedding (adapters do not touch it)
     params = lora.for_rows(params, state.adapter)  # verification runs each row's adapter (the draft model none)
 
     def cond(carry):
@@ -176,7 +245,10 @@ def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConf
         prev = jnp.take_along_axis(sp.history, jnp.maximum(sp.length - 1, 0)[:, None], axis=1)[:, 0]
         history = sp.history.at[rows, jnp.where(live, sp.length, sp.history.shape[1])].set(x0, mode="drop")
         length = sp.length + live
-        if draft_params is None:
+        if head is not None:
+            drafts, draft_cache = eagle_drafts(head, embed, sp, history, s.positions, live, w)
+            real = jnp.full_like(sp.num_spec, w)
+        elif draft_params is None:
             drafts, real = ngram_drafts(history, length, w)
         else:
             drafts, draft_cache = model_drafts(draft_params, draft_cfg, sp, prev, x0, s.positions, live, w)
@@ -190,7 +262,10 @@ def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConf
         before = s.cache
         # one (W + 1)-token pass even when no row has a draft: a lax.cond choosing a one-token pass then
         # made XLA copy the whole cache 4 times a step (in and out of the branch; 15% slower at batch 1)
-        logits, cache = model.forward(params, tokens, jnp.where(fed, positions, -1), s.cache, cfg=cfg)
+        taps = () if head is None else head.layers
+        logits, cache, *features = model.forward(params, tokens, jnp.where(fed, positions, -1), s.cache, cfg=cfg,
+                                                 taps=taps)  # fmt: skip
+        start = s.positions
 
         s = record(s, x0, s.logits, live, cfg, base)
         s, kept = _verify(s, drafts, real, logits[:, :w], cfg, base)
@@ -205,7 +280,14 @@ def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConf
             history=history, length=length + kept, proposed=sp.proposed + real, accepted=sp.accepted + kept,
             target_steps=sp.target_steps + live,
         )  # fmt: skip
-        if draft_params is not None:
+        if sp.kept_at is not None:
+            sp = sp.replace(kept_at=sp.kept_at + (jnp.arange(sp.kept_at.shape[1])[None] < kept[:, None]))
+        if head is not None:
+            sp = sp.replace(
+                draft_cache=draft_cache, features=features[0], feature_len=jnp.where(live, kept + 1, sp.feature_len),
+                feature_pos=jnp.where(live, start, sp.feature_pos),
+            )  # fmt: skip
+        elif draft_params is not None:
             draft_cache = _draft_kept(draft_cache, sp.draft_cache, sp.missing, live, kept, w)  # sp's: the step's start
             sp = sp.replace(draft_cache=draft_cache, missing=jnp.where(live, kept == w, sp.missing))
         return s, sp

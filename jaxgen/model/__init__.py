@@ -17,6 +17,7 @@
     quant.py        int8 weights for inference (QArray, per-channel scales, int8 x int8 products)
     nf4.py          4-bit NormalFloat weights for a LoRA run's frozen base (NF4, dequantized in the product)
     layout.py       decoding's weight layout: matrix products' weights output-major (OutMajor)
+    eagle.py        EAGLE-3 draft heads: one layer on the target's tapped features, drafting and training forward
 
 `from jaxgen import model; model.forward(params, tokens, positions, cache=None, cfg=cfg)`.
 """

@@ -36,6 +36,7 @@ def forward(
     segment_ids: jax.Array | None = None,
     with_aux: bool = False,
     fresh: bool = False,
+    taps: tuple[int, ...] = (),
 ):
     """Logits for every position, and the updated cache.
 
@@ -53,23 +54,27 @@ def forward(
         allgather, each device its share of the prompt's queries), and the cache only stores the keys
         (`attention.store_prompt`). Refused without a cache, with segment ids, or with a prompt length
         the context axis does not split (the rule of `context.check_fit`).
-    Returns logits (B, T, V) float32 and the cache (None when none was given); with `with_aux`, also
+    taps: layer indices (static; 0..L, L = the last layer's output) whose input residual stream is also
+        returned, concatenated: features (B, T, len(taps) * D) for an EAGLE-3 draft head (`model.eagle`).
+    Returns logits (B, T, V) float32 and the cache (None when none was given), then the tapped features
+    when `taps` is given; with `with_aux`, also
     the auxiliary losses {"router_aux": the load-balancing loss over all layers, "router_z": the
     z-loss's mean over layers} (mixture of experts; zeros for a dense model).
     """
-    x, cache, aux = _run(params, tokens, positions, cache, cfg, segment_ids, fresh)
+    x, cache, aux, tapped = _run(params, tokens, positions, cache, cfg, segment_ids, fresh, taps)
     logits = lm_head(params, x, cfg)
-    return (logits, cache, aux) if with_aux else (logits, cache)
+    return (logits, cache) + ((tapped,) if taps else ()) + ((aux,) if with_aux else ())
 
 
 def hidden_states(
-    params, tokens, positions, cache=None, *, cfg: ModelConfig, segment_ids=None, with_aux=False, fresh=False
-):
-    """The final-normed hidden states (B, T, D) and the cache (and with `with_aux` the router losses, as
-    in `forward`): `forward` without the LM head, for callers that need logits at a few positions only
-    (prefill needs the last one) or compute the head in chunks (training's loss)."""
-    x, cache, aux = _run(params, tokens, positions, cache, cfg, segment_ids, fresh)
-    return (x, cache, aux) if with_aux else (x, cache)
+    params, tokens, positions, cache=None, *, cfg: ModelConfig, segment_ids=None, with_aux=False, fresh=False,
+    taps: tuple[int, ...] = (),
+):  # fmt: skip
+    """The final-normed hidden states (B, T, D) and the cache (then, as in `forward`, the tapped features
+    with `taps` and the router losses with `with_aux`): `forward` without the LM head, for callers that
+    need logits at a few positions only (prefill needs the last one) or compute the head in chunks."""
+    x, cache, aux, tapped = _run(params, tokens, positions, cache, cfg, segment_ids, fresh, taps)
+    return (x, cache) + ((tapped,) if taps else ()) + ((aux,) if with_aux else ())
 
 
 def layer_constants(cfg: ModelConfig) -> dict:
@@ -90,8 +95,12 @@ def layer_constants(cfg: ModelConfig) -> dict:
     return consts
 
 
-def _run(params, tokens, positions, cache, cfg: ModelConfig, segment_ids, fresh=False):
-    """The embedding, every layer and the final norm: (B, T, D), the cache, the mean auxiliary losses."""
+def _run(params, tokens, positions, cache, cfg: ModelConfig, segment_ids, fresh=False, taps=()):
+    """The embedding, every layer and the final norm: (B, T, D), the cache, the mean auxiliary losses and
+    the residual stream entering each layer of `taps` (L: after the last), concatenated (B, T, n D) or None."""
+    for i in taps:
+        if not 0 <= i <= cfg.num_layers:
+            raise ValueError(f"tap layer {i} is not allowed: 0..{cfg.num_layers} (num_layers)")
     if fresh:
         attention.check_prompt(cache, segment_ids, tokens.shape[1], cfg)
     params = _cast(params, cfg)
@@ -113,8 +122,9 @@ def _run(params, tokens, positions, cache, cfg: ModelConfig, segment_ids, fresh=
         kv = cache.arrays()  # keys, values (and int8 scales), written layer by layer
 
     def layer_step(carry, xs):
-        x, kv = carry
+        x, kv, tapped = carry
         p, consts = xs
+        tapped = tuple(jnp.where(consts["index"] == i, x, old) for i, old in zip(taps, tapped, strict=True))
         if cache is None:
             attend = functools.partial(
                 _attend_plain, impl=impl, mask=mask, positions=positions, segment_ids=segment_ids, cfg=cfg
@@ -126,17 +136,20 @@ def _run(params, tokens, positions, cache, cfg: ModelConfig, segment_ids, fresh=
         else:
             attend = functools.partial(_attend_cache, cache=cache, kv=kv, positions=positions, cfg=cfg)
         x, kv, aux = _block(x, p, positions, consts, attend, cfg)
-        return (x, kv), aux
+        return (x, kv, tapped), aux
 
     if cache is None and cfg.remat != "none":  # recompute in the backward pass what the policy does not keep
         layer_step = jax.checkpoint(layer_step, policy=remat_policy(cfg.remat), prevent_cse=False)
     consts = layer_constants(cfg)
     if cache is not None:  # caches index their layers statically (one buffer each): a Python loop
         params = unstack_layers(params)  # a no-op on what decoding holds (`decode_params`)
-    (x, kv), aux = _over_layers(layer_step, (x, kv), params["layers"], consts)
+    (x, kv, tapped), aux = _over_layers(layer_step, (x, kv, tuple(jnp.zeros_like(x) for _ in taps)),
+                                        params["layers"], consts)  # fmt: skip
+    tapped = tuple(x if i == cfg.num_layers else old for i, old in zip(taps, tapped, strict=True))
     x = layers.norm(x, params["final_norm"], cfg)
     router = {"router_aux": moe.balance_loss(aux["share"], aux["mean_prob"]), "router_z": aux["router_z"].mean()}
-    return x, (None if cache is None else cache.advance(kv, t)), router
+    features = jnp.concatenate(tapped, axis=-1) if taps else None
+    return x, (None if cache is None else cache.advance(kv, t)), router, features
 
 
 def _embed(params, tokens, positions, cfg: ModelConfig):

@@ -5,6 +5,7 @@ loss.py        the LM head and cross-entropy in chunks, gradient formed on the w
 preference.py  preference tuning: DPO, IPO, SimPO as a table of objectives, their jitted step
 reference.py   preference tuning's frozen reference, scored once and cached beside the data
 trainer.py     train(cfg, run_dir): data, evaluation, checkpoints, metrics, signals, resume
+eagle.py       train_head(cfg, run_dir): an EAGLE-3 draft head for a frozen target (draft.target), load_head
 checkpoint.py  orbax checkpoints with fallback past damaged ones (loading for inference: jaxgen.inference.loading)
 metrics.py     metrics.jsonl, TensorBoard, the loss plot, the matmul-rate measurement
 data/          corpus sources, the token store, packing and the grain iterators
