@@ -161,6 +161,14 @@ def test_the_vllm_layout_round_trip_and_its_refusals(tmp_path, target, trained_h
     np.testing.assert_array_equal(back.draft_to_target, head.draft_to_target)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), back.params, head.params)
 
+    from jaxgen.config import ServeConfig
+    from jaxgen.inference.loading import load_for_serving
+
+    run_dir = trained_head[0]
+    for where in (run_dir, folder):  # serve.draft: a head run or a vLLM-layout folder
+        loaded = load_for_serving(str(target), ServeConfig(draft=str(where)))
+        assert isinstance(loaded.draft, eagle.Head) and loaded.draft.layers == head.layers
+
     with pytest.raises(HFError, match="hidden_size 64 vs the target's 48"):
         eagle3.load(folder, dataclasses.replace(cfg, d_model=48, num_heads=4), tok)
     data = json.loads((folder / "tokenizer.json").read_text())  # one more token: another tokenizer
@@ -216,3 +224,41 @@ def test_the_head_run_killed_with_sigkill_resumes_bitwise(tmp_path, target, toke
     assert [losses(killed)[s] for s in range(1, end + 1)] == [losses(never)[s] for s in range(1, end + 1)]
     a, b = (load_head(r, step=end) for r in (killed, never))
     jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a.params, b.params)
+
+
+def test_the_engine_drafts_with_the_head_exactly_under_preemption_with_structured_and_lora_rows(target, trained_head):
+    """The serving engine with the head's own page pool on the target's page tables: a pool too small for every
+    row (preempted and recomputed), prefix-cache hits, chunked prefill (the pending feature between chunks), a
+    structured row (drafts checked against its automaton), and rows with LoRA adapters (the head drafts from
+    their features, verification runs their adapter): each output equals the same engine's plain decoding."""
+    from jaxgen.config import ServeConfig
+    from jaxgen.inference.engine import Engine
+    from jaxgen.inference.loading import load_model
+    from jaxgen.inference.structured import Structured
+    from jaxgen.model import lora
+
+    _, _, head = trained_head
+    cfg, tok, params = load_model(target)
+    serve = ServeConfig(slots=4, page_size=16, num_pages=14, chunk_steps=8, prefill_chunk=16, max_loras=1,
+                        max_lora_rank=4)  # fmt: skip
+    engine = Engine(params, cfg, tok, serve, draft=head)
+    lcfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, rank=4, targets=("q", "v")))
+    rng = np.random.default_rng(0)
+    adapter = {t: {k: rng.normal(0, 0.2, s.shape).astype(np.float32) for k, s in pair.items()}
+               for t, pair in lora.lora_specs(lcfg).items()}  # fmt: skip
+    engine.load_lora("a1", adapter, 1.0)
+    shared = "import os\nimport sys\nimport json\n\n\ndef main(argv):\n    "  # whole pages shared by later rows
+    prompts = [shared + "x = 1", shared + "for i in", "def __init__(self", shared + "return", "class A:\n    ", "# "]
+    plain = [SamplingConfig(max_new_tokens=40, temperature=t, seed=i, ignore_eos=True)
+             for i, t in enumerate((0.0, 0.8, 0.0, 0.7, 0.0, 1.0))]  # fmt: skip
+    plain[5] = dataclasses.replace(plain[5], ignore_eos=False, structured=Structured(regex=r"(yes|no)( [a-z]+){1,6}\."))
+    names = [None, "a1", None, None, "a1", None]
+    spec = [dataclasses.replace(c, num_speculative_tokens=k) for c, k in zip(plain, (4, 3, 8, 4, 4, 4), strict=True)]
+    want = engine.generate(prompts, plain, lora=names)
+    got = engine.generate(prompts, spec, lora=names)
+    assert [o.tokens for o in got] == [o.tokens for o in want]
+    assert want[1].tokens != engine.generate(prompts[1:2], plain[1])[0].tokens  # the adapter matters
+    m = engine.metrics()
+    assert m["requests_preempted"] > 0 and m["prefix_cache_hit_tokens"] > 0, m
+    assert m["spec_accepted_tokens"] > 0 and m["spec_tokens_per_step"] > 1.3, m
+    assert engine.pool.in_use() == 0

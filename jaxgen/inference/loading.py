@@ -5,6 +5,8 @@ draft model, the one way serve.py, `LLM` and `generate` get theirs.
     load_lora_run(run_dir)                 -> (Config, Tokenizer, base, adapters)  a LoRA run, unmerged
     load_model(path)                       -> (ModelConfig, Tokenizer, params) a run or Hugging Face folder
     load_draft(path, tokenizer)            -> (params, ModelConfig)           a draft for speculative decoding
+    load_eagle_head(path, cfg, tokenizer)  -> eagle.Head or None              a head run or vLLM-layout folder
+    load_head(run_dir)                     -> eagle.Head                      a head run (train.py draft.target=)
     load_for_serving(source, serve, mesh)  -> Loaded                          the above as `ServeConfig` says
     model_config(path)                     -> ModelConfig | None              read from the folder's config alone
 
@@ -15,13 +17,18 @@ checkpoint reader (`jaxgen.training.checkpoint`, orbax) comes with it.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
 
 from jaxgen import hf
 from jaxgen.config import Config, ConfigError, LoraConfig, MeshConfig, ModelConfig, ServeConfig, load_config
 from jaxgen.hf.load import inference_dtype
 from jaxgen.inference.budget import check_serving
-from jaxgen.model import ParamSpec, lora, quant
+from jaxgen.model import ParamSpec, eagle, lora, quant
 from jaxgen.sharding import make_mesh
 from jaxgen.tokenizer import Tokenizer
 from jaxgen.training.checkpoint import Checkpointer, CheckpointError, restore_newest
@@ -50,6 +57,8 @@ def load_for_serving(source, serve: ServeConfig, mesh=None, *, cfg=None, tokeniz
         raise ValueError("params need cfg= and tokenizer= (or pass a run or Hugging Face folder)")
     if serve.quantize == "int8":
         source = quant.quantize_params(source, embedding=serve.quantize_embedding)
+    if serve.draft is not None and draft is None:
+        draft = load_eagle_head(serve.draft, cfg, tokenizer)
     if serve.draft is not None and draft is None:
         draft = load_draft(serve.draft, tokenizer, mesh, param_dtype=serve.param_dtype, quantize=serve.quantize,
                            quantize_embedding=serve.quantize_embedding)  # fmt: skip
@@ -216,6 +225,26 @@ def load_model(
     return cfg, tokenizer, params
 
 
+def load_eagle_head(path: str | Path, cfg: ModelConfig, tokenizer):
+    """The EAGLE-3 head at `path` for target `cfg` (ValueError naming what differs), or None when `path` holds
+    none: a head run folder (train.py draft.target=..., its head.json) or a folder in vLLM's layout
+    (config.json of LlamaForCausalLMEagle3, `jaxgen.hf.eagle3`)."""
+    from jaxgen.hf import eagle3
+
+    path = Path(path)
+    if (path / "head.json").exists():
+        mine = tokenizer.tok.get_vocab(with_added_tokens=True)
+        if (path / "tokenizer.json").exists() and Tokenizer.from_folder(path).tok.get_vocab(
+            with_added_tokens=True
+        ) != mine:
+            raise ValueError(f"the EAGLE head at {path} was trained for a target with another tokenizer")
+        return eagle.check_head(load_head(path), cfg)
+    config = path / "config.json"
+    if config.exists() and eagle3.ARCHITECTURE in json.loads(config.read_text()).get("architectures", []):
+        return eagle3.load(path, cfg, tokenizer)
+    return None
+
+
 def load_draft(path: str | Path, tokenizer, mesh=None, param_dtype: str = "auto", quantize: str = "none",
                quantize_embedding: bool = False) -> tuple:  # fmt: skip
     """(params, ModelConfig) of a draft model for speculative decoding (`load_model`'s folders and options),
@@ -236,3 +265,26 @@ def load_draft(path: str | Path, tokenizer, mesh=None, param_dtype: str = "auto"
             f"{len(theirs)} vs {len(mine)} tokens): a draft model must use the same tokenizer"
         )
     return params, cfg
+
+
+def load_head(run_dir: str | Path, step: int | None = None) -> eagle.Head:
+    """The `eagle.Head` of a head run folder (its latest checkpoint, or `step`)."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "head.json").exists():
+        raise FileNotFoundError(f"{run_dir} is not a draft head run folder (no head.json); "
+                                "`python train.py draft.target=...` writes one")  # fmt: skip
+    meta = json.loads((run_dir / "head.json").read_text())
+    cfg = load_config(run_dir / "config.yaml")
+    head = eagle.new_head(cfg.model, jax.random.key(0), tuple(meta["layers"]), np.asarray(meta["draft_to_target"]))
+    ckpt = Checkpointer(run_dir, cfg.checkpoint)
+    try:
+        step = ckpt.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"{run_dir} holds no checkpoint of its head yet")
+        item = {"params": jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), head.params)}
+        args = ocp.args.PyTreeRestore(item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                                      partial_restore=True)  # fmt: skip
+        params = ckpt.manager.restore(step, args=ocp.args.Composite(state=args))["state"]["params"]
+    finally:
+        ckpt.close()
+    return head.replace(params=params)

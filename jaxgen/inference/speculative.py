@@ -39,6 +39,7 @@ from jaxgen.model.cache import Cache
 from jaxgen.model.kvcache import KVCache
 
 NGRAMS = (3, 2, 1)  # the longest match wins
+MAX_WINDOW = 8  # the widest draft window (`window`)
 
 
 @flax.struct.dataclass
@@ -147,9 +148,10 @@ def eagle_drafts(head: eagle.Head, embed_vd, sp: SpecState, history_bs, position
     feature_len of them from feature_pos, each with the token that followed it, the newest token last),
     storing their keys as training's step 0 made them; its output at the last one is draft 1. Then W - 1
     single steps feed back its own hidden state with the draft before; those keys are forgotten after (the
-    next catch-up stores the verified ones), so the cache keeps W + 1 slots a step, as the target's."""
+    next catch-up stores the verified ones), so the cache keeps W + 1 slots a step, as the target's. (The
+    engine's windows vary between calls: its features are MAX_WINDOW + 1 wide, the catch-up as wide.)"""
     b, s = history_bs.shape
-    i = jnp.arange(w + 1)[None]
+    i = jnp.arange(sp.features.shape[1])[None]  # W + 1, or the engine's widest window's MAX_WINDOW + 1
     fed = live_b[:, None] & (i < sp.feature_len[:, None])
     positions = jnp.where(fed, sp.feature_pos[:, None] + i, -1)
     follow = jnp.take_along_axis(history_bs, jnp.clip(sp.feature_pos[:, None] + i + 1, 0, s - 1), axis=1)
@@ -164,7 +166,7 @@ def eagle_drafts(head: eagle.Head, embed_vd, sp: SpecState, history_bs, position
     caught_up = cache
     for j in range(1, w):  # unrolled: a loop inside the decode loop made XLA:CPU copy the carried cache
         pos = position_b + j - 1  # draft j - 1 is token position + j: the head's token sits one before
-        pos = jnp.where(live_b & (pos < head.cfg.max_seq_len), pos, -1)
+        pos = jnp.where(live_b & (pos < head.cfg.max_seq_len) & (j - 1 < cache.room(position_b)), pos, -1)
         hidden, logits, cache = eagle.step(head, embed_vd, hidden, drafts[:, j - 1 : j], pos[:, None], cache)
         drafts = drafts.at[:, j].set(eagle.to_target(head, jnp.argmax(logits[:, 0], axis=-1)))
     cache = cache.forget_rejected(caught_up, jnp.zeros((b, w - 1), bool))
@@ -283,8 +285,9 @@ def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConf
         if sp.kept_at is not None:
             sp = sp.replace(kept_at=sp.kept_at + (jnp.arange(sp.kept_at.shape[1])[None] < kept[:, None]))
         if head is not None:
+            wide = jnp.pad(features[0], ((0, 0), (0, sp.features.shape[1] - (w + 1)), (0, 0)))
             sp = sp.replace(
-                draft_cache=draft_cache, features=features[0], feature_len=jnp.where(live, kept + 1, sp.feature_len),
+                draft_cache=draft_cache, features=wide, feature_len=jnp.where(live, kept + 1, sp.feature_len),
                 feature_pos=jnp.where(live, start, sp.feature_pos),
             )  # fmt: skip
         elif draft_params is not None:

@@ -49,7 +49,7 @@ from jaxgen.inference.decode import (
 )  # fmt: skip
 from jaxgen.inference.sampling import MAX_SPECULATIVE, MAX_STOP_SEQUENCE, SamplingArrays, SamplingConfig
 from jaxgen.inference.structured import table_rows
-from jaxgen.model import lora
+from jaxgen.model import eagle, lora
 from jaxgen.model.paged import PagedCache, page_bytes
 
 
@@ -165,7 +165,7 @@ def set_tables(state: DecodeState, page_table, capacity) -> DecodeState:
 
 def admit_rows(params, state: DecodeState, spec: speculative.SpecState, rows: Rows, retire, cfg: ModelConfig,
                targets=None, top: int | None = None, draft_params=None,
-               draft_cfg: ModelConfig | None = None):  # fmt: skip
+               draft_cfg: ModelConfig | None = None, head=None):  # fmt: skip
     """A step's prefill chunks and the slots they start, in one call: the slots in `retire` (B,) bool stop first
     (`retire_rows`); then every row's chunk runs into its slot's pages (rows attend to their own pages, so a row
     may read prefix pages another row of the call writes: each layer writes before it reads), the draft model's
@@ -175,7 +175,9 @@ def admit_rows(params, state: DecodeState, spec: speculative.SpecState, rows: Ro
     prompt's log-probabilities. Returns (state, spec) or (state, spec, scores)."""
     state = retire_rows(state, retire)
     x_params = lora.for_rows(params, rows.adapter)
-    cache, x = _prefill_pool(x_params, state.cache, state.cache, rows.slot, rows.tokens, rows.positions, cfg)
+    taps = () if head is None else head.layers
+    cache, x, *features = _prefill_pool(x_params, state.cache, state.cache, rows.slot, rows.tokens, rows.positions,
+                                        cfg, taps)  # fmt: skip
     x_last = jnp.take_along_axis(x, rows.last[:, None, None], axis=1)  # (R, 1, D)
     logits = model.lm_head(params, x_last, cfg)[:, 0]  # (R, V)
     b, r, v = state.done.shape[0], rows.slot.shape[0], cfg.vocab_size
@@ -201,17 +203,48 @@ def admit_rows(params, state: DecodeState, spec: speculative.SpecState, rows: Ro
         draft_cache, _ = _prefill_pool(draft_params, spec.draft_cache, cache, rows.slot, rows.tokens, rows.positions,
                                        draft_cfg)  # fmt: skip
         spec = spec.replace(draft_cache=draft_cache)
+    if head is not None:  # every sequence too (prefix pages), then its last token's feature waits for the next
+        spec = _prefill_head(params["embed_vd"], head, spec, cache, rows, features[0])
     if top is None:
         return state, spec
     return state, spec, scoring.score_hidden(params, x, targets, cfg, top)
 
 
-def _prefill_pool(params, pool: PagedCache, tables: PagedCache, slots, tokens, positions, cfg: ModelConfig):
+def _prefill_pool(params, pool: PagedCache, tables: PagedCache, slots, tokens, positions, cfg: ModelConfig,
+                  taps: tuple = ()):  # fmt: skip
     """Rows' chunks through `params` into `pool`, row i addressed by the page table of slot `slots[i]` in `tables`
-    (the target's: the draft model's pool has none of its own). Returns the pool on those tables and hidden states."""
+    (the target's: the draft model's pool has none of its own). Returns the pool on those tables and hidden states
+    (and with `taps`, the tapped features)."""
     sub = pool.replace(page_table=tables.page_table[slots], capacity=tables.capacity[slots])
-    x, sub = model.hidden_states(params, tokens, positions, sub, cfg=cfg)
-    return _on_tables(sub, tables).constrain(), x
+    x, sub, *features = model.hidden_states(params, tokens, positions, sub, cfg=cfg, taps=taps)
+    return _on_tables(sub, tables).constrain(), x, *features
+
+
+def _prefill_head(embed_vd, head, spec: speculative.SpecState, tables: PagedCache, rows: Rows, features_rcf):
+    """The EAGLE head's keys for the rows' chunks (`speculative.prefill_with_head` by chunks): the head's token
+    at position q pairs the target's feature at q with token q + 1, so a chunk's columns pair the feature before
+    each token (the slot's pending one, left by its previous chunk, before the first) with that token; the
+    chunk's last feature is left pending (feature_len 1) for the next chunk or the first decode step. A chunk
+    after a cached prefix has no pending feature (the prefix's last key stays as its first writer made it)."""
+    slots = rows.slot
+    pending = spec.features[slots, 0]  # (R, n D)
+    ok = (spec.feature_len[slots] > 0) & (spec.feature_pos[slots] == rows.positions[:, 0] - 1)
+    hidden = jnp.concatenate([pending[:, None], features_rcf[:, :-1]], axis=1)
+    positions = rows.positions - 1
+    positions = jnp.where((positions >= 0) & ((jnp.arange(positions.shape[1]) > 0)[None] | ok[:, None]), positions, -1)
+    pool = spec.draft_cache
+    sub = pool.replace(page_table=tables.page_table[slots], capacity=tables.capacity[slots])
+    _, _, sub = eagle.step(head, embed_vd, eagle.project(head, hidden), rows.tokens, positions, sub)
+    last = jnp.take_along_axis(features_rcf, rows.last[:, None, None], axis=1)[:, 0]
+    real = rows.positions[:, 0] >= 0  # padding rows (slot 0) leave every slot as it was
+    index = jnp.where(real, slots, spec.features.shape[0])
+    return spec.replace(
+        draft_cache=_on_tables(sub, tables).constrain(),
+        features=spec.features.at[index, 0].set(last.astype(spec.features.dtype), mode="drop"),
+        feature_len=spec.feature_len.at[index].set(1, mode="drop"),
+        feature_pos=spec.feature_pos.at[index].set(jnp.take_along_axis(rows.positions, rows.last[:, None], 1)[:, 0],
+                                                   mode="drop"),
+    )  # fmt: skip
 
 
 def set_wide(state: DecodeState, slot, seen, counts, logit_bias) -> DecodeState:
@@ -261,8 +294,8 @@ def spec_history(context: int, sequence: list[int]) -> tuple[np.ndarray, np.int3
 
 
 def pool_pages(cfg: ModelConfig, serve: ServeConfig, draft_cfg: ModelConfig | None = None) -> int:
-    """Pages in the pool: `serve.num_pages`, or as many as `serve.kv_memory_gb` holds (with a draft model,
-    a page of each pool)."""
+    """Pages in the pool: `serve.num_pages`, or as many as `serve.kv_memory_gb` holds (with a draft model or
+    an EAGLE head, whose `head.cfg` is passed as `draft_cfg`, a page of each pool)."""
     per_page = page_bytes(cfg, serve.page_size, serve.cache_dtype)
     if draft_cfg is not None:
         per_page += page_bytes(draft_cfg, serve.page_size, serve.cache_dtype)
@@ -270,15 +303,22 @@ def pool_pages(cfg: ModelConfig, serve: ServeConfig, draft_cfg: ModelConfig | No
 
 
 def init_spec(cfg: ModelConfig, serve: ServeConfig, draft_cfg: ModelConfig | None = None, num_pages: int = 0,
-              max_pages: int = 0) -> speculative.SpecState:  # fmt: skip
+              max_pages: int = 0, taps: int = 0) -> speculative.SpecState:  # fmt: skip
     """Every slot's speculative state; with `draft_cfg`, the draft model's page pool: as many pages as the
-    target's and addressed by the same page tables (a slot's page p holds the same positions in both)."""
+    target's and addressed by the same page tables (a slot's page p holds the same positions in both). With
+    `taps` > 0, `draft_cfg` is an EAGLE head's (`eagle.Head.cfg`, tapping `taps` layers): its pool, and each
+    slot's features (MAX_WINDOW + 1 of them, none pending: `admit_rows` sets a prompt's last)."""
     draft_cache = None
     if draft_cfg is not None:
         draft_cache = PagedCache.init(draft_cfg, num_pages, serve.page_size, serve.slots, max_pages, serve.cache_dtype)
         draft_cache = draft_cache.constrain()
     size = history_size(max_pages * serve.page_size)
-    return speculative.SpecState.init([[0]] * serve.slots, [0] * serve.slots, size, draft_cache)
+    if not taps:
+        return speculative.SpecState.init([[0]] * serve.slots, [0] * serve.slots, size, draft_cache)
+    last = jnp.zeros((serve.slots, taps * cfg.d_model), jnp.dtype(cfg.dtype))
+    spec = speculative.SpecState.init([[0]] * serve.slots, [0] * serve.slots, size,
+                                      eagle=(draft_cache, last, speculative.MAX_WINDOW))  # fmt: skip
+    return spec.replace(feature_len=jnp.zeros_like(spec.feature_len))
 
 
 def activate_spec(spec: speculative.SpecState, slot, history, length, num_spec) -> speculative.SpecState:
@@ -297,7 +337,7 @@ def _on_tables(pool: PagedCache, tables: PagedCache) -> PagedCache:
 
 
 def decode_chunk_speculative(params, state: DecodeState, spec, limit, retire, cfg: ModelConfig, w: int,
-                             draft_params=None, draft_cfg: ModelConfig | None = None):  # fmt: skip
+                             draft_params=None, draft_cfg: ModelConfig | None = None, head=None):  # fmt: skip
     """`decode_chunk` with up to W drafts a step for the slots that ask (`jaxgen.inference.speculative`):
     n-gram drafts, or the draft model's (`draft_params`, its pool in `spec.draft_cache`). A slot's tokens
     fill columns 0.. of the buffers; the chunk ends early when a slot might not have room for another
@@ -306,11 +346,11 @@ def decode_chunk_speculative(params, state: DecodeState, spec, limit, retire, cf
         proposed=jnp.zeros_like(spec.proposed), accepted=jnp.zeros_like(spec.accepted),
         target_steps=jnp.zeros_like(spec.target_steps),
     )  # fmt: skip
-    if draft_params is not None:
+    if draft_params is not None or head is not None:
         spec = spec.replace(draft_cache=_on_tables(spec.draft_cache, state.cache))
     state = retire_rows(state, retire).replace(step=jnp.int32(0), limit=limit)
     state, spec = speculative.speculative_loop(
-        params, state, spec, cfg, w, draft_params=draft_params, draft_cfg=draft_cfg, base=state.generated
+        params, state, spec, cfg, w, draft_params=draft_params, draft_cfg=draft_cfg, base=state.generated, head=head
     )
     if spec.draft_cache is not None:
         spec = spec.replace(draft_cache=spec.draft_cache.constrain())

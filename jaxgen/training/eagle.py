@@ -13,8 +13,8 @@ target's path and shape), checkpoints/ (the head's params, optimizer state and t
 metrics.jsonl, whose evaluations estimate greedy acceptance on held-out text: accept_j, the share of rows
 where drafts 1..j all equal the target's greedy tokens, and tokens_per_step, 1 + their sum (what a step
 with k drafts makes at batch 1). Killed and started again, the run resumes from its last checkpoint
-(bitwise: the data order is the checkpoint's). `load_head(folder)` gives the `eagle.Head` that
-`Generator(..., draft=head)` drafts with.
+(bitwise: the data order is the checkpoint's). `load_head(folder)` (`jaxgen.inference.loading`) gives the
+`eagle.Head` that `Generator(..., draft=head)`, the engine and serve.py (serve.draft=folder) draft with.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from jaxgen import model
 from jaxgen.config import Config, ConfigError, ModelConfig, save_config
+from jaxgen.inference.loading import load_head  # noqa: F401 (the head run's reader, serving's too)
 from jaxgen.model import eagle
 from jaxgen.training.checkpoint import Checkpointer
 from jaxgen.training.data.pipeline import PackedSequences, eval_batches, train_iterator
@@ -284,30 +285,3 @@ class Generated:
         t = len(row) - 1
         return {"inputs": row[:-1], "targets": row[1:], "positions": np.arange(t, dtype=np.int32),
                 "segment_ids": np.ones(t, np.int32), "loss_mask": np.ones(t, np.int32)}  # fmt: skip
-
-
-def load_head(run_dir: str | Path, step: int | None = None) -> eagle.Head:
-    """The `eagle.Head` of a head run folder (its latest checkpoint, or `step`)."""
-    run_dir = Path(run_dir)
-    if not (run_dir / "head.json").exists():
-        raise FileNotFoundError(f"{run_dir} is not a draft head run folder (no head.json); "
-                                "`python train.py draft.target=...` writes one")  # fmt: skip
-    from jaxgen.config import load_config
-
-    meta = json.loads((run_dir / "head.json").read_text())
-    cfg = load_config(run_dir / "config.yaml")
-    head = eagle.new_head(cfg.model, jax.random.key(0), tuple(meta["layers"]), np.asarray(meta["draft_to_target"]))
-    ckpt = Checkpointer(run_dir, cfg.checkpoint)
-    try:
-        step = ckpt.latest_step() if step is None else step
-        if step is None:
-            raise FileNotFoundError(f"{run_dir} holds no checkpoint of its head yet")
-        import orbax.checkpoint as ocp
-
-        item = {"params": jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), head.params)}
-        args = ocp.args.PyTreeRestore(item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-                                      partial_restore=True)  # fmt: skip
-        params = ckpt.manager.restore(step, args=ocp.args.Composite(state=args))["state"]["params"]
-    finally:
-        ckpt.close()
-    return head.replace(params=params)

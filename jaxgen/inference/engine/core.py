@@ -44,6 +44,7 @@ from jaxgen.inference.sampling import SamplingConfig, check_prompt, per_prompt
 from jaxgen.inference.scheduler import Scheduler, StepPlan, Update
 from jaxgen.inference.sequence import LIVE, EngineClosed, Sequence, Status, check_limits
 from jaxgen.inference.stats import EngineStats
+from jaxgen.model import eagle
 from jaxgen.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -58,15 +59,17 @@ class Engine(AdapterControl):
 
     def __init__(
         self, params, cfg: ModelConfig, tokenizer: Tokenizer, serve: ServeConfig = ServeConfig(), mesh=None,
-        draft: tuple | None = None,
+        draft: tuple | eagle.Head | None = None,
     ):  # fmt: skip
-        # draft=(params, cfg): a smaller model with the same tokenizer drafts for speculating requests
-        draft_cfg = None if draft is None else speculative.check_draft(draft[1], cfg)
+        # draft=(params, cfg): a smaller model with the same tokenizer drafts for speculating requests; or an
+        # EAGLE-3 head trained for this model (its pool of pages beside the target's, as a draft model's)
+        head = eagle.check_head(draft, cfg) if isinstance(draft, eagle.Head) else None
+        draft_cfg = None if draft is None or head is not None else speculative.check_draft(draft[1], cfg)
         check_serving(cfg, serve, draft_cfg, mesh)  # ConfigError before anything is allocated or compiled
         check_deterministic(cfg, serve, draft, mesh)
         self.cfg, self.tokenizer, self.serve = cfg, tokenizer, serve
         self.loras = LoraRegistry(serve.max_loras)  # adapter names -> slots of the params' bank
-        num_pages = steps.pool_pages(cfg, serve, draft_cfg)
+        num_pages = steps.pool_pages(cfg, serve, head.cfg if head is not None else draft_cfg)
         ahead = 2 if serve.overlap else 1  # chunks a sequence may run before the host hears of them
         policy = PagePolicy(num_pages, serve.page_size, serve.slots, cfg.max_seq_len, serve.chunk_steps,
                             serve.prefix_caching, ahead)  # fmt: skip
@@ -77,7 +80,7 @@ class Engine(AdapterControl):
             serve.slots, queue_length=self.queue_length, running_slots=lambda: len(self.scheduler.running()),
             cache_pages_in_use=lambda: self.pool.in_use(), cache_pages_total=lambda: self.pool.usable,
         )  # fmt: skip
-        draft = None if draft is None else (draft[0], draft_cfg)
+        draft = head if head is not None or draft is None else (draft[0], draft_cfg)
         self.runner = Runner(params, cfg, serve, mesh, draft, self.stats, self.automaton, tokenizer.eos_ids,
                              num_pages, self.max_pages)  # fmt: skip
         self.lock = threading.Lock()  # guards the scheduler (submit and cancel come from other threads)

@@ -34,7 +34,7 @@ from jaxgen.inference import structured as grammar
 from jaxgen.inference.decode import HostRows
 from jaxgen.inference.scheduler import PrefillChunk, StepOutput, StepPlan, Tables, call_shape, prefill_calls
 from jaxgen.inference.sequence import Sequence
-from jaxgen.model import lora
+from jaxgen.model import eagle, lora
 from jaxgen.sharding import with_mesh
 
 
@@ -50,23 +50,27 @@ class Runner:
         self.params = model.decode_params(params, serve.slots, cfg)  # see model.decode_params
         if serve.max_loras:
             self.params = _with_empty_bank(self.params, cfg, serve, mesh)
-        self.draft_params, self.draft_cfg = None, None
-        if draft is not None:
+        self.draft_params, self.draft_cfg, self.head = None, None, None
+        if isinstance(draft, eagle.Head):  # an EAGLE head: its pool is the spec's draft cache
+            self.head = draft
+        elif draft is not None:
             self.draft_params, self.draft_cfg = model.decode_params(draft[0], serve.slots), draft[1]
         self._to_decode = None  # update_params' jitted layout conversion
         self.compilations = 0
         self.grammars = self._new_grammars()  # the slots' constraints (the device has a copy)
         self.mesh = mesh
         # the programs this engine's settings decide, loaded in threads from the store's list of an earlier start
-        settings = f"{cfg!r}|{serve.for_programs!r}|{self.draft_cfg!r}|{num_pages}|{max_pages}"
+        head = None if self.head is None else (self.head.cfg, self.head.layers)
+        settings = f"{cfg!r}|{serve.for_programs!r}|{self.draft_cfg!r}|{head!r}|{num_pages}|{max_pages}"
         self.group = f"engine|{settings}|{describe_mesh(mesh)}"
         if executables.in_use():
             executables.current().prefetch(self.group)
         self._jit_steps(mesh)
         init = self._jit(steps.init_state, mesh, static=(0, 1, 2, 3))  # jitted: the pool is made in its shardings
         self._new_state = lambda: init(cfg, serve.for_programs, num_pages, max_pages)
-        init_spec = self._jit(steps.init_spec, mesh, static=(0, 1, 2, 3, 4))
-        self._new_spec = lambda: init_spec(cfg, serve.for_programs, self.draft_cfg, num_pages, max_pages)
+        init_spec = self._jit(steps.init_spec, mesh, static=(0, 1, 2, 3, 4, 5))
+        pool_cfg, taps = (self.draft_cfg, 0) if self.head is None else (self.head.cfg, len(self.head.layers))
+        self._new_spec = lambda: init_spec(cfg, serve.for_programs, pool_cfg, num_pages, max_pages, taps)
         self.state = self._new_state()
         self.spec = self._new_spec()  # speculative decoding's per-slot state (and the draft model's pool)
         self.retiring = np.zeros(serve.slots, bool)  # slots to stop, sent with the next call that changes rows
@@ -117,7 +121,7 @@ class Runner:
         program = self._admit_rows.jitted  # the Program under the mesh and stats wrappers
         retiring = np.zeros_like(self.retiring)  # what `_take_retiring` gives when none is pending
         rows_of = functools.partial(steps.pack_rows, [], cfg=self.cfg, lora_bank=bool(self.serve.max_loras))
-        options = dict(cfg=self.cfg, draft_params=self.draft_params, draft_cfg=self.draft_cfg)
+        options = dict(cfg=self.cfg, **self._drafter)
         scoring = dict(top=self.serve.max_logprobs)  # as `_prefill_call` scores a prompt's chunk
 
         def one(shape, scored=False):
@@ -138,8 +142,13 @@ class Runner:
         packed = steps.pack_rows([], rows, columns, self.cfg, bool(self.serve.max_loras))
         self.state, self.spec = self._admit_rows(
             self.params, self.state, self.spec, packed, self._take_retiring(), cfg=self.cfg,
-            draft_params=self.draft_params, draft_cfg=self.draft_cfg,
+            **self._drafter,
         )  # fmt: skip
+
+    @property
+    def _drafter(self) -> dict:
+        """The drafter's arguments of the prefill and speculative calls."""
+        return dict(draft_params=self.draft_params, draft_cfg=self.draft_cfg, head=self.head)
 
     # --- one step -----------------------------------------------------------------------------------
 
@@ -187,7 +196,7 @@ class Runner:
             self.state = self._set_grammar(self.state, self.grammars.table)
             self.grammars.changed = False
         args = (self.params, self.state, self.spec, packed, self._take_retiring())
-        options = dict(cfg=self.cfg, draft_params=self.draft_params, draft_cfg=self.draft_cfg)
+        options = dict(cfg=self.cfg, **self._drafter)
         r = chunks[0].request
         if r.wants_prompt_scores:  # one chunk: its tokens' next tokens scored
             c = chunks[0]
@@ -241,8 +250,7 @@ class Runner:
         w = speculative.window([plan.draft_tokens])
         if w:
             self.state, self.spec, out = self._spec_chunk(
-                self.params, self.state, self.spec, limit, self._take_retiring(), cfg=self.cfg, w=w,
-                draft_params=self.draft_params, draft_cfg=self.draft_cfg,
+                self.params, self.state, self.spec, limit, self._take_retiring(), cfg=self.cfg, w=w, **self._drafter
             )  # fmt: skip
         else:
             self.state, out = self._chunk(self.params, self.state, limit, self._take_retiring(), cfg=self.cfg)
