@@ -186,7 +186,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     drafters = ([] if args.no_ngram else [("n-gram", None)]) + ([(f"model {args.draft.name}", draft)] if draft else [])
     if args.eagle is not None:
-        drafters.append((f"eagle {args.eagle.name}", _eagle(args.eagle, cfg, tok)))
+        head = _eagle(args.eagle, cfg, tok)
+        drafters.append((f"eagle {args.eagle.name}", head))
+        _sampled_acceptance(head, params, cfg, tok, load_config(args.run / "config.yaml"))
     for (drafter, d), b in itertools.product(drafters, args.batches):
         gen = Generator(params, cfg, tok, GeneratorConfig(max_batch=b, chunk_steps=new), draft=d)
         for w, (name, temp) in itertools.product(args.windows, (("greedy", 0.0), ("t=0.7", 0.7))):
@@ -201,6 +203,24 @@ def main() -> None:
                 f"| {per_step:.2f} | {at} |",
                 flush=True,
             )
+
+
+def _sampled_acceptance(head, params, cfg, tok, run_cfg) -> None:
+    """The head's first draft on held-out text: kept by jaxgen's exact rule (greedy draft) against standard
+    speculative sampling's expected acceptance (drafts drawn from the head), per temperature."""
+    from jaxgen.training.data.pipeline import PackedSequences, eval_batches
+    from jaxgen.training.data.tokens import load_splits
+    from jaxgen.training.eagle import sampled_acceptance
+
+    split = load_splits(run_cfg.data, tok)["eval"]
+    held = eval_batches(PackedSequences(split["tokens"], split["flags"], run_cfg.data.seq_len), 8, 4)
+    rows = sampled_acceptance(head, params, cfg, held, (0.7, 1.0))
+    print("first draft kept on held-out text\n")
+    print("| temperature | exact rule (greedy draft) | standard rule (sum min(p, q)) |")
+    print("|---|---|---|")
+    for t, (exact, standard) in rows.items():
+        print(f"| {t} | {exact:.3f} | {standard:.3f} |")
+    print()
 
 
 def _eagle(path: Path, cfg, tok):

@@ -350,3 +350,48 @@ def test_a_draft_model_from_a_folder_must_share_the_tokenizer(tiny_run):
     short = dataclasses.replace(llm.cfg, max_seq_len=llm.cfg.max_seq_len // 2)
     with pytest.raises(ValueError, match=r"the draft model's max_seq_len=.* is shorter than the target's"):
         LLM(llm.params, cfg=llm.cfg, tokenizer=llm.tokenizer, draft=(llm.params, short), num_pages=8)
+
+
+def test_the_gate_speculates_while_it_pays_and_probes_the_other_side():
+    """spec_gate's rule on given figures: speculation first, then plain once, then whichever is faster
+    (speculation on ties within KEEP), the other side once every PROBE_EVERY chunks; per batch bucket."""
+    from jaxgen.inference import spec_gate
+
+    gate = spec_gate.SpecGate()
+    assert gate.choose(3)  # nothing measured at 4 rows: speculate
+    gate.observe(3, True, tokens=400, seconds=1.0)
+    assert not gate.choose(4)  # plain measured next
+    gate.observe(4, False, tokens=1000, seconds=1.0)
+    picks = [gate.choose(4) for _ in range(2 * spec_gate.PROBE_EVERY)]
+    assert picks.count(True) == 2 and gate.skipped == 1 + picks.count(False)  # probes only: 400 < 0.95 x 1000
+    assert gate.choose(1)  # another batch size has figures of its own
+    gate.observe(1, True, tokens=960, seconds=1.0)
+    gate.choose(1)
+    gate.observe(1, False, tokens=1000, seconds=1.0)
+    assert spec_gate.pays(960, 1000) and gate.choose(1)  # within KEEP: speculation stays on
+    assert spec_gate.bucket(5) == 8 and spec_gate.bucket(1) == 1
+
+
+def test_chunks_the_gate_runs_plain_keep_the_output_and_the_ngram_history():
+    """An engine whose gate alternates speculative and plain chunks: the output is plain decoding's, and
+    the n-gram history takes the plain chunks' tokens (drafts found after them are kept)."""
+    from jaxgen.inference import spec_gate
+
+    class Alternating(spec_gate.SpecGate):
+        def choose(self, rows):
+            speculate = self.skipped * 2 == sum(r.chunks for r in self.rates.values())
+            self.rates.setdefault(0, spec_gate._Rates()).chunks += 1
+            self.skipped += not speculate
+            return speculate
+
+    gen = _generator("llama")
+    plain = SamplingConfig(temperature=0.0, max_new_tokens=48, ignore_eos=True)
+    llm = LLM(gen.params, cfg=gen.cfg, tokenizer=gen.tokenizer, slots=2, num_pages=32, chunk_steps=4, overlap=False)
+    llm.engine.runner.gate = Alternating()
+    prompts = PROMPTS[:2]
+    want = gen.generate(prompts, plain)
+    got = llm.generate(prompts, dataclasses.replace(plain, num_speculative_tokens=4))
+    for a, b in zip(got, want, strict=True):
+        _same(a.outputs[0], b)
+    m = llm.engine.metrics()
+    assert llm.engine.runner.gate.skipped > 0 and m["spec_accepted_tokens"] > 0, m

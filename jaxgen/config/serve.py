@@ -57,8 +57,9 @@ class ServeConfig:
     # (`jaxgen.model.quant`); quantize_embedding: the embedding and the head too
     quantize: Literal["none", "int8"] = "none"
     quantize_embedding: bool = False
-    # a run or Hugging Face folder whose model (a smaller one, with the same tokenizer) drafts for requests with
-    # num_speculative_tokens > 0; None = n-gram lookup over each request's prompt and output
+    # a run or Hugging Face folder whose model (a smaller one, with the same tokenizer), or an EAGLE-3 head's
+    # folder (jaxgen.training.eagle, jaxgen.hf.eagle3), drafts for requests with num_speculative_tokens > 0;
+    # None = n-gram lookup over each request's prompt and output
     draft: str | None = None
     # multi-LoRA serving (docs/serving.md): up to max_loras adapters of rank up to max_lora_rank held on the device
     # at once, each request naming one (or none); 0 = off. lora_modules: "NAME=FOLDER" adapters loaded at start

@@ -7,7 +7,9 @@ generator.py   Generator: static batches through the decode core, the tool benea
 llm.py         LLM, the Python front door: a model loaded once, generate / stream / score on the engine
 loading.py     loading for inference: run and Hugging Face folders, int8 weights, the draft model
 beam.py        beam search
-speculative.py speculative decoding, n-gram or draft-model drafts (the speculating loop of Generator and engine)
+speculative.py speculative decoding, n-gram, draft-model or EAGLE-head drafts (the speculating loop of Generator
+               and engine)
+spec_gate.py   when speculation pays: the engine's per-chunk choice from measured tokens/s per batch size
 structured/    structured output: JSON schema, regex, choice, grammar as token automata whose tables live on the device
 scoring.py     log-probabilities of known tokens (score, prompt logprobs), the head run in blocks
 engine/        the serving engine: core.py (API, thread; schedule -> execute -> update), runner.py (the device

@@ -32,8 +32,9 @@ ENGINE_FLAGS = {
     "--quantize": ("serve.quantize", "int8 holds the attention and MLP weights as int8"),
     "--cache-dtype": ("serve.cache_dtype", "the KV cache's dtype; int8 holds ~2x the tokens of bfloat16"),
     "--draft": (
-        "serve.draft", "a run or Hugging Face folder whose smaller model (same tokenizer) drafts for requests "
-        "with num_speculative_tokens > 0 (generate: --num-speculative-tokens; default: n-gram lookup)",
+        "serve.draft", "a run or Hugging Face folder whose smaller model (same tokenizer), or an EAGLE-3 head "
+        "trained for this model (train.py draft.target=...), drafts for requests with num_speculative_tokens > 0 "
+        "(generate: --num-speculative-tokens; default: n-gram lookup)",
     ),
 }  # fmt: skip
 HTTP_FLAGS = {

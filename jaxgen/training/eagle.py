@@ -285,3 +285,32 @@ class Generated:
         t = len(row) - 1
         return {"inputs": row[:-1], "targets": row[1:], "positions": np.arange(t, dtype=np.int32),
                 "segment_ids": np.ones(t, np.int32), "loss_mask": np.ones(t, np.int32)}  # fmt: skip
+
+
+def sampled_acceptance(head: eagle.Head, target_params, tcfg: ModelConfig, batches, temperatures) -> dict:
+    """The first draft's acceptance on held-out `batches` at each temperature: {T: (exact, standard)}, where
+    exact is jaxgen's rule with the head's greedy draft (kept when the target draws it: the target's
+    probability of that token) and standard is standard speculative sampling with drafts drawn from the
+    head's distribution q (expected acceptance, the sum over tokens of min(p, q)). Both at temperature T."""
+
+    @jax.jit
+    def one(batch, temperature):
+        tokens, positions, segments = batch["inputs"], batch["positions"], batch["segment_ids"]
+        x, _, features = model.hidden_states(target_params, tokens, positions, cfg=tcfg, segment_ids=segments,
+                                             taps=head.layers)  # fmt: skip
+        p = jax.nn.softmax(_shift(model.lm_head(target_params, x, tcfg), 1) / temperature, axis=-1)  # (B, T, V)
+        logits = eagle.train_forward(head, target_params["embed_vd"], features, tokens, positions, segments, 1)[0]
+        q_draft = jax.nn.softmax(logits / temperature, axis=-1)
+        q = jnp.zeros_like(p).at[..., head.draft_to_target].set(q_draft)
+        exact = jnp.take_along_axis(p, eagle.to_target(head, jnp.argmax(logits, -1))[..., None], axis=-1)[..., 0]
+        standard = jnp.minimum(p, q).sum(-1)
+        t = tokens.shape[1]
+        valid = (jnp.arange(t)[None] + 1 < t) & (_shift(segments, 1) == segments) & (positions >= 0)
+        count = jnp.maximum(valid.sum(), 1)
+        return jnp.where(valid, exact, 0).sum() / count, jnp.where(valid, standard, 0).sum() / count
+
+    out = {}
+    for temperature in temperatures:
+        got = [one({k: jnp.asarray(b[k]) for k in BATCH}, jnp.float32(temperature)) for b in batches]
+        out[temperature] = tuple(float(np.mean([float(g[i]) for g in got])) for i in (0, 1))
+    return out

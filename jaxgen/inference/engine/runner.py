@@ -20,6 +20,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import time
 from collections.abc import Callable
 
 import jax
@@ -34,6 +35,7 @@ from jaxgen.inference import structured as grammar
 from jaxgen.inference.decode import HostRows
 from jaxgen.inference.scheduler import PrefillChunk, StepOutput, StepPlan, Tables, call_shape, prefill_calls
 from jaxgen.inference.sequence import Sequence
+from jaxgen.inference.spec_gate import SpecGate
 from jaxgen.model import eagle, lora
 from jaxgen.sharding import with_mesh
 
@@ -56,6 +58,8 @@ class Runner:
         elif draft is not None:
             self.draft_params, self.draft_cfg = model.decode_params(draft[0], serve.slots), draft[1]
         self._to_decode = None  # update_params' jitted layout conversion
+        self.gate = SpecGate()  # whether a chunk speculates, per batch size, from measured tokens/s
+        self._clock, self._last_results = time.perf_counter, 0.0
         self.compilations = 0
         self.grammars = self._new_grammars()  # the slots' constraints (the device has a copy)
         self.mesh = mesh
@@ -100,6 +104,7 @@ class Runner:
         self._admit_rows = jit(steps.admit_rows, (1, 2), ("cfg", "top", "draft_cfg"))
         self._chunk = jit(steps.decode_chunk, 1, "cfg")
         self._spec_chunk = jit(steps.decode_chunk_speculative, (1, 2), ("cfg", "w", "draft_cfg"))
+        self._plain_chunk = jit(steps.decode_chunk_unspeculated, (1, 2), "cfg")
         self._write_slot = jit(lora.write_slot)  # the bank donated: a slot is written in place
 
     def _compile_row_programs(self) -> None:
@@ -248,23 +253,49 @@ class Runner:
         self._push_tables(plan.decode_tables)
         limit = jnp.int32(self.serve.chunk_steps)
         w = speculative.window([plan.draft_tokens])
-        if w:
+        rows = len(plan.decode)
+        speculate = bool(w) and self.gate.choose(rows)
+        compiled = self.compilations
+        if speculate:
             self.state, self.spec, out = self._spec_chunk(
                 self.params, self.state, self.spec, limit, self._take_retiring(), cfg=self.cfg, w=w, **self._drafter
+            )  # fmt: skip
+        elif w:  # rows asked for drafts, but at this batch size speculation does not pay (spec_gate)
+            self.state, self.spec, out = self._plain_chunk(
+                self.params, self.state, self.spec, limit, self._take_retiring(), cfg=self.cfg
             )  # fmt: skip
         else:
             self.state, out = self._chunk(self.params, self.state, limit, self._take_retiring(), cfg=self.cfg)
         for x in out:
             x.copy_to_host_async()
-        chunk = (out, plan.decode)
+        # what the gate learns from this chunk once its results are in (nothing when it compiled a program)
+        timed = (rows, speculate, self._clock()) if w and compiled == self.compilations else None
+        chunk = (out, plan.decode, timed)
         if self.serve.overlap:
             chunk, self.in_flight = self.in_flight, chunk
-        return _take(chunk, self.stats)
+        return self._take(chunk)
 
     def settle(self) -> dict:
         """The results of the chunk still in flight (`serve.overlap`), if any, as `execute`'s output fields."""
         chunk, self.in_flight = self.in_flight, None
-        return _take(chunk, self.stats)
+        return self._take(chunk)
+
+    def _take(self, chunk) -> dict:
+        """`_take` of a chunk, its tokens per second told to the speculation gate (from its dispatch, or the
+        results before it if later: with `serve.overlap` the chunks run back to back)."""
+        taken = _take(chunk, self.stats)
+        if chunk is not None and chunk[2] is not None:
+            rows, speculated, dispatched = chunk[2]
+            now = self._clock()
+            host = taken["host"]
+            if speculated:
+                steps_, _, accepted = (int(np.asarray(x).sum()) for x in jax.device_get(chunk[0][-3:]))
+                tokens = steps_ + accepted
+            else:
+                tokens = rows * int(host.step)  # a token per row and step (rows finishing early: a little less)
+            self.gate.observe(rows, speculated, tokens, now - max(dispatched, self._last_results))
+            self._last_results = now
+        return taken
 
     def drop_in_flight(self) -> None:
         """Forgets the chunk in flight: its tokens were not emitted, and its sequences are recomputed."""
@@ -326,6 +357,14 @@ class Runner:
         needs it (`precompile`)."""
         self.state = self._set_grammar(self.state, self.grammars.table)
 
+    def compile_unspeculated(self) -> None:
+        """Runs the plain chunk of speculating rows (`spec_gate`) on idle slots, which stop at once: compiles it
+        before a batch where speculation does not pay needs it (`precompile`), and forgets the warm-up's figures."""
+        self.state, self.spec, _ = self._plain_chunk(
+            self.params, self.state, self.spec, jnp.int32(0), self._take_retiring(), cfg=self.cfg
+        )  # fmt: skip
+        self.gate = SpecGate()
+
     def free(self) -> None:
         """Frees the decode state's device memory, the page pool above all (`Engine.sleep`); the weights stay."""
         for x in jax.tree.leaves((self.state, self.spec)):
@@ -349,7 +388,7 @@ def _take(chunk, stats) -> dict:
     """A decode chunk's results on the host (`StepOutput.host` and `decoded`), or none."""
     if chunk is None:
         return {}
-    out, decoded = chunk
+    out, decoded, _ = chunk
     fields = jax.device_get(out)
     n = len(HostRows.names())
     if len(fields) > n:  # a speculative chunk's counters
