@@ -8,8 +8,8 @@ can make (`scheduler.call_shapes`: rows 1, 4, 16, ... up to the slots, columns 1
 serve.prefill_chunk, within the step's padded budget), run once each on padding rows that change nothing; a
 prompt-scored chunk of each column bucket; the decode chunk, and the speculative one at each draft window
 (2, 4, 8) (and the plain chunk of speculating rows, `spec_gate`); and the small programs that start and stop a
-slot. These run through the engine itself, by a tiny request whose prompt (token ids) has the chunk's length: the same host code and the same argument types as a
-real request, so exactly the same programs. Structured output's grammar table has serve.grammar_states rows
+slot. These run through the engine itself, by a tiny request whose prompt (token ids) has the chunk's length:
+the same host code and the same argument types as a real request, so exactly the same programs. Structured output's grammar table has serve.grammar_states rows
 from the start (the decode programs above are compiled with it), and the program that pushes it to the device
 runs once here: constraints within those states compile nothing; one beyond them grows the table and compiles
 the decode programs again (counted after ready in /metrics). With a LoRA bank (serve.max_loras), its write
