@@ -6,15 +6,16 @@ A program is compiled for each set of static settings and shapes its step is cal
 request may ask for are arrays, so what a request reaches is: the prefill call at each (rows, columns) a step
 can make (`scheduler.call_shapes`: rows 1, 4, 16, ... up to the slots, columns 16, 32, ... up to the bucket of
 serve.prefill_chunk, within the step's padded budget), run once each on padding rows that change nothing; a
-prompt-scored chunk of each column bucket; the decode chunk, and the speculative one at each draft window
-(2, 4, 8) (and the plain chunk of speculating rows, `spec_gate`); and the small programs that start and stop a
+prompt-scored chunk of each column bucket; the decode chunk, and the speculative one at each draft window (2,
+4, 8) (and the plain chunk of speculating rows, `spec_gate`); and the small programs that start and stop a
 slot. These run through the engine itself, by a tiny request whose prompt (token ids) has the chunk's length:
-the same host code and the same argument types as a real request, so exactly the same programs. Structured output's grammar table has serve.grammar_states rows
-from the start (the decode programs above are compiled with it), and the program that pushes it to the device
-runs once here: constraints within those states compile nothing; one beyond them grows the table and compiles
-the decode programs again (counted after ready in /metrics). With a LoRA bank (serve.max_loras), its write
-runs once (zeros into an empty slot), so loading an adapter compiles nothing. The warm-up's requests are not
-counted in the engine's statistics, and the pages they leave in the prefix cache are dropped.
+the same host code and the same argument types as a real request, so exactly the same programs. Structured
+output's grammar table has serve.grammar_states rows from the start (the decode programs above are compiled
+with it), and the program that pushes it to the device runs once here: constraints within those states compile
+nothing; one beyond them grows the table and compiles the decode programs again (counted after ready in
+/metrics). With a LoRA bank (serve.max_loras), its write runs once (zeros into an empty slot), so loading an
+adapter compiles nothing. The warm-up's requests are not counted in the engine's statistics, and the pages
+they leave in the prefix cache are dropped.
 
 With a store of executables in use (`jaxgen.executables`: the command lines' default), the prefill calls and
 the prompt-scored ones are compiled, or loaded, from their arguments' shapes in threads and never run (running
