@@ -24,7 +24,9 @@ def tiny_engine():
     params = jax.tree.map(lambda w: w * 5 if w.ndim > 1 else w, params)
     tok = Tokenizer.byte_level()
     tok.chat_template = TEMPLATE
-    return Engine(params, CFG, tok, ServeConfig(slots=8, num_pages=128, chunk_steps=4, prefill_chunk=64)), params
+    return Engine(
+        params, CFG, tok, ServeConfig(slots=8, num_pages=128, chunk_steps=4, prefill_chunk=64, spec_gate=False)
+    ), params
 
 
 @contextlib.contextmanager

@@ -130,7 +130,7 @@ def test_speculative_output_with_the_head_equals_plain_decoding(target, trained_
     _, _, head = trained_head
     cfg, tok, params = load_model(target)
     plain = Generator(params, cfg, tok, max_batch=4)
-    spec = Generator(params, cfg, tok, max_batch=4, draft=head)
+    spec = Generator(params, cfg, tok, max_batch=4, draft=head, spec_gate=False)  # every chunk speculates
     prompts = ["def __init__(self", "import os\n", "    return", "class A:\n    "]
     for temperature in (0.0, 0.8):
         settings = [SamplingConfig(max_new_tokens=40, temperature=temperature, seed=i, num_speculative_tokens=n)
@@ -240,7 +240,7 @@ def test_the_engine_drafts_with_the_head_exactly_under_preemption_with_structure
     _, _, head = trained_head
     cfg, tok, params = load_model(target)
     serve = ServeConfig(slots=4, page_size=16, num_pages=14, chunk_steps=8, prefill_chunk=16, max_loras=1,
-                        max_lora_rank=4)  # fmt: skip
+                        max_lora_rank=4, spec_gate=False)  # fmt: skip
     engine = Engine(params, cfg, tok, serve, draft=head)
     lcfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, rank=4, targets=("q", "v")))
     rng = np.random.default_rng(0)

@@ -51,7 +51,7 @@ def _generator(name: str) -> Generator:
     """One Generator per config for the module: its compiled programs are shared by the tests."""
     cfg = CONFIGS[name]
     params = model.init_params(cfg, jax.random.key(1))
-    return Generator(params, cfg, Tokenizer.byte_level(), GeneratorConfig(max_batch=8, chunk_steps=8))
+    return Generator(params, cfg, Tokenizer.byte_level(), GeneratorConfig(max_batch=8, chunk_steps=8, spec_gate=False))
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -104,7 +104,7 @@ def test_a_trained_model_keeps_drafts_and_takes_fewer_target_steps(tiny_run):
     from jaxgen.inference.loading import load_model
 
     cfg, tok, params = load_model(tiny_run)
-    gen = Generator(params, cfg, tok, GeneratorConfig(max_batch=2, chunk_steps=32))
+    gen = Generator(params, cfg, tok, GeneratorConfig(max_batch=2, chunk_steps=32, spec_gate=False))
     prompts = ["    x = 1\n    x = 1\n    x = 1\n", "import os\nimport os\nimport"]
     plain = SamplingConfig(temperature=0.0, max_new_tokens=32, ignore_eos=True)
     want = gen.generate(prompts, plain)
@@ -143,7 +143,7 @@ def test_many_seeds_sample_what_plain_decoding_samples():
     """The target distribution is kept: over 16 seeds every sampled token equals plain decoding's."""
     cfg = CONFIGS["llama"]
     params = model.init_params(cfg, jax.random.key(2))
-    gen = Generator(params, cfg, Tokenizer.byte_level(), GeneratorConfig(max_batch=16, chunk_steps=16))
+    gen = Generator(params, cfg, Tokenizer.byte_level(), GeneratorConfig(max_batch=16, chunk_steps=16, spec_gate=False))
     base = SamplingConfig(temperature=1.0, max_new_tokens=16, ignore_eos=True, seed=0, n=16)
     want = gen.generate(["abababababababab"], base)
     got = gen.generate(["abababababababab"], dataclasses.replace(base, num_speculative_tokens=8))
@@ -161,7 +161,9 @@ def test_a_draft_model_gives_plain_decodings_output():
     cfg = CONFIGS["llama"]
     params = model.init_params(cfg, jax.random.key(1))
     draft = (model.init_params(DRAFT, jax.random.key(2)), DRAFT)
-    gen = Generator(params, cfg, Tokenizer.byte_level(), GeneratorConfig(max_batch=8, chunk_steps=8), draft=draft)
+    gen = Generator(
+        params, cfg, Tokenizer.byte_level(), GeneratorConfig(max_batch=8, chunk_steps=8, spec_gate=False), draft=draft
+    )
     plain = _mixed(24, 24, 40)
     spec = [dataclasses.replace(c, num_speculative_tokens=4) for c in plain]
     want, got = gen.generate(PROMPTS, plain), gen.generate(PROMPTS, spec)
@@ -206,7 +208,7 @@ def test_speculative_samples_follow_the_target_distribution(tiny_run):
     cfg, tok, params = load_model(tiny_run)
     prompt = tok.encode("import os\nimport os\nimport", special=False)
     n = 3000
-    gen = Generator(params, cfg, tok, GeneratorConfig(max_batch=512, chunk_steps=2))
+    gen = Generator(params, cfg, tok, GeneratorConfig(max_batch=512, chunk_steps=2, spec_gate=False))
     configs = [SamplingConfig(temperature=1.0, max_new_tokens=2, ignore_eos=True, seed=i, num_speculative_tokens=2)
                for i in range(n)]  # fmt: skip
     before = dict(gen.speculation)
@@ -265,7 +267,7 @@ def test_the_engine_speculates_with_plain_decodings_output_under_preemption():
     gen = _generator("llama")
     plain = _mixed(40, 32, 40)
     spec = [dataclasses.replace(c, num_speculative_tokens=k) for c, k in zip(plain, (8, 3, 0), strict=True)]
-    llm = LLM(gen.params, cfg=gen.cfg, tokenizer=gen.tokenizer, slots=4, num_pages=9, chunk_steps=8)
+    llm = LLM(gen.params, cfg=gen.cfg, tokenizer=gen.tokenizer, slots=4, num_pages=9, chunk_steps=8, spec_gate=False)
     got = [c for out in llm.generate(PROMPTS * 2, spec * 2) for c in out.outputs]
     want = gen.generate(PROMPTS * 2, plain * 2)
     assert len(got) == len(want) == 8
@@ -281,7 +283,7 @@ def test_the_engine_reports_acceptance_in_its_metrics(tiny_run):
     engine's Prometheus registry) exports the acceptance rate and tokens per target step."""
     from prometheus_client import generate_latest
 
-    llm = LLM(tiny_run, slots=2, num_pages=32, chunk_steps=16)
+    llm = LLM(tiny_run, slots=2, num_pages=32, chunk_steps=16, spec_gate=False)
     prompts = ["    x = 1\n    x = 1\n    x = 1\n", "import os\nimport os\nimport"]
     plain = SamplingConfig(temperature=0.0, max_new_tokens=32, ignore_eos=True)
     want = llm.generate(prompts, plain)
@@ -303,7 +305,16 @@ def test_the_engine_with_a_draft_model_gives_plain_decodings_output_under_preemp
     draft = (model.init_params(DRAFT, jax.random.key(2)), DRAFT)
     plain = _mixed(40, 32, 40)
     spec = [dataclasses.replace(c, num_speculative_tokens=k) for c, k in zip(plain, (8, 3, 0), strict=True)]
-    llm = LLM(gen.params, cfg=gen.cfg, tokenizer=gen.tokenizer, draft=draft, slots=4, num_pages=9, chunk_steps=8)
+    llm = LLM(
+        gen.params,
+        cfg=gen.cfg,
+        tokenizer=gen.tokenizer,
+        draft=draft,
+        slots=4,
+        num_pages=9,
+        chunk_steps=8,
+        spec_gate=False,
+    )
     got = [c for out in llm.generate(PROMPTS * 2, spec * 2) for c in out.outputs]
     want = gen.generate(PROMPTS * 2, plain * 2)
     for a, b in zip(got, want, strict=True):
@@ -320,7 +331,7 @@ def test_the_engine_with_the_target_as_its_draft_keeps_every_greedy_draft():
     gen = _generator("gpt2")
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=24, ignore_eos=True)
     llm = LLM(gen.params, cfg=gen.cfg, tokenizer=gen.tokenizer, draft=(gen.params, gen.cfg), slots=3, num_pages=14,
-              chunk_steps=8, overlap=False)  # fmt: skip  # no lag: its page reserve lets this pool preempt
+              chunk_steps=8, overlap=False, spec_gate=False)  # fmt: skip  # no lag: its reserve lets the pool preempt
     want = [o.outputs[0].tokens for o in llm.generate(PROMPTS, greedy)]  # plain: fills the prefix cache
     assert want == [c.tokens for c in gen.generate(PROMPTS, greedy)]
     k = 4

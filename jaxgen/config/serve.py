@@ -20,8 +20,9 @@ def _is_int(value) -> bool:
 
 # what only the host reads (the HTTP server, the scheduler, the loader); the page count and the draft's config
 # reach the programs as arguments of their own
-HOST_ONLY = ("kv_memory_gb", "num_pages", "prefix_caching", "precompile", "overlap", "draft", "lora_root",
-             "max_body_bytes", "max_queue", "request_timeout_s", "shutdown_grace_s", "admin_token")  # fmt: skip
+HOST_ONLY = ("kv_memory_gb", "num_pages", "prefix_caching", "precompile", "overlap", "draft", "spec_gate",
+             "lora_root", "max_body_bytes", "max_queue", "request_timeout_s", "shutdown_grace_s",
+             "admin_token")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,9 @@ class ServeConfig:
     # folder (jaxgen.training.eagle, jaxgen.hf.eagle3), drafts for requests with num_speculative_tokens > 0;
     # None = n-gram lookup over each request's prompt and output
     draft: str | None = None
+    # speculation runs only where it pays: per batch size, a decode chunk speculates while measured tokens/s of
+    # speculative chunks reach 0.95 of plain ones (jaxgen.inference.spec_gate); false: whenever a row asks
+    spec_gate: bool = True
     # multi-LoRA serving (docs/serving.md): up to max_loras adapters of rank up to max_lora_rank held on the device
     # at once, each request naming one (or none); 0 = off. lora_modules: "NAME=FOLDER" adapters loaded at start
     max_loras: int = 0
@@ -118,7 +122,13 @@ class ServeConfig:
         for name in ("request_timeout_s", "shutdown_grace_s"):
             value = getattr(self, name)
             check(isinstance(value, int | float) and 0 <= value < float("inf"), f"serve.{name}", value, "a number >= 0")
-        for name in ("overlap", "prefix_caching", "precompile", "quantize_embedding"):  # a string is truthy
+        for name in (
+            "overlap",
+            "prefix_caching",
+            "precompile",
+            "quantize_embedding",
+            "spec_gate",
+        ):  # a string is truthy
             check(isinstance(getattr(self, name), bool), f"serve.{name}", getattr(self, name), "true or false")
         check(self.draft is None or (isinstance(self.draft, str) and bool(self.draft)), "serve.draft", self.draft,
                "null or the path of a run or Hugging Face folder")  # fmt: skip

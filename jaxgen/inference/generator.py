@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,6 +48,7 @@ from jaxgen.inference.decode import (
     upload,
 )
 from jaxgen.inference.sampling import SamplingArrays, SamplingConfig, SamplingError, per_prompt
+from jaxgen.inference.spec_gate import SpecGate
 from jaxgen.inference.structured import pool
 from jaxgen.model import eagle
 from jaxgen.sharding import with_mesh
@@ -64,6 +66,9 @@ class GeneratorConfig:
     # float32, bfloat16 (kept as uint16 bits on CPU: updated in place) or int8 (a scale per token and kv head)
     cache_dtype: str = "float32"
     min_cache_len: int = 0  # preallocate at least this many cache slots (a power of two)
+    # speculation only where it pays: per batch size, a chunk speculates while measured tokens/s of speculative
+    # chunks reach 0.95 of plain ones (jaxgen.inference.spec_gate); False: whenever a row asks
+    spec_gate: bool = True
 
     def __post_init__(self):
         if self.cache_dtype not in ("float32", "bfloat16", "int8"):
@@ -126,6 +131,8 @@ class Generator:
             jax.jit(counted(self, speculative.prefill_with_head), static_argnames=("cfg", "cache_len", "cache_dtype")),
             mesh,
         )
+        self._after_plain = jax.jit(counted(self, speculative.after_plain), donate_argnums=0)
+        self.gate = SpecGate()  # per batch size: whether a chunk speculates, from measured tokens/s
         # speculative decoding so far: target steps and drafts proposed and kept, summed over rows
         self.speculation = {"target_steps": 0, "tokens": 0, "proposed": 0, "accepted": 0, "kept_at": np.zeros(8, int)}
         self.scorer = scoring.Scorer(
@@ -213,18 +220,27 @@ class Generator:
         if w:
             spec = self._spec_state(ids, configs, batch_rows, (tokens, positions, rows, lengths), cache_len,
                                     bucket(t + longest_new + w + 1), eagle_start and (*eagle_start, w))  # fmt: skip
-        step = 0
+        step, made, spec_made = 0, np.zeros((b,), np.int32), 0  # tokens of each row so far; in speculative chunks
         while True:
             state = state.replace(limit=np.int32(min(step + self.chunk_steps, longest_new)))
-            if spec is None:
-                state = self._loop(self.params, state, cfg=cfg)
-            else:
+            speculate = spec is not None and (not self.config.spec_gate or self.gate.choose(len(group)))
+            started, compiled = time.perf_counter(), self.compilations
+            if speculate:
                 state, spec = self._spec_loop(
                     self.params, state, spec, cfg=cfg, w=w, draft_params=self.draft_params,
                     draft_cfg=self.draft_cfg, head=self.head,
                 )  # fmt: skip
+            else:
+                state = self._loop(self.params, state, cfg=cfg)
+                if spec is not None:  # speculation does not pay at this batch size (spec_gate)
+                    spec = self._after_plain(spec, state.tokens, made, state.generated, np.zeros_like(made))
             host = HostRows.of(state)
             step = int(host.step)
+            new = int((host.generated - made)[: len(group)].sum())
+            spec_made += new if speculate else 0
+            if spec is not None and compiled == self.compilations:
+                self.gate.observe(len(group), speculate, new, time.perf_counter() - started)
+            made = host.generated
             done = np.pad(self._check_stop_strings(host, configs, group, stop_at), (0, b - len(group)))
             if done.any():
                 state = state.replace(done=state.done | done)
@@ -233,7 +249,7 @@ class Generator:
                 self._table = (*self._table[:1], state.grammar_table, *self._table[2:])
             if np.all(host.done | done):
                 if spec is not None:
-                    self._count_speculation(spec, host, len(group))
+                    self._count_speculation(spec, spec_made, len(group))
                 return
 
     def _spec_state(self, ids, configs, batch_rows, prompts_in, cache_len: int, history: int, eagle_start=None):
@@ -249,13 +265,14 @@ class Generator:
         return speculative.SpecState.init([ids[p] for p, _ in batch_rows], num_spec, history, draft_cache,
                                           eagle=eagle_start)  # fmt: skip
 
-    def _count_speculation(self, spec, host: HostRows, live: int) -> None:
+    def _count_speculation(self, spec, tokens: int, live: int) -> None:
+        """Adds a batch's counters; `tokens`: those its speculative chunks made (not the gate's plain ones)."""
         steps, proposed, accepted, kept_at = jax.device_get(
             (spec.target_steps, spec.proposed, spec.accepted, spec.kept_at)
         )  # fmt: skip
         self.speculation["kept_at"] = self.speculation["kept_at"] + kept_at[:live].sum(0)
         self.speculation["target_steps"] += int(steps[:live].sum())
-        self.speculation["tokens"] += int(host.generated[:live].sum())
+        self.speculation["tokens"] += tokens
         self.speculation["proposed"] += int(proposed[:live].sum())
         self.speculation["accepted"] += int(accepted[:live].sum())
 

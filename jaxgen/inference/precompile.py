@@ -74,6 +74,7 @@ def precompile(engine, progress: bool = False, workers: int = min(4, os.cpu_coun
 
     before = engine.compilations
     engine.stats.muted = True  # the warm-up is not traffic
+    engine.runner.gate = None  # every speculative window's chunk runs (`compile_unspeculated` sets a new gate)
     longest = min(engine.serve.prefill_chunk, engine.cfg.max_seq_len - 2)
     shapes = call_shapes(engine.serve.prefill_chunk, engine.serve.slots, longest)
     bar = functools.partial(tqdm, desc="precompile prefill", unit="shape", disable=not progress)

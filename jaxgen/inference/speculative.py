@@ -298,6 +298,24 @@ def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConf
     return jax.lax.while_loop(cond, body, (state, spec))
 
 
+def after_plain(spec: SpecState, tokens_bm, before_b, after_b, base_b) -> SpecState:
+    """The rows' speculative state after a plain chunk (the engine's and the Generator's `spec_gate` choice)
+    made their tokens [before, after) (at buffer columns index - base): the n-gram history takes them, and an
+    EAGLE head's pending features are dropped (none is of the last token; its keys of these positions are
+    never written, which costs acceptance, never exactness)."""
+    new = after_b - before_b
+    b, m = tokens_bm.shape
+    i = jnp.arange(m)[None]
+    column = jnp.clip(before_b - base_b, 0, m - 1)[:, None] + i
+    taken = jnp.take_along_axis(tokens_bm, jnp.minimum(column, m - 1), axis=1)
+    where = jnp.where(i < new[:, None], spec.length[:, None] + i, spec.history.shape[1])
+    spec = spec.replace(history=spec.history.at[jnp.arange(b)[:, None], where].set(taken, mode="drop"),
+                        length=spec.length + new)  # fmt: skip
+    if spec.feature_len is not None:
+        spec = spec.replace(feature_len=jnp.zeros_like(spec.feature_len))
+    return spec
+
+
 def _forced_first(s: DecodeState, x0, drafts_bw, real_b, w: int):
     """Jump-forward: where a constrained row's automaton allows one token only after `x0` (a JSON key, a
     closing brace), those tokens are its drafts. Verification keeps them all (the masked draw can only pick

@@ -276,19 +276,12 @@ def decode_chunk(params, state: DecodeState, limit, retire, cfg: ModelConfig) ->
 
 def decode_chunk_unspeculated(params, state: DecodeState, spec, limit, retire, cfg: ModelConfig):
     """`decode_chunk` for a chunk the speculation gate runs plain (`jaxgen.inference.spec_gate`) although rows
-    asked for drafts: their n-gram history takes the chunk's tokens, and an EAGLE head's pending features are
-    dropped (none is of the last token: the next speculative step drafts its first token from nothing, and the
-    head's keys of these positions are not written, which costs acceptance, never exactness). Returns (state,
-    spec, `outputs`)."""
+    asked for drafts, their speculative state kept current (`speculative.after_plain`). Returns (state, spec,
+    `outputs`)."""
     before = state.generated
     state, out = decode_chunk(params, state, limit, retire, cfg)
-    new = state.generated - before  # the chunk's tokens sit at columns 0..new - 1
-    rows, cols = jnp.arange(new.shape[0])[:, None], jnp.arange(state.tokens.shape[1])[None]
-    where = jnp.where(cols < new[:, None], spec.length[:, None] + cols, spec.history.shape[1])
-    spec = spec.replace(history=spec.history.at[rows, where].set(state.tokens, mode="drop"), length=spec.length + new)
-    if spec.feature_len is not None:
-        spec = spec.replace(feature_len=jnp.zeros_like(spec.feature_len))
-    return state, spec, out
+    # (a retired slot's `generated` does not move: nothing of it is taken)
+    return state, speculative.after_plain(spec, state.tokens, before, state.generated, before), out
 
 
 def outputs(state: DecodeState) -> tuple:

@@ -254,7 +254,8 @@ class Runner:
         limit = jnp.int32(self.serve.chunk_steps)
         w = speculative.window([plan.draft_tokens])
         rows = len(plan.decode)
-        speculate = bool(w) and self.gate.choose(rows)
+        gated = self.serve.spec_gate and self.gate is not None  # None: the warm-up, which reaches every program
+        speculate = bool(w) and (not gated or self.gate.choose(rows))
         compiled = self.compilations
         if speculate:
             self.state, self.spec, out = self._spec_chunk(
@@ -269,7 +270,7 @@ class Runner:
         for x in out:
             x.copy_to_host_async()
         # what the gate learns from this chunk once its results are in (nothing when it compiled a program)
-        timed = (rows, speculate, self._clock()) if w and compiled == self.compilations else None
+        timed = (rows, speculate, self._clock()) if w and gated and compiled == self.compilations else None
         chunk = (out, plan.decode, timed)
         if self.serve.overlap:
             chunk, self.in_flight = self.in_flight, chunk
@@ -284,7 +285,7 @@ class Runner:
         """`_take` of a chunk, its tokens per second told to the speculation gate (from its dispatch, or the
         results before it if later: with `serve.overlap` the chunks run back to back)."""
         taken = _take(chunk, self.stats)
-        if chunk is not None and chunk[2] is not None:
+        if chunk is not None and chunk[2] is not None and self.gate is not None:
             rows, speculated, dispatched = chunk[2]
             now = self._clock()
             host = taken["host"]
