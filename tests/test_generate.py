@@ -392,3 +392,22 @@ def test_score_refuses_ids_outside_the_vocabulary(gen):
         gen.score([[1, 2]], [[300]])
     with pytest.raises(SamplingError, match=r"pair 0 has token ids outside"):
         gen.score([[-1, 2]], [[3]])
+
+
+def test_a_loaded_models_second_batch_compiles_nothing(tiny_run):
+    """Params placed on a mesh (`load_model`): the grammar table the loop hands back carries the mesh's sharding,
+    and the next batch's fresh table is placed alike, so the second batch (plain and speculative) traces nothing."""
+    from jaxgen.inference.loading import load_model
+
+    cfg, tok, params = load_model(tiny_run)
+    gen = Generator(params, cfg, tok, max_batch=2, chunk_steps=8, spec_gate=False)
+    settings = [
+        SamplingConfig(max_new_tokens=8, temperature=0.0),
+        SamplingConfig(max_new_tokens=8, num_speculative_tokens=2),
+    ]
+    for s in settings:
+        gen.generate(["hello"], s)
+    before = gen.compilations
+    for s in settings:
+        gen.generate(["world"], s)
+    assert gen.compilations == before

@@ -317,7 +317,10 @@ class Generator:
         kept = self._table
         if kept is not None and kept[0] == tuple(map(id, distinct)) and not kept[1].is_deleted():
             return kept[1]
-        table = upload(pool.stack(distinct, self.cfg.vocab_size))
+        table = pool.stack(distinct, self.cfg.vocab_size)
+        placed = jax.tree.leaves(self.params)[0].sharding
+        if isinstance(placed, jax.sharding.NamedSharding):  # as the loop hands it back: the next call's key
+            table = jax.device_put(table, jax.sharding.NamedSharding(placed.mesh, jax.sharding.PartitionSpec()))
         self._table = (tuple(map(id, distinct)), table, distinct)  # the automata kept alive: ids stay theirs
         return table
 
