@@ -153,6 +153,7 @@ def main() -> None:
     parser.add_argument("--draft", type=Path, default=None, help="a run folder with a draft model")
     parser.add_argument("--eagle", type=Path, default=None, help="an EAGLE-3 head (a head run or a vLLM-layout folder)")
     parser.add_argument("--no-ngram", action="store_true", help="skip the n-gram drafter's rows")
+    parser.add_argument("--no-gate", action="store_true", help="speculate in every chunk (spec_gate off)")
     parser.add_argument("--workload", choices=("copy", "text"), default="copy", help="copy-heavy or plain text prompts")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs of each side, taken in turn")
     parser.add_argument("--write-corpus", type=Path, default=None, help="write copy documents as JSONL and exit")
@@ -190,7 +191,8 @@ def main() -> None:
         drafters.append((f"eagle {args.eagle.name}", head))
         _sampled_acceptance(head, params, cfg, tok, load_config(args.run / "config.yaml"))
     for (drafter, d), b in itertools.product(drafters, args.batches):
-        gen = Generator(params, cfg, tok, GeneratorConfig(max_batch=b, chunk_steps=new), draft=d)
+        gen = Generator(params, cfg, tok, GeneratorConfig(max_batch=b, chunk_steps=16, spec_gate=not args.no_gate),
+                        draft=d)  # fmt: skip
         for w, (name, temp) in itertools.product(args.windows, (("greedy", 0.0), ("t=0.7", 0.7))):
             plain = SamplingConfig(temperature=temp, max_new_tokens=new, ignore_eos=True, seed=1)
             spec = dataclasses.replace(plain, num_speculative_tokens=w)
