@@ -262,3 +262,22 @@ def test_the_engine_drafts_with_the_head_exactly_under_preemption_with_structure
     assert m["requests_preempted"] > 0 and m["prefix_cache_hit_tokens"] > 0, m
     assert m["spec_accepted_tokens"] > 0 and m["spec_tokens_per_step"] > 1.3, m
     assert engine.pool.in_use() == 0
+
+
+def test_int8_weights_with_the_head_equal_their_plain_decoding(target, trained_head):
+    """int8 target weights (the embedding too: the head embeds through it): speculative output with the head
+    equals the same int8 model's plain decoding, greedy and sampled."""
+    from jaxgen.inference.loading import load_model
+    from jaxgen.model import quant
+
+    _, _, head = trained_head
+    cfg, tok, params = load_model(target)
+    params = quant.quantize_params(params, embedding=True)
+    plain = Generator(params, cfg, tok, max_batch=2)
+    spec = Generator(params, cfg, tok, max_batch=2, draft=head, spec_gate=False)
+    prompts = ["def __init__(self", "import os\n"]
+    settings = [SamplingConfig(max_new_tokens=24, temperature=0.0), SamplingConfig(max_new_tokens=24, temperature=0.8)]
+    want = plain.generate(prompts, settings)
+    got = spec.generate(prompts, [dataclasses.replace(s, num_speculative_tokens=4) for s in settings])
+    assert [c.tokens for c in got] == [c.tokens for c in want]
+    assert spec.speculation["accepted"] > 0
