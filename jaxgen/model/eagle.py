@@ -188,13 +188,18 @@ def frequent_tokens(tokens: np.ndarray, vocab_size: int, draft_vocab: int) -> np
 
 def new_head(cfg: ModelConfig, rng, layers_: tuple[int, ...] = (), draft_to_target=None) -> Head:
     """A randomly initialised head for target `cfg` (tapped `layers_`, default `default_layers`)."""
-    layers_ = tuple(layers_) or default_layers(cfg.num_layers)
-    for i in layers_:
-        if not 0 <= i <= cfg.num_layers:
-            raise ValueError(f"draft.layers: layer {i} is not allowed: 0..{cfg.num_layers} (the target's layers)")
+    layers_ = check_layers(tuple(layers_) or default_layers(cfg.num_layers), cfg.num_layers)
     d2t = np.arange(cfg.vocab_size, dtype=np.int32) if draft_to_target is None else np.asarray(draft_to_target)
     hcfg = head_config(cfg, len(d2t))
     return Head(init_params(hcfg, len(layers_), rng), jnp.asarray(d2t, jnp.int32), hcfg, layers_)
+
+
+def check_layers(layers_: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
+    """The tapped layers, ValueError unless each is 0..num_layers (the target's)."""
+    for i in layers_:
+        if not 0 <= i <= num_layers:
+            raise ValueError(f"draft.layers: layer {i} is not allowed: 0..{num_layers} (the target's layers)")
+    return layers_
 
 
 def check_head(head: Head, cfg: ModelConfig) -> Head:

@@ -124,6 +124,7 @@ def train_head(cfg: Config, run_dir: str | Path, progress: bool = True) -> HeadR
     tcfg, tokenizer, target_params = load_model(cfg.draft.target, param_dtype="float32")
     cfg = dataclasses.replace(cfg, model=tcfg)
     cfg.check_seq_len(f" (the target's, {cfg.draft.target})")
+    eagle.check_layers(cfg.draft.layers, tcfg.num_layers)  # before the run folder is made
     run_dir.mkdir(parents=True, exist_ok=True)
     meta_path = run_dir / "head.json"
     ckpt = Checkpointer(run_dir, cfg.checkpoint)
