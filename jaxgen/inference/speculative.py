@@ -176,9 +176,9 @@ def eagle_drafts(head: eagle.Head, embed_vd, sp: SpecState, history_bs, position
 def prefill_with_head(params, head: eagle.Head, tokens, positions, rows, lengths, cfg: ModelConfig,
                       cache_len: int, cache_dtype: str):  # fmt: skip
     """`decode.prefill` that also prefills an EAGLE head: the target's tapped features of every prompt
-    token but the last, each with the token after it, go into the head's cache (W + 1 slots more than the
-    target's: its drafting steps write past the kept ones); the last feature is what the first step
-    catches up on. Returns (cache, next-token logits (B, V), head cache, last features (B, n D))."""
+    token but the last, each with the token after it, go into the head's cache (`kvcache.BLOCK` slots more
+    than the target's: its drafting steps write up to W - 1 past the kept ones); the last feature is what
+    the first step catches up on. Returns (cache, next-token logits (B, V), head cache, last features (B, n D))."""
     cache = KVCache.init(cfg, tokens.shape[0], cache_len, cache_dtype).constrain()
     x, cache, features = model.hidden_states(params, tokens, positions, cache, cfg=cfg, taps=head.layers)
     x_last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)
