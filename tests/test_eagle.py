@@ -181,38 +181,18 @@ def test_the_vllm_layout_round_trip_and_its_refusals(tmp_path, target, trained_h
 def test_the_head_run_killed_with_sigkill_resumes_bitwise(tmp_path, target, token_cache):
     """train.py draft.target=... killed with SIGKILL once a checkpoint is complete continues from it to the
     losses and params of a run never killed."""
-    import os
-    import signal
-    import subprocess
     import sys
-    import time
 
     from jaxgen.training.eagle import load_head
-    from tests.conftest import ROOT
+    from tests.test_resume import kill_after_a_checkpoint, run
 
     def cmd(run_dir, *more):
         return [sys.executable, "train.py", "--config", "configs/tiny.yaml", "--run-dir", str(run_dir), "--no-progress",
                 f"data.cache_dir={token_cache}", f"draft.target={target}", "training.steps=400", "checkpoint.every=3",
                 "training.log_every=1", "training.eval_every=400", *more]  # fmt: skip
 
-    def finished(run_dir):
-        folder = run_dir / "checkpoints"
-        return [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if folder.is_dir() else []
-
-    def run(command):
-        out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-3000:]
-        return out
-
     killed, never = tmp_path / "killed", tmp_path / "never"
-    proc = subprocess.Popen(cmd(killed), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 180
-    while not finished(killed) and time.time() < deadline:
-        assert proc.poll() is None, proc.stderr.read()
-        time.sleep(0.1)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    saved = max(finished(killed))
+    saved = kill_after_a_checkpoint(cmd(killed), killed)
     assert f"from step {saved}" in run(cmd(killed, "training.steps_per_run=2")).stdout
     end = saved + 2
     run(cmd(never, f"training.steps_per_run={end}"))

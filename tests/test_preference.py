@@ -4,10 +4,6 @@ with chosen and rejected swapped, the wrong one); a killed run resumes bitwise."
 
 import dataclasses
 import json
-import os
-import signal
-import subprocess
-import time
 import types
 
 import jax
@@ -23,9 +19,8 @@ from jaxgen.training import preference
 from jaxgen.training.data.pipeline import PreferencePairs
 from jaxgen.training.data.preference import PreferenceDataError, encode_pairs
 from jaxgen.training.data.tokens import DOC_START, NO_LOSS
-from tests.conftest import ROOT
 from tests.test_hf import SMALL, _one_device, _randomise
-from tests.test_resume import _finished_steps, records, run, train_cmd
+from tests.test_resume import kill_after_a_checkpoint, records, run, train_cmd
 
 T, P = 32, 5  # tokens per row (several pairs packed in each), pairs
 
@@ -235,15 +230,7 @@ def test_a_preference_run_killed_with_sigkill_resumes_bitwise(tmp_path, token_ca
     args = [*PREF, f"data.paths=[{data}]", "model.lora.rank=4", "training.steps=400", "checkpoint.every=3",
             f"data.cache_dir={cache}"]  # fmt: skip
     killed, never = tmp_path / "killed", tmp_path / "never"
-    proc = subprocess.Popen(train_cmd(killed, token_cache, *args), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
-    deadline = time.time() + 180
-    while not _finished_steps(killed) and time.time() < deadline:
-        assert proc.poll() is None, proc.stderr.read()
-        time.sleep(0.1)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    saved = max(_finished_steps(killed))
+    saved = kill_after_a_checkpoint(train_cmd(killed, token_cache, *args), killed)
     [reference] = cache.glob("*/reference-*.npz")
     scored = reference.stat().st_mtime_ns
     cont = run(train_cmd(killed, token_cache, *args, "training.steps_per_run=2"))

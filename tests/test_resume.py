@@ -100,6 +100,19 @@ def test_sigterm_saves_and_continues_and_kill_9_resumes_from_the_last_checkpoint
     assert [r["step"] for r in records(run_dir)][-1] == saved + 1
 
 
+def kill_after_a_checkpoint(cmd, run_dir, wait_s: float = 180) -> int:
+    """Starts `cmd` (a training command writing `run_dir`), kills it with SIGKILL once a checkpoint is complete
+    (however long the machine takes, up to `wait_s`), and returns the newest complete checkpoint's step."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + wait_s
+    while not _finished_steps(run_dir) and time.time() < deadline:
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return max(_finished_steps(run_dir))
+
+
 def _finished_steps(run_dir) -> list[int]:
     """The steps of the complete checkpoints (orbax renames a step's folder to its number when done)."""
     folder = run_dir / "checkpoints"
@@ -113,16 +126,7 @@ def test_lora_kill_9_resumes_bitwise(tmp_path, token_cache):
 
     lora = ["model.lora.rank=4", "model.lora.targets=[q, v, up, down]", "training.steps=400", "checkpoint.every=3"]
     killed, never = tmp_path / "killed", tmp_path / "never"
-    proc = subprocess.Popen(
-        train_cmd(killed, token_cache, *lora), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    deadline = time.time() + 120
-    while not _finished_steps(killed) and time.time() < deadline:  # killed once a checkpoint is complete
-        assert proc.poll() is None, proc.stderr.read()
-        time.sleep(0.1)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    saved = max(_finished_steps(killed))
+    saved = kill_after_a_checkpoint(train_cmd(killed, token_cache, *lora), killed, wait_s=120)
     cont = run(train_cmd(killed, token_cache, *lora, "training.steps_per_run=2"))
     assert f"from step {saved}" in cont.stdout
     end = saved + 2

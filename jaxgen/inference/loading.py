@@ -142,7 +142,6 @@ def load_lora_run(run_dir: str | Path, mesh=None, step: int | None = None):
 def _restore_adapters(ckpt: Checkpointer, step: int, model_cfg: ModelConfig, mesh) -> dict:
     """Only the adapters (the train state's params) of a LoRA run's checkpoint, in their shardings on `mesh`."""
     import jax
-    import orbax.checkpoint as ocp
 
     specs, shardings = lora.lora_specs(model_cfg), lora.lora_shardings(model_cfg, mesh)
     is_spec = lambda x: isinstance(x, ParamSpec)
@@ -273,7 +272,10 @@ def load_head(run_dir: str | Path, step: int | None = None) -> eagle.Head:
     if not (run_dir / "head.json").exists():
         raise FileNotFoundError(f"{run_dir} is not a draft head run folder (no head.json); "
                                 "`python train.py draft.target=...` writes one")  # fmt: skip
-    meta = json.loads((run_dir / "head.json").read_text())
+    try:
+        meta = json.loads((run_dir / "head.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{run_dir / 'head.json'} is not valid JSON ({e}): train.py draft.target=... writes it") from e
     cfg = load_config(run_dir / "config.yaml")
     head = eagle.new_head(cfg.model, jax.random.key(0), tuple(meta["layers"]), np.asarray(meta["draft_to_target"]))
     ckpt = Checkpointer(run_dir, cfg.checkpoint)
@@ -281,10 +283,9 @@ def load_head(run_dir: str | Path, step: int | None = None) -> eagle.Head:
         step = ckpt.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"{run_dir} holds no checkpoint of its head yet")
-        item = {"params": jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), head.params)}
-        args = ocp.args.PyTreeRestore(item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-                                      partial_restore=True)  # fmt: skip
-        params = ckpt.manager.restore(step, args=ocp.args.Composite(state=args))["state"]["params"]
+        params = ckpt.restore_params_as(
+            step, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), head.params)
+        )
     finally:
         ckpt.close()
     return head.replace(params=params)

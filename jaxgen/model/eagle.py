@@ -150,7 +150,7 @@ def train_forward(head: Head, embed_vd, features_btf, tokens_bt, positions_bt, s
     keys0 = values0 = None
     diag_k, diag_v, out = [], [], []
     for j in range(k):
-        tok = _shift(tokens_bt, j + 1)
+        tok = shift(tokens_bt, j + 1)
         pos = jnp.where(positions_bt >= 0, positions_bt + j, -1)
         q, kk, vv = _inputs(head, embed_vd, hidden, tok, pos)
         if j == 0:
@@ -171,8 +171,8 @@ def train_forward(head: Head, embed_vd, features_btf, tokens_bt, positions_bt, s
     return jnp.stack(out)
 
 
-def _shift(x_bt, by: int):
-    """x shifted left by `by` along T (x[:, t + by] at t), zeros past the end."""
+def shift(x_bt, by: int):
+    """x shifted left by `by` along T (x[:, t + by] at t, any trailing axes), zeros past the end."""
     return jnp.concatenate([x_bt[:, by:], jnp.zeros_like(x_bt[:, :by])], axis=1)
 
 

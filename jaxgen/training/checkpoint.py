@@ -175,6 +175,11 @@ class Checkpointer:
         shardings = model.param_shardings(model_cfg, mesh)
         abstract = jax.eval_shape(lambda: model.init_params(model_cfg, jax.random.key(0)))
         abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, dtype, sharding=s), abstract, shardings)
+        return self.restore_params_as(step, abstract)
+
+    def restore_params_as(self, step: int, abstract):
+        """Only the params of a checkpoint, as the ShapeDtypeStructs `abstract` say (any params pytree: a
+        model's, a draft head's)."""
         item = {"params": abstract}
         restore_args = ocp.checkpoint_utils.construct_restore_args(item)
         args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)

@@ -59,8 +59,9 @@ def default_run_dir(cfg: Config) -> str:
 
 
 def losses(head: eagle.Head, target_params, tcfg: ModelConfig, batch: dict, k: int):
-    """(weighted loss, {"loss_j" (k,), "match_j" (k,) greedy agreement, "accept" (k,), "count"}) of one batch
-    of (B, T) inputs, positions and segment ids."""
+    """(weighted loss, {"loss_j" (k,), "match_j" (k,) greedy agreement, "accept" (k,) drafts 1..j all kept})
+    of one batch of (B, T) inputs, positions and segment ids; positions past a row's end or its segment are
+    masked (`eagle.shift` pads them with zeros)."""
     tokens, positions, segments = batch["inputs"], batch["positions"], batch["segment_ids"]
     x, _, features = model.hidden_states(target_params, tokens, positions, cfg=tcfg, segment_ids=segments,
                                          taps=head.layers)  # fmt: skip
@@ -75,13 +76,13 @@ def losses(head: eagle.Head, target_params, tcfg: ModelConfig, batch: dict, k: i
     valid_all = positions >= 0  # rows where every step is valid: the acceptance estimate's
     for j in range(k):
         ahead = j + 1  # step j at row t drafts the token the target predicts at row t + j + 1
-        valid = (rows[None] + ahead < t) & (_shift(segments, ahead) == segments) & (positions >= 0)
-        labels = _shift(target_logp, ahead)
+        valid = (rows[None] + ahead < t) & (eagle.shift(segments, ahead) == segments) & (positions >= 0)
+        labels = eagle.shift(target_logp, ahead)
         ce = -(jnp.exp(labels) * jax.nn.log_softmax(logits[j], axis=-1)).sum(-1)
         count = jnp.maximum(valid.sum(), 1)
         per_step.append(jnp.where(valid, ce, 0.0).sum() / count)
         total = total + STEP_WEIGHT**j * per_step[-1]
-        hit = eagle.to_target(head, jnp.argmax(logits[j], axis=-1)) == _shift(target_greedy, ahead)
+        hit = eagle.to_target(head, jnp.argmax(logits[j], axis=-1)) == eagle.shift(target_greedy, ahead)
         match.append((hit & valid).sum() / count)
         hits.append(hit)
         valid_all = valid_all & valid
@@ -89,11 +90,6 @@ def losses(head: eagle.Head, target_params, tcfg: ModelConfig, batch: dict, k: i
     accept = (kept & valid_all).sum((1, 2)) / jnp.maximum(valid_all.sum(), 1)
     metrics = {"loss_j": jnp.stack(per_step), "match_j": jnp.stack(match), "accept": accept}
     return total, metrics
-
-
-def _shift(x, by: int):
-    """x[:, t + by] at t along axis 1 (the last values repeat past the end; callers mask them)."""
-    return jnp.concatenate([x[:, by:], jnp.repeat(x[:, -1:], by, axis=1)], axis=1)
 
 
 def make_step(head_static: eagle.Head, tcfg: ModelConfig, tx: optax.GradientTransformation, k: int):
@@ -295,23 +291,25 @@ def sampled_acceptance(head: eagle.Head, target_params, tcfg: ModelConfig, batch
     head's distribution q (expected acceptance, the sum over tokens of min(p, q)). Both at temperature T."""
 
     @jax.jit
-    def one(batch, temperature):
+    def one(head, target_params, batch, temperature):  # arguments: constants would be baked into the program
         tokens, positions, segments = batch["inputs"], batch["positions"], batch["segment_ids"]
         x, _, features = model.hidden_states(target_params, tokens, positions, cfg=tcfg, segment_ids=segments,
                                              taps=head.layers)  # fmt: skip
-        p = jax.nn.softmax(_shift(model.lm_head(target_params, x, tcfg), 1) / temperature, axis=-1)  # (B, T, V)
+        p = jax.nn.softmax(eagle.shift(model.lm_head(target_params, x, tcfg), 1) / temperature, axis=-1)  # (B, T, V)
         logits = eagle.train_forward(head, target_params["embed_vd"], features, tokens, positions, segments, 1)[0]
         q_draft = jax.nn.softmax(logits / temperature, axis=-1)
         q = jnp.zeros_like(p).at[..., head.draft_to_target].set(q_draft)
         exact = jnp.take_along_axis(p, eagle.to_target(head, jnp.argmax(logits, -1))[..., None], axis=-1)[..., 0]
         standard = jnp.minimum(p, q).sum(-1)
         t = tokens.shape[1]
-        valid = (jnp.arange(t)[None] + 1 < t) & (_shift(segments, 1) == segments) & (positions >= 0)
+        valid = (jnp.arange(t)[None] + 1 < t) & (eagle.shift(segments, 1) == segments) & (positions >= 0)
         count = jnp.maximum(valid.sum(), 1)
         return jnp.where(valid, exact, 0).sum() / count, jnp.where(valid, standard, 0).sum() / count
 
     out = {}
     for temperature in temperatures:
-        got = [one({k: jnp.asarray(b[k]) for k in BATCH}, jnp.float32(temperature)) for b in batches]
+        got = [
+            one(head, target_params, {k: jnp.asarray(b[k]) for k in BATCH}, jnp.float32(temperature)) for b in batches
+        ]
         out[temperature] = tuple(float(np.mean([float(g[i]) for g in got])) for i in (0, 1))
     return out

@@ -284,16 +284,14 @@ class Runner:
     def _take(self, chunk) -> dict:
         """`_take` of a chunk, its tokens per second told to the speculation gate (from its dispatch, or the
         results before it if later: with `serve.overlap` the chunks run back to back)."""
-        taken = _take(chunk, self.stats)
+        taken, counters = _take(chunk, self.stats)
         if chunk is not None and chunk[2] is not None and self.gate is not None:
             rows, speculated, dispatched = chunk[2]
             now = self._clock()
-            host = taken["host"]
-            if speculated:
-                steps_, _, accepted = (int(np.asarray(x).sum()) for x in jax.device_get(chunk[0][-3:]))
-                tokens = steps_ + accepted
-            else:
-                tokens = rows * int(host.step)  # a token per row and step (rows finishing early: a little less)
+            if counters is not None:  # kept tokens: a token per target step, and the accepted drafts
+                tokens = counters[0] + counters[2]
+            else:  # a token per row and step (rows finishing early: a little less)
+                tokens = rows * int(taken["host"].step)
             self.gate.observe(rows, speculated, tokens, now - max(dispatched, self._last_results))
             self._last_results = now
         return taken
@@ -385,16 +383,19 @@ class Runner:
         return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves((self.state, self.spec)))
 
 
-def _take(chunk, stats) -> dict:
-    """A decode chunk's results on the host (`StepOutput.host` and `decoded`), or none."""
+def _take(chunk, stats) -> tuple[dict, tuple | None]:
+    """A decode chunk's results on the host (`StepOutput.host` and `decoded`, or none), and a speculative
+    chunk's counters summed over slots (target steps, drafts, accepted; None for a plain chunk)."""
     if chunk is None:
-        return {}
+        return {}, None
     out, decoded, _ = chunk
     fields = jax.device_get(out)
     n = len(HostRows.names())
-    if len(fields) > n:  # a speculative chunk's counters
-        stats.speculated(*(int(x.sum()) for x in fields[n:]))
-    return {"host": HostRows(*fields[:n]), "decoded": decoded}
+    counters = None
+    if len(fields) > n:
+        counters = tuple(int(x.sum()) for x in fields[n:])
+        stats.speculated(*counters)
+    return {"host": HostRows(*fields[:n]), "decoded": decoded}, counters
 
 
 def _with_empty_bank(params: dict, cfg: ModelConfig, serve: ServeConfig, mesh) -> dict:
