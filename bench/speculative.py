@@ -27,8 +27,15 @@ to). A model that does, trained by train.py on these very documents (it memorise
 files (data.source=files) is prompted with their first 16 tokens instead, the files' next tokens as
 the reference: the issue's "code file continued from its start".
 
-Greedy and sampled (temperature 0.7) rows; the output is the same with and without speculation
-(tested in tests/test_speculative.py), so only the time differs. Compare rows as ratios within one run.
+Greedy and sampled (--temperatures, default 0 and 0.7) rows; with the exact rule (the default) the output
+is the same with and without speculation (tested in tests/test_speculative.py), so only the time differs.
+`--rules exact standard` adds standard speculative sampling's rows (exact in distribution, not token for
+token: `GeneratorConfig.spec_rule`):
+
+    python bench/speculative.py --eagle runs/default-eagle3 --workload text --windows 4 --batches 1 \
+        --no-ngram --rules exact standard --temperatures 0.7 1.0
+
+Compare rows as ratios within one run.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from jaxgen.config import load_config
 from jaxgen.inference.generator import Generator, GeneratorConfig
 from jaxgen.inference.loading import load_model
 from jaxgen.inference.sampling import SamplingConfig
+from jaxgen.inference.speculative import RULES
 from jaxgen.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,6 +163,14 @@ def main() -> None:
     parser.add_argument("--no-ngram", action="store_true", help="skip the n-gram drafter's rows")
     parser.add_argument("--no-gate", action="store_true", help="speculate in every chunk (spec_gate off)")
     parser.add_argument("--workload", choices=("copy", "text"), default="copy", help="copy-heavy or plain text prompts")
+    parser.add_argument(
+        "--rules",
+        nargs="+",
+        choices=RULES,
+        default=["exact"],
+        help="spec_rule values: exact (token for token) and/or standard (in distribution)",
+    )
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7], help="0 = greedy")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs of each side, taken in turn")
     parser.add_argument("--write-corpus", type=Path, default=None, help="write copy documents as JSONL and exit")
     parser.add_argument("--corpus-docs", type=int, default=64, help="documents --write-corpus writes")
@@ -181,19 +197,20 @@ def main() -> None:
         print(f"{args.run}: prompts of {len(prompts[0])} tokens; {new} new tokens")
         _copied(params, cfg, tok, prompts[:8], refs[:8], new)
     print(
-        "| drafter | window | batch | sampling | plain tok/s | speculative tok/s | speedup | acceptance "
+        "| drafter | rule | window | batch | sampling | plain tok/s | speculative tok/s | speedup | acceptance "
         "| tokens / target step | kept drafts 1..i (share of steps) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     drafters = ([] if args.no_ngram else [("n-gram", None)]) + ([(f"model {args.draft.name}", draft)] if draft else [])
     if args.eagle is not None:
         head = _eagle(args.eagle, cfg, tok)
         drafters.append((f"eagle {args.eagle.name}", head))
         _sampled_acceptance(head, params, cfg, tok, load_config(args.run / "config.yaml"))
-    for (drafter, d), b in itertools.product(drafters, args.batches):
-        gen = Generator(params, cfg, tok, GeneratorConfig(max_batch=b, chunk_steps=16, spec_gate=not args.no_gate),
-                        draft=d)  # fmt: skip
-        for w, (name, temp) in itertools.product(args.windows, (("greedy", 0.0), ("t=0.7", 0.7))):
+    for (drafter, d), rule, b in itertools.product(drafters, args.rules, args.batches):
+        config = GeneratorConfig(max_batch=b, chunk_steps=16, spec_gate=not args.no_gate, spec_rule=rule)
+        gen = Generator(params, cfg, tok, config, draft=d)
+        for w, temp in itertools.product(args.windows, args.temperatures):
+            name = "greedy" if temp == 0 else f"t={temp:g}"
             plain = SamplingConfig(temperature=temp, max_new_tokens=new, ignore_eos=True, seed=1)
             spec = dataclasses.replace(plain, num_speculative_tokens=w)
             base, fast, c = ab(gen, prompts[:b], plain, spec, args.repeats)
@@ -201,8 +218,8 @@ def main() -> None:
             per_step = c["tokens"] / max(c["target_steps"], 1)
             at = " ".join(f"{n / max(c['target_steps'], 1):.2f}" for n in c["kept_at"][:w])
             print(
-                f"| {drafter} | {w} | {b} | {name} | {base:.1f} | {fast:.1f} | {fast / base:.2f}x | {rate:.2f} "
-                f"| {per_step:.2f} | {at} |",
+                f"| {drafter} | {rule} | {w} | {b} | {name} | {base:.1f} | {fast:.1f} | {fast / base:.2f}x "
+                f"| {rate:.2f} | {per_step:.2f} | {at} |",
                 flush=True,
             )
 

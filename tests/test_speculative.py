@@ -406,3 +406,85 @@ def test_chunks_the_gate_runs_plain_keep_the_output_and_the_ngram_history():
         _same(a.outputs[0], b)
     m = llm.engine.metrics()
     assert llm.engine.runner.gate.skipped > 0 and m["spec_accepted_tokens"] > 0, m
+
+
+# --- the standard rule: exact in distribution ------------------------------------------------------------
+
+SMALL = ModelConfig(vocab_size=16, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64, max_seq_len=32)
+
+
+def _sharpened(tree, factor: float):
+    return jax.tree.map(lambda p: p * factor if p.ndim > 1 else p, tree)
+
+
+def _reference(params, prompt: list[int], temperature: float, top_k: int):
+    """Plain sampling's exact distributions from full forward passes (numpy truncation, not jaxgen's):
+    token 0's (V,), token 1's after each token 0 (V, V), token 2's after each pair (V, V, V)."""
+    v = SMALL.vocab_size
+    forward = jax.jit(lambda x: model.forward(params, x, jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape),
+                                              cfg=SMALL)[0][:, -1])  # fmt: skip
+
+    def next_probs(seqs):
+        logits = np.asarray(forward(jnp.asarray(seqs)), np.float64) / temperature
+        if top_k:
+            logits = np.where(logits >= np.sort(logits, -1)[:, -top_k][:, None], logits, -np.inf)
+        e = np.exp(logits - logits.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
+    p1 = next_probs([[*prompt, a] for a in range(v)])
+    p2 = next_probs([[*prompt, a, b] for a in range(v) for b in range(v)]).reshape(v, v, v)
+    return next_probs([prompt])[0], p1, p2
+
+
+def _chi_square_p(observed, expected_p) -> float:
+    """Pearson's test of draws (ints) against probabilities; cells expected under 5 draws pooled."""
+    from scipy import stats
+
+    counts = np.bincount(observed, minlength=len(expected_p))
+    e = expected_p * len(observed)
+    small = e < 5
+    o, e = np.append(counts[~small], counts[small].sum()), np.append(e[~small], e[small].sum())
+    return float(stats.chi2.sf(((o - e) ** 2 / np.maximum(e, 1e-12)).sum(), len(o) - 1))
+
+
+@pytest.mark.parametrize("drafter", ["head", "draft model"])
+def test_the_standard_rule_is_exact_in_distribution(drafter):
+    """spec_rule="standard" (drafts drawn from the drafter's q, kept with probability min(1, p/q), the
+    residual max(0, p - q) after a rejection): 3000 samples of three tokens pass a chi-square test
+    against plain sampling's exact distribution (tokens 0 and 1 jointly, token 2's marginal) while many
+    drafts are kept and many rejected; greedy rows stay token for token. (Drawing from p instead of the
+    residual after a rejection fails them with p < 1e-10.)"""
+    from jaxgen.model import eagle
+
+    params = _sharpened(model.init_params(SMALL, jax.random.key(0)), 3.0)  # peaked: p and q differ
+    if drafter == "head":
+        head = eagle.new_head(SMALL, jax.random.key(1))
+        draft, temperature, top_k = head.replace(params=_sharpened(head.params, 4.0)), 1.0, 0
+    else:
+        draft, temperature, top_k = (params, SMALL), 0.7, 6  # greedy point masses: kept with probability p(d)
+    gen = Generator(params, SMALL, Tokenizer.byte_level(), max_batch=256, draft=draft, spec_rule="standard")
+    prompt, n = [3, 1, 4, 1, 5], 3000
+    settings = [SamplingConfig(max_new_tokens=3, temperature=temperature, top_k=top_k, seed=i, ignore_eos=True,
+                               num_speculative_tokens=2) for i in range(n)]  # fmt: skip
+    settings += [dataclasses.replace(settings[0], temperature=0.0)] * 4  # greedy rows in the same batches
+    got = np.asarray([c.tokens for c in gen.generate([prompt] * len(settings), settings)])
+    stats = gen.speculation_stats()
+    assert min(stats["accepted"], stats["proposed"] - stats["accepted"]) > 400, stats  # both paths ran often
+
+    p0, p1, p2 = _reference(params, prompt, temperature, top_k)
+    joint01 = p0[:, None] * p1
+    sampled, v = got[:n], SMALL.vocab_size
+    for observed, expected in (
+        (sampled[:, 0], p0),
+        (sampled[:, 0] * v + sampled[:, 1], joint01.ravel()),
+        (sampled[:, 2], (joint01[:, :, None] * p2).sum((0, 1))),
+    ):
+        assert _chi_square_p(observed, expected) > 1e-3
+    t0 = int(np.argmax(p0))
+    t1 = int(np.argmax(p1[t0]))
+    assert got[n:].tolist() == [[t0, t1, int(np.argmax(p2[t0, t1]))]] * 4  # greedy: token for token
+
+
+def test_a_spec_rule_that_does_not_exist_is_refused():
+    with pytest.raises(SamplingError, match=r"spec_rule='exactly' is not allowed: 'exact', 'standard'"):
+        GeneratorConfig(spec_rule="exactly")

@@ -69,8 +69,16 @@ class GeneratorConfig:
     # speculation only where it pays: per batch size, a chunk speculates while measured tokens/s of speculative
     # chunks reach 0.95 of plain ones (jaxgen.inference.spec_gate); False: whenever a row asks
     spec_gate: bool = True
+    # how drafts are checked: "exact", token for token what plain decoding gives; "standard", standard
+    # speculative sampling (exact in distribution, keeps more sampled drafts; jaxgen.inference.speculative).
+    # "standard" speculates in every chunk (a plain chunk cannot take over its pending residual draw)
+    spec_rule: str = "exact"
 
     def __post_init__(self):
+        if self.spec_rule not in speculative.RULES:
+            raise SamplingError(
+                f"spec_rule={self.spec_rule!r} is not allowed: {', '.join(map(repr, speculative.RULES))}", "spec_rule"
+            )
         if self.cache_dtype not in ("float32", "bfloat16", "int8"):
             raise SamplingError(
                 f"cache_dtype={self.cache_dtype!r} is not allowed: float32, bfloat16, int8", "cache_dtype"
@@ -122,7 +130,7 @@ class Generator:
         self._spec_loop = with_mesh(
             jax.jit(
                 counted(self, speculative.speculative_loop),
-                static_argnames=("cfg", "w", "draft_cfg"),
+                static_argnames=("cfg", "w", "draft_cfg", "rule"),
                 donate_argnums=(1, 2),
             ),
             mesh,
@@ -223,12 +231,13 @@ class Generator:
         step, made, spec_made = 0, np.zeros((b,), np.int32), 0  # tokens of each row so far; in speculative chunks
         while True:
             state = state.replace(limit=np.int32(min(step + self.chunk_steps, longest_new)))
-            speculate = spec is not None and (not self.config.spec_gate or self.gate.choose(len(group)))
+            gated = self.config.spec_gate and self.config.spec_rule == "exact"
+            speculate = spec is not None and (not gated or self.gate.choose(len(group)))
             started, compiled = time.perf_counter(), self.compilations
             if speculate:
                 state, spec = self._spec_loop(
                     self.params, state, spec, cfg=cfg, w=w, draft_params=self.draft_params,
-                    draft_cfg=self.draft_cfg, head=self.head,
+                    draft_cfg=self.draft_cfg, head=self.head, rule=self.config.spec_rule,
                 )  # fmt: skip
             else:
                 state = self._loop(self.params, state, cfg=cfg)
@@ -262,8 +271,9 @@ class Generator:
                 self.draft_params, *prompts_in, cfg=self.draft_cfg, cache_len=cache_len, cache_dtype=self.cache_dtype
             )
         num_spec = [configs[p].num_speculative_tokens for p, _ in batch_rows]
+        vocab = self.cfg.vocab_size if self.config.spec_rule == "standard" else 0
         return speculative.SpecState.init([ids[p] for p, _ in batch_rows], num_spec, history, draft_cache,
-                                          eagle=eagle_start)  # fmt: skip
+                                          eagle=eagle_start, vocab=vocab)  # fmt: skip
 
     def _count_speculation(self, spec, tokens: int, live: int) -> None:
         """Adds a batch's counters; `tokens`: those its speculative chunks made (not the gate's plain ones)."""

@@ -368,6 +368,24 @@ def truncated_logits(logits_bv, sp: SamplingArrays):
     return jnp.where(keep, sorted_logits, -jnp.inf), order
 
 
+def probabilities(penalized_bv, sp: SamplingArrays):
+    """(B, V) the distribution `draw` draws from, in token order: tempered, truncated (top-k, top-p, min-p)
+    and renormalised; a greedy row's is one-hot on its argmax. (Speculative sampling's standard rule
+    compares it with the drafter's.)"""
+    masked, order = truncated_logits(penalized_bv, sp)
+    rows = jnp.arange(penalized_bv.shape[0])[:, None]
+    probs = jnp.zeros_like(masked).at[rows, order].set(jax.nn.softmax(masked, axis=-1))
+    greedy = jax.nn.one_hot(jnp.argmax(penalized_bv, axis=-1), penalized_bv.shape[-1], dtype=probs.dtype)
+    return jnp.where(sp.temperature[:, None] == 0, greedy, probs)
+
+
+def row_keys(seed_b, index_b, salt: int):
+    """(B,) keys for a row's token `index_b` (B,) and one use of it, `salt`: apart from `draw`'s keys
+    (`fold_in(key(seed), index)`) and from each other, so a draw, a draft and an acceptance test of the
+    same token are independent."""
+    return jax.vmap(lambda s, t: jax.random.fold_in(jax.random.fold_in(jax.random.key(s), t), salt))(seed_b, index_b)
+
+
 def sample(logits_bv, sp: SamplingArrays, step, seen_bv, counts_bv, allowed_bv=None, tiled: bool = False):
     """Next token per row: (B,) int32. Greedy rows (temperature 0) take the processed argmax.
 

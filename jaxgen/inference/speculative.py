@@ -20,6 +20,13 @@ at batch 1 no slot is wasted; the cache is sized for W + 1 slots a step (`cache_
 a step may keep. Per row, `num_speculative_tokens` (0..W) is an array: changing it does not recompile;
 W is the power of two (2, 4 or 8) covering the batch's largest request.
 
+`rule="standard"` (the Generator's `spec_rule`) is standard speculative sampling instead: exact in
+distribution, not token for token. Drafts are drawn from the drafter's distribution q (an EAGLE head's
+softmax at the row's temperature; n-gram and draft-model drafts are point masses), draft i is kept with
+probability min(1, p(d)/q(d)) against the target's processed distribution p, and after a rejection the next
+token is drawn from max(0, p - q), renormalised (`SpecState.residual` carries q to that draw). Each of the
+three draws has its own key (`sampling.row_keys`). Greedy rows stay token for token.
+
 Shapes: B rows, S history length (prompt + output), W the draft window, V the vocabulary.
 """
 
@@ -33,13 +40,15 @@ import numpy as np
 from jaxgen import model
 from jaxgen.config import ModelConfig
 from jaxgen.inference.decode import DecodeState, allowed, append, finish_code, record, stop_hit, upload
-from jaxgen.inference.sampling import sample
+from jaxgen.inference.sampling import draw, penalized, probabilities, row_keys, sample
 from jaxgen.model import eagle, kvcache, lora
 from jaxgen.model.cache import Cache
 from jaxgen.model.kvcache import KVCache
 
 NGRAMS = (3, 2, 1)  # the longest match wins
 MAX_WINDOW = 8  # the widest draft window (`window`)
+RULES = ("exact", "standard")  # token for token as plain decoding; standard speculative sampling
+DRAFT, ACCEPT, RESIDUAL = 1, 2, 3  # `row_keys` salts of the standard rule's draws
 
 
 @flax.struct.dataclass
@@ -61,10 +70,15 @@ class SpecState:
     feature_len: jax.Array | None = None
     feature_pos: jax.Array | None = None
     kept_at: jax.Array | None = None  # (B, 8) int32: steps that kept drafts 1..i + 1 (acceptance by position)
+    # the standard rule: the drafter's distribution (B, V) of the draft the last step rejected, which the
+    # next token's draw subtracts from the target's (zeros: nothing rejected)
+    residual: jax.Array | None = None
 
     @classmethod
-    def init(cls, prompts: list[list[int]], num_spec: list[int], size: int, draft_cache=None, eagle=None) -> SpecState:
-        """`eagle`: (head cache, the prompts' last features (B, n D), W) from `prefill_with_head`."""
+    def init(cls, prompts: list[list[int]], num_spec: list[int], size: int, draft_cache=None, eagle=None,
+             vocab: int = 0) -> SpecState:  # fmt: skip
+        """`eagle`: (head cache, the prompts' last features (B, n D), W) from `prefill_with_head`; `vocab`:
+        the target's vocabulary size for the standard rule's `residual` (0: the exact rule)."""
         history = np.full((len(prompts), size), -1, np.int32)
         for r, p in enumerate(prompts):
             history[r, : len(p)] = p
@@ -77,6 +91,7 @@ class SpecState:
             num_spec=np.asarray(num_spec, np.int32), proposed=zeros(), accepted=zeros(), target_steps=zeros(),
             kept_at=np.zeros((len(prompts), 8), np.int32),
             missing=None if draft_cache is None or eagle is not None else zeros(bool),
+            residual=np.zeros((len(prompts), vocab), np.float32) if vocab else None,
         )  # fmt: skip
         if eagle is None:
             return cls(**upload(host), draft_cache=draft_cache)
@@ -140,9 +155,11 @@ def model_drafts(draft_params, draft_cfg: ModelConfig, sp: SpecState, prev, x0, 
     return drafts.astype(jnp.int32), cache
 
 
-def eagle_drafts(head: eagle.Head, embed_vd, sp: SpecState, history_bs, position_b, live_b, w: int):
+def eagle_drafts(head: eagle.Head, embed_vd, sp: SpecState, history_bs, position_b, live_b, w: int, drawn=None):
     """An EAGLE head's greedy W drafts after each row's newest token (already in `history_bs`, at
-    `position_b` (B,)): returns drafts (B, W) and the head's cache.
+    `position_b` (B,)): returns drafts (B, W), the head's cache and, with `drawn` (the standard rule:
+    (SamplingArrays, the newest token's index (B,), V)), drafts drawn from the head's distribution at
+    each row's temperature and those distributions in target ids (B, W, V) (else None).
 
     The head first catches up on the target's features of the last step's kept tokens (`sp.features`:
     feature_len of them from feature_pos, each with the token that followed it, the newest token last),
@@ -160,17 +177,35 @@ def eagle_drafts(head: eagle.Head, embed_vd, sp: SpecState, history_bs, position
     cache = cache.forget_rejected(before, fed)
     last = jnp.maximum(sp.feature_len - 1, 0)[:, None, None]
     hidden = jnp.take_along_axis(hidden, last, axis=1)  # (B, 1, D)
-    first = eagle.to_target(head, jnp.argmax(jnp.take_along_axis(logits, last, axis=1)[:, 0], axis=-1))
+    first, q = _choose(head, jnp.take_along_axis(logits, last, axis=1)[:, 0], 0, drawn)
     drafts = jnp.zeros((b, w), jnp.int32).at[:, 0].set(first)
+    qs = [q]
 
     caught_up = cache
     for j in range(1, w):  # unrolled: a loop inside the decode loop made XLA:CPU copy the carried cache
         pos = position_b + j - 1  # draft j - 1 is token position + j: the head's token sits one before
         pos = jnp.where(live_b & (pos < head.cfg.max_seq_len) & (j - 1 < cache.room(position_b)), pos, -1)
         hidden, logits, cache = eagle.step(head, embed_vd, hidden, drafts[:, j - 1 : j], pos[:, None], cache)
-        drafts = drafts.at[:, j].set(eagle.to_target(head, jnp.argmax(logits[:, 0], axis=-1)))
+        token, q = _choose(head, logits[:, 0], j, drawn)
+        drafts = drafts.at[:, j].set(token)
+        qs.append(q)
     cache = cache.forget_rejected(caught_up, jnp.zeros((b, w - 1), bool))
-    return drafts, cache
+    return drafts, cache, None if drawn is None else jnp.stack(qs, axis=1)
+
+
+def _choose(head: eagle.Head, logits_bd, j: int, drawn):
+    """Draft j from the head's logits (B, Vd): greedy (returns (B,) target ids, None), or with `drawn`
+    drawn from its distribution at each row's temperature (one-hot at 0), returned in target ids (B, V)."""
+    if drawn is None:
+        return eagle.to_target(head, jnp.argmax(logits_bd, axis=-1)), None
+    sampling, index_b, v = drawn
+    t = sampling.temperature[:, None]
+    greedy = jnp.argmax(logits_bd, axis=-1)
+    q = jnp.where(t == 0, jax.nn.one_hot(greedy, logits_bd.shape[-1]), jax.nn.softmax(logits_bd / jnp.maximum(t, 1e-6)))
+    keys = row_keys(sampling.seed, index_b + 1 + j, DRAFT)
+    token = jnp.where(t[:, 0] == 0, greedy, jax.vmap(jax.random.categorical)(keys, jnp.log(q)))
+    full = jnp.zeros((q.shape[0], v), q.dtype).at[:, head.draft_to_target].set(q)
+    return eagle.to_target(head, token), full
 
 
 def prefill_with_head(params, head: eagle.Head, tokens, positions, rows, lengths, cfg: ModelConfig,
@@ -219,7 +254,8 @@ def _draft_kept(cache, before, missing, live, kept, w: int):
 
 
 def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConfig, w: int, draft_params=None,
-                     draft_cfg: ModelConfig | None = None, base=None, head: eagle.Head | None = None):  # fmt: skip
+                     draft_cfg: ModelConfig | None = None, base=None, head: eagle.Head | None = None,
+                     rule: str = "exact"):  # fmt: skip
     """`decode.decode_loop` with W drafts per step; returns (state, spec). Pure; the caches are updated in
     place. Drafts come from n-gram lookup, from the draft model when `draft_params` is given (then
     `spec.draft_cache` holds the prompts, prefilled by the draft model), or from an EAGLE `head` (then
@@ -228,8 +264,12 @@ def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConf
     base: (B,) int32 or None: the row's `generated` at the start of this call when the buffers hold one
     chunk (the engine: token i of the chunk at column i), else None (the Generator: column = token index).
     The loop also stops before a row could run out of buffer columns (a step writes up to W + 1).
+    rule: "exact" or "standard" (see the module's docstring; it needs `spec.residual`).
     (Longer than most functions on purpose: `cond` and `body` are closures over the call's static settings,
     as in `decode.decode_loop`; the body's parts that stand alone are `model_drafts` and `_verify`.)"""
+    if rule not in RULES or (rule == "standard") != (spec.residual is not None):
+        raise ValueError(f"rule={rule!r} with residual={spec.residual is not None}: 'exact' without, 'standard' with")
+    standard = rule == "standard"
     rows = jnp.arange(state.tokens.shape[0])
     base = jnp.zeros_like(state.generated) if base is None else base
     embed = params["embed_vd"]  # the head embeds with the base's embedding (adapters do not touch it)
@@ -243,19 +283,28 @@ def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConf
     def body(carry):
         s, sp = carry
         live = ~s.done
-        x0 = jnp.where(live, sample(s.logits, s.sampling, s.generated, s.seen, s.counts, allowed(s)), 0)
+        if standard:
+            x0 = jnp.where(live, _residual_draw(s, sp.residual), 0)
+        else:
+            x0 = jnp.where(live, sample(s.logits, s.sampling, s.generated, s.seen, s.counts, allowed(s)), 0)
         prev = jnp.take_along_axis(sp.history, jnp.maximum(sp.length - 1, 0)[:, None], axis=1)[:, 0]
         history = sp.history.at[rows, jnp.where(live, sp.length, sp.history.shape[1])].set(x0, mode="drop")
         length = sp.length + live
+        q = None  # the standard rule: the drafts' distributions (B, W, V)
+        v = s.logits.shape[-1]
         if head is not None:
-            drafts, draft_cache = eagle_drafts(head, embed, sp, history, s.positions, live, w)
+            drawn = (s.sampling, s.generated, v) if standard else None
+            drafts, draft_cache, q = eagle_drafts(head, embed, sp, history, s.positions, live, w, drawn)
             real = jnp.full_like(sp.num_spec, w)
         elif draft_params is None:
             drafts, real = ngram_drafts(history, length, w)
         else:
             drafts, draft_cache = model_drafts(draft_params, draft_cfg, sp, prev, x0, s.positions, live, w)
             real = jnp.full_like(sp.num_spec, w)
-        drafts, real = _forced_first(s, x0, drafts, real, w)
+        guessed, (drafts, real) = drafts, _forced_first(s, x0, drafts, real, w)
+        if standard:  # greedy drafts are point masses; so are jump-forward ones (the constraint allows no other)
+            point = jax.nn.one_hot(drafts, v)
+            q = point if q is None else jnp.where((drafts == guessed)[..., None], q, point)
         real = jnp.clip(jnp.minimum(real, sp.num_spec), 0, room(s.cache, s.positions) - 1) * live
         offsets = jnp.arange(w + 1)[None]
         positions = s.positions[:, None] + offsets  # (B, W + 1)
@@ -270,7 +319,7 @@ def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConf
         start = s.positions
 
         s = record(s, x0, s.logits, live, cfg, base)
-        s, kept = _verify(s, drafts, real, logits[:, :w], cfg, base)
+        s, kept = _verify(s, drafts, real, logits[:, :w], cfg, base, q)
         history = history.at[rows[:, None], length[:, None] + jnp.arange(w)[None]].set(drafts, mode="drop")
         keep = live[:, None] & (offsets <= kept[:, None])  # rejected drafts' keys: never read again
         cache = forget_rejected(cache, before, jnp.where(keep, positions, -1))
@@ -284,6 +333,10 @@ def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConf
         )  # fmt: skip
         if sp.kept_at is not None:
             sp = sp.replace(kept_at=sp.kept_at + (jnp.arange(sp.kept_at.shape[1])[None] < kept[:, None]))
+        if standard:  # a draft the test rejected: the next token is drawn from what p has beyond its q
+            rejected = live & (kept < real) & ~s.done
+            q_kept = jnp.take_along_axis(q, jnp.minimum(kept, w - 1)[:, None, None], axis=1)[:, 0]
+            sp = sp.replace(residual=jnp.where(rejected[:, None], q_kept, 0.0))
         if head is not None:
             wide = jnp.pad(features[0], ((0, 0), (0, sp.features.shape[1] - (w + 1)), (0, 0)))
             sp = sp.replace(
@@ -347,12 +400,23 @@ def forget_rejected(cache, before, kept_positions_bt):
     return cache.forget_rejected(before, kept_positions_bt >= 0, kept_positions_bt)
 
 
-def _verify(s: DecodeState, drafts_bw, real_b, logits_bwv, cfg: ModelConfig, base):
+def _residual_draw(s: DecodeState, residual_bv):
+    """The standard rule's next token (B,): drawn from max(0, p - residual), renormalised, where p is what
+    plain decoding draws from (`sampling.probabilities`); from p itself where nothing is left (no rejection)."""
+    p = probabilities(penalized(s.logits, s.sampling, s.seen, s.counts, allowed(s)), s.sampling)
+    left = jnp.maximum(p - residual_bv, 0.0)
+    left = jnp.where(left.sum(-1, keepdims=True) > 0, left, p)
+    keys = row_keys(s.sampling.seed, s.generated, RESIDUAL)
+    return jax.vmap(jax.random.categorical)(keys, jnp.log(left)).astype(jnp.int32)
+
+
+def _verify(s: DecodeState, drafts_bw, real_b, logits_bwv, cfg: ModelConfig, base, q_bwv=None):
     """All W drafts checked and recorded in one batched pass (a loop over W would be W rounds of small
     operations). Draft i is drawn with token index generated + i and the penalties' counts as if drafts
     0..i-1 were kept: if one of them was not, draft i is not kept either, so the guess costs nothing.
     Kept: the prefix of drafts drawn as guessed, up to and including one that ends the row (a stop
-    sequence, max_new, the context). Returns the state and the number kept (B,)."""
+    sequence, max_new, the context). With `q_bwv` (the standard rule: the drafts' distributions (B, W, V))
+    draft i is kept with probability min(1, p(d) / q(d)) instead. Returns the state and the number kept (B,)."""
     b, w = drafts_bw.shape
     v = logits_bwv.shape[-1]
     live = ~s.done
@@ -364,11 +428,16 @@ def _verify(s: DecodeState, drafts_bw, real_b, logits_bwv, cfg: ModelConfig, bas
     flat = (b * w, v)
     states = _grammar_states(s, drafts_bw)  # (B, W + 1): before draft i, and after the last
     allowed_bwv = s.grammar_table[jnp.maximum(states[:, :w], 0)] >= 0  # a forbidden draft is never drawn
-    drawn = sample(
-        logits_bwv.reshape(flat), repeat, index.reshape(-1), seen.reshape(flat), counts.reshape(flat),
-        allowed_bwv.reshape(flat),
-    ).reshape(b, w)  # fmt: skip
-    guessed = jnp.cumprod((drawn == drafts_bw) & (jnp.arange(w)[None] < real_b[:, None]), axis=1).astype(bool)
+    pen = penalized(logits_bwv.reshape(flat), repeat, seen.reshape(flat), counts.reshape(flat),
+                    allowed_bwv.reshape(flat))  # fmt: skip
+    if q_bwv is None:
+        accepted = draw(pen, repeat, index.reshape(-1)).reshape(b, w) == drafts_bw
+    else:
+        p_d, q_d = (jnp.take_along_axis(x, drafts_bw[..., None], axis=-1)[..., 0]
+                    for x in (probabilities(pen, repeat).reshape(b, w, v), q_bwv))  # fmt: skip
+        u = jax.vmap(jax.random.uniform)(row_keys(repeat.seed, index.reshape(-1), ACCEPT)).reshape(b, w)
+        accepted = u * q_d < p_d  # probability min(1, p/q)
+    guessed = jnp.cumprod(accepted & (jnp.arange(w)[None] < real_b[:, None]), axis=1).astype(bool)
 
     # where the row would end: the recent window after each draft, max_new, the context
     ls = s.recent.shape[1]
