@@ -70,7 +70,7 @@ def main() -> None:
     seed = run_cfg.training.seed
     batches = [
         ([c["prompt"] for c in tasks.step_prompts(records_all, seed, rec["step"] - 1, r.prompts_per_step)],
-         loop._sampling(run_cfg, rec["step"] - 1, r.prompts_per_step))
+         loop.sampling_for(run_cfg, rec["step"] - 1, r.prompts_per_step))
         for rec in last
     ]  # fmt: skip
     offline = {}
@@ -123,10 +123,10 @@ def overlap(run_dir: str, iterations: int) -> None:
 
     def rollout(step: int) -> dict:
         chosen = tasks.step_prompts(records, cfg.training.seed, step, r.prompts_per_step)
-        outputs = llm.generate([c["prompt"] for c in chosen], loop._sampling(cfg, step, r.prompts_per_step),
+        outputs = llm.generate([c["prompt"] for c in chosen], loop.sampling_for(cfg, step, r.prompts_per_step),
                                policy.adapter)  # fmt: skip
         rewards = np.asarray(
-            [[reward_fn(rec["prompt"], c.text, **loop._fields(rec)) for c in out.outputs]
+            [[reward_fn(rec["prompt"], c.text, **loop.fields_of(rec)) for c in out.outputs]
              for rec, out in zip(chosen, outputs, strict=True)], np.float32,
         )  # fmt: skip
         return loop.rollout_batch(cfg, outputs, rewards)

@@ -26,16 +26,24 @@ def np_advantages(rewards, normalize):
     return out
 
 
-def np_loss(logp, old, adv, mask, algorithm, eps, kl_coef, ref, averaging):
+def np_loss(logp, old, adv, mask, algorithm, eps, kl_coef, ref, averaging, correction="none", cap=2.0, at=None):
+    """at: the trainer's log-probabilities the importance weights are taken at (held fixed: no gradient
+    flows through them); default logp."""
+    at = logp if at is None else at
     B, T = logp.shape
     per = np.zeros((B, T))
     for b in range(B):
         for t in range(T):
-            r = np.exp(logp[b, t] - old[b, t])
+            rho = np.exp(at[b, t] - old[b, t])  # the importance weight, sampler -> trainer
+            r, weight = np.exp(logp[b, t] - old[b, t]), 1.0
+            if correction != "none":  # the ratio against the current policy itself, weighted
+                r = np.exp(logp[b, t] - at[b, t])
+                weight = min(rho, cap) if correction == "tis" else float(1 / cap <= rho <= cap)
             if algorithm == "grpo":
                 term = -min(r * adv[b], min(max(r, 1 - eps), 1 + eps) * adv[b])
             else:
                 term = -r * adv[b]
+            term *= weight
             if kl_coef:
                 d = ref[b, t] - logp[b, t]
                 term += kl_coef * (np.exp(d) - d - 1)
@@ -72,10 +80,15 @@ def test_advantages_follow_the_algorithm(algorithm):
 
 
 @pytest.mark.parametrize(
-    "algorithm,kl_coef,averaging",
-    [("grpo", 0.0, "token"), ("grpo", 0.1, "sequence"), ("reinforce", 0.0, "sequence"), ("reinforce", 0.05, "token")],
-)
-def test_policy_loss_and_its_gradient_equal_numpy(algorithm, kl_coef, averaging):
+    "algorithm,kl_coef,averaging,correction",
+    [("grpo", 0.0, "token", "none"), ("grpo", 0.1, "sequence", "none"), ("reinforce", 0.0, "sequence", "none"),
+     ("reinforce", 0.05, "token", "none"), ("grpo", 0.1, "token", "tis"), ("reinforce", 0.0, "sequence", "tis"),
+     ("grpo", 0.0, "sequence", "mask"), ("reinforce", 0.05, "token", "mask")],
+)  # fmt: skip
+def test_policy_loss_and_its_gradient_equal_numpy(algorithm, kl_coef, averaging, correction):
+    """Stale rollouts: the sampler's log-probabilities `old` differ from the trainer's by up to ~1 in log
+    (weights on both sides of the clip range and of the cap 1.3); the correction's weights are constants of
+    the gradient (held at the trainer's values in the central differences)."""
     rng = np.random.default_rng(0)
     B, T = 6, 7
     logp = rng.normal(-2.0, 0.5, (B, T))
@@ -84,14 +97,18 @@ def test_policy_loss_and_its_gradient_equal_numpy(algorithm, kl_coef, averaging)
     adv = rng.normal(0.0, 1.0, B)
     mask = (rng.random((B, T)) < 0.7).astype(np.float64)
     mask[3] = 0  # a row with no completion tokens counts for nothing
-    settings = rl.RLSettings(algorithm=algorithm, clip_eps=0.2, kl_coef=kl_coef, averaging=averaging)
+    settings = rl.RLSettings(algorithm=algorithm, clip_eps=0.2, kl_coef=kl_coef, averaging=averaging,
+                             correction=correction, is_cap=1.3)  # fmt: skip
     args = [jnp.asarray(x, jnp.float32) for x in (old, adv, mask)]
+    weights = np.exp(logp - old)[mask > 0]
+    assert (weights > 1.3).any() and (weights < 1 / 1.3).any()  # the cap and the mask's floor both bite
 
     def loss(lp):
         return rl.policy_loss(lp, args[0], args[1], args[2], settings, ref_logp_bt=jnp.asarray(ref, jnp.float32))[0]
 
     got, grad = jax.value_and_grad(loss)(jnp.asarray(logp, jnp.float32))
-    want = np_loss(logp, old, adv, mask, algorithm, 0.2, kl_coef, ref, averaging)
+    case = (algorithm, 0.2, kl_coef, ref, averaging, correction, 1.3)
+    want = np_loss(logp, old, adv, mask, *case)
     np.testing.assert_allclose(float(got), want, rtol=1e-5)
     # the gradient by central differences of the numpy loss, at a few entries
     for b, t in [(0, 0), (2, 3), (5, 6), (3, 1)]:
@@ -99,10 +116,7 @@ def test_policy_loss_and_its_gradient_equal_numpy(algorithm, kl_coef, averaging)
         up, down = logp.copy(), logp.copy()
         up[b, t] += h
         down[b, t] -= h
-        fd = (
-            np_loss(up, old, adv, mask, algorithm, 0.2, kl_coef, ref, averaging)
-            - np_loss(down, old, adv, mask, algorithm, 0.2, kl_coef, ref, averaging)
-        ) / (2 * h)
+        fd = (np_loss(up, old, adv, mask, *case, at=logp) - np_loss(down, old, adv, mask, *case, at=logp)) / (2 * h)
         np.testing.assert_allclose(float(grad[b, t]), fd, rtol=2e-3, atol=1e-5)
     assert float(grad[3].sum()) == 0.0
 
@@ -114,6 +128,25 @@ def test_reinforce_gradient_is_minus_advantage_times_grad_logp_on_policy():
     settings = rl.RLSettings(algorithm="reinforce")
     grad = jax.grad(lambda lp: rl.policy_loss(lp, logp, adv, mask, settings)[0])(logp)
     np.testing.assert_allclose(np.asarray(grad), -np.asarray(adv)[:, None] * np.ones((2, 2)) / 4, rtol=1e-6)
+
+
+@pytest.mark.parametrize("correction", ["tis", "mask"])
+def test_on_policy_the_corrections_are_the_plain_ratio(correction):
+    """Staleness 0 and the sampler's log-probabilities the trainer's (deterministic mode): every weight is 1,
+    and the loss and its gradient are the uncorrected ones, bitwise."""
+    rng = np.random.default_rng(1)
+    logp = jnp.asarray(rng.normal(-2.0, 0.5, (4, 5)), jnp.float32)
+    adv, mask = jnp.asarray(rng.normal(size=4), jnp.float32), jnp.asarray(rng.random((4, 5)) < 0.7, jnp.float32)
+    out = {}
+    for name in ("none", correction):
+        settings = rl.RLSettings(correction=name, kl_coef=0.1)
+        out[name] = jax.value_and_grad(lambda lp, s=settings: rl.policy_loss(lp, logp, adv, mask, s, logp - 0.1)[0])(
+            logp
+        )
+    np.testing.assert_array_equal(out["none"][0], out[correction][0])
+    np.testing.assert_array_equal(out["none"][1], out[correction][1])
+    metrics = rl.policy_loss(logp, logp, adv, mask, rl.RLSettings(correction=correction))[1]
+    assert float(metrics["ratio"]) == 1.0 and float(metrics["corrected"]) == 0.0
 
 
 def test_token_logprobs_equal_the_logits_at_each_position():

@@ -1,7 +1,10 @@
 """The RL loop end to end: GRPO raises the built-in task's reward on a live engine whose weights are swapped
-every step; the sampler's log-probabilities are the trainer's; a run killed with SIGKILL resumes to the parameters
-of a run never killed; two processes over a (data=2, fsdp=2, tensor=2) mesh run like one device; and an update on
-that mesh equals one on one device. The module's runs are on one device (cheapest to compile)."""
+every step, with each step's rollouts generated while the update before runs (rl.max_staleness=1, one policy
+version behind, corrected by truncated importance sampling); the sampler's log-probabilities are the
+trainer's; the logged loss is a hand-computed one on the saved rollouts; a run killed with SIGKILL resumes to
+the parameters of a run never killed, with the rollouts it had made; two processes over a (data=2, fsdp=2,
+tensor=2) mesh run like one device; and an update on that mesh equals one on one device. The module's runs
+are on one device (cheapest to compile)."""
 
 import os
 import signal
@@ -37,6 +40,7 @@ LEARN = [
     "rl.max_operand=2", "rl.warm_start_steps=100", "rl.warm_start_learning_rate=3e-3", "rl.temperature=2",
     "optimizer.learning_rate=5e-3", "optimizer.min_lr_ratio=1.0", f"training.steps={STEPS}",
 ]  # fmt: skip
+STALE = ["rl.max_staleness=1"]  # the module's runs are asynchronous unless a test says otherwise
 ROWS = 16 * 8  # rollouts a step (rl.prompts_per_step x rl.group_size)
 # the kill -9 test's child stops itself mid-run in its reward: the task's exact match, paused (tests/rl_pause.py)
 PAUSING = ["rl.reward=tests.rl_pause:exact_match_pausing"]
@@ -62,7 +66,7 @@ def warm(tmp_path_factory, token_cache):
 @pytest.fixture(scope="module")
 def overrides(token_cache, warm):
     """The dotted overrides of the runs below (what rl.py is given, after TINY)."""
-    return [*TINY, *LEARN, f"rl.init_from={warm}", f"data.cache_dir={token_cache}"]
+    return [*TINY, *LEARN, *STALE, f"rl.init_from={warm}", f"data.cache_dir={token_cache}"]
 
 
 @pytest.fixture(scope="module")
@@ -75,16 +79,26 @@ def uninterrupted(tmp_path_factory, overrides):
     return cfg, run_dir
 
 
-def test_grpo_raises_the_built_in_tasks_reward_and_the_sampler_agrees_with_the_trainer(uninterrupted):
+def test_grpo_raises_the_built_in_tasks_reward_one_version_behind_and_the_sampler_agrees_with_the_trainer(
+    uninterrupted,
+):
+    """Step 1's rollouts are the starting policy's (staleness 0), every later step's the policy one update
+    before its own (staleness 1): the reward still rises."""
     cfg, run_dir = uninterrupted
-    assert cfg.rl.task == "arithmetic" and not cfg.rl.reward  # the task's own exact match
+    assert cfg.rl.task == "arithmetic" and not cfg.rl.reward and cfg.rl.correction == "tis"
     records = read_metrics(run_dir)
     rewards = [r["reward"] for r in records]
     start, end = np.mean(rewards[:3]), np.mean(rewards[-3:])
     assert 0.1 < start < 0.8, rewards  # the warm start earns some of it, not all
     assert end > start + 0.2, rewards  # seen: +0.35 to +0.39 over three seeds; the gradient's sign flipped: -0.41
-    # the engine's log-probabilities of its own samples are the training forward's (max |difference|)
-    assert max(r["sampler_gap"] for r in records) < 1e-4, [r["sampler_gap"] for r in records]
+    assert [r["staleness"] for r in records] == [0.0] + [1.0] * (STEPS - 1)
+    assert [r["version"] for r in records] == [0, *range(STEPS - 1)]
+    # the engine's log-probabilities of its own samples are the training forward's (max |difference|) while the
+    # policy is the one that sampled them (steps 1 and 2: the first update's learning rate is warm-up's 0); one
+    # update later they are not
+    gaps = [r["sampler_gap"] for r in records]
+    assert max(gaps[:2]) < 1e-4 < min(gaps[2:]), gaps
+    assert max(r["corrected"] for r in records) > 0  # some weights passed the cap
     assert (run_dir / "reward.png").stat().st_size > 0
     assert loop.run_rl(cfg, run_dir, progress=False).status == "already finished"
 
@@ -93,12 +107,13 @@ def test_in_deterministic_mode_the_trainer_scores_the_samplers_log_probabilities
     """model.deterministic (docs/rl.md): the trainer's log-probabilities of the rollouts are the engine's to the
     bit, so the importance ratio of the first update is exactly 1 (the warm start, a run folder without the
     setting, gets it from the RL config)."""
-    bitwise = ["training.steps=2", "model.deterministic=true", "model.attention_block=8"]
+    bitwise = ["training.steps=2", "model.deterministic=true", "model.attention_block=8", "rl.max_staleness=0"]
     cfg = load_config(ROOT / "configs" / "rl-arithmetic.yaml", [*overrides, *bitwise])
     assert loop.run_rl(cfg, tmp_path / "run", progress=False).status == "finished"
     records = read_metrics(tmp_path / "run")
     assert [r["sampler_gap"] for r in records] == [0.0, 0.0]
     assert [r["clip_frac"] for r in records] == [0.0, 0.0]
+    assert [(r["ratio"], r["ratio_max"], r["corrected"]) for r in records] == [(1.0, 1.0, 0.0)] * 2  # weights: 1
 
 
 def _finished_steps(run_dir):
@@ -161,8 +176,34 @@ def test_a_run_killed_with_sigkill_resumes_to_the_parameters_of_a_run_never_kill
     a, b = _final_params(run_dir), _final_params(never, step=end)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(x, y)
-    by_step = {run: {r["step"]: r["reward"] for r in read_metrics(run)} for run in (run_dir, never)}
+    # each step's rollouts are the uninterrupted run's (those the killed run saved ahead, taken back): the same
+    # rewards and policy versions step for step, none lost, none used twice
+    by_step = {run: {r["step"]: (r["reward"], r["version"]) for r in read_metrics(run)} for run in (run_dir, never)}
     assert by_step[run_dir] == {s: r for s, r in by_step[never].items() if s <= end}
+    assert (run_dir / "rollouts").exists()
+
+
+def test_the_logged_loss_is_truncated_importance_sampling_by_hand(uninterrupted):
+    """Update 19 (step 18's checkpoint, the rollouts of step 18 that the policy of step 17 made, kept on disk
+    until the checkpoint after their update): the loss in metrics.jsonl is numpy's truncated-IS loss of the
+    trainer's log-probabilities against the sampler's, and not the uncorrected one."""
+    from jaxgen.rl import objectives, rollouts
+    from tests.test_rl import np_loss
+
+    cfg, run_dir = uninterrupted
+    r, step = cfg.rl, STEPS - 2
+    rollout = rollouts.Rollout.load(run_dir, step, (ROWS, r.max_prompt_tokens + r.max_new_tokens))
+    assert rollout is not None and rollout.version == step - 1
+    b = rollout.batch
+    params = _final_params(run_dir, step=step)
+    logp, _ = objectives.token_logprobs(params, b["tokens"], b["positions"], cfg=cfg.model, temperature=r.temperature)
+    logp = np.asarray(logp, np.float64)
+    case = (b["advantages"], b["mask"], r.algorithm, r.clip_eps, 0.0, None, r.averaging)
+    tis = np_loss(logp, b["old_logp"], *case, correction="tis", cap=r.is_cap)
+    plain = np_loss(logp, b["old_logp"], *case, correction="none")
+    logged = next(m for m in read_metrics(run_dir) if m["step"] == step + 1)["loss"]
+    np.testing.assert_allclose(logged, tis, rtol=1e-4, atol=1e-6)
+    assert abs(tis - plain) > 1e-3 * max(abs(tis), 1e-3)  # the check can tell them apart
 
 
 def test_two_processes_run_rl_like_one(tmp_path, uninterrupted, overrides):

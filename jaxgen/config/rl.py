@@ -32,6 +32,12 @@ class RLConfig:
     kl_coef: float = 0.0  # > 0: a KL penalty to the frozen starting policy, scored with the same forward
     averaging: Literal["token", "sequence"] = "token"
     normalize: bool = True  # GRPO's division by the group's reward spread (False: Dr. GRPO)
+    # off-policy rollouts (jaxgen.rl.objectives, docs/rl.md): the rollouts of step k + max_staleness are
+    # generated while update k runs, so each update uses rollouts up to max_staleness policy versions old
+    # (0: generate, then update, in turn); the loss corrects with each token's importance weight
+    max_staleness: int = 0
+    correction: Literal["tis", "mask", "none"] = "tis"  # truncated IS, masked IS, or the algorithm's clip only
+    is_cap: float = 2.0  # tis: the weight's cap; mask: tokens weighted outside [1 / is_cap, is_cap] drop
 
     def __post_init__(self):
         check_literals(self, "rl")
@@ -53,6 +59,7 @@ class RLConfig:
             "max_new_tokens": 1,
             "max_prompt_tokens": 1,
             "reward_workers": 1,
+            "max_staleness": 0,
         }  # name: the least allowed
         for name, low in integers.items():
             value = getattr(self, name)
@@ -64,6 +71,7 @@ class RLConfig:
         check(self.warm_start_learning_rate > 0 and finite(self.warm_start_learning_rate),
               "rl.warm_start_learning_rate", self.warm_start_learning_rate, "a finite number > 0")  # fmt: skip
         check(self.kl_coef >= 0 and finite(self.kl_coef), "rl.kl_coef", self.kl_coef, "a finite number >= 0")
+        check(self.is_cap > 1 and finite(self.is_cap), "rl.is_cap", self.is_cap, "a finite number > 1")
         if self.algorithm == "grpo":
             check(
                 self.group_size >= 2, "rl.group_size", self.group_size, "at least 2 for grpo (advantages are relative)"

@@ -7,11 +7,15 @@ One iteration (RL step s):
   1. prompts: `rl.prompts_per_step` records drawn from (training.seed, s) alone (jaxgen.rl.tasks);
   2. rollouts: `rl.group_size` samples a prompt from the engine (`LLM`), seeds from (training.seed, s),
      each sampled token's log-probability under the tempered policy it was drawn from
-     (`logprobs_mode="processed"`);
+     (`logprobs_mode="processed"`) and that policy's version (jaxgen.rl.rollouts);
   3. rewards: the config's function over (prompt, completion, fields), on `rl.reward_workers` threads;
   4. the update: advantages (the algorithm's rule: `objectives.ALGORITHMS`), the training
      forward's log-probabilities of the same tokens, the clipped loss (jaxgen.rl.objectives), AdamW;
   5. the swap: `llm.update_params(new params)`: no recompilation, the prefix cache dropped.
+With `rl.max_staleness` = K > 0 the rollouts of step s + K are generated (on the engine's policy version s)
+while update s runs, so update s takes rollouts made by version max(0, s - K), corrected by the tokens'
+importance weights (`rl.correction`); they are saved (`jaxgen.rl.rollouts`) until the checkpoint after their
+update, and a resumed run takes them from there rather than generating them again.
 The state checkpointed is a `TrainState` (policy, optimizer, step, key); prompts and seeds are functions of
 the step, the reference policy is the starting one (rebuilt the same way on resume), so a killed run
 resumes where it stopped and ends with the uninterrupted run's parameters.
@@ -34,7 +38,7 @@ import numpy as np
 from jaxgen.config import Config, DataConfig, LoraConfig, save_config
 from jaxgen.distributed import barrier, is_main
 from jaxgen.executables import Program
-from jaxgen.rl import objectives, tasks
+from jaxgen.rl import objectives, rollouts, tasks
 from jaxgen.rl.policy import Policy
 from jaxgen.sharding import batch_sharding, check_spans_processes, process_rows, with_mesh
 from jaxgen.training.checkpoint import Checkpointer
@@ -52,7 +56,7 @@ class RLResult:
 
 def settings_of(cfg: Config) -> objectives.RLSettings:
     r = cfg.rl
-    return objectives.RLSettings(r.algorithm, r.clip_eps, r.kl_coef, r.averaging, r.normalize)
+    return objectives.RLSettings(r.algorithm, r.clip_eps, r.kl_coef, r.averaging, r.normalize, r.correction, r.is_cap)
 
 
 def rl_step(state: TrainState, batch: dict, ref_logp, base=None, *, cfg: Config, tx, settings):
@@ -262,7 +266,7 @@ def _check_prompts(cfg: Config, tokenizer, records: list[dict]) -> None:
                          f"model.max_seq_len={cfg.model.max_seq_len}")  # fmt: skip
 
 
-def _sampling(cfg: Config, step: int, count: int):
+def sampling_for(cfg: Config, step: int, count: int):
     from jaxgen.inference.sampling import SamplingConfig
 
     r = cfg.rl
@@ -290,53 +294,44 @@ def _loop(cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params
     # Several processes: each generates (and rewards) its own rows of the step on its own engine, data parallel
     # like the update; the rewards are gathered so that every process forms the same advantages.
     rows = rollout_rows(cfg, mesh)
-    mine = slice(rows.start // r.group_size, rows.stop // r.group_size)  # this process's prompts of the step
     place = functools.partial(engine_params, mesh=mesh)
     llm = policy.engine(state, tokenizer, place, slots=rows.stop - rows.start,
                         num_pages=rollout_pages(cfg, rows=rows.stop - rows.start), max_logprobs=0)  # fmt: skip
     workers = concurrent.futures.ThreadPoolExecutor(r.reward_workers, thread_name_prefix="reward")
+    sampler = rollouts.Sampler(cfg, llm, policy, records, reward_fn, workers, rows)
+    shape = (rows.stop - rows.start, r.max_prompt_tokens + r.max_new_tokens)
+    ahead = {}  # step -> its rollouts, generated before its update (rl.max_staleness > 0)
     rewards_seen = []
     main = is_main()  # only process 0 writes metrics and shows the bar
     bar = tqdm(total=cfg.training.steps, initial=step, disable=not (progress and main), unit="step",
                dynamic_ncols=True)  # fmt: skip
     with MetricsWriter(run_dir) if main else contextlib.nullcontext() as metrics, workers:
+        for j in range(step, min(step + r.max_staleness, cfg.training.steps)):  # saved ones when resuming
+            ahead[j] = _ahead(sampler, run_dir, j, step, shape)
         while step < last:
+            started = time.perf_counter()
+            rollout = ahead.pop(step) if r.max_staleness else sampler.rollout(step, step)
+            made = None if r.max_staleness else rollout  # the rollouts generated in this iteration
+            t0 = time.perf_counter()
             times = {}
-            t0 = time.perf_counter()
-            chosen = tasks.step_prompts(records, cfg.training.seed, step, r.prompts_per_step)[mine]
-            sampling = _sampling(cfg, step, r.prompts_per_step)[mine]
-            outputs = llm.generate([c["prompt"] for c in chosen], sampling, policy.adapter)
-            times["generate_s"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            jobs = [
-                [workers.submit(reward_fn, rec["prompt"], c.text, **_fields(rec)) for c in out.outputs]
-                for rec, out in zip(chosen, outputs, strict=True)
-            ]
-            rewards = np.asarray([[_reward_of(cfg, j) for j in group] for group in jobs], np.float32)
-            new_tokens = sum(len(c.tokens) for out in outputs for c in out.outputs)
-            rewards, new_tokens = _gathered(cfg, rows, rewards, new_tokens)
-            times["reward_s"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            local = rollout_batch(cfg, outputs, rewards, rows)
+            local = {k: rollout.batch[k] for k in BATCH_KEYS}
             batch = put_batch(local | {"ref": np.zeros_like(local["mask"])}, mesh, B, keys=(*BATCH_KEYS, "ref"))
             ref = batch.pop("ref")  # no KL penalty: zeros, unread
             if r.kl_coef:
                 ref = score_ref(policy.reference, batch["tokens"], batch["positions"])
             times["score_s"] = time.perf_counter() - t0
+            state, m = update(state, batch, ref)  # dispatched: the rollouts made next run beside it
+            following = step + r.max_staleness
+            if r.max_staleness and following < cfg.training.steps:  # on the engine's policy, version `step`
+                made = ahead[following] = _ahead(sampler, run_dir, following, step, shape)
             t0 = time.perf_counter()
-            state, m = update(state, batch, ref)
             m = jax.device_get(m)
-            times["update_s"] = time.perf_counter() - t0
+            times["update_s"] = time.perf_counter() - t0  # what generation did not hide of it
             t0 = time.perf_counter()
             policy.swap(llm, state, place)
             times["swap_s"] = time.perf_counter() - t0
             step += 1
-            record = {
-                "step": step, "reward": float(rewards.mean()), "reward_std": float(rewards.std()),
-                "loss": float(m["loss"]), "entropy": float(m["entropy"]), "kl": float(m.get("kl", 0.0)),
-                "clip_frac": float(m["clip_frac"]), "sampler_gap": float(m["sampler_gap"]),
-                "grad_norm": float(m["grad_norm"]), "tokens_per_s": new_tokens / max(times["generate_s"], 1e-9),
-            } | times  # fmt: skip
+            record = _record(step, rollout, made, m, times, time.perf_counter() - started)
             if main:
                 metrics.write(record)
             rewards_seen.append(record["reward"])
@@ -344,12 +339,44 @@ def _loop(cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params
             bar.set_postfix(reward=f"{record['reward']:.3f}±{record['reward_std']:.2f}", kl=f"{record['kl']:.4f}",
                             entropy=f"{record['entropy']:.2f}", tok_s=f"{record['tokens_per_s']:.0f}")  # fmt: skip
             if step % cfg.checkpoint.every == 0 or step == last:
+                done = ckpt.latest_step()  # finished: the rollouts before it are never needed again
                 ckpt.save(step, state)
+                if done is not None:
+                    rollouts.prune(run_dir, below=done)
     bar.close()
     if main:
         plot_reward(run_dir)
     barrier("jaxgen-rl-end")  # the others wait for process 0's plot rather than at JAX's shutdown barrier
     return RLResult(step, "finished" if step >= cfg.training.steps else "stopped", rewards_seen)
+
+
+def _ahead(sampler: rollouts.Sampler, run_dir: Path, step: int, version: int, shape) -> rollouts.Rollout:
+    """Step's rollouts made before its update: those a killed run saved (made by the policy version an
+    uninterrupted run uses, `step - rl.max_staleness`), else made now by the engine's `version`, and saved."""
+    saved = rollouts.Rollout.load(run_dir, step, shape)
+    if saved is not None and saved.version == max(0, step - sampler.cfg.rl.max_staleness):
+        return saved
+    rollout = sampler.rollout(step, version)
+    rollout.save(run_dir)
+    return rollout
+
+
+def _record(step: int, rollout: rollouts.Rollout, made, m: dict, times: dict, step_s: float) -> dict:
+    """A step's metrics line: the update's rollouts' rewards and staleness, the loss's metrics and importance
+    weights, and the seconds of its parts (generate_s, reward_s, tokens_per_s: of the rollouts generated in
+    this iteration, `made`: the next ones with rl.max_staleness > 0; none in a run's last steps)."""
+    rewards, mask = rollout.rewards, rollout.batch["mask"] > 0
+    gen_s, reward_s, tokens = (made.generate_s, made.reward_s, made.new_tokens) if made else (0.0, 0.0, 0)
+    staleness = step - 1 - rollout.batch["version"][mask]
+    return {
+        "step": step, "reward": float(rewards.mean()), "reward_std": float(rewards.std()),
+        "loss": float(m["loss"]), "entropy": float(m["entropy"]), "kl": float(m.get("kl", 0.0)),
+        "clip_frac": float(m["clip_frac"]), "sampler_gap": float(m["sampler_gap"]),
+        "ratio": float(m["ratio"]), "ratio_max": float(m["ratio_max"]), "corrected": float(m["corrected"]),
+        "staleness": float(staleness.mean()) if staleness.size else 0.0, "version": rollout.version,
+        "grad_norm": float(m["grad_norm"]), "tokens_per_s": tokens / gen_s if gen_s else 0.0, "step_s": step_s,
+        "generate_s": gen_s, "reward_s": reward_s,
+    } | times  # fmt: skip
 
 
 def rollout_pages(cfg: Config, page_size: int = 16, rows: int | None = None) -> int:
@@ -360,7 +387,7 @@ def rollout_pages(cfg: Config, page_size: int = 16, rows: int | None = None) -> 
     return (r.prompts_per_step * r.group_size if rows is None else rows) * (per_row + 1)
 
 
-def _gathered(cfg: Config, rows: slice, rewards: np.ndarray, new_tokens: int) -> tuple[np.ndarray, int]:
+def gathered(cfg: Config, rows: slice, rewards: np.ndarray, new_tokens: int) -> tuple[np.ndarray, int]:
     """(the (P, n) rewards of every process's rows, the new tokens of all of them) from this process's
     rewards (its rows' groups) and token count: one small all-gather (nothing for a single process)."""
     if jax.process_count() == 1:
@@ -380,7 +407,7 @@ def _gathered(cfg: Config, rows: slice, rewards: np.ndarray, new_tokens: int) ->
     return out, sum(tokens.values())
 
 
-def _reward_of(cfg: Config, job) -> float:
+def reward_of(cfg: Config, job) -> float:
     """A reward job's value as a finite float, or a ValueError naming the function and what it did."""
     try:
         value = job.result()
@@ -391,7 +418,7 @@ def _reward_of(cfg: Config, job) -> float:
     return float(value)
 
 
-def _fields(record: dict) -> dict:
+def fields_of(record: dict) -> dict:
     return {k: v for k, v in record.items() if k != "prompt"}
 
 

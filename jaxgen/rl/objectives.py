@@ -4,6 +4,14 @@
     logp, entropy = token_logprobs(params, tokens, positions, cfg=cfg, temperature=t)   # (B, T-1) each
     loss, metrics = policy_loss(logp, old_logp, adv.reshape(-1), mask, settings, ref_logp=ref)
 
+The sampler's log-probabilities (`old_logp`) may come from an older policy (`rl.max_staleness`) or differ
+from the trainer's in their last bits. `settings.correction` says how the loss corrects for it, with the
+importance weight rho = pi_trainer / pi_sampler of each token (the trainer's current params, no gradient):
+"tis" (truncated importance sampling) weighs each token's loss by min(rho, is_cap); "mask" drops the tokens
+whose rho leaves [1 / is_cap, is_cap]; both take the algorithm's ratio against the current policy itself
+(1, with the gradient of logp: one update a batch, so the current params are the proximal policy). "none"
+is the plain ratio pi / pi_sampler, clipped by the algorithm (PPO's own correction, two-sided).
+
 Shapes: B = P * n rows (P prompts, n samples each, a prompt's samples adjacent); T tokens of prompt and
 completion, left-aligned with padding at the end; every per-token array is over the T - 1 *predicted*
 tokens (column t is token t + 1 given tokens 0..t), and `mask` (B, T - 1) is 1 on completion tokens only.
@@ -35,6 +43,8 @@ class RLSettings:
     kl_coef: float = 0.0  # weight of the KL penalty to the reference policy (0: none, no reference scored)
     averaging: str = "token"  # token: every completion token weighs the same; sequence: every completion
     normalize: bool = True  # divide a group's advantages by its reward spread (GRPO); False: Dr. GRPO
+    correction: str = "tis"  # the sampler/trainer mismatch: tis, mask or none (see the module's docstring)
+    is_cap: float = 2.0  # tis: the weight's cap; mask: tokens with a weight outside [1 / is_cap, is_cap] drop
 
 
 def group_advantages(rewards_pn, normalize: bool = True, eps: float = 1e-6):
@@ -124,15 +134,32 @@ def policy_loss(logp_bt, old_logp_bt, advantages_b, mask_bt, settings: RLSetting
     advantages: (B,) one per completion, spread over its tokens; mask: (B, T-1) completion tokens;
     ref_logp: (B, T-1) the frozen reference's, needed when settings.kl_coef > 0.
 
-    Per token: the algorithm's loss of r = exp(logp - old_logp) and A (`ALGORITHMS`: -min(r A, clip(r, 1 - eps,
-    1 + eps) A) for grpo, -r A for reinforce), plus kl_coef times the k3 estimate of KL(policy || reference),
-    exp(ref - logp) - (ref - logp) - 1, which is >= 0 and unbiased; averaged as settings.averaging says."""
+    Per token: the algorithm's loss of r and A (`ALGORITHMS`: -min(r A, clip(r, 1 - eps, 1 + eps) A) for grpo,
+    -r A for reinforce), r = exp(logp - old_logp) (correction "none") or 1 with logp's gradient, weighted by
+    the correction (module docstring); plus kl_coef times the k3 estimate of KL(policy || reference),
+    exp(ref - logp) - (ref - logp) - 1, which is >= 0 and unbiased; averaged as settings.averaging says.
+    Metrics: ratio (mean rho), ratio_max, and corrected (the share of tokens truncated or dropped)."""
     old = jax.lax.stop_gradient(old_logp_bt)
-    ratio = jnp.exp(logp_bt - old)
+    rho = jnp.exp(jax.lax.stop_gradient(logp_bt) - old)  # the importance weight, sampler -> trainer
     adv = advantages_b.astype(jnp.float32)[:, None]
+    cap = settings.is_cap
+    if settings.correction == "none":
+        ratio, weight, corrected = jnp.exp(logp_bt - old), None, jnp.zeros_like(rho, bool)
+    else:
+        ratio = jnp.exp(logp_bt - jax.lax.stop_gradient(logp_bt))
+        if settings.correction == "tis":
+            weight, corrected = jnp.minimum(rho, cap), rho > cap
+        else:
+            corrected = (rho > cap) | (rho < 1.0 / cap)
+            weight = jnp.where(corrected, 0.0, 1.0)
     per_token, clipped = ALGORITHMS[settings.algorithm].token_loss(ratio, adv, settings)
+    if weight is not None:
+        per_token = per_token * weight
     clip_frac = jnp.zeros(()) if clipped is None else _token_mean(clipped.astype(jnp.float32), mask_bt)
-    metrics = {"ratio": _token_mean(ratio, mask_bt), "clip_frac": clip_frac}
+    metrics = {
+        "ratio": _token_mean(rho, mask_bt), "ratio_max": jnp.max(jnp.where(mask_bt > 0, rho, 0.0)),
+        "corrected": _token_mean(corrected.astype(jnp.float32), mask_bt), "clip_frac": clip_frac,
+    }  # fmt: skip
     if settings.kl_coef:
         diff = jax.lax.stop_gradient(ref_logp_bt) - logp_bt
         kl = jnp.exp(diff) - diff - 1.0
