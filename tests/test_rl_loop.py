@@ -30,6 +30,9 @@ TINY = [
     "checkpoint.every=2", "checkpoint.keep=10", "optimizer.warmup_steps=5", "mesh.data=1",
 ]  # fmt: skip
 MESH = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+# two processes of 4 devices: each one's engine on its first 2 (data parallel), the trainer's mesh over the
+# other 2 of each (data across the processes, tensor within)
+SPLIT = ["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=2", "rl.sampler_devices=2"]
 STEPS = 20
 # The built-in task and its reward (exact match) on sums of 0..2: the warm start teaches the whole table (the
 # policy answers at temperature 1 with p ~0.97), the rollouts sample at temperature 2, which earns half of that;
@@ -207,19 +210,22 @@ def test_the_logged_loss_is_truncated_importance_sampling_by_hand(uninterrupted)
 
 
 def test_two_processes_run_rl_like_one(tmp_path, uninterrupted, overrides):
-    """rl.py as 2 processes x 4 CPU devices over a (2, 2, 2) mesh, for its first 2 steps (training.steps_per_run):
-    each process generates and rewards its half of a step's prompts on its own engine. The rewards step for step,
-    the losses and the parameters at step 2 are the one-device run's (to float32 rounding: the sums over devices
-    and processes run in another order)."""
+    """rl.py as 2 processes x 4 CPU devices, for its first 2 steps (training.steps_per_run): each process
+    generates and rewards its half of a step's prompts on its own engine, on 2 devices of its own
+    (rl.sampler_devices), while the trainer's (data=2, tensor=2) mesh spans the other 2 of each, the weights sent
+    over after each update. The rewards step for step, the losses and the parameters at step 2 are the
+    one-device run's (to float32 rounding: the sums over devices and processes run in another order)."""
     cfg, one = uninterrupted
     # 2 steps: AdamW's sign flips (below) can change a few rollouts from step 3 on, and then the runs part
     run_dir, first = tmp_path / "two", 2
     cmd = [sys.executable, "launch.py", "-n", "2", "--cpu-devices", "4", "--", sys.executable, "rl.py", "--run-dir",
-           str(run_dir), "--no-progress", *overrides, *MESH, f"training.steps_per_run={first}"]  # fmt: skip
+           str(run_dir), "--no-progress", *overrides, *SPLIT, f"training.steps_per_run={first}"]  # fmt: skip
     with open(tmp_path / "two.log", "w") as log:
         status = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=900).returncode
     out = (tmp_path / "two.log").read_text()
     assert status == 0 and "process 1 of 2" in out, out[-3000:]
+    split = "the engine on 2 device(s) of each process, the trainer on the mesh {'data': 2, 'fsdp': 1, 'tensor': 2}"
+    assert split in out, out[-3000:]
     ref, two = read_metrics(one)[:first], read_metrics(run_dir)
     assert [r["step"] for r in two] == list(range(1, first + 1))  # one line a step: process 0 writes metrics
     assert [r["reward"] for r in two] == [r["reward"] for r in ref]  # the same samples
@@ -282,3 +288,40 @@ def test_an_rl_step_on_a_mesh_of_8_devices_equals_one_device(token_cache):
     scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(g1))
     assert scale > 1e-3  # a gradient to compare, not zeros
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale), g8, g1)
+
+
+def test_weights_sent_from_the_trainer_mesh_to_the_sampler_devices_are_the_trainers(token_cache):
+    """rl.sampler_devices=4 of 8: the trainer's mesh (data=2, fsdp=2) over the other four; after an update the
+    weights go to the engine's devices (an all-gather over the trainer's, then a device-to-device copy) equal
+    to the trainer's bitwise, and the engine generates what a fresh engine built from them does."""
+    from jaxgen.inference.llm import LLM
+    from jaxgen.inference.sampling import SamplingConfig
+    from jaxgen.model import decode_params
+    from jaxgen.rl.policy import Policy
+    from jaxgen.sharding import make_mesh
+    from jaxgen.tokenizer import Tokenizer
+    from jaxgen.training.step import create_train_state
+
+    cfg = config(token_cache, "rl.sampler_devices=4", "mesh.data=2", "mesh.fsdp=2")
+    mesh = make_mesh(cfg.mesh, loop.trainer_devices(cfg.rl.sampler_devices))
+    engine_devices = set(loop.sampler_mesh(cfg).devices.flat)
+    assert engine_devices == set(jax.local_devices()[:4]) and engine_devices.isdisjoint(mesh.devices.flat)
+    state = create_train_state(cfg, mesh)
+    tok, place = Tokenizer.byte_level(), loop.sampler_place(cfg, mesh)
+    llm = Policy.of(cfg, mesh, state.params).engine(state, tok, place, slots=8, data_parallel=4, num_pages=64)
+    batch, ref = _rollout_like_batch(cfg)
+    state, _ = loop.make_rl_update(cfg, mesh, state, optax.sgd(1.0))(state, batch, ref)  # new weights
+    Policy.of(cfg, mesh, state.params).swap(llm, state, place)
+
+    trained = jax.tree.map(np.asarray, state.params)
+    held = llm.engine.runner.params
+    assert {d for x in jax.tree.leaves(held) for d in x.sharding.device_set} == engine_devices
+    want = decode_params(trained, 8, cfg.model)  # the engine's layout of the trainer's weights
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), held, want)
+    prompts = ["1+2=", "7+5=", "3+3=", "9+0="]
+    sampling = [SamplingConfig(max_new_tokens=6, temperature=t, seed=i, logprobs_mode="processed")
+                for i, t in enumerate((0.0, 1.0, 1.0, 0.7))]  # fmt: skip
+    fresh = LLM(trained, cfg=cfg.model, tokenizer=tok, slots=8, num_pages=64, max_logprobs=0)
+    for a, b in zip(llm.generate(prompts, sampling), fresh.generate(prompts, sampling), strict=True):
+        assert [c.tokens for c in a.outputs] == [c.tokens for c in b.outputs]
+        np.testing.assert_allclose([c.logprobs for c in a.outputs], [c.logprobs for c in b.outputs], atol=1e-5)

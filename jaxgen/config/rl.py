@@ -26,6 +26,9 @@ class RLConfig:
     max_new_tokens: int = 8
     max_prompt_tokens: int = 32  # prompts are padded to this (one compiled update for every batch)
     reward_workers: int = 4  # threads scoring completions beside the device's work
+    # 0: the engine on this process's first device of the trainer's mesh (they take turns); N > 0: the engine
+    # on each process's first N devices (its slots split over them), the trainer's mesh over the others
+    sampler_devices: int = 0
     # the objective (jaxgen.rl.objectives)
     algorithm: Literal["grpo", "reinforce"] = "grpo"
     clip_eps: float = 0.2
@@ -60,6 +63,7 @@ class RLConfig:
             "max_prompt_tokens": 1,
             "reward_workers": 1,
             "max_staleness": 0,
+            "sampler_devices": 0,
         }  # name: the least allowed
         for name, low in integers.items():
             value = getattr(self, name)

@@ -120,6 +120,38 @@ def rollout_rows(cfg: Config, mesh) -> slice:
     return rows
 
 
+def trainer_devices(sampler_devices: int) -> list:
+    """The trainer's devices: every process's local devices but its first `sampler_devices` (the engine's);
+    ValueError when that leaves none."""
+    local = jax.local_device_count()
+    if sampler_devices >= local:
+        raise ValueError(f"rl.sampler_devices={sampler_devices} is not allowed: this process has {local} devices "
+                         f"and the trainer needs at least one (at most {local - 1}; 0 shares them)")  # fmt: skip
+    by_process = {}
+    for d in jax.devices():  # each process's in the order of its local devices
+        by_process.setdefault(d.process_index, []).append(d)
+    return [d for devices in by_process.values() for d in devices[sampler_devices:]]
+
+
+def sampler_mesh(cfg: Config):
+    """The engine's devices (rl.sampler_devices > 0): this process's first N, data parallel (slots split)."""
+    from jaxgen.config import MeshConfig
+    from jaxgen.sharding import make_mesh
+
+    n = cfg.rl.sampler_devices
+    return make_mesh(MeshConfig(data=n), jax.local_devices()[:n])
+
+
+def sampler_place(cfg: Config, mesh):
+    """A tree of the trainer's arrays (sharded over `mesh`) -> this process's whole copy where its engine runs:
+    `engine_params` (one all-gather over the trainer's devices), then, with rl.sampler_devices, one device-to-
+    device copy onto the engine's devices (replicated: its slots are split over them, not the weights)."""
+    if not cfg.rl.sampler_devices:
+        return functools.partial(engine_params, mesh=mesh)
+    onto = jax.sharding.NamedSharding(sampler_mesh(cfg), jax.sharding.PartitionSpec())
+    return lambda tree: jax.device_put(engine_params(tree, mesh), onto)
+
+
 def engine_params(params, mesh):
     """This process's whole copy of `params` (sharded over `mesh`, perhaps over several processes) on its first
     device of the mesh, where its engine runs: one all-gather to every device, then this device's replica."""
@@ -176,8 +208,11 @@ def run_rl(cfg: Config, run_dir: str | Path, progress: bool = True, stop_after: 
     )
     records = tasks.load_prompts(cfg.rl, cfg.training.seed)
     reward_fn = tasks.load_reward(cfg.rl)
-    mesh = make_mesh(cfg.mesh)
+    mesh = make_mesh(cfg.mesh, trainer_devices(cfg.rl.sampler_devices))
     check_spans_processes(mesh, f"the mesh {dict(mesh.shape)}")
+    if cfg.rl.sampler_devices and is_main():
+        print(f"the engine on {cfg.rl.sampler_devices} device(s) of each process, the trainer on the mesh "
+              f"{dict(mesh.shape)} of the others")  # fmt: skip
     cfg, tokenizer, start_params = starting_policy(cfg, run_dir, mesh, progress)
     _check_prompts(cfg, tokenizer, records)
     if is_main():  # one writer; every process has the same config and tokenizer
@@ -294,9 +329,10 @@ def _loop(cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params
     # Several processes: each generates (and rewards) its own rows of the step on its own engine, data parallel
     # like the update; the rewards are gathered so that every process forms the same advantages.
     rows = rollout_rows(cfg, mesh)
-    place = functools.partial(engine_params, mesh=mesh)
-    llm = policy.engine(state, tokenizer, place, slots=rows.stop - rows.start,
+    place = sampler_place(cfg, mesh)
+    llm = policy.engine(state, tokenizer, place, slots=rows.stop - rows.start, data_parallel=max(r.sampler_devices, 1),
                         num_pages=rollout_pages(cfg, rows=rows.stop - rows.start), max_logprobs=0)  # fmt: skip
+    sent = sum(x.nbytes for x in jax.tree.leaves(state.params))  # bytes a swap: each engine gets them whole
     workers = concurrent.futures.ThreadPoolExecutor(r.reward_workers, thread_name_prefix="reward")
     sampler = rollouts.Sampler(cfg, llm, policy, records, reward_fn, workers, rows)
     shape = (rows.stop - rows.start, r.max_prompt_tokens + r.max_new_tokens)
@@ -330,6 +366,7 @@ def _loop(cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params
             t0 = time.perf_counter()
             policy.swap(llm, state, place)
             times["swap_s"] = time.perf_counter() - t0
+            times["swap_bytes_per_s"] = sent / max(times["swap_s"], 1e-9)
             step += 1
             record = _record(step, rollout, made, m, times, time.perf_counter() - started)
             if main:
