@@ -9,16 +9,16 @@ which compiles, left out), and the rollout tokens/s. The same prompts and sampli
 steps are then generated again by a fresh offline engine (`LLM`) on the final weights: the loop's rollout
 tokens/s over the offline engine's (target >= 0.9x). The reward curve is the run's reward.png.
 
-`--overlap K` then measures the optional rollout/update overlap on the final weights: K iterations run in
-turn (generate, reward, update, swap) against K with the next step's rollouts generated on a thread while
-the current update runs (one step off-policy: the swap waits for that generation, and the clipped ratio over
-the sampler's log-probabilities is what corrects for it). Only measured here; the loop runs in turn.
+`--overlap K` then runs K steps from the same warm start under each schedule (`SCHEDULES`): in turn
+(generate, reward, update, swap) or overlapped (rl.max_staleness=1: the next step's rollouts generated while
+the update runs, corrected by truncated importance sampling), on one device, on 8 CPU devices split 4 sampler
++ 4 trainer (rl.sampler_devices), and as 2 processes of 4 devices: seconds an iteration, the swap's bytes/s,
+the staleness and the importance weights.
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import statistics
 import time
 from pathlib import Path
@@ -98,71 +98,72 @@ def main() -> None:
         overlap(args.run_dir, args.overlap)
 
 
+SCHEDULES = (  # name, processes, CPU devices a process, overrides
+    ("in turn, one device", 1, 1, ["rl.max_staleness=0", "mesh.data=1"]),
+    ("overlapped (staleness 1), one device", 1, 1, ["rl.max_staleness=1", "mesh.data=1"]),
+    ("in turn, 4 sampler + 4 trainer devices", 1, 8, ["rl.max_staleness=0", "rl.sampler_devices=4", "mesh.data=4"]),
+    ("overlapped, 4 sampler + 4 trainer devices", 1, 8, ["rl.max_staleness=1", "rl.sampler_devices=4", "mesh.data=4"]),
+    ("overlapped, 2 processes x (2 sampler + 2 trainer)", 2, 4,
+     ["rl.max_staleness=1", "rl.sampler_devices=2", "mesh.data=4"]),
+)  # fmt: skip
+
+
 def overlap(run_dir: str, iterations: int) -> None:
-    """Seconds an iteration, in turn vs the next rollouts generated beside the update (see the module doc)."""
-    import jax
-    import numpy as np
+    """Seconds an iteration under each schedule (`SCHEDULES`): rl.py runs of `iterations` steps from the main
+    run's warm start, each in its own processes (the CPU device count is fixed when jax starts)."""
+    import json
+    import os
+    import subprocess
+    import sys
 
     from jaxgen.config import load_config
-    from jaxgen.inference.loading import load_model
-    from jaxgen.rl import loop, tasks
-    from jaxgen.rl.policy import Policy
-    from jaxgen.sharding import make_mesh
-    from jaxgen.training.step import create_train_state
+    from jaxgen.training.metrics import read_metrics
 
     cfg = load_config(Path(run_dir) / "config.yaml")
-    r = cfg.rl
-    mesh = make_mesh(cfg.mesh)
-    _, tokenizer, params = load_model(run_dir, mesh, param_dtype="float32")
-    state = create_train_state(cfg, mesh, params)
-    policy = Policy.of(cfg, mesh, params)
-    update = loop.make_rl_update(cfg, mesh, state, base=policy.base)
-    llm = policy.engine(state, tokenizer, slots=r.prompts_per_step * r.group_size,
-                        num_pages=loop.rollout_pages(cfg), max_logprobs=0)  # fmt: skip
-    records, reward_fn = tasks.load_prompts(r, cfg.training.seed), tasks.load_reward(r)
-
-    def rollout(step: int) -> dict:
-        chosen = tasks.step_prompts(records, cfg.training.seed, step, r.prompts_per_step)
-        outputs = llm.generate([c["prompt"] for c in chosen], loop.sampling_for(cfg, step, r.prompts_per_step),
-                               policy.adapter)  # fmt: skip
-        rewards = np.asarray(
-            [[reward_fn(rec["prompt"], c.text, **loop.fields_of(rec)) for c in out.outputs]
-             for rec, out in zip(chosen, outputs, strict=True)], np.float32,
-        )  # fmt: skip
-        return loop.rollout_batch(cfg, outputs, rewards)
-
-    def train(state, batch):
-        state, m = update(state, batch, np.zeros_like(batch["mask"]))
-        jax.block_until_ready(m)
-        return state
-
-    def in_turn(state, steps):
-        for s in steps:
-            state = train(state, rollout(s))
-            policy.swap(llm, state)
-        return state
-
-    def overlapped(state, steps, pool):
-        batch = rollout(steps[0])  # as many rollouts and updates as in turn: only the first is not hidden
-        for i in range(len(steps)):
-            ahead = pool.submit(rollout, steps[i + 1]) if i + 1 < len(steps) else None  # on the old weights
-            state = train(state, batch)
-            batch = ahead.result() if ahead else None
-            policy.swap(llm, state)
-        return state
-
-    seconds = {}
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        state = in_turn(state, [0])  # compiles generation, update and swap
-        state = overlapped(state, [1, 2], pool)
-        for name, run in (("in turn", in_turn), ("overlapped", lambda st, ss: overlapped(st, ss, pool))):
-            t0 = time.perf_counter()
-            state = run(state, list(range(3, 3 + iterations)))
-            seconds[name] = (time.perf_counter() - t0) / iterations
-    print(f"\nrollout/update overlap ({iterations} iterations each, final weights, {jax.device_count()} device(s)):")
-    print(f"{'schedule':<12}{'s/iteration':>12}{'vs in turn':>12}")
-    for name, s in seconds.items():
-        print(f"{name:<12}{s:>12.4f}{s / seconds['in turn']:>11.2f}x")
+    warm = cfg.rl.init_from or str(Path(run_dir) / "warm_start")
+    base = ["--config", str(Path(run_dir) / "config.yaml"), "--no-progress", f"rl.init_from={warm}",
+            f"training.steps={iterations}", f"checkpoint.every={iterations}"]  # fmt: skip
+    rows = []
+    for name, processes, devices, overrides in SCHEDULES:
+        folder = Path(run_dir) / "schedules" / name.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "")
+        rl = [sys.executable, str(ROOT / "rl.py"), "--run-dir", str(folder), *base, *overrides]
+        cmd = rl if processes == 1 else [sys.executable, str(ROOT / "launch.py"), "-n", str(processes),
+                                         "--cpu-devices", str(devices), "--", *rl]  # fmt: skip
+        env = os.environ | {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices)}
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if done.returncode:
+            print(f"{name}: rl.py failed\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+            continue
+        records = sorted({r["step"]: r for r in read_metrics(folder)}.values(), key=lambda r: r["step"])[2:]
+        mean = {
+            k: statistics.mean(r[k] for r in records)
+            for k in (
+                "step_s",
+                "generate_s",
+                "update_s",
+                "swap_s",
+                "swap_bytes_per_s",
+                "staleness",
+                "ratio",
+                "corrected",
+            )
+        }
+        mean["ratio_max"] = max(r["ratio_max"] for r in records)
+        rows.append((name, mean))
+        print(json.dumps({"schedule": name, **mean}), file=sys.stderr)
+    first = rows[0][1]["step_s"] if rows else 1.0
+    print(f"\nschedules: {iterations} steps each from the warm start; means over steps 3..{iterations}")
+    print(
+        "| schedule | s/iteration | vs in turn | generate s | update s not hidden | swap MB/s | staleness "
+        "| importance weight mean / max | tokens truncated |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, m in rows:
+        print(
+            f"| {name} | {m['step_s']:.4f} | {m['step_s'] / first:.2f}x | {m['generate_s']:.4f} | "
+            f"{m['update_s']:.4f} | {m['swap_bytes_per_s'] / 1e6:.0f} | {m['staleness']:.2f} | "
+            f"{m['ratio']:.3f} / {m['ratio_max']:.2f} | {m['corrected']:.2%} |"
+        )
 
 
 if __name__ == "__main__":
