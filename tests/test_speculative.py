@@ -90,7 +90,7 @@ def test_the_speculating_loop_updates_the_cache_in_place(rows):
         gen.generate(PROMPTS[:rows], SamplingConfig(temperature=0.0, max_new_tokens=6, num_speculative_tokens=4))
     finally:
         gen._spec_loop = real
-    loop = jax.jit(speculative.speculative_loop, static_argnames=("cfg", "w", "draft_cfg"), donate_argnums=(1, 2))
+    loop = jax.jit(speculative.speculative_loop, static_argnames=("cfg", "w", "draft_cfg", "rule"), donate_argnums=(1, 2))
     text = loop.lower(gen.params, captured["state"], captured["spec"], **captured["kw"]).compile().as_text()
     shape = "f32[" + ",".join(map(str, captured["state"].cache.k[0][0].shape)) + "]"  # each layer's and block's buffer
     writes = [line for line in text.splitlines() if f"= {shape}" in line and re.search("scatter|dynamic-update", line)]
