@@ -113,6 +113,7 @@ def overlap(run_dir: str, iterations: int) -> None:
     run's warm start, each in its own processes (the CPU device count is fixed when jax starts)."""
     import json
     import os
+    import shutil
     import subprocess
     import sys
 
@@ -126,6 +127,7 @@ def overlap(run_dir: str, iterations: int) -> None:
     rows = []
     for name, processes, devices, overrides in SCHEDULES:
         folder = Path(run_dir) / "schedules" / name.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "")
+        shutil.rmtree(folder, ignore_errors=True)  # a fresh run each time, not a resumed (finished) one
         rl = [sys.executable, str(ROOT / "rl.py"), "--run-dir", str(folder), *base, *overrides]
         cmd = rl if processes == 1 else [sys.executable, str(ROOT / "launch.py"), "-n", str(processes),
                                          "--cpu-devices", str(devices), "--", *rl]  # fmt: skip
@@ -134,7 +136,8 @@ def overlap(run_dir: str, iterations: int) -> None:
         if done.returncode:
             print(f"{name}: rl.py failed\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
             continue
-        records = sorted({r["step"]: r for r in read_metrics(folder)}.values(), key=lambda r: r["step"])[2:]
+        records = sorted({r["step"]: r for r in read_metrics(folder)}.values(), key=lambda r: r["step"])
+        records = records[2:] or records  # the first two compile
         mean = {
             k: statistics.mean(r[k] for r in records)
             for k in (

@@ -206,3 +206,24 @@ def test_deterministic_rollouts_with_blocks_that_do_not_divide_the_pages_are_ref
     with pytest.raises(ConfigError, match=r"serve.page_size=16 is not allowed with model.deterministic=true"):
         loop.run_rl(cfg, tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()  # no warm start trained, no folder made
+
+
+def test_a_saved_rollout_comes_back_only_whole_and_of_this_config(tmp_path):
+    """rollouts saved ahead of their update (rl.max_staleness): taken back as saved; None when the file is
+    missing, damaged, of another shape or made under another config (another fingerprint)."""
+    from jaxgen.rl.rollouts import FOLDER, Rollout
+
+    batch = {"tokens": np.arange(12, dtype=np.int32).reshape(2, 6), "mask": np.ones((2, 5), np.float32),
+             "version": np.full((2, 5), 3, np.int32)}  # fmt: skip
+    rollout = Rollout(7, 3, batch, np.asarray([[1.0, 0.0]], np.float32), 9, 0.5, 0.1, "abc")
+    rollout.save(tmp_path)
+    back = Rollout.load(tmp_path, 7, (2, 6), "abc")
+    assert back is not None and back.loaded and (back.step, back.version, back.new_tokens) == (7, 3, 9)
+    for k in batch:
+        np.testing.assert_array_equal(back.batch[k], batch[k])
+    assert Rollout.load(tmp_path, 8, (2, 6), "abc") is None  # none saved
+    assert Rollout.load(tmp_path, 7, (2, 7), "abc") is None  # another shape
+    assert Rollout.load(tmp_path, 7, (2, 6), "abd") is None  # another config
+    (path,) = (tmp_path / FOLDER).glob("*.npz")
+    path.write_bytes(path.read_bytes()[:100])  # cut short
+    assert Rollout.load(tmp_path, 7, (2, 6), "abc") is None

@@ -88,7 +88,7 @@ def test_grpo_raises_the_built_in_tasks_reward_one_version_behind_and_the_sample
     """Step 1's rollouts are the starting policy's (staleness 0), every later step's the policy one update
     before its own (staleness 1): the reward still rises."""
     cfg, run_dir = uninterrupted
-    assert cfg.rl.task == "arithmetic" and not cfg.rl.reward and cfg.rl.correction == "tis"
+    assert cfg.rl.task == "arithmetic" and not cfg.rl.reward and loop.settings_of(cfg).correction == "tis"  # auto
     records = read_metrics(run_dir)
     rewards = [r["reward"] for r in records]
     start, end = np.mean(rewards[:3]), np.mean(rewards[-3:])
@@ -195,7 +195,8 @@ def test_the_logged_loss_is_truncated_importance_sampling_by_hand(uninterrupted)
 
     cfg, run_dir = uninterrupted
     r, step = cfg.rl, STEPS - 2
-    rollout = rollouts.Rollout.load(run_dir, step, (ROWS, r.max_prompt_tokens + r.max_new_tokens))
+    shape = (ROWS, r.max_prompt_tokens + r.max_new_tokens)
+    rollout = rollouts.Rollout.load(run_dir, step, shape, rollouts.fingerprint(cfg))
     assert rollout is not None and rollout.version == step - 1
     b = rollout.batch
     params = _final_params(run_dir, step=step)

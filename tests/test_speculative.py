@@ -90,7 +90,8 @@ def test_the_speculating_loop_updates_the_cache_in_place(rows):
         gen.generate(PROMPTS[:rows], SamplingConfig(temperature=0.0, max_new_tokens=6, num_speculative_tokens=4))
     finally:
         gen._spec_loop = real
-    loop = jax.jit(speculative.speculative_loop, static_argnames=("cfg", "w", "draft_cfg", "rule"), donate_argnums=(1, 2))
+    statics = ("cfg", "w", "draft_cfg", "rule")
+    loop = jax.jit(speculative.speculative_loop, static_argnames=statics, donate_argnums=(1, 2))
     text = loop.lower(gen.params, captured["state"], captured["spec"], **captured["kw"]).compile().as_text()
     shape = "f32[" + ",".join(map(str, captured["state"].cache.k[0][0].shape)) + "]"  # each layer's and block's buffer
     writes = [line for line in text.splitlines() if f"= {shape}" in line and re.search("scatter|dynamic-update", line)]
@@ -467,6 +468,8 @@ def test_the_standard_rule_is_exact_in_distribution(drafter):
     settings = [SamplingConfig(max_new_tokens=3, temperature=temperature, top_k=top_k, seed=i, ignore_eos=True,
                                num_speculative_tokens=2) for i in range(n)]  # fmt: skip
     settings += [dataclasses.replace(settings[0], temperature=0.0)] * 4  # greedy rows in the same batches
+    # and sampled rows without drafts: plain decoding's tokens (their draws take its keys)
+    settings += [dataclasses.replace(settings[0], seed=5 + i, num_speculative_tokens=0) for i in range(4)]
     got = np.asarray([c.tokens for c in gen.generate([prompt] * len(settings), settings)])
     stats = gen.speculation_stats()
     assert min(stats["accepted"], stats["proposed"] - stats["accepted"]) > 400, stats  # both paths ran often
@@ -482,7 +485,9 @@ def test_the_standard_rule_is_exact_in_distribution(drafter):
         assert _chi_square_p(observed, expected) > 1e-3
     t0 = int(np.argmax(p0))
     t1 = int(np.argmax(p1[t0]))
-    assert got[n:].tolist() == [[t0, t1, int(np.argmax(p2[t0, t1]))]] * 4  # greedy: token for token
+    assert got[n : n + 4].tolist() == [[t0, t1, int(np.argmax(p2[t0, t1]))]] * 4  # greedy: token for token
+    plain = [c.tokens for c in gen.generate([prompt] * 4, settings[n + 4 :])]  # no row drafts: the plain loop
+    assert got[n + 4 :].tolist() == plain
 
 
 def test_a_spec_rule_that_does_not_exist_is_refused():

@@ -39,7 +39,8 @@ class RLConfig:
     # generated while update k runs, so each update uses rollouts up to max_staleness policy versions old
     # (0: generate, then update, in turn); the loss corrects with each token's importance weight
     max_staleness: int = 0
-    correction: Literal["tis", "mask", "none"] = "tis"  # truncated IS, masked IS, or the algorithm's clip only
+    # truncated IS, masked IS, or the algorithm's clip only; auto: none at max_staleness 0, else tis
+    correction: Literal["auto", "tis", "mask", "none"] = "auto"
     is_cap: float = 2.0  # tis: the weight's cap; mask: tokens weighted outside [1 / is_cap, is_cap] drop
 
     def __post_init__(self):

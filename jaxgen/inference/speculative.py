@@ -334,7 +334,8 @@ def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConf
         if sp.kept_at is not None:
             sp = sp.replace(kept_at=sp.kept_at + (jnp.arange(sp.kept_at.shape[1])[None] < kept[:, None]))
         if standard:  # a draft the test rejected: the next token is drawn from what p has beyond its q
-            rejected = live & (kept < real) & ~s.done
+            # (a greedy row's p is one-hot on a token other than the draft: its plain argmax is that draw)
+            rejected = live & (kept < real) & ~s.done & (s.sampling.temperature > 0)
             q_kept = jnp.take_along_axis(q, jnp.minimum(kept, w - 1)[:, None, None], axis=1)[:, 0]
             sp = sp.replace(residual=jnp.where(rejected[:, None], q_kept, 0.0))
         if head is not None:
@@ -401,13 +402,22 @@ def forget_rejected(cache, before, kept_positions_bt):
 
 
 def _residual_draw(s: DecodeState, residual_bv):
-    """The standard rule's next token (B,): drawn from max(0, p - residual), renormalised, where p is what
-    plain decoding draws from (`sampling.probabilities`); from p itself where nothing is left (no rejection)."""
-    p = probabilities(penalized(s.logits, s.sampling, s.seen, s.counts, allowed(s)), s.sampling)
-    left = jnp.maximum(p - residual_bv, 0.0)
-    left = jnp.where(left.sum(-1, keepdims=True) > 0, left, p)
-    keys = row_keys(s.sampling.seed, s.generated, RESIDUAL)
-    return jax.vmap(jax.random.categorical)(keys, jnp.log(left)).astype(jnp.int32)
+    """The standard rule's next token (B,): where the last step rejected a draft, drawn from max(0, p -
+    residual), renormalised, p being what plain decoding draws from (`sampling.probabilities`); elsewhere
+    plain decoding's own draw, with its key (a row without drafts then decodes as it would plainly)."""
+    pen = penalized(s.logits, s.sampling, s.seen, s.counts, allowed(s))
+    plain = draw(pen, s.sampling, s.generated)
+    pending = jnp.any(residual_bv > 0, axis=-1)
+
+    def residual(_):
+        p = probabilities(pen, s.sampling)
+        left = jnp.maximum(p - residual_bv, 0.0)
+        left = jnp.where(left.sum(-1, keepdims=True) > 0, left, p)
+        keys = row_keys(s.sampling.seed, s.generated, RESIDUAL)
+        return jnp.where(pending, jax.vmap(jax.random.categorical)(keys, jnp.log(left)), plain).astype(jnp.int32)
+
+    # no row with a rejection pending (greedy batches always): no sort over the vocabulary (no recompile)
+    return jax.lax.cond(jnp.any(pending), residual, lambda _: plain, None)
 
 
 def _verify(s: DecodeState, drafts_bw, real_b, logits_bwv, cfg: ModelConfig, base, q_bwv=None):

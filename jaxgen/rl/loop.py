@@ -56,7 +56,8 @@ class RLResult:
 
 def settings_of(cfg: Config) -> objectives.RLSettings:
     r = cfg.rl
-    return objectives.RLSettings(r.algorithm, r.clip_eps, r.kl_coef, r.averaging, r.normalize, r.correction, r.is_cap)
+    correction = r.correction if r.correction != "auto" else ("tis" if r.max_staleness else "none")
+    return objectives.RLSettings(r.algorithm, r.clip_eps, r.kl_coef, r.averaging, r.normalize, correction, r.is_cap)
 
 
 def rl_step(state: TrainState, batch: dict, ref_logp, base=None, *, cfg: Config, tx, settings):
@@ -376,8 +377,9 @@ def _loop(cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params
             bar.set_postfix(reward=f"{record['reward']:.3f}±{record['reward_std']:.2f}", kl=f"{record['kl']:.4f}",
                             entropy=f"{record['entropy']:.2f}", tok_s=f"{record['tokens_per_s']:.0f}")  # fmt: skip
             if step % cfg.checkpoint.every == 0 or step == last:
-                done = ckpt.latest_step()  # finished: the rollouts before it are never needed again
-                ckpt.save(step, state)
+                ckpt.wait()  # the checkpoint before is finished: the rollouts of its steps are never needed again
+                done = ckpt.latest_step()
+                ckpt.save(step, state)  # (a run keeps its last interval's rollouts: a few small files)
                 if done is not None:
                     rollouts.prune(run_dir, below=done)
     bar.close()
@@ -389,9 +391,17 @@ def _loop(cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params
 
 def _ahead(sampler: rollouts.Sampler, run_dir: Path, step: int, version: int, shape) -> rollouts.Rollout:
     """Step's rollouts made before its update: those a killed run saved (made by the policy version an
-    uninterrupted run uses, `step - rl.max_staleness`), else made now by the engine's `version`, and saved."""
-    saved = rollouts.Rollout.load(run_dir, step, shape)
-    if saved is not None and saved.version == max(0, step - sampler.cfg.rl.max_staleness):
+    uninterrupted run uses, `step - rl.max_staleness`, under this config), else made now by the engine's
+    `version`, and saved. Processes take theirs back only when every one of them can (one small all-gather):
+    else all generate, since generating gathers the rewards of every process."""
+    wanted = max(0, step - sampler.cfg.rl.max_staleness)
+    saved = rollouts.Rollout.load(run_dir, step, shape, rollouts.fingerprint(sampler.cfg))
+    usable = saved is not None and saved.version == wanted
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        usable = bool(np.all(multihost_utils.process_allgather(np.asarray(usable, np.int32))))
+    if usable:
         return saved
     rollout = sampler.rollout(step, version)
     rollout.save(run_dir)
@@ -403,7 +413,8 @@ def _record(step: int, rollout: rollouts.Rollout, made, m: dict, times: dict, st
     weights, and the seconds of its parts (generate_s, reward_s, tokens_per_s: of the rollouts generated in
     this iteration, `made`: the next ones with rl.max_staleness > 0; none in a run's last steps)."""
     rewards, mask = rollout.rewards, rollout.batch["mask"] > 0
-    gen_s, reward_s, tokens = (made.generate_s, made.reward_s, made.new_tokens) if made else (0.0, 0.0, 0)
+    fresh = made is not None and not made.loaded  # taken back from disk: made by another process
+    gen_s, reward_s, tokens = (made.generate_s, made.reward_s, made.new_tokens) if fresh else (0.0, 0.0, 0)
     staleness = step - 1 - rollout.batch["version"][mask]
     return {
         "step": step, "reward": float(rewards.mean()), "reward_std": float(rewards.std()),

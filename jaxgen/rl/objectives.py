@@ -43,7 +43,7 @@ class RLSettings:
     kl_coef: float = 0.0  # weight of the KL penalty to the reference policy (0: none, no reference scored)
     averaging: str = "token"  # token: every completion token weighs the same; sequence: every completion
     normalize: bool = True  # divide a group's advantages by its reward spread (GRPO); False: Dr. GRPO
-    correction: str = "tis"  # the sampler/trainer mismatch: tis, mask or none (see the module's docstring)
+    correction: str = "none"  # the sampler/trainer mismatch: none, tis or mask (see the module's docstring)
     is_cap: float = 2.0  # tis: the weight's cap; mask: tokens with a weight outside [1 / is_cap, is_cap] drop
 
 

@@ -14,8 +14,10 @@ of an update's tokens is its step minus their version.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import time
+import zipfile
 from pathlib import Path
 
 import jax
@@ -35,6 +37,8 @@ class Rollout:
     new_tokens: int  # every process's
     generate_s: float
     reward_s: float
+    fingerprint: str = ""  # what made it (`fingerprint`): a saved rollout of another config is not taken back
+    loaded: bool = False  # taken back from disk (its seconds are another process's)
 
     def save(self, run_dir: str | Path) -> None:
         """Written whole or not at all (a temporary file renamed): a kill mid-write leaves no half rollout."""
@@ -43,24 +47,34 @@ class Rollout:
         meta = np.asarray([self.step, self.version, self.new_tokens], np.int64)
         times = np.asarray([self.generate_s, self.reward_s], np.float64)
         tmp = path.with_suffix(".partial.npz")
-        np.savez(tmp, meta=meta, times=times, rewards=self.rewards, **self.batch)
+        np.savez(tmp, meta=meta, times=times, rewards=self.rewards, fingerprint=np.asarray(self.fingerprint),
+                 **self.batch)  # fmt: skip
         os.replace(tmp, path)
 
     @classmethod
-    def load(cls, run_dir: str | Path, step: int, shape: tuple[int, int]) -> Rollout | None:
-        """The saved rollout of `step`, or None when there is none, or it is unreadable or of another shape
-        than this run's (B, T) tokens."""
+    def load(cls, run_dir: str | Path, step: int, shape: tuple[int, int], fingerprint: str) -> Rollout | None:
+        """The saved rollout of `step`, or None when there is none, or it is unreadable, of another shape than
+        this run's (B, T) tokens, or made under another `fingerprint`."""
         path = _path(run_dir, step)
         try:
             with np.load(path) as f:
                 data = {k: f[k] for k in f.files}
-        except (OSError, ValueError, EOFError):
+            meta, times, made_by = data.pop("meta"), data.pop("times"), str(data.pop("fingerprint"))
+            rewards = data.pop("rewards")
+        except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile):
             return None
-        meta, times = data.pop("meta"), data.pop("times")
-        if data.get("tokens", np.zeros(0)).shape != tuple(shape) or int(meta[0]) != step:
+        if data.get("tokens", np.zeros(0)).shape != tuple(shape) or int(meta[0]) != step or made_by != fingerprint:
             return None
-        rewards = data.pop("rewards")
-        return cls(step, int(meta[1]), data, rewards, int(meta[2]), float(times[0]), float(times[1]))
+        return cls(step, int(meta[1]), data, rewards, int(meta[2]), float(times[0]), float(times[1]), made_by, True)
+
+
+def fingerprint(cfg) -> str:
+    """What a step's rollouts are a function of, besides the policy: the settings that choose prompts and
+    seeds and how they are sampled and scored."""
+    r = cfg.rl
+    made_of = (r.task, r.max_operand, r.prompts, r.reward, r.prompts_per_step, r.group_size, r.temperature,
+               r.max_new_tokens, r.max_prompt_tokens, r.max_staleness, cfg.training.seed)  # fmt: skip
+    return hashlib.sha256(repr(made_of).encode()).hexdigest()[:16]
 
 
 def _path(run_dir: str | Path, step: int) -> Path:
@@ -72,9 +86,10 @@ def prune(run_dir: str | Path, below: int) -> None:
     folder = Path(run_dir) / FOLDER
     if not folder.exists():
         return
-    for path in folder.glob(f"*-p{jax.process_index()}*.npz"):
+    mine = (f"-p{jax.process_index()}.npz", f"-p{jax.process_index()}.partial.npz")
+    for path in folder.iterdir():
         step = path.name.split("-", 1)[0]
-        if step.isdigit() and int(step) < below:
+        if path.name.endswith(mine) and step.isdigit() and int(step) < below:
             path.unlink(missing_ok=True)
 
 
@@ -113,4 +128,5 @@ class Sampler:
         rewards, new_tokens = loop.gathered(self.cfg, self.rows, rewards, new_tokens)
         batch = loop.rollout_batch(self.cfg, outputs, rewards, self.rows)
         batch["version"] = np.where(batch["mask"] > 0, version, -1).astype(np.int32)
-        return Rollout(step, version, batch, rewards, new_tokens, generate_s, time.perf_counter() - t0)
+        reward_s = time.perf_counter() - t0
+        return Rollout(step, version, batch, rewards, new_tokens, generate_s, reward_s, fingerprint(self.cfg))
