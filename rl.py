@@ -18,6 +18,8 @@ def main(argv: list[str] | None = None) -> int:
         "the same command again resumes from its latest checkpoint.",
         epilog="examples:\n  python rl.py\n  python rl.py --config configs/rl-arithmetic.yaml training.steps=20\n"
         "  python rl.py rl.algorithm=reinforce rl.kl_coef=0.05 rl.init_from=runs/sft\n"
+        "  python rl.py rl.max_staleness=1   # the next rollouts generated while the update runs (docs/rl.md)\n"
+        "  JAX_NUM_CPU_DEVICES=8 python rl.py rl.sampler_devices=4 mesh.data=4 rl.max_staleness=1\n"
         "  python launch.py -n 2 -- python rl.py mesh.fsdp=2   # two processes (docs/rl.md)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -126,8 +126,11 @@ def trainer_devices(sampler_devices: int) -> list:
     ValueError when that leaves none."""
     local = jax.local_device_count()
     if sampler_devices >= local:
-        raise ValueError(f"rl.sampler_devices={sampler_devices} is not allowed: this process has {local} devices "
-                         f"and the trainer needs at least one (at most {local - 1}; 0 shares them)")  # fmt: skip
+        raise ValueError(
+            f"rl.sampler_devices={sampler_devices} is not allowed: this process has {local} device(s) and the trainer "
+            f"needs one of its own, so at most {local - 1} (0: the engine shares the trainer's devices; on CPU, "
+            "JAX_NUM_CPU_DEVICES=8 gives a process 8)"
+        )
     by_process = {}
     for d in jax.devices():  # each process's in the order of its local devices
         by_process.setdefault(d.process_index, []).append(d)
