@@ -40,7 +40,7 @@ def main() -> None:
     import jax
 
     from jaxgen.config import load_config
-    from jaxgen.rl import loop, tasks
+    from jaxgen.rl import loop, rollouts, tasks
     from jaxgen.training.metrics import read_metrics
 
     overrides = args.overrides + ([f"training.steps={args.steps}"] if args.steps else [])
@@ -70,7 +70,7 @@ def main() -> None:
     seed = run_cfg.training.seed
     batches = [
         ([c["prompt"] for c in tasks.step_prompts(records_all, seed, rec["step"] - 1, r.prompts_per_step)],
-         loop.sampling_for(run_cfg, rec["step"] - 1, r.prompts_per_step))
+         rollouts.sampling_for(run_cfg, rec["step"] - 1, r.prompts_per_step))
         for rec in last
     ]  # fmt: skip
     offline = {}

@@ -170,7 +170,7 @@ def test_rollout_batch_puts_each_completion_token_where_the_forward_scores_it():
     from jaxgen.config import load_config
     from jaxgen.inference.decode import Completion
     from jaxgen.inference.llm import RequestOutput
-    from jaxgen.rl.loop import rollout_batch
+    from jaxgen.rl.rollouts import rollout_batch
 
     cfg = load_config(None, ["rl.group_size=2", "rl.max_prompt_tokens=4", "rl.max_new_tokens=3"])
     outs = [

@@ -18,7 +18,7 @@ import optax
 import pytest
 
 from jaxgen.config import load_config
-from jaxgen.rl import loop
+from jaxgen.rl import loop, objectives
 from jaxgen.training.metrics import read_metrics
 from tests.conftest import ROOT
 
@@ -88,7 +88,7 @@ def test_grpo_raises_the_built_in_tasks_reward_one_version_behind_and_the_sample
     """Step 1's rollouts are the starting policy's (staleness 0), every later step's the policy one update
     before its own (staleness 1): the reward still rises."""
     cfg, run_dir = uninterrupted
-    assert cfg.rl.task == "arithmetic" and not cfg.rl.reward and loop.settings_of(cfg).correction == "tis"  # auto
+    assert cfg.rl.task == "arithmetic" and not cfg.rl.reward and objectives.settings_of(cfg).correction == "tis"  # auto
     records = read_metrics(run_dir)
     rewards = [r["reward"] for r in records]
     start, end = np.mean(rewards[:3]), np.mean(rewards[-3:])
@@ -190,7 +190,7 @@ def test_the_logged_loss_is_truncated_importance_sampling_by_hand(uninterrupted)
     """Update 19 (step 18's checkpoint, the rollouts of step 18 that the policy of step 17 made, kept on disk
     until the checkpoint after their update): the loss in metrics.jsonl is numpy's truncated-IS loss of the
     trainer's log-probabilities against the sampler's, and not the uncorrected one."""
-    from jaxgen.rl import objectives, rollouts
+    from jaxgen.rl import rollouts
     from tests.test_rl import np_loss
 
     cfg, run_dir = uninterrupted

@@ -54,12 +54,6 @@ class RLResult:
     rewards: list[float]  # mean reward of each step this call ran
 
 
-def settings_of(cfg: Config) -> objectives.RLSettings:
-    r = cfg.rl
-    correction = r.correction if r.correction != "auto" else ("tis" if r.max_staleness else "none")
-    return objectives.RLSettings(r.algorithm, r.clip_eps, r.kl_coef, r.averaging, r.normalize, correction, r.is_cap)
-
-
 def rl_step(state: TrainState, batch: dict, ref_logp, base=None, *, cfg: Config, tx, settings):
     """One policy-gradient update on a rollout batch (B = prompts x group rows, T = prompt + new tokens).
     batch: tokens, positions (B, T) int32; mask, old_logp (B, T - 1) float32; advantages (B,) float32.
@@ -98,7 +92,7 @@ def make_rl_update(cfg: Config, mesh, state: TrainState, tx=None, base=None):
     key = f"{cfg.model!r}|{cfg.optimizer!r}|{cfg.training!r}|{cfg.rl!r}" if tx is None else None
     tx = make_optimizer(cfg.optimizer, cfg.training.steps) if tx is None else tx
     step = Program(
-        functools.partial(rl_step, cfg=cfg, tx=tx, settings=settings_of(cfg)), "rl_update", key,
+        functools.partial(rl_step, cfg=cfg, tx=tx, settings=objectives.settings_of(cfg)), "rl_update", key,
         in_shardings=(state_sh, batch_sh, batch_sh["mask"], jax.tree.map(lambda x: x.sharding, base)),
         out_shardings=(state_sh, None), donate_argnums=0,
     )  # fmt: skip
@@ -168,30 +162,6 @@ def engine_params(params, mesh):
 def _replicate(mesh):
     """The jitted all-gather of a pytree to every device of `mesh` (made once a mesh: compiled once a structure)."""
     return jax.jit(lambda tree: tree, out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-
-
-def rollout_batch(cfg: Config, outputs, rewards: np.ndarray, mine: slice = slice(None)) -> dict:
-    """The update's arrays from the engine's outputs (one RequestOutput a prompt, `group_size` completions
-    each, in order) and the (P, n) rewards of every process: rows left-aligned, prompt then completion,
-    padded with position -1 to T = rl.max_prompt_tokens + rl.max_new_tokens. mine: the outputs' rows of the
-    step's B (`rollout_rows`); the advantages, computed over all B, are cut to them."""
-    r = cfg.rl
-    T = r.max_prompt_tokens + r.max_new_tokens
-    rows = [(out.prompt_token_ids, c) for out in outputs for c in out.outputs]
-    B = len(rows)
-    tokens = np.zeros((B, T), np.int32)
-    positions = np.full((B, T), -1, np.int32)
-    mask = np.zeros((B, T - 1), np.float32)
-    old = np.zeros((B, T - 1), np.float32)
-    for i, (prompt, c) in enumerate(rows):
-        seq = list(prompt) + list(c.tokens)
-        tokens[i, : len(seq)] = seq
-        positions[i, : len(seq)] = np.arange(len(seq))
-        start = len(prompt) - 1  # column t scores token t + 1: the first completion token is column len - 1
-        mask[i, start : start + len(c.tokens)] = 1.0
-        old[i, start : start + len(c.tokens)] = c.logprobs
-    adv = np.asarray(objectives.advantages(jnp.asarray(rewards), settings_of(cfg)))[mine]
-    return {"tokens": tokens, "positions": positions, "mask": mask, "old_logp": old, "advantages": adv}
 
 
 def run_rl(cfg: Config, run_dir: str | Path, progress: bool = True, stop_after: int | None = None) -> RLResult:
@@ -303,17 +273,6 @@ def _check_prompts(cfg: Config, tokenizer, records: list[dict]) -> None:
     if total > cfg.model.max_seq_len:
         raise ValueError(f"rl.max_prompt_tokens + rl.max_new_tokens = {total} is not allowed: at most "
                          f"model.max_seq_len={cfg.model.max_seq_len}")  # fmt: skip
-
-
-def sampling_for(cfg: Config, step: int, count: int):
-    from jaxgen.inference.sampling import SamplingConfig
-
-    r = cfg.rl
-    seeds = np.random.default_rng([cfg.training.seed, step, 1]).integers(0, 2**62, size=count)
-    base = SamplingConfig(
-        n=r.group_size, temperature=r.temperature, max_new_tokens=r.max_new_tokens, logprobs_mode="processed"
-    )
-    return [dataclasses.replace(base, seed=int(s)) for s in seeds]
 
 
 def _loop(cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params, step, ckpt, progress, last):
@@ -436,41 +395,6 @@ def rollout_pages(cfg: Config, page_size: int = 16, rows: int | None = None) -> 
     r = cfg.rl
     per_row = -(-(r.max_prompt_tokens + r.max_new_tokens) // page_size)
     return (r.prompts_per_step * r.group_size if rows is None else rows) * (per_row + 1)
-
-
-def gathered(cfg: Config, rows: slice, rewards: np.ndarray, new_tokens: int) -> tuple[np.ndarray, int]:
-    """(the (P, n) rewards of every process's rows, the new tokens of all of them) from this process's
-    rewards (its rows' groups) and token count: one small all-gather (nothing for a single process)."""
-    if jax.process_count() == 1:
-        return rewards, new_tokens
-    from jax.experimental import multihost_utils
-
-    n = cfg.rl.group_size
-    mine = np.concatenate([[rows.start // n, new_tokens], rewards.ravel()]).astype(np.float32)
-    every = np.asarray(multihost_utils.process_allgather(mine))  # (processes, 2 + rows)
-    out = np.full((cfg.rl.prompts_per_step, n), np.nan, np.float32)
-    tokens = {}
-    for row in every:
-        first = int(row[0])
-        out[first : first + len(rewards)] = row[2:].reshape(len(rewards), n)
-        tokens[first] = int(row[1])  # keyed by rows: processes that share rows (no data axis over them) count once
-    assert not np.isnan(out).any(), "the processes' rows do not cover the step"
-    return out, sum(tokens.values())
-
-
-def reward_of(cfg: Config, job) -> float:
-    """A reward job's value as a finite float, or a ValueError naming the function and what it did."""
-    try:
-        value = job.result()
-    except Exception as e:
-        raise ValueError(f"rl.reward={cfg.rl.reward or 'the task'} raised {type(e).__name__}: {e}") from e
-    if not isinstance(value, int | float | np.number) or not np.isfinite(value):  # a bool counts as 0 or 1
-        raise ValueError(f"rl.reward={cfg.rl.reward or 'the task'} returned {value!r}; a reward is a finite number")
-    return float(value)
-
-
-def fields_of(record: dict) -> dict:
-    return {k: v for k, v in record.items() if k != "prompt"}
 
 
 def plot_reward(run_dir: str | Path) -> Path:

@@ -167,3 +167,11 @@ def policy_loss(logp_bt, old_logp_bt, advantages_b, mask_bt, settings: RLSetting
         metrics["kl"] = _token_mean(kl, mask_bt)
     loss = AVERAGING[settings.averaging](per_token, mask_bt)
     return loss, metrics
+
+
+def settings_of(cfg) -> RLSettings:
+    """The loss's settings of a `jaxgen.config.Config`'s rl section (rl.correction "auto": none at
+    rl.max_staleness 0, tis above)."""
+    r = cfg.rl
+    correction = r.correction if r.correction != "auto" else ("tis" if r.max_staleness else "none")
+    return RLSettings(r.algorithm, r.clip_eps, r.kl_coef, r.averaging, r.normalize, correction, r.is_cap)

@@ -4,7 +4,8 @@ the checkpoint after it, so a killed run resumes with the very rollouts it had m
 
     sampler = Sampler(cfg, llm, policy, records, reward_fn, workers, rows)
     rollout = sampler.rollout(step, version)   # step's prompts and seeds; the engine holds policy `version`
-    rollout.save(run_dir); Rollout.load(run_dir, step, shape); prune(run_dir, below=step)
+    rollout.save(run_dir); Rollout.load(run_dir, step, shape, fingerprint(cfg)); prune(run_dir, below=step)
+    rollout_batch(cfg, outputs, rewards)       # the update's arrays of the engine's outputs
 
 A policy version is the number of updates applied to the weights that generated a token; every sampled token
 carries it (`Rollout.batch["version"]`) beside its processed log-probability (`old_logp`), and the staleness
@@ -21,9 +22,11 @@ import zipfile
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jaxgen.rl import tasks
+from jaxgen.config import Config
+from jaxgen.rl import objectives, tasks
 
 FOLDER = "rollouts"  # in the run folder: one file per step and process
 
@@ -32,7 +35,7 @@ FOLDER = "rollouts"  # in the run folder: one file per step and process
 class Rollout:
     step: int  # the RL step whose update takes it
     version: int  # the policy version (updates applied) that generated it
-    batch: dict  # `loop.rollout_batch`'s arrays of this process's rows, and "version" (B, T - 1) int32 (-1: prompt)
+    batch: dict  # `rollout_batch`'s arrays of this process's rows, and "version" (B, T - 1) int32 (-1: prompt)
     rewards: np.ndarray  # (P, n) float32: every process's rows
     new_tokens: int  # every process's
     generate_s: float
@@ -97,7 +100,7 @@ def prune(run_dir: str | Path, below: int) -> None:
 class Sampler:
     """Makes a step's rollouts on this process's engine (`llm`) for its rows of the step (`rows`)."""
 
-    cfg: object  # jaxgen.config.Config
+    cfg: Config
     llm: object  # jaxgen.inference.llm.LLM
     policy: object  # jaxgen.rl.policy.Policy
     records: list[dict]
@@ -108,25 +111,93 @@ class Sampler:
     def rollout(self, step: int, version: int) -> Rollout:
         """Step's prompts and seeds (functions of the step alone), sampled by the engine, which holds policy
         `version`; rewards gathered over the processes."""
-        from jaxgen.rl import loop
-
         r = self.cfg.rl
         n = r.group_size
         mine = slice(self.rows.start // n, self.rows.stop // n)
         t0 = time.perf_counter()
         chosen = tasks.step_prompts(self.records, self.cfg.training.seed, step, r.prompts_per_step)[mine]
-        sampling = loop.sampling_for(self.cfg, step, r.prompts_per_step)[mine]
+        sampling = sampling_for(self.cfg, step, r.prompts_per_step)[mine]
         outputs = self.llm.generate([c["prompt"] for c in chosen], sampling, self.policy.adapter)
         generate_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         jobs = [
-            [self.workers.submit(self.reward_fn, rec["prompt"], c.text, **loop.fields_of(rec)) for c in out.outputs]
+            [self.workers.submit(self.reward_fn, rec["prompt"], c.text, **fields_of(rec)) for c in out.outputs]
             for rec, out in zip(chosen, outputs, strict=True)
         ]
-        rewards = np.asarray([[loop.reward_of(self.cfg, j) for j in group] for group in jobs], np.float32)
+        rewards = np.asarray([[reward_of(self.cfg, j) for j in group] for group in jobs], np.float32)
         new_tokens = sum(len(c.tokens) for out in outputs for c in out.outputs)
-        rewards, new_tokens = loop.gathered(self.cfg, self.rows, rewards, new_tokens)
-        batch = loop.rollout_batch(self.cfg, outputs, rewards, self.rows)
+        rewards, new_tokens = gathered(self.cfg, self.rows, rewards, new_tokens)
+        batch = rollout_batch(self.cfg, outputs, rewards, self.rows)
         batch["version"] = np.where(batch["mask"] > 0, version, -1).astype(np.int32)
         reward_s = time.perf_counter() - t0
         return Rollout(step, version, batch, rewards, new_tokens, generate_s, reward_s, fingerprint(self.cfg))
+
+
+def rollout_batch(cfg: Config, outputs, rewards: np.ndarray, mine: slice = slice(None)) -> dict:
+    """The update's arrays from the engine's outputs (one RequestOutput a prompt, `group_size` completions
+    each, in order) and the (P, n) rewards of every process: rows left-aligned, prompt then completion,
+    padded with position -1 to T = rl.max_prompt_tokens + rl.max_new_tokens. mine: the outputs' rows of the
+    step's B (`rollout_rows`); the advantages, computed over all B, are cut to them."""
+    r = cfg.rl
+    T = r.max_prompt_tokens + r.max_new_tokens
+    rows = [(out.prompt_token_ids, c) for out in outputs for c in out.outputs]
+    B = len(rows)
+    tokens = np.zeros((B, T), np.int32)
+    positions = np.full((B, T), -1, np.int32)
+    mask = np.zeros((B, T - 1), np.float32)
+    old = np.zeros((B, T - 1), np.float32)
+    for i, (prompt, c) in enumerate(rows):
+        seq = list(prompt) + list(c.tokens)
+        tokens[i, : len(seq)] = seq
+        positions[i, : len(seq)] = np.arange(len(seq))
+        start = len(prompt) - 1  # column t scores token t + 1: the first completion token is column len - 1
+        mask[i, start : start + len(c.tokens)] = 1.0
+        old[i, start : start + len(c.tokens)] = c.logprobs
+    adv = np.asarray(objectives.advantages(jnp.asarray(rewards), objectives.settings_of(cfg)))[mine]
+    return {"tokens": tokens, "positions": positions, "mask": mask, "old_logp": old, "advantages": adv}
+
+
+def sampling_for(cfg: Config, step: int, count: int):
+    from jaxgen.inference.sampling import SamplingConfig
+
+    r = cfg.rl
+    seeds = np.random.default_rng([cfg.training.seed, step, 1]).integers(0, 2**62, size=count)
+    base = SamplingConfig(
+        n=r.group_size, temperature=r.temperature, max_new_tokens=r.max_new_tokens, logprobs_mode="processed"
+    )
+    return [dataclasses.replace(base, seed=int(s)) for s in seeds]
+
+
+def gathered(cfg: Config, rows: slice, rewards: np.ndarray, new_tokens: int) -> tuple[np.ndarray, int]:
+    """(the (P, n) rewards of every process's rows, the new tokens of all of them) from this process's
+    rewards (its rows' groups) and token count: one small all-gather (nothing for a single process)."""
+    if jax.process_count() == 1:
+        return rewards, new_tokens
+    from jax.experimental import multihost_utils
+
+    n = cfg.rl.group_size
+    mine = np.concatenate([[rows.start // n, new_tokens], rewards.ravel()]).astype(np.float32)
+    every = np.asarray(multihost_utils.process_allgather(mine))  # (processes, 2 + rows)
+    out = np.full((cfg.rl.prompts_per_step, n), np.nan, np.float32)
+    tokens = {}
+    for row in every:
+        first = int(row[0])
+        out[first : first + len(rewards)] = row[2:].reshape(len(rewards), n)
+        tokens[first] = int(row[1])  # keyed by rows: processes that share rows (no data axis over them) count once
+    assert not np.isnan(out).any(), "the processes' rows do not cover the step"
+    return out, sum(tokens.values())
+
+
+def reward_of(cfg: Config, job) -> float:
+    """A reward job's value as a finite float, or a ValueError naming the function and what it did."""
+    try:
+        value = job.result()
+    except Exception as e:
+        raise ValueError(f"rl.reward={cfg.rl.reward or 'the task'} raised {type(e).__name__}: {e}") from e
+    if not isinstance(value, int | float | np.number) or not np.isfinite(value):  # a bool counts as 0 or 1
+        raise ValueError(f"rl.reward={cfg.rl.reward or 'the task'} returned {value!r}; a reward is a finite number")
+    return float(value)
+
+
+def fields_of(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k != "prompt"}
