@@ -113,6 +113,7 @@ def overlap(run_dir: str, iterations: int) -> None:
     run's warm start, each in its own processes (the CPU device count is fixed when jax starts)."""
     import json
     import os
+    import re
     import shutil
     import subprocess
     import sys
@@ -126,7 +127,7 @@ def overlap(run_dir: str, iterations: int) -> None:
             f"training.steps={iterations}", f"checkpoint.every={iterations}"]  # fmt: skip
     rows = []
     for name, processes, devices, overrides in SCHEDULES:
-        folder = Path(run_dir) / "schedules" / name.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "")
+        folder = Path(run_dir) / "schedules" / re.sub(r"\W+", "_", name)
         shutil.rmtree(folder, ignore_errors=True)  # a fresh run each time, not a resumed (finished) one
         rl = [sys.executable, str(ROOT / "rl.py"), "--run-dir", str(folder), *base, *overrides]
         cmd = rl if processes == 1 else [sys.executable, str(ROOT / "launch.py"), "-n", str(processes),

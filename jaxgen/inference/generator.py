@@ -229,9 +229,9 @@ class Generator:
             spec = self._spec_state(ids, configs, batch_rows, (tokens, positions, rows, lengths), cache_len,
                                     bucket(t + longest_new + w + 1), eagle_start and (*eagle_start, w))  # fmt: skip
         step, made, spec_made = 0, np.zeros((b,), np.int32), 0  # tokens of each row so far; in speculative chunks
+        gated = self.config.spec_gate and self.config.spec_rule == "exact"  # "standard": a residual may be pending
         while True:
             state = state.replace(limit=np.int32(min(step + self.chunk_steps, longest_new)))
-            gated = self.config.spec_gate and self.config.spec_rule == "exact"
             speculate = spec is not None and (not gated or self.gate.choose(len(group)))
             started, compiled = time.perf_counter(), self.compilations
             if speculate:

@@ -379,11 +379,16 @@ def probabilities(penalized_bv, sp: SamplingArrays):
     return jnp.where(sp.temperature[:, None] == 0, greedy, probs)
 
 
+def token_keys(seed_b, index_b):
+    """(B,) the key of each row's token `index_b` (B,): `fold_in(key(seed), index)`, what `draw` draws with."""
+    return jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seed_b, index_b)
+
+
 def row_keys(seed_b, index_b, salt: int):
     """(B,) keys for a row's token `index_b` (B,) and one use of it, `salt`: apart from `draw`'s keys
-    (`fold_in(key(seed), index)`) and from each other, so a draw, a draft and an acceptance test of the
-    same token are independent."""
-    return jax.vmap(lambda s, t: jax.random.fold_in(jax.random.fold_in(jax.random.key(s), t), salt))(seed_b, index_b)
+    (`token_keys`) and from each other, so a draw, a draft and an acceptance test of the same token are
+    independent."""
+    return jax.vmap(jax.random.fold_in, in_axes=(0, None))(token_keys(seed_b, index_b), salt)
 
 
 def sample(logits_bv, sp: SamplingArrays, step, seen_bv, counts_bv, allowed_bv=None, tiled: bool = False):
@@ -407,7 +412,7 @@ def draw(penalized_bv, sp: SamplingArrays, step, tiled: bool = False):
     def drawn(_):
         masked, order = truncated_logits(penalized_bv, sp)
         steps = jnp.broadcast_to(step, sp.seed.shape)  # one step for all rows, or each row's own
-        keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(sp.seed, steps)
+        keys = token_keys(sp.seed, steps)
         choice = jax.vmap(jax.random.categorical)(keys, masked)
         token = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
         return jnp.where(sp.temperature == 0, greedy, token).astype(jnp.int32)
