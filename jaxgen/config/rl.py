@@ -8,14 +8,23 @@ from typing import Literal
 
 from jaxgen.config.base import check, check_literals
 
+TASKS = ("arithmetic", "calculator", "jsonl")
+
 
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
     # the prompts and how answers are scored
-    task: str = "arithmetic"  # a built-in task (jaxgen.rl.tasks), or "jsonl": prompts from `prompts`
+    # a built-in task: arithmetic (jaxgen.rl.tasks) or calculator (multi-turn with a tool:
+    # jaxgen.rl.environments); or "jsonl": prompts from `prompts`
+    task: str = "arithmetic"
     max_operand: int = 9  # the arithmetic task's operands: 0..max_operand
     prompts: tuple[str, ...] = ()  # globs of JSONL files: {"prompt": ..., other fields passed to the reward}
     reward: str = ""  # "module:function(prompt, completion, **fields) -> float"; "" = the task's own
+    # multi-turn rollouts (jaxgen.rl.episodes): "module:Class", an environment for the jsonl task's prompts
+    # ("" = single-turn, scored by `reward`); the calculator task has its own
+    environment: str = ""
+    tools: bool = True  # false: the environment answers every tool call with an error (an ablation)
+    max_turns: int = 4  # the model's turns in an episode
     init_from: str = ""  # the starting policy: a run folder or a Hugging Face folder; "" = a warm start
     warm_start_steps: int = 200  # supervised steps on the built-in task's answers before RL ("" init_from)
     warm_start_learning_rate: float = 2e-3  # the warm start's peak (the optimizer section is RL's)
@@ -45,13 +54,19 @@ class RLConfig:
 
     def __post_init__(self):
         check_literals(self, "rl")
-        check(self.task in ("arithmetic", "jsonl"), "rl.task", self.task, "arithmetic (built in) or jsonl")
+        check(self.task in TASKS, "rl.task", self.task, "arithmetic or calculator (built in), or jsonl")
         if self.task == "jsonl":
             check(bool(self.prompts), "rl.prompts", self.prompts, "at least one JSONL glob for rl.task=jsonl")
-            check(bool(self.reward), "rl.reward", self.reward, "module:function for rl.task=jsonl")
+            check(bool(self.reward or self.environment), "rl.reward", self.reward,
+                  "module:function for rl.task=jsonl (or an rl.environment, which rewards its episodes)")  # fmt: skip
             check(
                 bool(self.init_from), "rl.init_from", self.init_from, "a run or Hugging Face folder for rl.task=jsonl"
             )
+        if self.environment:
+            module, _, name = self.environment.partition(":")
+            check(bool(module and name), "rl.environment", self.environment, "module:Class, e.g. mytask:Env")
+            check(self.task == "jsonl", "rl.environment", self.environment,
+                  f"only with rl.task=jsonl (rl.task={self.task} has its own)")  # fmt: skip
         if self.reward:
             module, _, function = self.reward.partition(":")
             check(bool(module and function), "rl.reward", self.reward, "module:function, e.g. mytask:reward")
@@ -65,6 +80,7 @@ class RLConfig:
             "reward_workers": 1,
             "max_staleness": 0,
             "sampler_devices": 0,
+            "max_turns": 1,
         }  # name: the least allowed
         for name, low in integers.items():
             value = getattr(self, name)

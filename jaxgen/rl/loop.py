@@ -38,7 +38,7 @@ import numpy as np
 from jaxgen.config import Config, DataConfig, LoraConfig, save_config
 from jaxgen.distributed import barrier, is_main
 from jaxgen.executables import Program
-from jaxgen.rl import objectives, rollouts, tasks
+from jaxgen.rl import environments, episodes, objectives, rollouts, tasks
 from jaxgen.rl.policy import Policy
 from jaxgen.sharding import batch_sharding, check_spans_processes, process_rows, with_mesh
 from jaxgen.training.checkpoint import Checkpointer
@@ -241,19 +241,27 @@ def starting_policy(cfg: Config, run_dir: Path, mesh, progress: bool):
 
 
 def warm_start_config(cfg: Config, folder: str | Path) -> Config:
-    """The warm start's train.py config: the RL config's model and tokenizer, the task's prompt/response
-    pairs (loss on the answer) written to `folder/warm_start.jsonl`."""
+    """The warm start's train.py config: the RL config's model and tokenizer, on the task's prompt/response pairs
+    (loss on the answer) or, for an environment's task, its conversations (chat SFT: loss on the model's turns),
+    written to `folder/warm_start.jsonl`."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "warm_start.jsonl"
+    environment = environments.environment_class(cfg.rl)
     if not path.exists() and is_main():  # one writer: the others would read a file half written
-        lines = (json.dumps(r) + "\n" for r in tasks.warm_start_records(cfg.training.seed, cfg.rl.max_operand))
-        path.write_text("".join(lines))
+        if environment is None:
+            records = tasks.warm_start_records(cfg.training.seed, cfg.rl.max_operand)
+        elif hasattr(environment, "warm_start"):
+            records = environment.warm_start(cfg.training.seed + 7919)
+        else:
+            raise ValueError(f"rl.environment={cfg.rl.environment!r} has no warm_start conversations: give rl.init_from")
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
     barrier("jaxgen-rl-warm-start-data")
-    data = DataConfig(
-        source="jsonl", paths=(str(path),), prompt_field="prompt", response_field="response",
-        tokenizer=cfg.data.tokenizer, seq_len=cfg.data.seq_len, seed=cfg.training.seed, cache_dir=cfg.data.cache_dir,
-    )  # fmt: skip
+    fields = {"source": "jsonl", "prompt_field": "prompt", "response_field": "response"}
+    if environment is not None:
+        fields = {"source": "chat"}
+    data = DataConfig(paths=(str(path),), tokenizer=cfg.data.tokenizer, seq_len=cfg.data.seq_len,
+                      seed=cfg.training.seed, cache_dir=cfg.data.cache_dir, **fields)  # fmt: skip
     optimizer = dataclasses.replace(cfg.optimizer, learning_rate=cfg.rl.warm_start_learning_rate)
     training = dataclasses.replace(cfg.training, steps=cfg.rl.warm_start_steps, eval_every=cfg.rl.warm_start_steps)
     checkpoint = dataclasses.replace(cfg.checkpoint, every=max(cfg.rl.warm_start_steps // 4, 1))
@@ -264,15 +272,23 @@ def warm_start_config(cfg: Config, folder: str | Path) -> Config:
 
 
 def _check_prompts(cfg: Config, tokenizer, records: list[dict]) -> None:
+    """Every prompt fits rl.max_prompt_tokens (an environment's: the opening it renders for the record, the chat
+    template's generation prompt included), before any rollout."""
     limit = cfg.rl.max_prompt_tokens
-    for i, record in enumerate(records):
-        n = len(tokenizer.encode(record["prompt"]))
-        if n > limit:
-            raise ValueError(f"prompt {i} ({record['prompt'][:40]!r}...) has {n} tokens; rl.max_prompt_tokens={limit}")
     total = limit + cfg.rl.max_new_tokens
     if total > cfg.model.max_seq_len:
         raise ValueError(f"rl.max_prompt_tokens + rl.max_new_tokens = {total} is not allowed: at most "
                          f"model.max_seq_len={cfg.model.max_seq_len}")  # fmt: skip
+    environment = environments.environment_class(cfg.rl)
+    chat = episodes.Chat(tokenizer) if environment else None
+    for i, record in enumerate(records):
+        if environment is None:
+            n = len(tokenizer.encode(record["prompt"]))
+        else:
+            env = environment(record, tools=cfg.rl.tools)
+            n = len(chat.opening(env.reset(), env.tools))
+        if n > limit:
+            raise ValueError(f"prompt {i} ({record['prompt'][:40]!r}...) has {n} tokens; rl.max_prompt_tokens={limit}")
 
 
 def _loop(cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params, step, ckpt, progress, last):
@@ -373,7 +389,8 @@ def _ahead(sampler: rollouts.Sampler, run_dir: Path, step: int, version: int, sh
 def _record(step: int, rollout: rollouts.Rollout, made, m: dict, times: dict, step_s: float) -> dict:
     """A step's metrics line: the update's rollouts' rewards and staleness, the loss's metrics and importance
     weights, and the seconds of its parts (generate_s, reward_s, tokens_per_s: of the rollouts generated in
-    this iteration, `made`: the next ones with rl.max_staleness > 0; none in a run's last steps)."""
+    this iteration, `made`: the next ones with rl.max_staleness > 0; none in a run's last steps); multi-turn
+    rollouts add their episodes' mean turns and tool calls and how they ended (end_done, end_turns, end_length)."""
     rewards, mask = rollout.rewards, rollout.batch["mask"] > 0
     fresh = made is not None and not made.loaded  # taken back from disk: made by another process
     gen_s, reward_s, tokens = (made.generate_s, made.reward_s, made.new_tokens) if fresh else (0.0, 0.0, 0)
@@ -386,7 +403,7 @@ def _record(step: int, rollout: rollouts.Rollout, made, m: dict, times: dict, st
         "staleness": float(staleness.mean()) if staleness.size else 0.0, "version": rollout.version,
         "grad_norm": float(m["grad_norm"]), "tokens_per_s": tokens / gen_s if gen_s else 0.0, "step_s": step_s,
         "generate_s": gen_s, "reward_s": reward_s,
-    } | times  # fmt: skip
+    } | times | {k: float(v) for k, v in rollout.stats.items()}  # fmt: skip
 
 
 def rollout_pages(cfg: Config, page_size: int = 16, rows: int | None = None) -> int:

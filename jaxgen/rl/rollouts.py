@@ -15,7 +15,9 @@ of an update's tokens is its step minus their version.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import json
 import os
 import time
 import zipfile
@@ -26,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen.config import Config
-from jaxgen.rl import objectives, tasks
+from jaxgen.rl import environments, episodes, objectives, tasks
 
 FOLDER = "rollouts"  # in the run folder: one file per step and process
 
@@ -42,6 +44,7 @@ class Rollout:
     reward_s: float
     fingerprint: str = ""  # what made it (`fingerprint`): a saved rollout of another config is not taken back
     loaded: bool = False  # taken back from disk (its seconds are another process's)
+    stats: dict = dataclasses.field(default_factory=dict)  # multi-turn: this process's episodes' turns, calls, ends
 
     def save(self, run_dir: str | Path) -> None:
         """Written whole or not at all (a temporary file renamed): a kill mid-write leaves no half rollout."""
@@ -50,8 +53,9 @@ class Rollout:
         meta = np.asarray([self.step, self.version, self.new_tokens], np.int64)
         times = np.asarray([self.generate_s, self.reward_s], np.float64)
         tmp = path.with_suffix(".partial.npz")
+        stats = np.asarray(json.dumps({k: float(v) for k, v in self.stats.items()}))
         np.savez(tmp, meta=meta, times=times, rewards=self.rewards, fingerprint=np.asarray(self.fingerprint),
-                 **self.batch)  # fmt: skip
+                 stats=stats, **self.batch)  # fmt: skip
         os.replace(tmp, path)
 
     @classmethod
@@ -63,12 +67,13 @@ class Rollout:
             with np.load(path) as f:
                 data = {k: f[k] for k in f.files}
             meta, times, made_by = data.pop("meta"), data.pop("times"), str(data.pop("fingerprint"))
-            rewards = data.pop("rewards")
-        except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile):
+            rewards, stats = data.pop("rewards"), json.loads(str(data.pop("stats")))
+        except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile):  # JSONDecodeError is a ValueError
             return None
         if data.get("tokens", np.zeros(0)).shape != tuple(shape) or int(meta[0]) != step or made_by != fingerprint:
             return None
-        return cls(step, int(meta[1]), data, rewards, int(meta[2]), float(times[0]), float(times[1]), made_by, True)
+        return cls(step, int(meta[1]), data, rewards, int(meta[2]), float(times[0]), float(times[1]), made_by, True,
+                   stats)  # fmt: skip
 
 
 def fingerprint(cfg) -> str:
@@ -76,7 +81,8 @@ def fingerprint(cfg) -> str:
     seeds and how they are sampled and scored."""
     r = cfg.rl
     made_of = (r.task, r.max_operand, r.prompts, r.reward, r.prompts_per_step, r.group_size, r.temperature,
-               r.max_new_tokens, r.max_prompt_tokens, r.max_staleness, cfg.training.seed)  # fmt: skip
+               r.max_new_tokens, r.max_prompt_tokens, r.max_staleness, cfg.training.seed, r.environment, r.tools,
+               r.max_turns)  # fmt: skip
     return hashlib.sha256(repr(made_of).encode()).hexdigest()[:16]
 
 
@@ -110,13 +116,22 @@ class Sampler:
 
     def rollout(self, step: int, version: int) -> Rollout:
         """Step's prompts and seeds (functions of the step alone), sampled by the engine, which holds policy
-        `version`; rewards gathered over the processes."""
+        `version`; rewards gathered over the processes. With an environment (`rl.task=calculator`,
+        `rl.environment`) each rollout is a multi-turn episode (`jaxgen.rl.episodes`)."""
         r = self.cfg.rl
-        n = r.group_size
-        mine = slice(self.rows.start // n, self.rows.stop // n)
-        t0 = time.perf_counter()
+        mine = slice(self.rows.start // r.group_size, self.rows.stop // r.group_size)
         chosen = tasks.step_prompts(self.records, self.cfg.training.seed, step, r.prompts_per_step)[mine]
-        sampling = sampling_for(self.cfg, step, r.prompts_per_step)[mine]
+        environment = environments.environment_class(r)
+        made = self._chats(step, chosen, environment) if environment else self._completions(step, chosen, mine)
+        batch, rewards, new_tokens, stats, generate_s, reward_s = made
+        batch["version"] = np.where(batch["mask"] > 0, version, -1).astype(np.int32)
+        return Rollout(step, version, batch, rewards, new_tokens, generate_s, reward_s, fingerprint(self.cfg),
+                       stats=stats)  # fmt: skip
+
+    def _completions(self, step: int, chosen: list[dict], mine: slice):
+        """Single-turn rollouts: `group_size` completions a prompt, scored by the reward function."""
+        t0 = time.perf_counter()
+        sampling = sampling_for(self.cfg, step, self.cfg.rl.prompts_per_step)[mine]
         outputs = self.llm.generate([c["prompt"] for c in chosen], sampling, self.policy.adapter)
         generate_s = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -128,33 +143,62 @@ class Sampler:
         new_tokens = sum(len(c.tokens) for out in outputs for c in out.outputs)
         rewards, new_tokens = gathered(self.cfg, self.rows, rewards, new_tokens)
         batch = rollout_batch(self.cfg, outputs, rewards, self.rows)
-        batch["version"] = np.where(batch["mask"] > 0, version, -1).astype(np.int32)
-        reward_s = time.perf_counter() - t0
-        return Rollout(step, version, batch, rewards, new_tokens, generate_s, reward_s, fingerprint(self.cfg))
+        return batch, rewards, new_tokens, {}, generate_s, time.perf_counter() - t0
+
+    def _chats(self, step: int, chosen: list[dict], environment):
+        """Multi-turn rollouts: `group_size` episodes a prompt, each with its own environment, which rewards it.
+        generate_s counts the environments' steps too (they run between the turns)."""
+        r = self.cfg.rl
+        t0 = time.perf_counter()
+        envs = [environment(rec, tools=r.tools) for rec in chosen for _ in range(r.group_size)]
+        seeds = episode_seeds(self.cfg, step)[:, self.rows]
+        done = episodes.run_episodes(self.llm, self.chat, envs, seeds, r, self.workers, self.policy.adapter)
+        generate_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        jobs = [self.workers.submit(e.env.reward) for e in done]
+        rewards = np.asarray([reward_of(self.cfg, j) for j in jobs], np.float32).reshape(len(chosen), r.group_size)
+        new_tokens = sum(sum(e.model) for e in done)
+        rewards, new_tokens = gathered(self.cfg, self.rows, rewards, new_tokens)
+        stats = {"turns": np.mean([e.turns for e in done]), "tool_calls": np.mean([e.tool_calls for e in done])}
+        stats |= {f"end_{end}": np.mean([e.end == end for e in done]) for end in episodes.ENDS}
+        return episode_batch(self.cfg, done, rewards, self.rows), rewards, new_tokens, stats, generate_s, \
+            time.perf_counter() - t0
+
+    @functools.cached_property
+    def chat(self) -> episodes.Chat:
+        return episodes.Chat(self.llm.tokenizer)
+
+
+def episode_seeds(cfg: Config, step: int) -> np.ndarray:
+    """(rl.max_turns, B) the sampling seed of each turn of each of step's episodes: a function of the step."""
+    r = cfg.rl
+    shape = (r.max_turns, r.prompts_per_step * r.group_size)
+    return np.random.default_rng([cfg.training.seed, step, 2]).integers(0, 2**62, size=shape)
 
 
 def rollout_batch(cfg: Config, outputs, rewards: np.ndarray, mine: slice = slice(None)) -> dict:
     """The update's arrays from the engine's outputs (one RequestOutput a prompt, `group_size` completions
     each, in order) and the (P, n) rewards of every process: rows left-aligned, prompt then completion,
-    padded with position -1 to T = rl.max_prompt_tokens + rl.max_new_tokens. mine: the outputs' rows of the
-    step's B (`rollout_rows`); the advantages, computed over all B, are cut to them."""
-    r = cfg.rl
-    T = r.max_prompt_tokens + r.max_new_tokens
-    rows = [(out.prompt_token_ids, c) for out in outputs for c in out.outputs]
-    B = len(rows)
-    tokens = np.zeros((B, T), np.int32)
-    positions = np.full((B, T), -1, np.int32)
-    mask = np.zeros((B, T - 1), np.float32)
-    old = np.zeros((B, T - 1), np.float32)
-    for i, (prompt, c) in enumerate(rows):
-        seq = list(prompt) + list(c.tokens)
-        tokens[i, : len(seq)] = seq
-        positions[i, : len(seq)] = np.arange(len(seq))
-        start = len(prompt) - 1  # column t scores token t + 1: the first completion token is column len - 1
-        mask[i, start : start + len(c.tokens)] = 1.0
-        old[i, start : start + len(c.tokens)] = c.logprobs
+    padded with position -1 to T = rl.max_prompt_tokens + rl.max_new_tokens (`episodes.layout`). mine: the
+    outputs' rows of the step's B (`rollout_rows`); the advantages, computed over all B, are cut to them."""
+    rows = [
+        (list(out.prompt_token_ids) + list(c.tokens), [False] * len(out.prompt_token_ids) + [True] * len(c.tokens),
+         [0.0] * len(out.prompt_token_ids) + list(c.logprobs))
+        for out in outputs for c in out.outputs
+    ]  # fmt: skip
+    return _with_advantages(cfg, episodes.layout(rows, cfg.rl.max_prompt_tokens + cfg.rl.max_new_tokens), rewards, mine)
+
+
+def episode_batch(cfg: Config, done: list, rewards: np.ndarray, mine: slice = slice(None)) -> dict:
+    """`rollout_batch` of multi-turn episodes (`episodes.Episode`, prompt by prompt, `group_size` each): the
+    loss's mask on the model's tokens alone."""
+    rows = [(e.tokens, e.model, e.logprobs) for e in done]
+    return _with_advantages(cfg, episodes.layout(rows, cfg.rl.max_prompt_tokens + cfg.rl.max_new_tokens), rewards, mine)
+
+
+def _with_advantages(cfg: Config, batch: dict, rewards: np.ndarray, mine: slice) -> dict:
     adv = np.asarray(objectives.advantages(jnp.asarray(rewards), objectives.settings_of(cfg)))[mine]
-    return {"tokens": tokens, "positions": positions, "mask": mask, "old_logp": old, "advantages": adv}
+    return batch | {"advantages": adv}
 
 
 def sampling_for(cfg: Config, step: int, count: int):

@@ -62,6 +62,10 @@ def load_prompts(cfg: RLConfig, seed: int) -> list[dict]:
     JSONL files' lines ({"prompt": str, ...}; a bad line is an error naming file and line)."""
     if cfg.task == "arithmetic":
         return arithmetic_records(seed, 2000, cfg.max_operand)
+    if cfg.task == "calculator":
+        from jaxgen.rl.environments import Calculator
+
+        return Calculator.records(seed, 2000)
     records = []
     paths = sorted({p for pattern in cfg.prompts for p in glob.glob(str(Path(pattern).expanduser()))})
     if not paths:
