@@ -14,6 +14,10 @@ tokens/s over the offline engine's (target >= 0.9x). The reward curve is the run
 the update runs, corrected by truncated importance sampling), on one device, on 8 CPU devices split 4 sampler
 + 4 trainer (rl.sampler_devices), and as 2 processes of 4 devices: seconds an iteration, the swap's bytes/s,
 the staleness and the importance weights.
+
+`--tools K` runs the calculator task (configs/rl-calculator.yaml: multi-turn, a tool to call) for K steps with
+the tool and, from the same warm start, with every call answered by an error (rl.tools=false): the reward and
+the tool calls an episode, in bins of steps, and both reward curves in `<run-dir>/tools/reward.png`.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="RL steps (default: the config's training.steps)")
     parser.add_argument("--compare", type=int, default=5, help="last steps whose rollouts the offline engine redoes")
     parser.add_argument("--overlap", type=int, default=10, help="iterations of the overlap measurement (0: skip)")
+    parser.add_argument("--tools", type=int, default=0, help="steps of the calculator task with and without its "
+                        "tool (0: skip)")  # fmt: skip
     parser.add_argument("overrides", nargs="*", help="dotted config overrides")
     args = parser.parse_args()
 
@@ -96,6 +102,8 @@ def main() -> None:
     )
     if args.overlap:
         overlap(args.run_dir, args.overlap)
+    if args.tools:
+        tools(args.run_dir, args.tools)
 
 
 SCHEDULES = (  # name, processes, CPU devices a process, overrides
@@ -168,6 +176,48 @@ def overlap(run_dir: str, iterations: int) -> None:
             f"{m['update_s']:.4f} | {m['swap_bytes_per_s'] / 1e6:.0f} | {m['staleness']:.2f} | "
             f"{m['ratio']:.3f} / {m['ratio_max']:.2f} | {m['corrected']:.2%} |"
         )
+
+
+def tools(run_dir: str, steps: int) -> None:
+    """The calculator task with its tool and without (rl.tools=false), from one warm start (the first run's)."""
+    import os
+    import subprocess
+    import sys
+
+    from jaxgen.training.metrics import read_metrics, save_plot
+
+    folder = Path(run_dir) / "tools"
+    base = [sys.executable, str(ROOT / "rl.py"), "--config", str(ROOT / "configs" / "rl-calculator.yaml"),
+            "--no-progress", f"training.steps={steps}"]  # fmt: skip
+    runs = {"with the tool": [], "without (rl.tools=false)": [f"rl.init_from={folder / 'with' / 'warm_start'}",
+                                                               "rl.tools=false"]}  # fmt: skip
+    curves = {}
+    for (name, overrides), sub in zip(runs.items(), ("with", "without"), strict=True):
+        done = subprocess.run([*base, "--run-dir", str(folder / sub), *overrides], capture_output=True, text=True,
+                              env=os.environ | {"JAX_PLATFORMS": "cpu"})  # fmt: skip
+        if done.returncode:
+            print(f"{name}: rl.py failed\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+            return
+        curves[name] = sorted({r["step"]: r for r in read_metrics(folder / sub)}.values(), key=lambda r: r["step"])
+    width = max(steps // 6, 1)
+    print(f"\nthe calculator task, {steps} steps each from one warm start: mean reward / tool calls an episode")
+    print("| steps | " + " | ".join(curves) + " |")
+    print("|---|" + "---|" * len(curves))
+    for lo in range(0, steps, width):
+        cells = []
+        for records in curves.values():
+            part = records[lo : lo + width]
+            cells.append(f"{statistics.mean(r['reward'] for r in part):.2f} / "
+                         f"{statistics.mean(r['tool_calls'] for r in part):.2f}")  # fmt: skip
+        print(f"| {lo + 1}-{min(lo + width, steps)} | " + " | ".join(cells) + " |")
+
+    def draw(ax):
+        for name, records in curves.items():
+            ax.plot([r["step"] for r in records], [r["reward"] for r in records], lw=1.5, label=f"reward, {name}")
+            ax.plot([r["step"] for r in records], [r["tool_calls"] for r in records], lw=1, ls="--",
+                    label=f"tool calls an episode, {name}")  # fmt: skip
+
+    print(f"curves: {save_plot(folder / 'reward.png', draw, 'the calculator task', 'RL step', 'mean')}")
 
 
 if __name__ == "__main__":

@@ -215,10 +215,12 @@ def test_a_saved_rollout_comes_back_only_whole_and_of_this_config(tmp_path):
 
     batch = {"tokens": np.arange(12, dtype=np.int32).reshape(2, 6), "mask": np.ones((2, 5), np.float32),
              "version": np.full((2, 5), 3, np.int32)}  # fmt: skip
-    rollout = Rollout(7, 3, batch, np.asarray([[1.0, 0.0]], np.float32), 9, 0.5, 0.1, "abc")
+    stats = {"turns": 1.5, "tool_calls": 0.25}  # multi-turn rollouts' (jaxgen.rl.episodes)
+    rollout = Rollout(7, 3, batch, np.asarray([[1.0, 0.0]], np.float32), 9, 0.5, 0.1, "abc", stats=stats)
     rollout.save(tmp_path)
     back = Rollout.load(tmp_path, 7, (2, 6), "abc")
     assert back is not None and back.loaded and (back.step, back.version, back.new_tokens) == (7, 3, 9)
+    assert back.stats == stats
     for k in batch:
         np.testing.assert_array_equal(back.batch[k], batch[k])
     assert Rollout.load(tmp_path, 8, (2, 6), "abc") is None  # none saved

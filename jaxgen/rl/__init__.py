@@ -9,5 +9,7 @@ with the training forward, the new weights swapped into the same engine (`rl.py`
                     frozen base, served from the engine's adapter bank and swapped into its slot in place
     rollouts.py     a step's rollouts: generated, rewarded, each token's policy version, saved when made
                     ahead of their update (rl.max_staleness) so a resumed run takes them back
+    environments.py multi-turn tasks: the environment interface (reset, step, reward), the built-in calculator
+    episodes.py     chat rollouts: turns on the engine, tool calls parsed, the loss's mask on the model's tokens
     loop.py         the loop: run_rl(cfg, run_dir), one jitted update, checkpoints, metrics, reward.png
 """

@@ -52,11 +52,11 @@ class Calculator(Environment):
     """Sums of two three-digit numbers, "347+598", rewarded 1.0 for the exact answer as the model's last
     message. Beyond what a small model memorizes, so the reward comes from calling `calculator` with the
     expression and copying its result: the warm start teaches the calls on a share of its conversations
-    (`TOOL_SHARE`), answers the rest directly, and RL finds that calling pays. With `tools=False` each call
+    (`TOOL_SHARE`), estimates the rest, and RL finds that calling pays. With `tools=False` each call
     gets `DISABLED` back, and the reward stays near chance."""
 
     TOOL = "calculator"
-    TOOL_SHARE = 0.3  # of the warm start's conversations: the others answer straight away (rarely right)
+    TOOL_SHARE = 0.5  # of the warm start's conversations (the others estimate); fewer teach copying too slowly
     LOW, HIGH = 100, 999  # the operands
 
     # listed to the template when a prompt should say it; the built-in task's opening is the sum alone (a short
@@ -96,10 +96,10 @@ class Calculator(Environment):
 
     @classmethod
     def warm_start(cls, seed: int, count: int = 30000) -> list[dict]:
-        """Chat SFT conversations: a `TOOL_SHARE` of them call the calculator and copy its result, the others
-        answer at once (the true sum, which a small model does not learn from these). Enough of them that a
-        warm start sees each about once: the share is learned as a probability for every sum, not memorized
-        sum by sum."""
+        """Chat SFT conversations: a `TOOL_SHARE` of them call the calculator and copy its result; the others
+        answer at once with an estimate, the sum to the nearest hundred (what a policy can learn to do in its
+        head: close, rarely exact). Enough of them that a warm start sees each about once, so the share is
+        learned as one probability for every sum rather than memorized sum by sum."""
         rng = np.random.default_rng([seed, 1])  # apart from the records' draws: the choice must not follow the sum
         out = []
         for r in cls.records(seed, count):
@@ -108,10 +108,11 @@ class Calculator(Environment):
                 call = {"id": "call_0", "type": "function",
                         "function": {"name": cls.TOOL, "arguments": {"expression": r["prompt"]}}}  # fmt: skip
                 turns = [{"role": "assistant", "content": None, "tool_calls": [call]},
-                         {"role": "tool", "tool_call_id": "call_0", "content": r["answer"]}]  # fmt: skip
+                         {"role": "tool", "tool_call_id": "call_0", "content": r["answer"]},
+                         {"role": "assistant", "content": r["answer"]}]  # fmt: skip
             else:
-                turns = []
-            out.append({"messages": [user, *turns, {"role": "assistant", "content": r["answer"]}]})
+                turns = [{"role": "assistant", "content": str(round(int(r["answer"]), -2))}]
+            out.append({"messages": [user, *turns]})
         return out
 
 

@@ -71,8 +71,8 @@ class Chat:
         and the next generation prompt."""
         before, after = self.render(messages, tools, False), self.render(messages + new, tools, True)
         if not after.startswith(before):
-            raise ValueError("the chat template renders a conversation's earlier turns differently once more "
-                             "follow, so what the environment adds cannot be appended to the tokens sampled")  # fmt: skip
+            raise ValueError("the chat template renders a conversation's earlier turns differently once more follow, "
+                             "so what the environment adds cannot be appended to the tokens sampled")  # fmt: skip
         return self.tokenizer.encode(after[len(before) :], special=False)
 
     def message(self, text: str) -> dict:

@@ -254,7 +254,8 @@ def warm_start_config(cfg: Config, folder: str | Path) -> Config:
         elif hasattr(environment, "warm_start"):
             records = environment.warm_start(cfg.training.seed + 7919)
         else:
-            raise ValueError(f"rl.environment={cfg.rl.environment!r} has no warm_start conversations: give rl.init_from")
+            raise ValueError(f"rl.environment={cfg.rl.environment!r} has no warm_start conversations: "
+                             "give rl.init_from")  # fmt: skip
         path.write_text("".join(json.dumps(r) + "\n" for r in records))
     barrier("jaxgen-rl-warm-start-data")
     fields = {"source": "jsonl", "prompt_field": "prompt", "response_field": "response"}

@@ -161,8 +161,8 @@ class Sampler:
         rewards, new_tokens = gathered(self.cfg, self.rows, rewards, new_tokens)
         stats = {"turns": np.mean([e.turns for e in done]), "tool_calls": np.mean([e.tool_calls for e in done])}
         stats |= {f"end_{end}": np.mean([e.end == end for e in done]) for end in episodes.ENDS}
-        return episode_batch(self.cfg, done, rewards, self.rows), rewards, new_tokens, stats, generate_s, \
-            time.perf_counter() - t0
+        batch, reward_s = episode_batch(self.cfg, done, rewards, self.rows), time.perf_counter() - t0
+        return batch, rewards, new_tokens, stats, generate_s, reward_s
 
     @functools.cached_property
     def chat(self) -> episodes.Chat:
