@@ -13,13 +13,15 @@ from jaxgen.distributed import add_distributed_flags, describe, distributed_over
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="GRPO or REINFORCE on a policy: prompts sampled from the serving engine, rewards from a Python "
-        "function, the update with the training forward, the new weights swapped into the same engine. Everything "
+        "function (or multi-turn episodes with tool calls, rewarded by an environment), the update with the training "
+        "forward, the new weights swapped into the same engine. Everything "
         "goes to one run folder (checkpoints, config, tokenizer, metrics.jsonl, TensorBoard, reward.png); running "
         "the same command again resumes from its latest checkpoint.",
         epilog="examples:\n  python rl.py\n  python rl.py --config configs/rl-arithmetic.yaml training.steps=20\n"
         "  python rl.py rl.algorithm=reinforce rl.kl_coef=0.05 rl.init_from=runs/sft\n"
         "  python rl.py rl.max_staleness=1   # the next rollouts generated while the update runs (docs/rl.md)\n"
         "  JAX_NUM_CPU_DEVICES=8 python rl.py rl.sampler_devices=4 mesh.data=4 rl.max_staleness=1\n"
+        "  python rl.py --config configs/rl-calculator.yaml   # multi-turn rollouts with a tool (docs/rl.md)\n"
         "  python launch.py -n 2 -- python rl.py mesh.fsdp=2   # two processes (docs/rl.md)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -137,14 +137,22 @@ def test_an_episodes_tokens_and_mask_are_what_chat_sft_renders_and_marks_for_its
         assert batch["mask"][i, n - 1 :].sum() == 0 and (batch["positions"][i, n:] == -1).all()
 
 
-def test_an_environment_that_returns_no_messages_list_is_named(llm):
-    class Broken(Calculator):
-        def step(self, message):
-            return "945"
+class Broken(Calculator):
+    def step(self, message):
+        return "945"
 
+
+class Failing(Calculator):
+    def step(self, message):
+        raise KeyError("expression")
+
+
+@pytest.mark.parametrize("env, error", [(Broken, r"Broken\.step returned '945'"),
+                                        (Failing, r"Failing\.step raised KeyError: 'expression'")])  # fmt: skip
+def test_an_environment_that_fails_or_returns_no_messages_is_named(llm, env, error):
     cfg = RLConfig(task="calculator", max_turns=2, max_prompt_tokens=32, max_new_tokens=128)
-    with concurrent.futures.ThreadPoolExecutor(1) as workers, pytest.raises(ValueError, match=r"Broken\.step returned"):
-        episodes.run_episodes(llm, episodes.Chat(llm.tokenizer), [Broken({"prompt": "100+200", "answer": "300"})],
+    with concurrent.futures.ThreadPoolExecutor(1) as workers, pytest.raises(ValueError, match=error):
+        episodes.run_episodes(llm, episodes.Chat(llm.tokenizer), [env({"prompt": "100+200", "answer": "300"})],
                               np.zeros((2, 1), np.int64), cfg, workers)  # fmt: skip
 
 
@@ -164,5 +172,20 @@ def test_grpo_with_the_calculator_raises_the_reward_and_with_the_tool_disabled_d
     reward, calls = np.asarray([r["reward"] for r in on]), np.asarray([r["tool_calls"] for r in on])
     assert calls[-4:].mean() > max(0.85, calls[:4].mean() + 0.25), calls  # calling became the rule
     assert reward[-6:].mean() > reward[:4].mean() + 0.2, reward  # seen: +0.32 to +0.57 over three warm starts
-    assert max(r["reward"] for r in off) < 0.05, [r["reward"] for r in off]
+    rewards_off = [r["reward"] for r in off]  # seen over 40 steps: mean 0.007, at most 4 of 64 right in a step
+    assert np.mean(rewards_off) < 0.05 and max(rewards_off) < 0.15, rewards_off
     assert all(r["end_done"] + r["end_turns"] + r["end_length"] == pytest.approx(1.0) for r in on + off)
+
+
+def test_a_chat_template_that_refuses_an_episodes_messages_or_has_none_is_named():
+    from jaxgen.tokenizer import Tokenizer
+
+    byte = Tokenizer.byte_level()
+    with pytest.raises(ValueError, match="multi-turn rollouts need a chat template"):
+        episodes.Chat(byte)
+    strict = Tokenizer(byte.tok, chat_template="{% if messages[-1].role == 'tool' %}{{ raise_exception('no tools') }}"
+                       "{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}")  # fmt: skip
+    chat = episodes.Chat(strict)
+    assert chat.opening([{"role": "user", "content": "1+2"}], None) == byte.encode("1+2")
+    with pytest.raises(ValueError, match=r"refused an episode's messages \(roles \['user', 'tool'\]\): no tools"):
+        chat.opening([{"role": "user", "content": "1+2"}, {"role": "tool", "content": "3"}], None)

@@ -59,8 +59,14 @@ class Chat:
         self.format = format_of(tokenizer.chat_template)
 
     def render(self, messages: list[dict], tools, prompt: bool) -> str:
+        from jaxgen.chat_template import TemplateRefused
+
         extra = {"tools": tools} if tools else {}
-        return self.template.render(messages=messages, add_generation_prompt=prompt, **extra)
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=prompt, **extra)
+        except TemplateRefused as e:
+            roles = [m.get("role") for m in messages]
+            raise ValueError(f"the chat template refused an episode's messages (roles {roles}): {e}") from None
 
     def opening(self, messages: list[dict], tools) -> list[int]:
         """The prompt's tokens: the render with the generation prompt, the tokenizer's own special tokens added."""
@@ -125,7 +131,7 @@ def run_episodes(llm, chat: Chat, envs: list, seeds: np.ndarray, cfg: RLConfig, 
                 e.end = "length"
             else:
                 said.append(e)
-        answers = list(workers.map(lambda e: _checked(e.env, e.env.step(e.messages[-1]), "step"), said))
+        answers = list(workers.map(_step, said))
         for e, new in zip(said, answers, strict=True):
             if not new:
                 e.end = "done"
@@ -139,6 +145,14 @@ def run_episodes(llm, chat: Chat, envs: list, seeds: np.ndarray, cfg: RLConfig, 
                     e.messages += new
                     e.add(more)
     return episodes
+
+
+def _step(e: Episode) -> list[dict]:
+    try:
+        answer = e.env.step(e.messages[-1])
+    except Exception as error:  # the environment's own failure, named: a traceback from a worker thread is not
+        raise ValueError(f"{type(e.env).__name__}.step raised {type(error).__name__}: {error}") from error
+    return _checked(e.env, answer, "step")
 
 
 def _checked(env, messages, method: str) -> list[dict]:
