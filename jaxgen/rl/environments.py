@@ -151,12 +151,8 @@ def environment_class(cfg: RLConfig) -> type[Environment] | None:
         return BUILT_IN[cfg.task]
     if not cfg.environment:
         return None
+    cls = imported("rl.environment", cfg.environment)
     module_name, _, name = cfg.environment.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"rl.environment={cfg.environment!r}: cannot import {module_name!r} ({e})") from e
-    cls = getattr(module, name, None)
     if not isinstance(cls, type):
         raise ValueError(f"rl.environment={cfg.environment!r}: {module_name} has no class {name!r}")
     missing = [m for m in ("reset", "step", "reward") if not callable(getattr(cls, m, None))]
@@ -164,3 +160,13 @@ def environment_class(cfg: RLConfig) -> type[Environment] | None:
         raise ValueError(f"rl.environment={cfg.environment!r}: {name} has no {', '.join(missing)} (an environment has "
                          "reset, step and reward: jaxgen.rl.environments)")  # fmt: skip
     return cls
+
+
+def imported(key: str, value: str):
+    """What "module:name" (the config's `key`) names, imported; None when the module has no such name."""
+    module_name, _, name = value.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"{key}={value!r}: cannot import {module_name!r} ({e})") from e
+    return getattr(module, name, None)

@@ -12,13 +12,13 @@ A reward is any function `reward(prompt: str, completion: str, **fields) -> floa
 from __future__ import annotations
 
 import glob
-import importlib
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from jaxgen.config import RLConfig
+from jaxgen.rl.environments import Calculator, imported
 from jaxgen.training.data.sources import jsonl_records
 
 
@@ -46,13 +46,9 @@ def load_reward(cfg: RLConfig) -> Callable[..., float]:
     """The reward function the config names, imported (the task's own when `rl.reward` is empty)."""
     if not cfg.reward:
         return exact_match
-    module_name, _, name = cfg.reward.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"rl.reward={cfg.reward!r}: cannot import {module_name!r} ({e})") from e
-    fn = getattr(module, name, None)
+    fn = imported("rl.reward", cfg.reward)
     if not callable(fn):
+        module_name, _, name = cfg.reward.partition(":")
         raise ValueError(f"rl.reward={cfg.reward!r}: {module_name} has no function {name!r}")
     return fn
 
@@ -63,8 +59,6 @@ def load_prompts(cfg: RLConfig, seed: int) -> list[dict]:
     if cfg.task == "arithmetic":
         return arithmetic_records(seed, 2000, cfg.max_operand)
     if cfg.task == "calculator":
-        from jaxgen.rl.environments import Calculator
-
         return Calculator.records(seed, 2000)
     records = []
     paths = sorted({p for pattern in cfg.prompts for p in glob.glob(str(Path(pattern).expanduser()))})
