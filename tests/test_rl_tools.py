@@ -95,6 +95,8 @@ def test_an_environment_is_named_as_module_and_class_and_refused_with_the_reason
         RLConfig(environment="jaxgen.rl.environments:Calculator")
     with pytest.raises(ConfigError, match=r"rl\.max_turns"):
         RLConfig(task="calculator", max_turns=0)
+    with pytest.raises(ConfigError, match=r"rl\.reward=.*empty with an environment"):
+        RLConfig(task="calculator", reward="mytask:reward")
 
 
 def test_an_episodes_tokens_and_mask_are_what_chat_sft_renders_and_marks_for_its_conversation(llm):
@@ -116,7 +118,7 @@ def test_an_episodes_tokens_and_mask_are_what_chat_sft_renders_and_marks_for_its
     for e in done:
         assert e.end in episodes.ENDS and len(e.tokens) <= 160
         assert all(lp == 0.0 for lp, m in zip(e.logprobs, e.model, strict=True) if not m)
-        assert all(lp < 0.0 for lp, m in zip(e.logprobs, e.model, strict=True) if m)
+        assert all(lp <= 0.0 for lp, m in zip(e.logprobs, e.model, strict=True) if m)
         if e.end == "length":  # its last turn was cut: no end-of-turn token that a render would write
             continue
         said = iter(e.said)
@@ -147,8 +149,14 @@ class Failing(Calculator):
         raise KeyError("expression")
 
 
+class NoOpening(Calculator):
+    def reset(self):
+        raise OSError("no such task")
+
+
 @pytest.mark.parametrize("env, error", [(Broken, r"Broken\.step returned '945'"),
-                                        (Failing, r"Failing\.step raised KeyError: 'expression'")])  # fmt: skip
+                                        (Failing, r"Failing\.step raised KeyError: 'expression'"),
+                                        (NoOpening, r"NoOpening\.reset raised OSError: no such task")])  # fmt: skip
 def test_an_environment_that_fails_or_returns_no_messages_is_named(llm, env, error):
     cfg = RLConfig(task="calculator", max_turns=2, max_prompt_tokens=32, max_new_tokens=128)
     with concurrent.futures.ThreadPoolExecutor(1) as workers, pytest.raises(ValueError, match=error):
@@ -189,3 +197,23 @@ def test_a_chat_template_that_refuses_an_episodes_messages_or_has_none_is_named(
     assert chat.opening([{"role": "user", "content": "1+2"}], None) == byte.encode("1+2")
     with pytest.raises(ValueError, match=r"refused an episode's messages \(roles \['user', 'tool'\]\): no tools"):
         chat.opening([{"role": "user", "content": "1+2"}, {"role": "tool", "content": "3"}], None)
+    # a model's text whose call the JSON parser cannot hold is text, not a crash
+    huge = '<tool_call>\n{"name": "calculator", "arguments": {"x": ' + "9" * 5000 + "}}\n</tool_call>"
+    assert chat.message(huge) == {"role": "assistant", "content": huge}
+
+
+def test_what_a_template_writes_after_the_end_of_turn_token_is_appended_with_the_next_messages():
+    """ChatML-like templates write a newline after the end-of-turn token the model stops on: it is in neither
+    the sampled tokens nor the next messages' render, and belongs to the tokens appended, so the episode's
+    tokens are the whole conversation's render."""
+    from jaxgen.tokenizer import Tokenizer
+
+    byte = Tokenizer.byte_level()
+    template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|endoftext|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")  # fmt: skip
+    chat = episodes.Chat(Tokenizer(byte.tok, chat_template=template))
+    user, model, tool = ({"role": r, "content": c} for r, c in (("user", "1+2"), ("assistant", "x"), ("tool", "3")))
+    sampled = [*byte.encode("x"), byte.eos_id]  # what the model wrote, its end-of-turn token last
+    tokens = chat.opening([user], None) + sampled + chat.following([user, model], [tool], None, byte.eos_id)
+    assert byte.decode(tokens) == chat.render([user, model, tool], None, True)
+    assert byte.decode(chat.following([user, model], [tool], None, byte.eos_id)).startswith("\n<|tool|>")

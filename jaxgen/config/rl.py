@@ -68,6 +68,8 @@ class RLConfig:
             check(self.task == "jsonl", "rl.environment", self.environment,
                   f"only with rl.task=jsonl (rl.task={self.task} has its own)")  # fmt: skip
         if self.reward:
+            check(not (self.environment or self.task == "calculator"), "rl.reward", self.reward,
+                  "empty with an environment (rl.environment, rl.task=calculator), which rewards episodes")  # fmt: skip
             module, _, function = self.reward.partition(":")
             check(bool(module and function), "rl.reward", self.reward, "module:function, e.g. mytask:reward")
         integers = {

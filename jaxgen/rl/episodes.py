@@ -62,29 +62,41 @@ class Chat:
         from jaxgen.chat_template import TemplateRefused
 
         extra = {"tools": tools} if tools else {}
+        roles = [m.get("role") for m in messages]
         try:
             return self.template.render(messages=messages, add_generation_prompt=prompt, **extra)
         except TemplateRefused as e:
-            roles = [m.get("role") for m in messages]
             raise ValueError(f"the chat template refused an episode's messages (roles {roles}): {e}") from None
+        except Exception as e:  # an undefined name, a type error: the template cannot take these messages
+            raise ValueError(f"the chat template failed on an episode's messages (roles {roles}): "
+                             f"{type(e).__name__}: {e}") from None  # fmt: skip
 
     def opening(self, messages: list[dict], tools) -> list[int]:
         """The prompt's tokens: the render with the generation prompt, the tokenizer's own special tokens added."""
         return self.tokenizer.encode(self.render(messages, tools, True), special=True)
 
-    def following(self, messages: list[dict], new: list[dict], tools) -> list[int]:
+    def following(self, messages: list[dict], new: list[dict], tools, end: int | None = None) -> list[int]:
         """The tokens the template writes after `messages` (ending in the model's turn) for the `new` messages
-        and the next generation prompt."""
+        and the next generation prompt. end: the token that ended the model's turn (None: none did); what the
+        template writes after it within the turn (ChatML's newline after `<|im_end|>`) comes first."""
         before, after = self.render(messages, tools, False), self.render(messages + new, tools, True)
         if not after.startswith(before):
             raise ValueError("the chat template renders a conversation's earlier turns differently once more follow, "
                              "so what the environment adds cannot be appended to the tokens sampled")  # fmt: skip
-        return self.tokenizer.encode(after[len(before) :], special=False)
+        tail = ""
+        if end is not None:
+            marker = self.tokenizer.decode([end])
+            at = before.rfind(marker) if marker else -1
+            tail = before[at + len(marker) :] if at >= 0 else ""
+        return self.tokenizer.encode(tail + after[len(before) :], special=False)
 
     def message(self, text: str) -> dict:
         """The model's turn (its text, the end-of-turn token not in it) as a message, with the calls it makes
         when the whole of its text after any leading words parses as calls (the server's rule)."""
-        calls = self.format.parse(text)
+        try:
+            calls = self.format.parse(text)
+        except (ValueError, RecursionError):  # JSON the parser cannot hold (a 5000-digit number, deep nesting)
+            calls = None
         if not calls:
             return {"role": "assistant", "content": text}
         tool_calls = [{"id": f"call_{k}", "type": "function", "function": {"name": name, "arguments": args}}
@@ -100,10 +112,10 @@ def run_episodes(llm, chat: Chat, envs: list, seeds: np.ndarray, cfg: RLConfig, 
     budget = cfg.max_prompt_tokens + cfg.max_new_tokens
     episodes = []
     for env in envs:
-        messages = _checked(env, env.reset(), "reset")
-        tokens = chat.opening(messages, env.tools)
+        messages = opening(env)
+        tokens = chat.opening(messages, tools_of(env))
         if len(tokens) > cfg.max_prompt_tokens:
-            raise ValueError(f"an episode's opening has {len(tokens)} tokens ({messages[-1].get('content', '')[:40]!r}"
+            raise ValueError(f"an episode's opening has {len(tokens)} tokens ({str(messages[-1].get('content'))[:40]!r}"
                              f"...); rl.max_prompt_tokens={cfg.max_prompt_tokens}")  # fmt: skip
         episode = Episode(env, messages, [], [], [], [])
         episode.add(tokens)
@@ -130,15 +142,15 @@ def run_episodes(llm, chat: Chat, envs: list, seeds: np.ndarray, cfg: RLConfig, 
             if c.finish_reason == "length":
                 e.end = "length"
             else:
-                said.append(e)
-        answers = list(workers.map(_step, said))
-        for e, new in zip(said, answers, strict=True):
+                said.append((e, c.tokens[-1] if c.tokens else None))
+        answers = list(workers.map(_step, [e for e, _ in said]))
+        for (e, end), new in zip(said, answers, strict=True):
             if not new:
                 e.end = "done"
             elif e.turns == cfg.max_turns:
                 e.end = "turns"
             else:
-                more = chat.following(e.messages, new, e.env.tools)
+                more = chat.following(e.messages, new, tools_of(e.env), end)
                 if len(e.tokens) + len(more) >= budget:  # the model would have no token left to write
                     e.end = "length"
                 else:
@@ -147,12 +159,25 @@ def run_episodes(llm, chat: Chat, envs: list, seeds: np.ndarray, cfg: RLConfig, 
     return episodes
 
 
+def opening(env) -> list[dict]:
+    """The environment's opening messages, checked; its failure named."""
+    return _called(env, "reset")
+
+
+def tools_of(env) -> list[dict] | None:
+    return getattr(env, "tools", None)
+
+
 def _step(e: Episode) -> list[dict]:
+    return _called(e.env, "step", e.messages[-1])
+
+
+def _called(env, method: str, *args) -> list[dict]:
     try:
-        answer = e.env.step(e.messages[-1])
+        answer = getattr(env, method)(*args)
     except Exception as error:  # the environment's own failure, named: a traceback from a worker thread is not
-        raise ValueError(f"{type(e.env).__name__}.step raised {type(error).__name__}: {error}") from error
-    return _checked(e.env, answer, "step")
+        raise ValueError(f"{type(env).__name__}.{method} raised {type(error).__name__}: {error}") from error
+    return _checked(env, answer, method)
 
 
 def _checked(env, messages, method: str) -> list[dict]:

@@ -287,7 +287,7 @@ def _check_prompts(cfg: Config, tokenizer, records: list[dict]) -> None:
             n = len(tokenizer.encode(record["prompt"]))
         else:
             env = environment(record, tools=cfg.rl.tools)
-            n = len(chat.opening(env.reset(), env.tools))
+            n = len(chat.opening(episodes.opening(env), episodes.tools_of(env)))
         if n > limit:
             raise ValueError(f"prompt {i} ({record['prompt'][:40]!r}...) has {n} tokens; rl.max_prompt_tokens={limit}")
 
