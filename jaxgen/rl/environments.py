@@ -59,9 +59,7 @@ class Calculator(Environment):
     TOOL_SHARE = 0.5  # of the warm start's conversations (the others estimate); fewer teach copying too slowly
     LOW, HIGH = 100, 999  # the operands
 
-    # listed to the template when a prompt should say it; the built-in task's opening is the sum alone (a short
-    # prompt), the warm start having taught the call
-    tools = None
+    # tools: None (the base's): the opening is the sum alone, a short prompt; the warm start taught the call
 
     def reset(self) -> list[dict]:
         self.answer, self.final = self.record["answer"], None

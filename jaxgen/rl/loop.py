@@ -258,9 +258,8 @@ def warm_start_config(cfg: Config, folder: str | Path) -> Config:
                              "give rl.init_from")  # fmt: skip
         path.write_text("".join(json.dumps(r) + "\n" for r in records))
     barrier("jaxgen-rl-warm-start-data")
-    fields = {"source": "jsonl", "prompt_field": "prompt", "response_field": "response"}
-    if environment is not None:
-        fields = {"source": "chat"}
+    single = {"source": "jsonl", "prompt_field": "prompt", "response_field": "response"}
+    fields = single if environment is None else {"source": "chat"}
     data = DataConfig(paths=(str(path),), tokenizer=cfg.data.tokenizer, seq_len=cfg.data.seq_len,
                       seed=cfg.training.seed, cache_dir=cfg.data.cache_dir, **fields)  # fmt: skip
     optimizer = dataclasses.replace(cfg.optimizer, learning_rate=cfg.rl.warm_start_learning_rate)
