@@ -148,3 +148,25 @@ def test_teacher_forced_scoring_reads_the_weights_as_trained(params):
     positions = np.where(np.arange(T) < len(seq), np.arange(T), -1)[None].astype(np.int32)
     want = np.asarray(_logprobs(params, tokens, positions, np.float32(1.0), cfg=CFG))[0]
     np.testing.assert_allclose(got["token_logprobs"], want[len(prompt) - 1 : len(seq) - 1], atol=1e-5)
+
+
+def test_the_gradient_is_the_plain_models_and_the_values_stay_tiled(params):
+    """Training in deterministic mode differentiates the plain programs (`layers.tiled_values`): the loss's
+    value is the tiled forward's to the bit, its gradient the flag-off model's up to rounding (the two
+    forwards differ by ~1e-6, so the gradients do too, never by more)."""
+    rng = np.random.default_rng(8)
+    tokens = rng.integers(0, 256, (3, 40)).astype(np.int32)
+    positions = np.where(np.arange(40) < [[40], [33], [21]], np.arange(40), -1).astype(np.int32)
+
+    def loss(p, cfg):
+        logp = token_logprobs(p, tokens, positions, cfg=cfg, temperature=0.8)[0]
+        return (logp * (positions[:, 1:] >= 0)).sum(), logp
+
+    plain = dataclasses.replace(CFG, deterministic=False)
+    (_, logp), grad = jax.jit(jax.value_and_grad(functools.partial(loss, cfg=CFG), has_aux=True))(params)
+    (_, plain_logp), plain_grad = jax.jit(jax.value_and_grad(functools.partial(loss, cfg=plain), has_aux=True))(params)
+    assert np.array_equal(logp, _logprobs(params, tokens, positions, np.float32(0.8), cfg=CFG))  # the tiled bits
+    assert not np.array_equal(logp, plain_logp)  # (so the line above can fail)
+    for (path, g), want in zip(jax.tree_util.tree_leaves_with_path(grad), jax.tree.leaves(plain_grad), strict=True):
+        scale = float(np.abs(want).max())
+        assert scale > 0 and np.abs(np.asarray(g) - np.asarray(want)).max() <= 1e-4 * scale, jax.tree_util.keystr(path)

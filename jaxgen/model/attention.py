@@ -226,8 +226,8 @@ def tiled_attention(q_btnh, key_block, num_blocks, q_pos_bt, window, cfg):
 
     The key blocks j = 0 .. num_blocks - 1 of `model.attention_block` keys, aligned to positions (block j:
     positions [j block, (j + 1) block)), are folded in order by the online softmax of `_tile_step`; for
-    each block, the queries (every row's, flattened) go by tiles of `layers.TILE` (a `lax.map` of at least
-    two: see `layers.per_tile`), each tile its rows' keys. Blocks past every query, and for a tile those
+    each block, the queries (every row's, flattened) go by tiles of `layers.TILE` (`layers.map_tiles`, as
+    `layers.per_tile` cuts them), each tile its rows' keys. Blocks past every query, and for a tile those
     past its furthest query, are skipped (`lax.cond`). A block no query of a tile may see leaves its (max,
     normaliser, sum) bitwise as they were (scores at NEG_INF: the max stays, exp(0) = 1 scales, zeros add),
     so how many blocks a tile folds (what else shares it) changes nothing. `key_block(j)`: block j of
@@ -256,7 +256,7 @@ def tiled_attention(q_btnh, key_block, num_blocks, q_pos_bt, window, cfg):
 
             return barrier(jax.lax.cond(j <= jnp.max(pos_t) // block, fold, _same, stats_t))
 
-        return jax.lax.map(one_tile, (q, pos, rows, stats))
+        return layers.map_tiles(one_tile, (q, pos, rows, stats))
 
     stats = (
         jnp.full((tiles, tile, k, g), NEG_INF, jnp.float32),  # running max
@@ -288,20 +288,32 @@ def _tile_step(carry, q_rkgh, k_rkhs, v_rksh, mask_rs, softcap):
 def _tiled_sequence(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, window, cfg):
     """`tiled_attention` of whole sequences over themselves (training, scoring): key block j is columns
     [j block, (j + 1) block) of each row, the engine's page blocks when a row's positions are 0, 1, ...
-    (its columns; padding at the end). Other positions give correct attention, not the engine's bits."""
+    (its columns; padding at the end). Other positions give correct attention, not the engine's bits. The
+    gradient is blockwise attention's (`layers.tiled_values`)."""
     if segment_ids_bt is not None:
         raise ValueError("model.deterministic: packed documents (segment_ids) are not supported")
     block, s = cfg.attention_block, k_btkh.shape[1]
     pad = -s % block
-    k = jnp.pad(k_btkh, ((0, 0), (0, pad), (0, 0), (0, 0)))
-    v = jnp.pad(v_btkh, ((0, 0), (0, pad), (0, 0), (0, 0)))
-    k_pos = jnp.pad(positions_bt, ((0, 0), (0, pad)), constant_values=-1)
 
-    def key_block(j):
-        cols = lambda x: jax.lax.dynamic_slice_in_dim(x, j * block, block, axis=1)
-        return cols(k).transpose(0, 2, 3, 1), cols(v).transpose(0, 2, 1, 3), cols(k_pos)
+    def tiled(q_btnh, k_btkh, v_btkh, positions_bt, window):
+        k = jnp.pad(k_btkh, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        v = jnp.pad(v_btkh, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        k_pos = jnp.pad(positions_bt, ((0, 0), (0, pad)), constant_values=-1)
 
-    return tiled_attention(q_btnh, key_block, (s + pad) // block, positions_bt, window, cfg)
+        def key_block(j):
+            cols = lambda x: jax.lax.dynamic_slice_in_dim(x, j * block, block, axis=1)
+            return cols(k).transpose(0, 2, 3, 1), cols(v).transpose(0, 2, 1, 3), cols(k_pos)
+
+        return tiled_attention(q_btnh, key_block, (s + pad) // block, positions_bt, window, cfg)
+
+    def plain(q_btnh, k_btkh, v_btkh, positions_bt, window):  # the gradient (see layers.tiled_values)
+        return blockwise.blockwise_attention(
+            q_btnh, k_btkh, v_btkh, positions_bt, positions_bt, scale=logit_scale(cfg), softcap=cfg.attn_softcap,
+            window=window, block_q=block, block_k=block,
+        )  # fmt: skip
+
+    window = None if window is None else jnp.asarray(window, jnp.int32)
+    return layers.tiled_values(tiled, plain)(q_btnh, k_btkh, v_btkh, positions_bt, window)
 
 
 def _tiled_cached(q_btnh, cache, kv, layer, q_pos_bt, window, cfg):

@@ -20,37 +20,75 @@ from jaxgen.model import layout, lora, quant
 TILE = 8  # tokens per tile in deterministic mode (`per_tile`)
 
 
-def per_tile(fn, *xs, tile: int = TILE):
-    """`fn` over fixed tiles of `tile` rows: xs (M, ...) each (the same M) are padded with zero rows to a
-    multiple of `tile`, cut into (M / tile, tile, ...) and mapped (`lax.map`); fn's outputs (tile, ...)
-    come back as (M, ...). Model deterministic mode (`ModelConfig.deterministic`) runs every per-token
-    product and reduction this way.
+def per_tile(fn, *xs, consts: tuple = (), tile: int = TILE):
+    """fn(*rows, *consts) over fixed tiles of `tile` rows: xs (M, ...) each (the same M) are padded with zero
+    rows to a multiple of `tile`, cut into (M / tile, tile, ...) and mapped (`map_tiles`); fn's outputs
+    (tile, ...) come back as (M, ...). `consts` (weights, say) go to every tile whole. Model deterministic
+    mode (`ModelConfig.deterministic`) runs every per-token computation this way (a transformer block as
+    two such loops: `transformer._block_tiled`).
 
     Why: XLA:CPU computes a row of a matrix product, or a row's sum, in an order that depends on how many
-    rows the operation has (measured: x @ w's row i changed by ~1e-5 between 2 and 64 rows; a sum over
-    257 columns is split into windows of 32 below 16 rows). A loop body of fixed shape is one program,
-    whatever the row count, and a row's result does not depend on its place in the tile. There are always
-    two tiles at least: XLA removes a loop of one iteration, and its body's operations then fuse with their
-    neighbours, which differ from program to program (measured: a decode step of 4 rows gave other bits
-    with a post-norm model, even with the body's inputs and outputs behind optimization barriers, which
-    stay to keep the body apart from what surrounds the loop)."""
-    m = xs[0].shape[0]
-    pad = num_tiles(m, tile) * tile - m
-    tiles = tuple(jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape(-1, tile, *x.shape[1:]) for x in xs)
-    barrier = jax.lax.optimization_barrier  # the body apart from what surrounds the loop
-    out = jax.lax.map(lambda t: barrier(fn(*barrier(t))), tiles)
-    return jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:])[:m], out)
+    rows the operation has (measured: x @ w's row i changed by ~1e-5 between 2 and 60 rows; a sum over
+    257 columns is split into windows of 32 below 16 rows), and transcendental functions gave other bits
+    for the same input in another program. A loop body of fixed shape is one program, whatever the row
+    count, and a row's result does not depend on its place in the tile. The body's inputs and outputs sit
+    behind optimization barriers, to keep it apart from what surrounds the loop.
+
+    The gradient is fn's over all rows at once (`tiled_values`): only the values need the tiles."""
+
+    def tiled(xs, consts):
+        m = xs[0].shape[0]
+        pad = num_tiles(m, tile) * tile - m
+        tiles = tuple(jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape(-1, tile, *x.shape[1:]) for x in xs)
+        barrier = jax.lax.optimization_barrier  # the body apart from what surrounds the loop
+        out = map_tiles(lambda t: barrier(fn(*barrier(t), *consts)), tiles)
+        return jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:])[:m], out)
+
+    return tiled_values(tiled, lambda xs, consts: fn(*xs, *consts))(xs, consts)
+
+
+def tiled_values(tiled, plain):
+    """A function whose values are `tiled`'s (deterministic mode's programs) and whose gradient is
+    `plain`'s: the same maths without tiles, differentiated as the model is without the flag. Only the
+    forward's bits have to match the engine's, and differentiating the loops over tiles cost 5 to 8 plain
+    backward passes (configs/tiny.yaml on CPU). The two gradients differ by rounding, as those of any two
+    implementations of one function do. The backward recomputes `plain`'s forward (what it keeps)."""
+
+    @jax.custom_vjp
+    def fn(*args):
+        return tiled(*args)
+
+    def backward(args, grad):
+        return jax.vjp(plain, *args)[1](grad)
+
+    fn.defvjp(lambda *args: (tiled(*args), args), backward)
+    return fn
 
 
 def num_tiles(m: int, tile: int = TILE) -> int:
-    """How many tiles of `tile` rows `per_tile` cuts M rows into: at least two (a loop of one is removed)."""
-    return max(-(-m // tile), 2)
+    """How many tiles of `tile` rows `per_tile` cuts M rows into."""
+    return max(-(-m // tile), 1)
 
 
-def over_rows(fn, x, axes: int = 1):
-    """fn of x's trailing `axes` axes, per row of the rest, by `per_tile`: (..., *tail) -> (..., *tail')."""
+def map_tiles(fn, xs):
+    """`lax.map(fn, xs)` as a loop whose trip count XLA cannot see: a loop of one tile is kept (XLA removes
+    a loop it knows runs once, and the body's operations then fuse with their neighbours, which differ
+    from program to program)."""
+    n = jax.tree.leaves(xs)[0].shape[0]
+    shapes = jax.eval_shape(fn, jax.tree.map(lambda x: x[0], xs))
+    out = jax.tree.map(lambda s: jnp.zeros((n, *s.shape), s.dtype), shapes)
+
+    def step(i, out):
+        y = fn(jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), xs))
+        return jax.tree.map(lambda o, y: jax.lax.dynamic_update_index_in_dim(o, y, i, 0), out, y)
+
+    return jax.lax.fori_loop(0, jax.lax.optimization_barrier(jnp.int32(n)), step, out)
+
+
+def over_rows(fn, x, axes: int = 1, consts: tuple = ()):
+    """fn(x's trailing `axes` axes, *consts), per row of the rest, by `per_tile`: (..., *tail) -> (..., *tail')."""
     lead, tail = x.shape[: x.ndim - axes], x.shape[x.ndim - axes :]
-    y = per_tile(fn, x.reshape(-1, *tail))
+    y = per_tile(fn, x.reshape(-1, *tail), consts=consts)
     return y.reshape(*lead, *y.shape[1:])
 
 
@@ -68,7 +106,7 @@ def dense(x, w, in_axes: int = 1, cfg: ModelConfig | None = None):
         if layout.is_out_major(w) or quant.is_q(w):
             raise ValueError(f"model.deterministic: float (I, O) weights only, got {type(w).__name__}")
         w2 = w.reshape(n_in, -1)
-        return per_tile(lambda t: t @ w2, x.reshape(-1, n_in)).reshape(*lead, *w.shape[in_axes:])
+        return per_tile(jnp.matmul, x.reshape(-1, n_in), consts=(w2,)).reshape(*lead, *w.shape[in_axes:])
     if layout.is_out_major(w):  # decoding's (O, I) layout: see jaxgen.model.layout
         return layout.product(x.reshape(-1, n_in), w).reshape(*lead, *w.shape[in_axes:])
     if quant.is_q(w):  # int8 weights (inference): an int8 x int8 product
@@ -81,7 +119,7 @@ def norm(x_btd, p: dict, cfg: ModelConfig):
     """LayerNorm (scale and bias) or RMSNorm (scale only), computed in float32 (per tile of rows in
     deterministic mode)."""
     if cfg.deterministic:
-        return over_rows(functools.partial(_norm, p=p, cfg=cfg), x_btd)
+        return over_rows(functools.partial(_norm, cfg=cfg), x_btd, consts=(p,))
     return _norm(x_btd, p, cfg)
 
 
@@ -99,7 +137,7 @@ def rms_norm(x, scale, cfg: ModelConfig):
     """RMSNorm over the trailing `scale.ndim` axes (one head's H, or a whole projection's N x H), in
     float32; Gemma's norms multiply by (1 + scale)."""
     if cfg.deterministic:
-        return over_rows(functools.partial(_rms_norm, scale=scale, cfg=cfg), x, scale.ndim)
+        return over_rows(functools.partial(_rms_norm, cfg=cfg), x, scale.ndim, consts=(scale,))
     return _rms_norm(x, scale, cfg)
 
 
@@ -157,8 +195,9 @@ def rope(x_btnh, positions_bt, inv_freq, cfg: ModelConfig | None = None):
     function is (XLA:CPU's sin, cos and tanh gave other bits for the same input in another program)."""
     if cfg is not None and cfg.deterministic:
         b, t, n, h = x_btnh.shape
-        tokens = lambda x, p: _rope(x[:, None], p[:, None], inv_freq)[:, 0]  # a tile's tokens as (R, 1) rows
-        return per_tile(tokens, x_btnh.reshape(b * t, n, h), positions_bt.reshape(-1)).reshape(x_btnh.shape)
+        tokens = lambda x, p, f: _rope(x[:, None], p[:, None], f)[:, 0]  # a tile's tokens as (R, 1) rows
+        x_rows, p_rows = x_btnh.reshape(b * t, n, h), positions_bt.reshape(-1)
+        return per_tile(tokens, x_rows, p_rows, consts=(jnp.asarray(inv_freq),)).reshape(x_btnh.shape)
     return _rope(x_btnh, positions_bt, inv_freq)
 
 

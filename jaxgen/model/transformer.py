@@ -12,6 +12,7 @@ end with their per-layer axes (`w_q_dnh` is stored as (L, D, N, H)).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -236,11 +237,11 @@ def _head_tiles(x, w, cfg: ModelConfig):
         raise ValueError(f"model.deterministic: a float head as trained only, got {type(w).__name__}")
     contract = (((1,), (1 if cfg.tie_embeddings else 0,)), ((), ()))  # the embedding's rows as stored
 
-    def head(t):
+    def head(t, w):
         logits = jax.lax.dot_general(t, w, contract, preferred_element_type=jnp.float32)
         return layers.softcap(logits, cfg.final_softcap)
 
-    return layers.per_tile(head, x)
+    return layers.per_tile(head, x, consts=(w,))
 
 
 def _cast(params, cfg: ModelConfig):
@@ -277,8 +278,17 @@ def _block(x, p, positions, consts, attend, cfg: ModelConfig):
     """One transformer block, its norms where `norm_placement` puts them. `attend(q, k, v, consts) ->
     (out, kv)` is plain attention (kv None) or cached attention (kv: the cache's keys and values, this
     layer's written). Returns x, kv and the layer's auxiliary losses."""
+    if cfg.deterministic:
+        return _block_tiled(x, p, positions, consts, attend, cfg)
     q, k, v = _qkv(x, p, positions, consts, cfg)
     out, kv = attend(q, k, v, consts)
+    x, aux = _after_attention(x, out, p, positions, cfg)
+    return constrain(x, ("batch", "seq", "act_embed")), kv, aux
+
+
+def _after_attention(x, out, p, positions, cfg: ModelConfig):
+    """The rest of a block once attention gave `out` (B, T, N, H): its projection, the residual, the MLP.
+    Returns x (B, T, D) and the layer's auxiliary losses."""
     adapters = p.get("lora")
     o = layers.dense(out, p["w_o_nhd"], in_axes=2, cfg=cfg)  # (B, T, D)
     out = lora.add(o, out, adapters, "o", cfg, in_axes=2, w=p["w_o_nhd"])
@@ -294,7 +304,30 @@ def _block(x, p, positions, consts, attend, cfg: ModelConfig):
         out, aux = layers.mlp(h, p["mlp"], cfg, adapters), _NO_ROUTER
     if "post_mlp_norm" in p:
         out = layers.norm(out, p["post_mlp_norm"], cfg)
-    return constrain(x + out, ("batch", "seq", "act_embed")), kv, aux
+    return x + out, aux
+
+
+def _block_tiled(x, p, positions, consts, attend, cfg: ModelConfig):
+    """`_block` in deterministic mode: what comes before attention (norm, products, qk-norm, RoPE) and what
+    comes after (projection, residual, MLP) each run as one loop over tiles of tokens (`layers.per_tile`),
+    their operations those of the plain block on a tile, and attention as the tiled fold. A token's
+    numbers then come from the same two loop bodies wherever it is (training, prefill, decode), and a
+    layer runs two loops rather than one per operation. Dense MLPs only (the config refuses experts)."""
+    plain = dataclasses.replace(cfg, deterministic=False)
+    b, t = positions.shape
+    rows = lambda a: a.reshape(b * t, *a.shape[2:])
+    back = lambda a: a.reshape(b, t, *a.shape[1:])
+
+    def before(x_r, pos_r, p, consts):  # a tile's tokens as (R, 1) rows
+        return tuple(y[:, 0] for y in _qkv(x_r[:, None], p, pos_r[:, None], consts, plain))
+
+    def after(x_r, out_r, pos_r, p):
+        return _after_attention(x_r[:, None], out_r[:, None], p, pos_r[:, None], plain)[0][:, 0]
+
+    q, k, v = map(back, layers.per_tile(before, rows(x), rows(positions), consts=(p, consts)))
+    out, kv = attend(q, k, v, consts)
+    x = back(layers.per_tile(after, rows(x), rows(out), rows(positions), consts=(p,)))
+    return constrain(x, ("batch", "seq", "act_embed")), kv, _NO_ROUTER
 
 
 # A dense MLP's router statistics: no experts (numpy, so importing this module starts no JAX backend).
