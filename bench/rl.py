@@ -18,6 +18,8 @@ the staleness and the importance weights.
 `--tools K` runs the calculator task (configs/rl-calculator.yaml: multi-turn, a tool to call) for K steps with
 the tool and, from the same warm start, with every call answered by an error (rl.tools=false): the reward and
 the tool calls an episode, in bins of steps, and both reward curves in `<run-dir>/tools/reward.png`.
+
+What deterministic mode (`model.deterministic`) costs a train step and the engine: `bench/deterministic.py`.
 """
 
 from __future__ import annotations
