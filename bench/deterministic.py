@@ -1,7 +1,7 @@
 """What deterministic mode (`model.deterministic`) costs: a train step and the engine's throughput, with the
 flag off and on, on the same weights in one process.
 
-    python bench/deterministic.py                  # both models below, best of 5
+    python bench/deterministic.py                  # both models below, medians
     python bench/deterministic.py --repeats 9 --models tiny
 
 Train step: forward and backward of the RL loss's `token_logprobs` (jitted, one compiled shape), seconds
@@ -77,12 +77,13 @@ def _engine_rounds(params, cfgs, slots: int, prompt: int, new: int) -> list:
 
 
 def _interleaved(calls: list, repeats: int) -> tuple[list[float], float]:
-    """Each callable timed `repeats` times, in turn (off, on, off, on, ...), so that a machine slowing down
+    """Each callable timed `repeats` times, in turn (on, off, off, on, ...), so that a machine slowing down
     slows both: the median seconds (or the median of what a call returns per second) of each, and the median
     of the per-round ratios (the second over the first)."""
     times = [[] for _ in calls]
-    for _ in range(repeats):
-        for i, call in enumerate(calls):
+    for r in range(repeats):
+        for i in range(len(calls))[:: 1 if r % 2 else -1]:  # the order swapped every round
+            call = calls[i]
             t0 = time.perf_counter()
             out = call()
             dt = time.perf_counter() - t0

@@ -265,7 +265,7 @@ def tiled_attention(q_btnh, key_block, num_blocks, q_pos_bt, window, cfg):
     )
     furthest = jnp.max(q_pos_bt) // block
     step = lambda j, stats: jax.lax.cond(j <= furthest, functools.partial(fold_block, j), _same, stats)
-    _, l, acc = jax.lax.fori_loop(0, num_blocks, step, stats)  # an int count (training): differentiable
+    _, l, acc = jax.lax.fori_loop(0, num_blocks, step, stats)  # (never differentiated: see _tiled_sequence)
     out = acc / jnp.maximum(l, 1e-30)[..., None]  # rows with no key at all (padding) give 0
     return out.reshape(tiles * tile, n, h)[: b * t].reshape(b, t, n, h).astype(q_btnh.dtype)
 

@@ -1,6 +1,6 @@
 """The building blocks of the transformer: norms, rotary positions, the MLP, 2-D weight products.
-Attention and its mask are `jaxgen.model.attention`. In deterministic mode (`model.deterministic`) each
-runs per tile of tokens (`per_tile`).
+Attention and its mask are `jaxgen.model.attention`. In deterministic mode (`model.deterministic`) the
+transformer runs them on fixed tiles of tokens (`per_tile`; a block as two loops, `transformer._block_tiled`).
 
 Shapes use the glossary in `jaxgen.sharding` (B, T, S, D, N, K, G, H, F).
 """
@@ -92,9 +92,8 @@ def over_rows(fn, x, axes: int = 1, consts: tuple = ()):
     return y.reshape(*lead, *y.shape[1:])
 
 
-def dense(x, w, in_axes: int = 1, cfg: ModelConfig | None = None):
-    """x (..., *w.shape[:in_axes]) times w -> (..., *w.shape[in_axes:]), as one 2-D matrix product
-    (deterministic mode: one per tile of rows, `per_tile`; `cfg` None: not deterministic).
+def dense(x, w, in_axes: int = 1):
+    """x (..., *w.shape[:in_axes]) times w -> (..., *w.shape[in_axes:]), as one 2-D matrix product.
 
     Flattening first matters on XLA:CPU: the backward pass of a multi-axis einsum such as
     "btd,dnh->btnh" inside the layer scan turned into slow transposing copies (a SwiGLU layer's
@@ -102,11 +101,6 @@ def dense(x, w, in_axes: int = 1, cfg: ModelConfig | None = None):
     """
     n_in = math.prod(w.shape[:in_axes])
     lead = x.shape[: x.ndim - in_axes]
-    if cfg is not None and cfg.deterministic:
-        if layout.is_out_major(w) or quant.is_q(w):
-            raise ValueError(f"model.deterministic: float (I, O) weights only, got {type(w).__name__}")
-        w2 = w.reshape(n_in, -1)
-        return per_tile(jnp.matmul, x.reshape(-1, n_in), consts=(w2,)).reshape(*lead, *w.shape[in_axes:])
     if layout.is_out_major(w):  # decoding's (O, I) layout: see jaxgen.model.layout
         return layout.product(x.reshape(-1, n_in), w).reshape(*lead, *w.shape[in_axes:])
     if quant.is_q(w):  # int8 weights (inference): an int8 x int8 product
@@ -127,7 +121,7 @@ def _norm(x_btd, p: dict, cfg: ModelConfig):
     x = x_btd.astype(jnp.float32)
     if cfg.norm == "layernorm":
         x = x - x.mean(-1, keepdims=True)
-    x = _rms_norm(x, p["scale_d"], cfg)  # (in deterministic mode this runs on a tile already)
+    x = _rms_norm(x, p["scale_d"], cfg)
     if "bias_d" in p:
         x = x + p["bias_d"].astype(jnp.float32)
     return x.astype(x_btd.dtype)
@@ -136,8 +130,6 @@ def _norm(x_btd, p: dict, cfg: ModelConfig):
 def rms_norm(x, scale, cfg: ModelConfig):
     """RMSNorm over the trailing `scale.ndim` axes (one head's H, or a whole projection's N x H), in
     float32; Gemma's norms multiply by (1 + scale)."""
-    if cfg.deterministic:
-        return over_rows(functools.partial(_rms_norm, cfg=cfg), x, scale.ndim, consts=(scale,))
     return _rms_norm(x, scale, cfg)
 
 
@@ -189,19 +181,8 @@ def rope_frequencies(cfg: ModelConfig, theta: float | None = None):
     return inv_freq
 
 
-def rope(x_btnh, positions_bt, inv_freq, cfg: ModelConfig | None = None):
-    """Rotary position embedding, rotate-half convention (as in Llama); inv_freq from `rope_frequencies`.
-    Deterministic mode (`cfg.deterministic`): per tile of tokens (`per_tile`), as every transcendental
-    function is (XLA:CPU's sin, cos and tanh gave other bits for the same input in another program)."""
-    if cfg is not None and cfg.deterministic:
-        b, t, n, h = x_btnh.shape
-        tokens = lambda x, p, f: _rope(x[:, None], p[:, None], f)[:, 0]  # a tile's tokens as (R, 1) rows
-        x_rows, p_rows = x_btnh.reshape(b * t, n, h), positions_bt.reshape(-1)
-        return per_tile(tokens, x_rows, p_rows, consts=(jnp.asarray(inv_freq),)).reshape(x_btnh.shape)
-    return _rope(x_btnh, positions_bt, inv_freq)
-
-
-def _rope(x_btnh, positions_bt, inv_freq):
+def rope(x_btnh, positions_bt, inv_freq):
+    """Rotary position embedding, rotate-half convention (as in Llama); inv_freq from `rope_frequencies`."""
     angles = positions_bt.astype(jnp.float32)[..., None] * inv_freq  # (B, T, H/2)
     cos = jnp.cos(angles)[:, :, None, :]
     sin = jnp.sin(angles)[:, :, None, :]
@@ -232,21 +213,17 @@ def gelu(x):
 def mlp(x_btd, p: dict, cfg: ModelConfig, adapters: dict | None = None):
     """GELU MLP (GPT-2), SwiGLU (Llama) or GeGLU (Gemma; tanh-approximated GELU gate). adapters: the
     layer's low-rank adapters (jaxgen.model.lora), of which gate, up and down apply here."""
-    up = lora.add(dense(x_btd, p["w_up_df"], cfg=cfg), x_btd, adapters, "up", cfg, w=p["w_up_df"])
+    up = lora.add(dense(x_btd, p["w_up_df"]), x_btd, adapters, "up", cfg, w=p["w_up_df"])
     if "b_up_f" in p:
         up = up + p["b_up_f"]
     if cfg.mlp in ("swiglu", "geglu"):
-        gate = lora.add(dense(x_btd, p["w_gate_df"], cfg=cfg), x_btd, adapters, "gate", cfg, w=p["w_gate_df"])
+        gate = lora.add(dense(x_btd, p["w_gate_df"]), x_btd, adapters, "gate", cfg, w=p["w_gate_df"])
         if "b_gate_f" in p:
             gate = gate + p["b_gate_f"]
-        if cfg.deterministic:  # per tile, as every transcendental function (see `rope`)
-            rows = lambda x: x.reshape(-1, x.shape[-1])
-            hidden = per_tile(lambda g, u: gated(g, u, cfg.mlp), rows(gate), rows(up)).reshape(up.shape)
-        else:
-            hidden = gated(gate, up, cfg.mlp)
+        hidden = gated(gate, up, cfg.mlp)
     else:
-        hidden = over_rows(gelu, up) if cfg.deterministic else gelu(up)
-    out = lora.add(dense(hidden, p["w_down_fd"], cfg=cfg), hidden, adapters, "down", cfg, w=p["w_down_fd"])
+        hidden = gelu(up)
+    out = lora.add(dense(hidden, p["w_down_fd"]), hidden, adapters, "down", cfg, w=p["w_down_fd"])
     if "b_down_d" in p:
         out = out + p["b_down_d"]
     return out

@@ -194,7 +194,7 @@ def decode_params(params: dict, rows: int, cfg: ModelConfig | None = None) -> di
     """The params as decoding reads them: per-layer (`unstack_layers`) and, for products of at least
     `layout.OUT_MAJOR_ROWS` rows (`rows`: the batch decoded together), output-major weights
     (`layout.decode_layout`). Idempotent; `layout.train_layout` undoes the second step. A deterministic
-    `cfg` keeps the weights as trained: its tiled products are the training forward's (`layers.dense`)."""
+    `cfg` keeps the weights as trained: its tiled products are the training forward's (`_block_tiled`)."""
     return layout.decode_layout(unstack_layers(params), 1 if cfg is not None and cfg.deterministic else rows)
 
 
@@ -260,17 +260,17 @@ def _qkv(x, p, positions, consts, cfg: ModelConfig):
     normed (qk_norm), then rotated (RoPE, with this layer's frequencies)."""
     h = layers.norm(x, p["attn_norm"], cfg) if "attn_norm" in p else x
     adapters = p.get("lora")  # low-rank adapters (jaxgen.model.lora); None: the products alone
-    q = lora.add(layers.dense(h, p["w_q_dnh"], cfg=cfg), h, adapters, "q", cfg, w=p["w_q_dnh"])  # (B, T, N, H)
-    k = lora.add(layers.dense(h, p["w_k_dkh"], cfg=cfg), h, adapters, "k", cfg, w=p["w_k_dkh"])  # (B, T, K, H)
-    v = lora.add(layers.dense(h, p["w_v_dkh"], cfg=cfg), h, adapters, "v", cfg, w=p["w_v_dkh"])
+    q = lora.add(layers.dense(h, p["w_q_dnh"]), h, adapters, "q", cfg, w=p["w_q_dnh"])  # (B, T, N, H)
+    k = lora.add(layers.dense(h, p["w_k_dkh"]), h, adapters, "k", cfg, w=p["w_k_dkh"])  # (B, T, K, H)
+    v = lora.add(layers.dense(h, p["w_v_dkh"]), h, adapters, "v", cfg, w=p["w_v_dkh"])
     if "b_q_nh" in p:
         q, k, v = q + p["b_q_nh"], k + p["b_k_kh"], v + p["b_v_kh"]
     if cfg.qk_norm != "none":
         q = layers.rms_norm(q, p.get("q_norm_h", p.get("q_norm_nh")), cfg)
         k = layers.rms_norm(k, p.get("k_norm_h", p.get("k_norm_kh")), cfg)
     if cfg.position == "rope":
-        q = layers.rope(q, positions, consts["inv_freq"], cfg)
-        k = layers.rope(k, positions, consts["inv_freq"], cfg)
+        q = layers.rope(q, positions, consts["inv_freq"])
+        k = layers.rope(k, positions, consts["inv_freq"])
     return q, k, v
 
 
@@ -290,7 +290,7 @@ def _after_attention(x, out, p, positions, cfg: ModelConfig):
     """The rest of a block once attention gave `out` (B, T, N, H): its projection, the residual, the MLP.
     Returns x (B, T, D) and the layer's auxiliary losses."""
     adapters = p.get("lora")
-    o = layers.dense(out, p["w_o_nhd"], in_axes=2, cfg=cfg)  # (B, T, D)
+    o = layers.dense(out, p["w_o_nhd"], in_axes=2)  # (B, T, D)
     out = lora.add(o, out, adapters, "o", cfg, in_axes=2, w=p["w_o_nhd"])
     if "b_o_d" in p:
         out = out + p["b_o_d"]
@@ -313,6 +313,9 @@ def _block_tiled(x, p, positions, consts, attend, cfg: ModelConfig):
     their operations those of the plain block on a tile, and attention as the tiled fold. A token's
     numbers then come from the same two loop bodies wherever it is (training, prefill, decode), and a
     layer runs two loops rather than one per operation. Dense MLPs only (the config refuses experts)."""
+    for w in jax.tree.leaves(p, is_leaf=lambda w: quant.is_q(w) or layout.is_out_major(w)):
+        if layout.is_out_major(w) or quant.is_q(w):  # (the engine keeps a deterministic model's weights as trained)
+            raise ValueError(f"model.deterministic: float (I, O) weights only, got {type(w).__name__}")
     plain = dataclasses.replace(cfg, deterministic=False)
     b, t = positions.shape
     rows = lambda a: a.reshape(b * t, *a.shape[2:])
