@@ -121,7 +121,7 @@ def _norm(x_btd, p: dict, cfg: ModelConfig):
     x = x_btd.astype(jnp.float32)
     if cfg.norm == "layernorm":
         x = x - x.mean(-1, keepdims=True)
-    x = _rms_norm(x, p["scale_d"], cfg)
+    x = rms_norm(x, p["scale_d"], cfg)
     if "bias_d" in p:
         x = x + p["bias_d"].astype(jnp.float32)
     return x.astype(x_btd.dtype)
@@ -130,10 +130,6 @@ def _norm(x_btd, p: dict, cfg: ModelConfig):
 def rms_norm(x, scale, cfg: ModelConfig):
     """RMSNorm over the trailing `scale.ndim` axes (one head's H, or a whole projection's N x H), in
     float32; Gemma's norms multiply by (1 + scale)."""
-    return _rms_norm(x, scale, cfg)
-
-
-def _rms_norm(x, scale, cfg: ModelConfig):
     axes = tuple(range(x.ndim - scale.ndim, x.ndim))
     y = x.astype(jnp.float32)
     y = y * jax.lax.rsqrt((y * y).mean(axes, keepdims=True) + cfg.norm_eps)
