@@ -55,6 +55,14 @@ def test_the_calculator_evaluates_integer_sums_and_runs_no_code():
             evaluate(bad)
 
 
+def test_the_calculator_evaluates_from_many_threads_at_once():
+    """The reward workers step environments in threads; CPython 3.11's ast.parse raised SystemError then."""
+    expression = "((1+2)*(3-4))//(5+(6*7))-(8+9)"
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        got = set(pool.map(lambda _: evaluate(expression), range(20000)))
+    assert got == {((1 + 2) * (3 - 4)) // (5 + (6 * 7)) - (8 + 9)}
+
+
 def test_the_calculator_environment_answers_calls_and_rewards_the_last_message():
     env = Calculator({"prompt": "347+598", "answer": "945"})
     assert env.reset() == [{"role": "user", "content": "347+598"}]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ast
 import importlib
 import operator
+import threading
 
 import numpy as np
 
@@ -116,6 +117,7 @@ class Calculator(Environment):
 
 BUILT_IN = {"calculator": Calculator}
 
+_PARSING = threading.Lock()
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
 
 
@@ -124,7 +126,8 @@ def evaluate(expression) -> int:
     if not isinstance(expression, str) or len(expression) > 200:
         raise ValueError(f"expression must be a string of at most 200 characters, got {str(expression)[:40]!r}")
     try:
-        tree = ast.parse(expression, mode="eval").body
+        with _PARSING:  # CPython 3.11's ast.parse is not thread-safe (SystemError from concurrent calls)
+            tree = ast.parse(expression, mode="eval").body
     except SyntaxError:
         raise ValueError(f"cannot parse {expression!r}") from None
 
