@@ -96,14 +96,15 @@ def fingerprint(target: tuple[str, list] | None = None) -> dict[str, str]:
     import optax
 
     backend, devices = _machine(target)
-    flags = ("jax_enable_x64", "jax_default_matmul_precision", "jax_threefry_partitionable", "jax_numpy_rank_promotion")
+    flags = ("jax_enable_x64", "jax_default_matmul_precision", "jax_threefry_partitionable", "jax_numpy_rank_promotion",
+             "jax_disable_most_optimizations", "jax_exec_time_optimization_effort")  # fmt: skip
     return {
         "jaxgen_source": source_hash(),
         "versions": f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, flax {flax.__version__}, "
         f"optax {optax.__version__}, numpy {np.__version__}, python {sys.version.split()[0]}",
         "backend": f"{backend} {devices[0].client.platform_version}",
         "devices": f"{len(devices)} x {devices[0].device_kind}, {jax.process_count()} process(es)",
-        "flags": ", ".join(f"{f}={getattr(jax.config, f, None)}" for f in flags),
+        "flags": ", ".join(f"{f}={jax.config.values.get(f)}" for f in flags),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
 
