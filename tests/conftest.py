@@ -18,19 +18,6 @@ _STORE = tempfile.mkdtemp(prefix="jaxgen-test-executables-")
 os.environ["JAXGEN_EXECUTABLES"] = _STORE
 atexit.register(shutil.rmtree, _STORE, ignore_errors=True)
 
-# The suite compiles hundreds of small programs and runs most of them a few times: XLA:CPU's LLVM optimisation
-# was most of its time. Off for the tests and the processes they start (the environment), on again for a
-# module marked `optimized` (its claim is about optimised code's bits, or it runs long enough for that to pay).
-os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
-
-
-def _optimize(on: bool):
-    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "0" if on else "1"
-    jax.config.update("jax_disable_most_optimizations", not on)
-
-
-_optimize(False)
-
 import pathlib  # noqa: E402
 
 import pytest  # noqa: E402
@@ -67,13 +54,10 @@ def tiny_run(tiny_cfg, tmp_path_factory):
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _free_compiled_programs(request):
+def _free_compiled_programs():
     """After each test file, drop jax's compiled programs: a worker runs many files, and no program is
-    shared between files (each builds its own models), so their executables would only pile up. A module
-    marked `optimized` compiles with XLA's optimisations (see `_optimize`)."""
-    _optimize(request.node.get_closest_marker("optimized") is not None)
+    shared between files (each builds its own models), so their executables would only pile up."""
     yield
-    _optimize(False)
     jax.clear_caches()
     # a command line run in this process (train.main, serve's) turned on jax's persistent cache and maybe the
     # store: off again, so that the next file compiles as a library user's process does
