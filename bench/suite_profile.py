@@ -1,6 +1,6 @@
 """Where the test suite's time goes: a pytest plugin that writes, for every test, its wall time and the
-seconds jax spent tracing, lowering and compiling in that test's process; and, run as a script, a table of
-those figures per test file.
+seconds jax spent tracing, lowering and compiling in that test's process (and that process's id: which
+worker ran it); and, run as a script, a table of those figures per test file.
 
     PYTHONPATH=bench pytest -p suite_profile            # writes suite-profile.jsonl (SUITE_PROFILE= elsewhere)
     python bench/suite_profile.py suite-profile.jsonl   # the table, slowest file first

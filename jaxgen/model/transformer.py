@@ -313,8 +313,9 @@ def _block_tiled(x, p, positions, consts, attend, cfg: ModelConfig):
     their operations those of the plain block on a tile, and attention as the tiled fold. A token's
     numbers then come from the same two loop bodies wherever it is (training, prefill, decode), and a
     layer runs two loops rather than one per operation. Dense MLPs only (the config refuses experts)."""
-    for w in jax.tree.leaves(p, is_leaf=lambda w: quant.is_q(w) or layout.is_out_major(w)):
-        if layout.is_out_major(w) or quant.is_q(w):  # (the engine keeps a deterministic model's weights as trained)
+    special = lambda w: layout.is_out_major(w) or quant.is_q(w)  # (the engine keeps a deterministic model's as trained)
+    for w in jax.tree.leaves(p, is_leaf=special):
+        if special(w):
             raise ValueError(f"model.deterministic: float (I, O) weights only, got {type(w).__name__}")
     plain = dataclasses.replace(cfg, deterministic=False)
     b, t = positions.shape
