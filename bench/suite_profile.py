@@ -2,11 +2,13 @@
 seconds jax spent tracing, lowering and compiling in that test's process (and that process's id: which
 worker ran it); and, run as a script, a table of those figures per test file.
 
-    PYTHONPATH=bench pytest -p suite_profile            # writes suite-profile.jsonl (SUITE_PROFILE= elsewhere)
+    PYTHONPATH=. pytest -p bench.suite_profile          # writes suite-profile.jsonl (SUITE_PROFILE= elsewhere)
     python bench/suite_profile.py suite-profile.jsonl   # the table, slowest file first
 
-A test's wall time includes the set-up of the fixtures it is the first to ask for. What the processes a
-test starts compile is not counted (their seconds show in the wall time only)."""
+(`bench` itself must not be on the path: its multiprocess.py would hide the `multiprocess` package that
+`datasets` imports, and the evaluation and preference tests would fail to import.) A test's wall time
+includes the set-up of the fixtures it is the first to ask for. What the processes a test starts compile is
+not counted (their seconds show in the wall time only)."""
 
 import collections
 import json

@@ -9,9 +9,44 @@ import os  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
+# XLA:CPU's backend at optimization level 1 (LLVM's -O1; 2 is XLA's default): the suite is mostly XLA compiling
+# tiny programs, which this makes about a fifth faster while they run about as fast (docs/performance.md, "The
+# test suite"). Read once, when jax makes its CPU client: before any test computes; subprocesses inherit it.
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=1".strip()
+
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+def _shared_directory(variable: str, prefix: str) -> str:
+    """A temporary directory named by $variable: made by the first process of the session (pytest-xdist's
+    controller, whose environment its workers inherit) and removed when that process ends."""
+    path = os.environ.get(variable)
+    if not path:
+        path = os.environ[variable] = tempfile.mkdtemp(prefix=prefix)
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+# jax's persistent compilation cache, shared by every test of the session (both workers, every file, the
+# command lines run in or beside this process): tests that build the same programs (another Generator or
+# engine of the same shapes and settings, a file's programs again in another file) load them instead of
+# compiling; tracing and lowering still run, so a trace count (engine.compilations) is unchanged. Never the
+# user's ~/.cache/jaxgen/xla. A module that sets SHARED_XLA_CACHE = False runs without it (the store's tests
+# count what jax's cache would otherwise have served).
+XLA_CACHE = _shared_directory("JAXGEN_XLA_CACHE", "jaxgen-test-xla-")
+
+
+def _use_the_shared_xla_cache(on: bool) -> None:
+    from jax._src import compilation_cache  # no public way to let jax look at the setting again
+
+    jax.config.update("jax_compilation_cache_dir", XLA_CACHE if on else None)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    compilation_cache.reset_cache()
+
+
+_use_the_shared_xla_cache(True)
 # the command lines the tests run use the store of executables, as by default, but one of this process's own
 # (its subprocesses share it): never the user's ~/.cache/jaxgen/executables
 _STORE = tempfile.mkdtemp(prefix="jaxgen-test-executables-")
@@ -54,15 +89,14 @@ def tiny_run(tiny_cfg, tmp_path_factory):
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _free_compiled_programs():
-    """After each test file, drop jax's compiled programs: a worker runs many files, and no program is
-    shared between files (each builds its own models), so their executables would only pile up."""
+def _free_compiled_programs(request):
+    """Each test file starts with the shared persistent cache (or none, where the module says so) and no
+    store; after it, jax's in-memory compiled programs are dropped: a worker runs many files, and what one
+    file's jitted functions hold would only pile up (the persistent cache keeps what is worth keeping)."""
+    _use_the_shared_xla_cache(getattr(request.module, "SHARED_XLA_CACHE", True))
     yield
     jax.clear_caches()
-    # a command line run in this process (train.main, serve's) turned on jax's persistent cache and maybe the
-    # store: off again, so that the next file compiles as a library user's process does
+    # a command line run in this process (train.main, serve's) set jax's persistent cache and maybe turned on
+    # the store: both as they were, so that the next file compiles as a library user's process does
     executables.use(None)
-    jax.config.update("jax_compilation_cache_dir", None)
-    from jax._src import compilation_cache  # no public way to let jax look at the setting again
-
-    compilation_cache.reset_cache()
+    _use_the_shared_xla_cache(True)
