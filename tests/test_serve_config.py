@@ -61,6 +61,7 @@ def test_file_then_overrides_then_explicit_flags(tmp_path):
         (["http.api_key=s3cret"], "http.api_key is not read from config files"),
         (["serve.slots=0"], "serve.slots=0 is not allowed: a positive integer"),
         (["serve.cache_dtype=int4"], "serve.cache_dtype='int4' is not allowed: float32, bfloat16, int8"),
+        (["serve.spec_rule=rejection"], "serve.spec_rule='rejection' is not allowed: exact, standard"),
         (["serve.prefix_caching=maybe"], "serve.prefix_caching='maybe' is not allowed: true or false"),
         (["http.port=70000"], "http.port=70000 is not allowed: an integer in [0, 65535]"),
         (["serve=4"], "serve=4 is not allowed: a mapping of slots"),

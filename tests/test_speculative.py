@@ -490,6 +490,72 @@ def test_the_standard_rule_is_exact_in_distribution(drafter):
     assert got[n + 4 :].tolist() == plain
 
 
+def test_the_engines_standard_rule_samples_as_the_generators_under_preemption():
+    """serve.spec_rule="standard": a random draft model's drafts over the engine's paged cache, continuous
+    batching and a pool too small for every row, so sequences are preempted, some with a residual draw pending,
+    and recomputed (with a decode chunk in flight, and without), and again with the engine put to sleep mid-run:
+    each output equals the Generator's under the same rule token for token (the same keys for the drafts' tests
+    and the residual draws; the rule is exact in distribution by the chi-square test above). Without the kept
+    residual (or with the one a chunk in flight left) the outputs differ."""
+    gen = _generator("llama")
+    draft = (model.init_params(DRAFT, jax.random.key(2)), DRAFT)
+    config = dataclasses.replace(gen.config, spec_rule="standard")
+    standard = Generator(gen.params, gen.cfg, gen.tokenizer, config, draft=draft)
+    settings = [dataclasses.replace(c, num_speculative_tokens=4) for c in _mixed(40, 32, 40)] * 2
+    want = standard.generate(PROMPTS * 2, settings)
+    for overlap, chunk_steps in ((False, 8), (True, 2)):  # (with overlap, short chunks: preempted after tokens)
+        llm = LLM(gen.params, cfg=gen.cfg, tokenizer=gen.tokenizer, draft=draft, slots=4, num_pages=9,
+                  chunk_steps=chunk_steps, spec_rule="standard", overlap=overlap)  # fmt: skip
+        runner = llm.engine.runner
+        kept, keep = [], runner.keep_residuals
+
+        def spy(preempted, keep=keep, kept=kept):
+            keep(preempted)
+            kept.extend(r.residual is not None for r, _ in preempted)
+
+        runner.keep_residuals = spy
+        got = [c for out in llm.generate(PROMPTS * 2, settings) for c in out.outputs]
+        for a, b in zip(got, want, strict=True):
+            _same(a, b)
+        m = llm.engine.metrics()
+        assert m["requests_preempted"] > 0 and any(kept), (m, kept)  # a residual draw was pending at one
+        assert m["spec_accepted_tokens"] < m["spec_draft_tokens"], m  # drafts were rejected: residual draws ran
+        # asleep mid-run (every sequence preempted, the page pool freed) and woken: the same output again
+        engine, kept[:] = llm.engine, []
+        requests = [
+            r for i, (p, c) in enumerate(zip(PROMPTS * 2, settings)) for r in engine.submit(p, c, prompt_index=i)
+        ]
+        for _ in range(3):
+            engine.step()
+        engine.sleep()
+        engine.wake_up()
+        engine.run_until_idle()
+        for r, b in zip(requests, want, strict=True):
+            _same(r.result(), b)
+        assert any(kept), kept
+        assert engine.pool.in_use() == 0
+
+
+def test_the_engines_standard_rule_with_an_eagle_head_samples_as_the_generators():
+    """An EAGLE head's drafts drawn from its own distribution (the standard rule's q, not a point mass), in the
+    engine's paged head cache and the Generator's contiguous one: the same tokens, row for row."""
+    from jaxgen.model import eagle
+
+    params = _sharpened(model.init_params(SMALL, jax.random.key(0)), 3.0)
+    head = eagle.new_head(SMALL, jax.random.key(1))
+    head = head.replace(params=_sharpened(head.params, 4.0))
+    settings = [SamplingConfig(max_new_tokens=12, temperature=1.0, top_k=k, seed=i, ignore_eos=True,
+                               num_speculative_tokens=4) for i, k in enumerate([0, 6] * 4)]  # fmt: skip
+    prompts = [[3, 1, 4, 1, 5]] * len(settings)
+    gen = Generator(params, SMALL, Tokenizer.byte_level(), max_batch=8, draft=head, spec_rule="standard")
+    want = [c.tokens for c in gen.generate(prompts, settings)]
+    llm = LLM(params, cfg=SMALL, tokenizer=Tokenizer.byte_level(), draft=head, slots=8, num_pages=40, page_size=4,
+              spec_rule="standard")  # fmt: skip
+    assert [o.outputs[0].tokens for o in llm.generate(prompts, settings)] == want
+    m = llm.engine.metrics()
+    assert 0 < m["spec_accepted_tokens"] < m["spec_draft_tokens"], m
+
+
 def test_a_spec_rule_that_does_not_exist_is_refused():
     with pytest.raises(SamplingError, match=r"spec_rule='exactly' is not allowed: 'exact', 'standard'"):
         GeneratorConfig(spec_rule="exactly")

@@ -65,6 +65,11 @@ class ServeConfig:
     # speculation runs only where it pays: per batch size, a decode chunk speculates while measured tokens/s of
     # speculative chunks reach 0.95 of plain ones (jaxgen.inference.spec_gate); false: whenever a row asks
     spec_gate: bool = True
+    # speculative decoding's rule (jaxgen.inference.speculative): exact = every output token for token what plain
+    # decoding gives; standard = a draft kept with probability min(1, p/q), exact in distribution (an EAGLE head's
+    # sampled drafts are kept more often). With standard every chunk of speculating rows speculates (spec_gate
+    # is not applied: a plain chunk cannot take over a pending residual draw)
+    spec_rule: Literal["exact", "standard"] = "exact"
     # multi-LoRA serving (docs/serving.md): up to max_loras adapters of rank up to max_lora_rank held on the device
     # at once, each request naming one (or none); 0 = off. lora_modules: "NAME=FOLDER" adapters loaded at start
     max_loras: int = 0

@@ -15,6 +15,8 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
+import numpy as np
+
 from jaxgen.inference.adapters import LoraRef
 from jaxgen.inference.decode import Completion, HostRows, finish_row
 from jaxgen.inference.sampling import MAX_STOP_SEQUENCE, SamplingConfig, SamplingError
@@ -83,6 +85,9 @@ class Sequence:
     finish_reason: str = ""  # stop, length; cancelled or error when it ended without a completion
     error: str | None = None  # what went wrong, for a FAILED request
     cached_tokens: int = 0  # tokens of its last prefill served from the prefix cache
+    # speculative decoding's standard rule: preempted with a residual draw pending, that residual (V,) float32
+    # (`Runner.keep_residuals`), restored to its slot when it decodes again
+    residual: np.ndarray | None = dataclasses.field(default=None, repr=False)
     t_submit: float = 0.0
     t_first: float | None = None
     t_done: float | None = None

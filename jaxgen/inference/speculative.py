@@ -71,8 +71,11 @@ class SpecState:
     feature_pos: jax.Array | None = None
     kept_at: jax.Array | None = None  # (B, 8) int32: steps that kept drafts 1..i + 1 (acceptance by position)
     # the standard rule: the drafter's distribution (B, V) of the draft the last step rejected, which the
-    # next token's draw subtracts from the target's (zeros: nothing rejected)
+    # next token's draw subtracts from the target's (zeros: nothing rejected); the engine's also keeps it as
+    # it was when its last speculative chunk started (`residual_before`): with a chunk in flight, that is the
+    # residual at the tokens its sequences were given (what a preempted one resumes from)
     residual: jax.Array | None = None
+    residual_before: jax.Array | None = None
 
     @classmethod
     def init(cls, prompts: list[list[int]], num_spec: list[int], size: int, draft_cache=None, eagle=None,

@@ -199,6 +199,9 @@ def admit_rows(params, state: DecodeState, spec: speculative.SpecState, rows: Ro
     missing = None if spec.missing is None else put(spec.missing, jnp.zeros(r, bool))
     spec = spec.replace(num_spec=put(spec.num_spec, rows.num_spec), length=put(spec.length, rows.length),
                         missing=missing)  # fmt: skip
+    if spec.residual is not None:  # the standard rule: nothing pending (`set_residual` restores a preempted one's)
+        nothing = jnp.zeros((r, spec.residual.shape[1]), spec.residual.dtype)
+        spec = spec.replace(residual=put(spec.residual, nothing), residual_before=put(spec.residual_before, nothing))
     if draft_params is not None:  # every sequence: a prefix page may later serve one that speculates
         draft_cache, _ = _prefill_pool(draft_params, spec.draft_cache, cache, rows.slot, rows.tokens, rows.positions,
                                        draft_cfg)  # fmt: skip
@@ -323,12 +326,15 @@ def init_spec(cfg: ModelConfig, serve: ServeConfig, draft_cfg: ModelConfig | Non
         draft_cache = PagedCache.init(draft_cfg, num_pages, serve.page_size, serve.slots, max_pages, serve.cache_dtype)
         draft_cache = draft_cache.constrain()
     size = history_size(max_pages * serve.page_size)
+    vocab = cfg.vocab_size if serve.spec_rule == "standard" else 0
+    empty = [[0]] * serve.slots, [0] * serve.slots, size
     if not taps:
-        return speculative.SpecState.init([[0]] * serve.slots, [0] * serve.slots, size, draft_cache)
-    last = jnp.zeros((serve.slots, taps * cfg.d_model), jnp.dtype(cfg.dtype))
-    spec = speculative.SpecState.init([[0]] * serve.slots, [0] * serve.slots, size,
-                                      eagle=(draft_cache, last, speculative.MAX_WINDOW))  # fmt: skip
-    return spec.replace(feature_len=jnp.zeros_like(spec.feature_len))
+        spec = speculative.SpecState.init(*empty, draft_cache, vocab=vocab)
+    else:
+        last = jnp.zeros((serve.slots, taps * cfg.d_model), jnp.dtype(cfg.dtype))
+        spec = speculative.SpecState.init(*empty, eagle=(draft_cache, last, speculative.MAX_WINDOW), vocab=vocab)
+        spec = spec.replace(feature_len=jnp.zeros_like(spec.feature_len))
+    return spec if not vocab else spec.replace(residual_before=jnp.zeros_like(spec.residual))
 
 
 def activate_spec(spec: speculative.SpecState, slot, history, length, num_spec) -> speculative.SpecState:
@@ -341,27 +347,38 @@ def activate_spec(spec: speculative.SpecState, slot, history, length, num_spec) 
     )  # fmt: skip
 
 
+def set_residual(spec: speculative.SpecState, slot, residual) -> speculative.SpecState:
+    """Slot `slot`'s pending residual (V,) of the standard rule: a preempted sequence's, as it was at the tokens
+    it keeps (`Runner.residuals`), so that its next token is drawn as it would have been without the preemption."""
+    return spec.replace(residual=spec.residual.at[slot].set(residual),
+                        residual_before=spec.residual_before.at[slot].set(residual))  # fmt: skip
+
+
 def _on_tables(pool: PagedCache, tables: PagedCache) -> PagedCache:
     """`pool` addressed by `tables`' page tables (the host pushes only the target's)."""
     return pool.replace(page_table=tables.page_table, capacity=tables.capacity)
 
 
 def decode_chunk_speculative(params, state: DecodeState, spec, limit, retire, cfg: ModelConfig, w: int,
-                             draft_params=None, draft_cfg: ModelConfig | None = None, head=None):  # fmt: skip
+                             draft_params=None, draft_cfg: ModelConfig | None = None, head=None,
+                             rule: str = "exact"):  # fmt: skip
     """`decode_chunk` with up to W drafts a step for the slots that ask (`jaxgen.inference.speculative`):
     n-gram drafts, or the draft model's (`draft_params`, its pool in `spec.draft_cache`). A slot's tokens
     fill columns 0.. of the buffers; the chunk ends early when a slot might not have room for another
-    step. The spec's counters count this chunk only. Returns (state, spec, `outputs` and the three counters)."""
+    step. The spec's counters count this chunk only. rule: `serve.spec_rule` (the standard one keeps the
+    residual the chunk starts from in `spec.residual_before`). Returns (state, spec, `outputs` and the three
+    counters)."""
     spec = spec.replace(
         proposed=jnp.zeros_like(spec.proposed), accepted=jnp.zeros_like(spec.accepted),
         target_steps=jnp.zeros_like(spec.target_steps),
     )  # fmt: skip
+    if spec.residual is not None:
+        spec = spec.replace(residual_before=spec.residual)
     if draft_params is not None or head is not None:
         spec = spec.replace(draft_cache=_on_tables(spec.draft_cache, state.cache))
     state = retire_rows(state, retire).replace(step=jnp.int32(0), limit=limit)
-    state, spec = speculative.speculative_loop(
-        params, state, spec, cfg, w, draft_params=draft_params, draft_cfg=draft_cfg, base=state.generated, head=head
-    )
+    drafter = dict(draft_params=draft_params, draft_cfg=draft_cfg, head=head)
+    state, spec = speculative.speculative_loop(params, state, spec, cfg, w, base=state.generated, rule=rule, **drafter)
     if spec.draft_cache is not None:
         spec = spec.replace(draft_cache=spec.draft_cache.constrain())
     state = state.replace(cache=state.cache.constrain())

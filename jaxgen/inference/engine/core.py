@@ -228,12 +228,19 @@ class Engine(AdapterControl):
         params to its next step)."""
         new = self.runner.checked_params(params, donate)
         with self._exclusive:
-            self._preempt_all()
+            self._preempt_all(same_weights=False)
             self.runner.set_params(new)
 
-    def _preempt_all(self) -> None:
+    def _preempt_all(self, same_weights: bool = True) -> None:
         """Every sequence in a slot back to the queue (recomputed later, its tokens kept); the prefix cache
-        emptied. The caller holds `_exclusive`."""
+        emptied. With new weights coming (not `same_weights`), a pending residual draw of speculation's standard
+        rule is not kept: the sequences go on with the new model's distribution. The caller holds `_exclusive`."""
+        with self.lock:
+            holding = [(r, r.slot) for r in self.scheduler.slots if r is not None]
+        if same_weights:  # before the chunk in flight is dropped: its start is what the sequences resume from
+            self.runner.keep_residuals(holding)
+        else:
+            self.runner.drop_residuals()
         self.runner.drop_in_flight()  # its tokens were not emitted yet: they are recomputed (on the new weights)
         with self.lock:
             preemptions = self.scheduler.preempt_all()

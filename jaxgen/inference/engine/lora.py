@@ -42,7 +42,7 @@ class AdapterControl:
         with self._exclusive:  # no step reads the bank meanwhile; an unload cannot free the slot under us
             with self.lock:
                 ref = self.loras.resolve(name)
-            self._preempt_all()
+            self._preempt_all(same_weights=False)
             self.runner.write_bank_entry(ref.slot, entry)
 
     def _bank_entry(self, name: str, adapters: dict, scale: float, verb: str):

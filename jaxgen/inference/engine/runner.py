@@ -79,6 +79,9 @@ class Runner:
         self.spec = self._new_spec()  # speculative decoding's per-slot state (and the draft model's pool)
         self.retiring = np.zeros(serve.slots, bool)  # slots to stop, sent with the next call that changes rows
         self.in_flight = None  # serve.overlap: (outputs, sequences) of the decode chunk whose results wait
+        self._in_flight_speculated = False  # whether that chunk is a speculative one
+        # the standard rule: the sequence decoding in each slot whose pending residual lives in `spec`
+        self._residual_owner: dict[int, Sequence] = {}
         self._compile_row_programs()
 
     # --- the jitted steps ---------------------------------------------------------------------------
@@ -103,19 +106,22 @@ class Runner:
         self._set_grammar, self._set_wide = jit(steps.set_grammar_table), jit(steps.set_wide)
         self._admit_rows = jit(steps.admit_rows, (1, 2), ("cfg", "top", "draft_cfg"))
         self._chunk = jit(steps.decode_chunk, 1, "cfg")
-        self._spec_chunk = jit(steps.decode_chunk_speculative, (1, 2), ("cfg", "w", "draft_cfg"))
+        self._spec_chunk = jit(steps.decode_chunk_speculative, (1, 2), ("cfg", "w", "draft_cfg", "rule"))
+        self._set_residual = jit(steps.set_residual)
         self._plain_chunk = jit(steps.decode_chunk_unspeculated, (1, 2), "cfg")
         self._write_slot = jit(lora.write_slot)  # the bank donated: a slot is written in place
 
     def _compile_row_programs(self) -> None:
-        """Compiles the two small per-request programs only some requests reach (penalties or a bias, speculation)
-        by running them on slot 0, idle, with what an idle slot holds: a request asking for them compiles
-        nothing (test_sampling_work)."""
+        """Compiles the small per-request programs only some requests reach (penalties or a bias, speculation, the
+        standard rule's restored residual) by running them on slot 0, idle, with what an idle slot holds: a
+        request asking for them compiles nothing (test_sampling_work)."""
         v = self.cfg.vocab_size
         self.state = self._set_wide(self.state, np.int32(0), np.zeros(v, bool), np.zeros(v, np.int32),
                                     np.zeros(v, np.float32))  # fmt: skip
         history = steps.spec_history(self.max_pages * self.serve.page_size, [0])
         self.spec = self._activate_spec(self.spec, np.int32(0), *history, np.int32(0))
+        if self.spec.residual is not None:  # the standard rule: a preempted sequence's pending residual restored
+            self.spec = self._set_residual(self.spec, np.int32(0), np.zeros(v, np.float32))
 
     def compile_prefill_ahead(self, shapes: list[tuple[int, int]], workers: int, done=lambda: None,
                               scored_columns: list[int] = ()) -> None:  # fmt: skip
@@ -172,6 +178,7 @@ class Runner:
             failure = e
         for p in plan.preemptions:  # after the prefills: a slot started and preempted in one plan ends stopped
             self.retiring[p.slot] = True
+        self.keep_residuals([(p.request, p.slot) for p in plan.preemptions if p.requeued])
         if failure is not None:
             rest = [c for c in plan.prefills if not any(c is d for d in ran)]
             return StepOutput(tuple(ran), rest[0] if rest else None, tuple(rest[1:]), error=failure, phase="prefill")
@@ -246,6 +253,32 @@ class Runner:
         if n:
             history = steps.spec_history(self.max_pages * self.serve.page_size, r.sequence)
             self.spec = self._activate_spec(self.spec, np.int32(slot), *history, np.int32(n))
+        if self.spec.residual is not None:
+            self._residual_owner[slot] = r
+            if r.residual is not None:  # preempted with a residual draw pending: it is drawn as it would have been
+                self.spec = self._set_residual(self.spec, np.int32(slot), r.residual)
+                r.residual = None
+
+    def keep_residuals(self, preempted: list[tuple[Sequence, int]]) -> None:
+        """The standard rule: each preempted (sequence, slot)'s pending residual, as it was at the tokens the
+        sequence keeps, into `Sequence.residual` (`_started` puts it back), fetched in one transfer; call it
+        before the slots' next call. With a chunk in flight, the sequences keep the tokens from before it (its own
+        are recomputed), so the residual is the one it started from."""
+        if self.spec.residual is None:
+            return
+        owned = [(r, slot) for r, slot in preempted if self._residual_owner.pop(slot, None) is r]
+        if not owned:
+            return
+        in_flight = self.in_flight is not None and self._in_flight_speculated
+        source = self.spec.residual_before if in_flight else self.spec.residual
+        rows = np.asarray(jax.device_get(source[np.asarray([slot for _, slot in owned])]))
+        for (r, _), row in zip(owned, rows, strict=True):
+            r.residual = row if row.any() else None
+
+    def drop_residuals(self) -> None:
+        """No pending residual is kept by the sequences preempted next (new weights: they go on with the new
+        model's distribution)."""
+        self._residual_owner.clear()
 
     def _decode_chunk(self, plan: StepPlan) -> dict:
         """Dispatches one decode chunk and starts fetching what it gives; returns the results of the chunk before
@@ -254,12 +287,14 @@ class Runner:
         limit = jnp.int32(self.serve.chunk_steps)
         w = speculative.window([plan.draft_tokens])
         rows = len(plan.decode)
-        gated = self.serve.spec_gate and self.gate is not None  # None: the warm-up, which reaches every program
+        # None: the warm-up, which reaches every program; the standard rule speculates in every chunk
+        gated = self.serve.spec_gate and self.gate is not None and self.serve.spec_rule == "exact"
         speculate = bool(w) and (not gated or self.gate.choose(rows))
         compiled = self.compilations
         if speculate:
             self.state, self.spec, out = self._spec_chunk(
-                self.params, self.state, self.spec, limit, self._take_retiring(), cfg=self.cfg, w=w, **self._drafter
+                self.params, self.state, self.spec, limit, self._take_retiring(), cfg=self.cfg, w=w,
+                rule=self.serve.spec_rule, **self._drafter,
             )  # fmt: skip
         elif w:  # rows asked for drafts, but at this batch size speculation does not pay (spec_gate)
             self.state, self.spec, out = self._plain_chunk(
@@ -274,6 +309,7 @@ class Runner:
         chunk = (out, plan.decode, timed)
         if self.serve.overlap:
             chunk, self.in_flight = self.in_flight, chunk
+            self._in_flight_speculated = speculate
         return self._take(chunk)
 
     def settle(self) -> dict:
@@ -358,11 +394,14 @@ class Runner:
 
     def compile_unspeculated(self) -> None:
         """Runs the plain chunk of speculating rows (`spec_gate`) on idle slots, which stop at once: compiles it
-        before a batch where speculation does not pay needs it (`precompile`), and forgets the warm-up's figures."""
+        before a batch where speculation does not pay needs it (`precompile`), and forgets the warm-up's figures.
+        With the standard rule no such chunk runs: nothing."""
+        self.gate = SpecGate()
+        if self.serve.spec_rule != "exact":
+            return
         self.state, self.spec, _ = self._plain_chunk(
             self.params, self.state, self.spec, jnp.int32(0), self._take_retiring(), cfg=self.cfg
         )  # fmt: skip
-        self.gate = SpecGate()
 
     def free(self) -> None:
         """Frees the decode state's device memory, the page pool above all (`Engine.sleep`); the weights stay."""
@@ -377,6 +416,7 @@ class Runner:
         self.grammars = self._new_grammars()  # the device's table is empty again
         self.retiring[:] = False
         self.in_flight = None
+        self._residual_owner.clear()  # a preempted sequence's own `residual` is restored when it starts again
 
     def state_lost(self) -> bool:
         """True when a failed donated call consumed the device state."""
