@@ -496,7 +496,7 @@ def test_the_engines_standard_rule_samples_as_the_generators_under_preemption():
     and recomputed (with a decode chunk in flight, and without), and again with the engine put to sleep mid-run:
     each output equals the Generator's under the same rule token for token (the same keys for the drafts' tests
     and the residual draws; the rule is exact in distribution by the chi-square test above). Without the kept
-    residual (or with the one a chunk in flight left) the outputs differ."""
+    residual (or with the one a chunk in flight left) the outputs differ. New weights drop what is kept."""
     gen = _generator("llama")
     draft = (model.init_params(DRAFT, jax.random.key(2)), DRAFT)
     config = dataclasses.replace(gen.config, spec_rule="standard")
@@ -534,6 +534,17 @@ def test_the_engines_standard_rule_samples_as_the_generators_under_preemption():
             _same(r.result(), b)
         assert any(kept), kept
         assert engine.pool.in_use() == 0
+    # new weights mid-run: no residual of the old model's drafts is kept (the sequences go on with the new one's)
+    requests = [r for i, (p, c) in enumerate(zip(PROMPTS * 2, settings)) for r in engine.submit(p, c, prompt_index=i)]
+    for _ in range(3):
+        engine.step()
+    engine.sleep()  # (as above: the preempted sequences keep their pending residuals, and wait)
+    engine.wake_up()
+    assert any(r.residual is not None for r in requests)
+    engine.update_params(gen.params)
+    assert all(r.residual is None for r in requests), [r.residual is not None for r in requests]
+    engine.run_until_idle()
+    assert all(r.result().finish_reason in ("stop", "length") for r in requests)
 
 
 def test_the_engines_standard_rule_with_an_eagle_head_samples_as_the_generators():

@@ -233,8 +233,9 @@ class Engine(AdapterControl):
 
     def _preempt_all(self, same_weights: bool = True) -> None:
         """Every sequence in a slot back to the queue (recomputed later, its tokens kept); the prefix cache
-        emptied. With new weights coming (not `same_weights`), a pending residual draw of speculation's standard
-        rule is not kept: the sequences go on with the new model's distribution. The caller holds `_exclusive`."""
+        emptied. With new weights coming (not `same_weights`), no pending residual draw of speculation's standard
+        rule is kept, by these sequences or by those a preemption queued before: they go on with the new
+        model's distribution. The caller holds `_exclusive`."""
         with self.lock:
             holding = [(r, r.slot) for r in self.scheduler.slots if r is not None]
         if same_weights:  # before the chunk in flight is dropped: its start is what the sequences resume from
@@ -245,6 +246,9 @@ class Engine(AdapterControl):
         with self.lock:
             preemptions = self.scheduler.preempt_all()
             self.pool.clear_cache()  # every page is idle now: none stays cached
+            if not same_weights:
+                for r in self.scheduler.waiting:
+                    r.residual = None
         for p in preemptions:
             self.runner.retiring[p.slot] = True
         self._preempted(StepPlan(preemptions=tuple(preemptions)))
