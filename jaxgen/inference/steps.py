@@ -349,7 +349,7 @@ def activate_spec(spec: speculative.SpecState, slot, history, length, num_spec) 
 
 def set_residual(spec: speculative.SpecState, slot, residual) -> speculative.SpecState:
     """Slot `slot`'s pending residual (V,) of the standard rule: a preempted sequence's, as it was at the tokens
-    it keeps (`Runner.residuals`), so that its next token is drawn as it would have been without the preemption."""
+    it keeps (`Runner.keep_residuals`), so that its next token is drawn as it would have been without the preemption."""
     return spec.replace(residual=spec.residual.at[slot].set(residual),
                         residual_before=spec.residual_before.at[slot].set(residual))  # fmt: skip
 
