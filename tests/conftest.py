@@ -97,6 +97,7 @@ def _free_compiled_programs(request):
     yield
     jax.clear_caches()
     # a command line run in this process (train.main, serve's) set jax's persistent cache and maybe turned on
-    # the store: both as they were, so that the next file compiles as a library user's process does
+    # the store: both as they were, so that the next file compiles as a library user's process does (here, not
+    # only at the next file's start: a session fixture that file asks for is set up before this fixture is)
     executables.use(None)
     _use_the_shared_xla_cache(True)
