@@ -22,8 +22,7 @@ The mask rule (`attention_mask`) is by position: a query at position p sees the 
 positions grow with the order tokens were written, so this is causal attention.
 
 Deterministic mode (`model.deterministic`): both paths run `tiled_attention`, one fold over key blocks
-aligned to positions whose operations give a query's numbers whatever shares the call, so they are the
-same in training and decoding.
+aligned to positions, per tile of queries, so a query's numbers are the same in training and decoding.
 
 `kv` is the cache's (keys, values) pair threaded through the layer loop's carry: as a loop-invariant
 operand XLA would copy the whole cache every step.
@@ -226,57 +225,64 @@ def tiled_attention(q_btnh, key_block, num_blocks, q_pos_bt, window, cfg):
     forward, a prefill chunk of any length, a decode step, any batch. (B, T, N, H) -> (B, T, N, H).
 
     The key blocks j = 0 .. num_blocks - 1 of `model.attention_block` keys, aligned to positions (block j:
-    positions [j block, (j + 1) block)), are folded in order by the online softmax of `_query_step`, every
-    query at once, each with its own row's keys. No tiles are needed: each step's operations give a
-    query's numbers whatever the number of queries beside it (`_query_step` says how). Blocks past every
-    query are skipped (`lax.cond`); a block a query may not see leaves its (max, normaliser, sum) bitwise
-    as they were (scores at NEG_INF: the max stays, exp(0) = 1 scales, zeros add), so how many blocks a
-    call folds (what else shares it) changes nothing. `key_block(j)`: block j of every row: keys (B, K, H,
-    block), values (B, K, block, H), positions (B, block); `num_blocks`: an int or a traced () int32."""
+    positions [j block, (j + 1) block)), are folded in order by the online softmax of `_tile_step`; for
+    each block, the queries (every row's, flattened) go by tiles of `layers.TILE` (`layers.map_tiles`, as
+    `layers.per_tile` cuts them), each tile its rows' keys. Blocks past every query, and for a tile those
+    past its furthest query, are skipped (`lax.cond`). A block no query of a tile may see leaves its (max,
+    normaliser, sum) bitwise as they were (scores at NEG_INF: the max stays, exp(0) = 1 scales, zeros add),
+    so how many blocks a tile folds (what else shares it) changes nothing. `key_block(j)`: block j of
+    every row: keys (B, K, H, block), values (B, K, block, H), positions (B, block); `num_blocks`: an int
+    or a traced () int32."""
     b, t, n, h = q_btnh.shape
-    k, g = cfg.kv_heads, n // cfg.kv_heads
+    k, g, tile, block = cfg.kv_heads, n // cfg.kv_heads, layers.TILE, cfg.attention_block
+    tiles = layers.num_tiles(b * t)  # as layers.per_tile cuts them
+    pad = tiles * tile - b * t
     q = q_btnh.reshape(b * t, k, g, h).astype(jnp.float32) * logit_scale(cfg)
-    pos = q_pos_bt.reshape(-1)
-    rows = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
+    q = jnp.pad(q, ((0, pad), (0, 0), (0, 0), (0, 0))).reshape(tiles, tile, k, g, h)
+    pos = jnp.pad(q_pos_bt.reshape(-1), (0, pad), constant_values=-1).reshape(tiles, tile)  # padding: sees nothing
+    rows = jnp.pad(jnp.repeat(jnp.arange(b, dtype=jnp.int32), t), (0, pad)).reshape(tiles, tile)
+    barrier = jax.lax.optimization_barrier  # each tile's math apart from what gathers its keys
 
     def fold_block(j, stats):
         keys, values, k_pos = key_block(j)
-        k_r, v_r, kp_r = _barrier((keys[rows], values[rows], k_pos[rows]))  # each query its row's block
-        mask = attention_mask(pos[:, None], kp_r, window=window)[:, 0]  # (R, block)
-        return _query_step(stats, q, k_r, v_r, mask, cfg.attn_softcap)
+
+        def one_tile(xs):
+            q_t, pos_t, rows_t, stats_t = barrier(xs)
+
+            def fold(stats_t):
+                k_t, v_t, kp_t = barrier((keys[rows_t], values[rows_t], k_pos[rows_t]))
+                mask = attention_mask(pos_t[:, None], kp_t, window=window)[:, 0]  # (R, block)
+                return _tile_step(stats_t, q_t, k_t, v_t, mask, cfg.attn_softcap)
+
+            return barrier(jax.lax.cond(j <= jnp.max(pos_t) // block, fold, _same, stats_t))
+
+        return layers.map_tiles(one_tile, (q, pos, rows, stats))
 
     stats = (
-        jnp.full((b * t, k, g), NEG_INF, jnp.float32),  # running max
-        jnp.zeros((b * t, k, g), jnp.float32),  # running normaliser
-        jnp.zeros((b * t, k, g, h), jnp.float32),  # running weighted sum of values
+        jnp.full((tiles, tile, k, g), NEG_INF, jnp.float32),  # running max
+        jnp.zeros((tiles, tile, k, g), jnp.float32),  # running normaliser
+        jnp.zeros((tiles, tile, k, g, h), jnp.float32),  # running weighted sum of values
     )
-    furthest = jnp.max(q_pos_bt) // cfg.attention_block
+    furthest = jnp.max(q_pos_bt) // block
     step = lambda j, stats: jax.lax.cond(j <= furthest, functools.partial(fold_block, j), _same, stats)
     _, l, acc = jax.lax.fori_loop(0, num_blocks, step, stats)  # (never differentiated: see _tiled_sequence)
     out = acc / jnp.maximum(l, 1e-30)[..., None]  # rows with no key at all (padding) give 0
-    return out.reshape(b, t, n, h).astype(q_btnh.dtype)
+    return out.reshape(tiles * tile, n, h)[: b * t].reshape(b, t, n, h).astype(q_btnh.dtype)
 
 
-_barrier = jax.lax.optimization_barrier  # what it wraps is computed apart from its neighbours
-
-
-def _query_step(carry, q_rkgh, k_rkhs, v_rksh, mask_rs, softcap):
-    """`_online_softmax_step` for R queries, each with its own block of keys, whose numbers do not depend on
-    R (XLA:CPU's reductions do: a sum over a block's 16 scores changed bits between 8 and 512 rows). So the
-    products are batched over (query, kv head), each a small product of its own; the normaliser's sum is a
-    column of ones in the same product as the values'; the max is exact in any order; and each step sits
-    between optimization barriers, so no fusion mixes an elementwise step into a reduction."""
+def _tile_step(carry, q_rkgh, k_rkhs, v_rksh, mask_rs, softcap):
+    """`_online_softmax_step` for a tile of R queries, each with its own block of keys: products batched
+    over (query, kv head), so a query's numbers do not depend on the others'."""
     m, l, acc = carry  # (R, K, G), (R, K, G), (R, K, G, H)
     mask = mask_rs[:, None, None]
     k_rkhs, v_rksh = from_storage(k_rkhs).astype(jnp.float32), from_storage(v_rksh).astype(jnp.float32)
-    s = _barrier(jnp.einsum("rkgh,rkhs->rkgs", q_rkgh, k_rkhs))
-    s = jnp.where(mask, _barrier(layers.softcap(s, softcap)), NEG_INF)
-    m_new = _barrier(jnp.maximum(m, s.max(-1)))
-    p = _barrier(jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0))
-    corr = _barrier(jnp.exp(m - m_new))
-    ones = jnp.ones((*v_rksh.shape[:-1], 1), jnp.float32)
-    pv = _barrier(jnp.einsum("rkgs,rksh->rkgh", p, jnp.concatenate([v_rksh, ones], -1)))  # (sum p v, sum p)
-    return _barrier((m_new, l * corr + pv[..., -1], acc * corr[..., None] + pv[..., :-1]))
+    s = layers.softcap(jnp.einsum("rkgh,rkhs->rkgs", q_rkgh, k_rkhs), softcap)
+    s = jnp.where(mask, s, NEG_INF)
+    m_new = jnp.maximum(m, s.max(-1))
+    p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+    corr = jnp.exp(m - m_new)
+    pv = jnp.einsum("rkgs,rksh->rkgh", p, v_rksh)
+    return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
 
 
 def _tiled_sequence(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, window, cfg):

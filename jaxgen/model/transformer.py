@@ -310,7 +310,7 @@ def _after_attention(x, out, p, positions, cfg: ModelConfig):
 def _block_tiled(x, p, positions, consts, attend, cfg: ModelConfig):
     """`_block` in deterministic mode: what comes before attention (norm, products, qk-norm, RoPE) and what
     comes after (projection, residual, MLP) each run as one loop over tiles of tokens (`layers.per_tile`),
-    their operations those of the plain block on a tile, and attention as `attention.tiled_attention`. A token's
+    their operations those of the plain block on a tile, and attention as the tiled fold. A token's
     numbers then come from the same two loop bodies wherever it is (training, prefill, decode), and a
     layer runs two loops rather than one per operation. Dense MLPs only (the config refuses experts)."""
     special = lambda w: layout.is_out_major(w) or quant.is_q(w)  # (the engine keeps a deterministic model's as trained)
