@@ -146,11 +146,17 @@ def test_logits_match_transformers_with_padding(family_model):
         np.testing.assert_allclose(ours[row, :n], theirs[row, :n], atol=1e-4, rtol=0)
 
 
+# The greedy prompts of the parity and engine tests: one Generator program serves both (the engine test
+# compares with it). 12 tokens cross the engine test's prefill chunk of 8; with 32 new tokens every prompt
+# crosses the sliding windows of 8.
+GREEDY_PROMPTS = [np.random.default_rng(1).integers(0, V, n).tolist() for n in (7, 12, 3)]
+GREEDY = SamplingConfig(max_new_tokens=32, temperature=0.0, ignore_eos=True)
+
+
 def test_greedy_generation_matches_transformers(family_model):
     _, ref, _, gen = family_model
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, V, n).tolist() for n in (7, 12, 3)]
-    ours = gen.generate(prompts, SamplingConfig(max_new_tokens=32, temperature=0.0, ignore_eos=True))
+    prompts = GREEDY_PROMPTS
+    ours = gen.generate(prompts, GREEDY)
     for prompt, completion in zip(prompts, ours, strict=True):
         with torch.no_grad():
             out = ref.generate(
@@ -175,12 +181,9 @@ def test_engine_greedy_equals_generator(family_model):
     """The serving engine (paged cache, chunked prefill) decodes what Generator (contiguous cache) does,
     so it matches transformers too; prompts cross the prefill chunk and the local window."""
     _, _, _, gen = family_model
-    rng = np.random.default_rng(4)
-    prompts = [rng.integers(0, V, n).tolist() for n in (7, 21, 3)]
-    sc = SamplingConfig(max_new_tokens=24, temperature=0.0, ignore_eos=True)
-    serve = ServeConfig(slots=4, page_size=8, num_pages=48, chunk_steps=8, prefill_chunk=16)
-    got = Engine(gen.params, gen.cfg, gen.tokenizer, serve).generate(prompts, sc)  # no thread: run in this one
-    for ours, want in zip(got, gen.generate(prompts, sc), strict=True):
+    serve = ServeConfig(slots=4, page_size=8, num_pages=48, chunk_steps=8, prefill_chunk=8)
+    got = Engine(gen.params, gen.cfg, gen.tokenizer, serve).generate(GREEDY_PROMPTS, GREEDY)  # run in this thread
+    for ours, want in zip(got, gen.generate(GREEDY_PROMPTS, GREEDY), strict=True):
         assert ours.tokens == want.tokens
 
 
