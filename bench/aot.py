@@ -5,7 +5,8 @@
 
 Each row is CONFIG:TARGET:MESH[:OVERRIDE...]. For each: the train step (memory from the target compiler's
 own analysis, or its out-of-memory refusal; counts from compiles with the layers unrolled at 1 and 2
-layers, `plan.train_costs`), and one decode step at batch 1 and 64 over a cache of `--cache-len` slots.
+layers, `plan.train_costs`), and one decode step at batch 1 and 64 over a cache of `--cache-len` slots, and
+at batch 1 with int8 weights (`serve.quantize=int8`; with how many int8 x int8 products the compiler kept).
 Every time in the table is an ESTIMATE from the compiler's counts at the chip's published peaks
 (`jaxgen.targets.roofline`: perfect overlap, so a lower bound), never a measurement; the compile
 seconds are measured here. Needs the `tpu-compile` extra for TPU rows and `gpu-compile` for GPU rows.
@@ -47,6 +48,7 @@ def row(spec: str, cache_len: int) -> dict:
         train = plan.train_program(cfg, mesh, costs=True)
         out["compile_s"] = time.perf_counter() - began
         decodes = {b: plan.inference_programs(cfg.model, mesh, b, cache_len, 1, "bfloat16")[1] for b in (1, 64)}
+        decodes["1 int8"] = plan.inference_programs(cfg.model, mesh, 1, cache_len, 1, "bfloat16", quantize="int8")[1]
     out["train_gb"] = train.peak / 1e9
     out["oom"] = train.oom
     if train.costs is not None:
@@ -62,15 +64,17 @@ def row(spec: str, cache_len: int) -> dict:
         floor = sum(p.parts.values()) / target.chip.hbm_bandwidth
         out[f"decode{b}_ms"] = estimate(p.costs, target.chip).seconds * 1e3 if p.costs else float("nan")
         out[f"floor{b}_ms"] = floor * 1e3
+    out["int8_products"] = decodes["1 int8"].costs.int8_products if decodes["1 int8"].costs else 0
     return out
 
 
 def table(rows: list[dict], cache_len: int) -> str:
     head = (
         "| row | chip | train GB/device | compile s | est. step s | est. tokens/s/chip | est. MFU | bound | "
-        f"kernels | est. decode ms b=1 (floor) | b=64 (floor) |  (cache {cache_len})"
+        f"kernels | est. decode ms b=1 (floor) | b=64 (floor) | b=1, int8 weights (floor; int8 products) | "
+        f" (cache {cache_len})"
     )
-    lines = [head, "|" + "---|" * 11]
+    lines = [head, "|" + "---|" * 12]
     for r in rows:
         train = f"OOM: {r['oom']}" if r["oom"] else f"{r['train_gb']:.1f}"
         est = (
@@ -79,6 +83,7 @@ def table(rows: list[dict], cache_len: int) -> str:
             else "- | - | - | - | -"
         )
         decode = " | ".join(f"{r[f'decode{b}_ms']:.3g} ({r[f'floor{b}_ms']:.3g})" for b in (1, 64))
+        decode += f" | {r['decode1 int8_ms']:.3g} ({r['floor1 int8_ms']:.3g}; {r['int8_products']})"
         lines.append(f"| {r['row']} | {r['device']} | {train} | {r['compile_s']:.0f} | {est} | {decode} |")
     return "\n".join(lines)
 

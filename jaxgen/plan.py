@@ -356,16 +356,19 @@ def _plannable(cfg, mesh):
 
 
 def inference_programs(
-    model_cfg, mesh, slots: int, cache_len: int, chunk: int, dtype: str, decode: bool = True
-) -> list[Program]:
+    model_cfg, mesh, slots: int, cache_len: int, chunk: int, dtype: str, decode: bool = True,
+    quantize: str = "none",
+) -> list[Program]:  # fmt: skip
     """A prefill chunk of `chunk` tokens per slot at the end of a `cache_len` cache, and (`decode`) one
     decode step, with weights and cache in `dtype` (what serving holds; see `--param-dtype`): the engine's
-    programs. A model deeper than PROBE_DEPTHS[-1] layers is compiled at PROBE_DEPTHS and extrapolated
-    (`by_depth`)."""
-    return by_depth(lambda m: _inference_programs(m, mesh, slots, cache_len, chunk, dtype, decode), model_cfg)
+    programs. `quantize`: "int8" holds the matrix products' weights in int8 as `serve.quantize=int8` does
+    ("int8+embedding": the embedding and head too, `serve.quantize_embedding`). A model deeper than
+    PROBE_DEPTHS[-1] layers is compiled at PROBE_DEPTHS and extrapolated (`by_depth`)."""
+    one = lambda m: _inference_programs(m, mesh, slots, cache_len, chunk, dtype, decode, quantize)
+    return by_depth(one, model_cfg)
 
 
-def _inference_programs(model_cfg, mesh, slots, cache_len, chunk, dtype, decode) -> list[Program]:
+def _inference_programs(model_cfg, mesh, slots, cache_len, chunk, dtype, decode, quantize="none") -> list[Program]:
     import jax
 
     from jaxgen import model
@@ -373,6 +376,10 @@ def _inference_programs(model_cfg, mesh, slots, cache_len, chunk, dtype, decode)
 
     model_cfg = dataclasses.replace(_plannable_model(model_cfg, on=mesh), dtype=dtype)
     params = _per_layer(abstract_params(model_cfg, mesh, dtype), mesh)
+    weights = f"parameters ({dtype})"
+    if quantize != "none":
+        params = abstract_quantized(params, embedding=quantize == "int8+embedding")
+        weights = f"parameters (int8 + {dtype})"
     cache = _abstract_cache(model_cfg, mesh, slots, cache_len, dtype)
 
     def step(params, tokens, positions, cache):  # what the generator and engine run: the head at the last token only
@@ -386,11 +393,37 @@ def _inference_programs(model_cfg, mesh, slots, cache_len, chunk, dtype, decode)
         tokens = jax.ShapeDtypeStruct((slots, t), jax.numpy.int32, sharding=batch_sharding(mesh, (slots, t)))
         with jax.set_mesh(mesh):
             mem, costs, _ = _compile(step, params, tokens, tokens, cache)
-        parts = {f"parameters ({dtype})": per_device_bytes(params), f"KV cache ({dtype})": per_device_bytes(cache)}
+        parts = {weights: per_device_bytes(params), f"KV cache ({dtype})": per_device_bytes(cache)}
         temps, args = float(mem.temp_size_in_bytes), float(mem.argument_size_in_bytes)
         program = Program(name, parts, temps, args, "activations, workspace", _new_outputs(mem), costs=costs)
         out.append(dataclasses.replace(program, oom=_oom(mem)))
     return out
+
+
+def abstract_quantized(params, embedding: bool = False):
+    """Abstract params (with shardings) as `quant.quantize_params` makes them: each matrix product's weight a
+    `QArray` of int8 values (output-major where `dense` reads them so, split as the float weight was) and
+    float32 scales (split as the weight on its kept axes)."""
+    import jax
+
+    from jaxgen.model import quant
+
+    unplaced = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jax.numpy.float32), params)
+    shapes = jax.eval_shape(lambda p: quant.quantize_params(p, embedding=embedding), unplaced)
+
+    def placed(shape, w):
+        if not quant.is_q(shape):
+            return w
+        spec = tuple(w.sharding.spec) + (None,) * (w.ndim - len(w.sharding.spec))
+        if shape.in_dims is None:
+            q_sharding = w.sharding
+        else:
+            q_sharding = quant.out_major_sharding(w, shape.q.ndim - 2, len(shape.in_dims))
+        kept = [axes if n > 1 else None for axes, n in zip(spec, shape.scale.shape, strict=True)]
+        scale = jax.sharding.NamedSharding(w.sharding.mesh, jax.sharding.PartitionSpec(*kept))
+        return shape.replace(q=shape.q.update(sharding=q_sharding), scale=shape.scale.update(sharding=scale))
+
+    return jax.tree.map(placed, shapes, params, is_leaf=quant.is_q)
 
 
 def _abstract_cache(model_cfg, mesh, slots: int, cache_len: int, dtype: str):
@@ -521,7 +554,7 @@ def advice(cfg, program: Program, capacity: float, mesh_sizes: dict) -> list[str
 
 
 def run_plan(cfg, mesh_sizes: dict, device: str, slots: int, cache_len: int, chunk: int, param_dtype: str,
-             target=None):  # fmt: skip
+             target=None, quantize: str = "none"):  # fmt: skip
     """(programs, capacity in bytes) for `cfg` on a mesh of `mesh_sizes`: fake CPU devices of `device`'s
     memory, or a `targets.catalog.Target`'s compile-only devices (its compiler's memory analysis, and its
     counts for the roofline: `Program.costs`)."""
@@ -530,7 +563,7 @@ def run_plan(cfg, mesh_sizes: dict, device: str, slots: int, cache_len: int, chu
     mesh = target_mesh(target, mesh_sizes)
     with traced_for(backend_of(target)):
         programs = train_programs(cfg, mesh, costs=target is not None)
-        programs += inference_programs(cfg.model, mesh, slots, cache_len, chunk, param_dtype)
+        programs += inference_programs(cfg.model, mesh, slots, cache_len, chunk, param_dtype, quantize=quantize)
     memory = DEVICES[device][0] if target is None else target.chip.hbm_bytes
     return programs, memory * HEADROOM
 
@@ -639,6 +672,8 @@ def roofline_lines(cfg, program: Program, target, devices: int) -> list[str]:
         floor = sum(program.parts.values()) / chip.hbm_bandwidth
         ratio = est.seconds / floor
         out.append(f"  HBM floor (weights and cache read once): {ms(floor)}; the estimate is {ratio:.2f}x it")
+    if any(k.startswith("parameters (int8") for k in program.parts):  # --quantize: did the compiler keep them?
+        out.append(f"  matrix products of int8 by int8 in the compiled program: {c.int8_products}")
     return out
 
 
@@ -661,6 +696,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefill-chunk", type=int, default=512, help="prefill tokens per slot per call (512)")
     parser.add_argument("--param-dtype", default="bfloat16", choices=["float32", "bfloat16"],
                         help="weights and KV cache for serving (training keeps float32 master weights)")  # fmt: skip
+    parser.add_argument("--quantize", default="none", choices=["none", "int8", "int8+embedding"],
+                        help="serving's weights as serve.quantize holds them: int8 matrix products (+embedding: "
+                        "the embedding and head too), the rest in --param-dtype (default none)")  # fmt: skip
     parser.add_argument(
         "--max-seq", nargs="?", type=int, const=MAX_SEQ_TOP, default=None, metavar="TOP",
         help="instead of one plan, search the longest sequence whose train step (and prefill) fits per device, "
@@ -714,6 +752,8 @@ def check_args(args) -> None:
             if given:
                 raise ValueError(what)
         return
+    if args.quantize != "none":
+        raise ValueError(f"--quantize {args.quantize} is not allowed with --max-seq: the search plans float weights")
     if not 1 <= args.max_seq <= LIMITS["cache_len"]:
         raise ValueError(f"--max-seq={args.max_seq} is not allowed: an integer from 1 to {LIMITS['cache_len']}")
     for name in ("slots", "cache_len"):
@@ -757,8 +797,9 @@ def main(argv=None) -> int:
         target = catalog.get(args.target)
     try:
         programs, capacity = run_plan(
-            cfg, mesh_sizes, args.device, args.slots or 64, cache_len, args.prefill_chunk, args.param_dtype, target
-        )
+            cfg, mesh_sizes, args.device, args.slots or 64, cache_len, args.prefill_chunk, args.param_dtype, target,
+            args.quantize,
+        )  # fmt: skip
     except ValueError as e:  # a mesh the target cannot hold
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -27,6 +27,23 @@ def _with_model(cfg, **changes):
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **changes))
 
 
+@pytest.mark.parametrize("embedding", [False, True])
+def test_int8_params_are_planned_as_quantizing_placed_params_makes_them(cfg, embedding):
+    """`plan.abstract_quantized` (what `--quantize int8` plans) against `quant.quantize_params` of real params
+    placed on a data x fsdp x tensor mesh (what the engine holds): the same tree, shapes, dtypes and shardings."""
+    from jaxgen.model import quant
+
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    placed = jax.device_put(model.init_params(cfg.model, jax.random.key(0)), model.param_shardings(cfg.model, mesh))
+    real = quant.quantize_params(placed, embedding=embedding)
+    planned = plan.abstract_quantized(plan.abstract_params(cfg.model, mesh), embedding=embedding)
+    assert jax.tree.structure(planned) == jax.tree.structure(real)
+    for a, r in zip(jax.tree.leaves(planned), jax.tree.leaves(real), strict=True):
+        assert (a.shape, a.dtype) == (r.shape, r.dtype)
+        assert a.sharding.is_equivalent_to(r.sharding, a.ndim), (a.shape, a.sharding, r.sharding)
+    assert sum(quant.is_q(w) for w in jax.tree.leaves(real, is_leaf=quant.is_q)) == 7 + 2 * embedding
+
+
 def test_parts_equal_the_analytic_count_and_xla_arguments(cfg):
     one = make_mesh(MeshConfig(data=1))
     train = plan.train_program(cfg, one)
@@ -152,6 +169,7 @@ def test_max_seq_answer_fits_and_one_granule_more_does_not(cfg):
         (["--max-seq", "--cache-len", "64"], "--cache-len is not allowed with --max-seq"),
         (["--max-seq", "--remat", "full,some"], "--remat 'some' is not allowed: a comma list of none, full"),
         (["--max-seq", "0"], "--max-seq=0 is not allowed: an integer from 1 to 16777216"),
+        (["--max-seq", "--quantize", "int8"], "--quantize int8 is not allowed with --max-seq"),
         (["--remat", "full"], "--remat is only allowed with --max-seq"),
         (["--mesh", "fsdp=2", "--mesh", "context=2"], "more than one --mesh is only allowed with --max-seq"),
         (["--device", "v5p,h100-80gb"], "more than one --device is only allowed with --max-seq"),

@@ -56,6 +56,18 @@ def test_collectives_are_read_from_hlo_text():
     assert roofline.custom_calls(text) == {"tpu_custom_call": 1}
 
 
+def test_int8_products_are_read_from_hlo_text():
+    text = "\n".join([
+        "  %p0 = s8[16,128]{1,0} parameter(0)",
+        "  %p1 = s8[128,256]{1,0} parameter(1)",
+        "  %p2 = bf16[16,128]{1,0} parameter(2)",
+        "  %c = s32[16,256]{1,0:T(8,128)} convolution(%p0, %p1), dim_labels=bf_io->bf",
+        "  %d = s32[16,256]{1,0} dot(s8[16,128]{1,0} %p0, s8[128,256]{1,0} %p1), lhs_contracting_dims={1}",
+        "  %f = f32[16,256]{1,0} dot(%p2, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+    ])  # fmt: skip
+    assert hlo.int8_products(text) == 2  # the bf16 x int8 product is not one
+
+
 def test_flops_and_bytes_are_counted_from_hlo_kernels():
     # what XLA:GPU without a GPU leaves to count: a product fused with its operands, and a fusion that only
     # slices a row out of a table (it reads the row, not the table)
@@ -178,6 +190,21 @@ def test_plan_on_the_tpu_compiler_names_it_and_estimates(capsys):
     assert out.splitlines()[0] == "compiled by libtpu for 4 x TPU v5 lite"
     assert "temporaries (libtpu)" in out and "XLA:CPU" not in out
     assert "estimate (roofline of TPU v5 lite, not measured)" in out and "MFU" in out and "HBM floor" in out
+
+
+@needs_libtpu
+def test_int8_weights_compile_for_a_tpu_slice_as_int8_products(small_cfg, tpu_mesh, capsys):
+    """`--quantize int8` (serve.quantize's weights): the TPU compiler keeps every matrix product of the
+    attention and the MLP in int8 (q, k, v, o, gate, up, down: 7 a layer), in the prefill and the decode
+    step, and the planner says so."""
+    with devices.traced_for("tpu"):
+        programs = plan.inference_programs(small_cfg.model, tpu_mesh, 4, 128, 32, "bfloat16", quantize="int8")
+    assert [p.name for p in programs] == ["prefill (32 tokens x 4 slots)", "decode step (4 slots)"]
+    for program in programs:
+        assert program.costs.int8_products >= 7 * small_cfg.model.num_layers, program
+        assert "parameters (int8 + bfloat16)" in program.parts
+    lines = plan.roofline_lines(small_cfg, programs[1], TPU, 4)
+    assert f"int8 by int8 in the compiled program: {programs[1].costs.int8_products}" in lines[-1]
 
 
 @needs_libtpu

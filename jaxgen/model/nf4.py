@@ -100,7 +100,7 @@ def dequantize(packed, absmax, n_in: int, dtype=jnp.float32) -> jax.Array:
 
 def quantize(w, lead: int, n_in: int, sharding=None) -> NF4:
     """`w` (stack..., *in, *out) in NF4, its `lead` stack axes kept and its next `n_in` axes the input;
-    `sharding`: the (stack..., O, I) layout's NamedSharding (`quant._out_major_sharding`), given to both
+    `sharding`: the (stack..., O, I) layout's NamedSharding (`quant.out_major_sharding`), given to both
     arrays, whose last axes are I's blocks."""
     in_dims, out_dims = tuple(w.shape[lead : lead + n_in]), tuple(w.shape[lead + n_in :])
     w2 = jnp.asarray(w).reshape(*w.shape[:lead], math.prod(in_dims), -1).swapaxes(-1, -2)  # (stack..., O, I)

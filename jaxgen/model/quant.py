@@ -101,11 +101,11 @@ def quantize(w, contracted: tuple[int, ...], out_major: bool = False) -> QArray:
     lead = contracted[0]
     in_dims = w.shape[lead : lead + len(contracted)]
     q2 = q.reshape(*w.shape[:lead], math.prod(in_dims), -1).swapaxes(-1, -2)  # (stack..., O, I)
-    sharding = _out_major_sharding(w, lead, len(in_dims))
+    sharding = out_major_sharding(w, lead, len(in_dims))
     return QArray(q=q2 if sharding is None else jax.device_put(q2, sharding), scale=scale, in_dims=tuple(in_dims))
 
 
-def _out_major_sharding(w, lead: int, n_in: int):
+def out_major_sharding(w, lead: int, n_in: int):
     """The float weight's NamedSharding carried to the (stack..., O, I) layout: the output axes' mesh
     axes shard O, the input axes' shard I (so tensor-parallel products stay split); None otherwise."""
     sharding = getattr(w, "sharding", None)
@@ -137,7 +137,7 @@ def quantize_params(params: dict, embedding: bool = False, kind: str = "int8") -
         lead = w.ndim - len(axes)  # a stacked layer weight's L axis
         contracted = tuple(lead + a for a in CONTRACTED[axes])
         if kind == "nf4":  # the stack axes (L, and E of experts) lead, then the contracted ones
-            sharding = _out_major_sharding(w, contracted[0], len(contracted))
+            sharding = out_major_sharding(w, contracted[0], len(contracted))
             return nf4.quantize(w, contracted[0], len(contracted), sharding)
         return quantize(w, contracted, out_major=axes in OUT_MAJOR_KINDS)
 

@@ -4,6 +4,7 @@ a compiler gives no cost analysis: XLA:GPU without a GPU) the flops and bytes it
     comps = computations(text)        # {name: instruction lines}, the entry one also as "ENTRY"
     ops(comps, "ENTRY")               # launches by opcode
     hlo_counts(text)                  # (flops, bytes accessed) counted from the kernels' shapes
+    int8_products(text)               # matrix products of int8 by int8
 """
 
 from __future__ import annotations
@@ -53,6 +54,20 @@ def ops(comps: dict[str, list[str]], name: str) -> collections.Counter:
         elif op not in FREE:
             counts[op] += 1
     return counts
+
+
+def int8_products(hlo_text: str) -> int:
+    """How many matrix products (`dot`, or `convolution` as the TPU compiler writes them) multiply int8 by
+    int8: the products a compiler kept in int8 (its integer matrix units), not converted to float first."""
+    shapes, products = {}, []
+    for line in hlo_text.splitlines():
+        if found := _SHAPED.match(line):
+            name, shape, op, rest = found.groups()
+            shapes[name] = shape
+            if op in ("dot", "convolution"):
+                products.append(rest.split(")", 1)[0])
+    int8 = lambda name: shapes.get(name, "").startswith("s8[")
+    return sum(all(map(int8, re.findall(r"%([\w.\-]+)", args))) for args in products)  # "%x" or "s8[4,8] %x"
 
 
 def shape_bytes(shape_text: str) -> float:

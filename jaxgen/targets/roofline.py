@@ -37,19 +37,21 @@ class Costs:
     """Per-device counts of one program: `flops`, HBM `bytes` accessed, `collectives` (bytes each device
     sends, by collective kind), and `kernels`: the custom calls it makes (Mosaic TPU kernels are
     "tpu_custom_call", cuDNN's attention "__cudnn$fmha...", Triton-lowered Pallas "__gpu$xla.gpu.triton"),
-    by target, with their counts."""
+    by target, with their counts; `int8_products`: its matrix products of int8 by int8 (`hlo.int8_products`)."""
 
     flops: float
     bytes: float
     collectives: dict = dataclasses.field(default_factory=dict)
     kernels: dict = dataclasses.field(default_factory=dict)
+    int8_products: int = 0
 
     @property
     def network(self) -> float:
         return float(sum(self.collectives.values()))
 
     def scaled(self, k: float) -> Costs:
-        return Costs(self.flops * k, self.bytes * k, {n: b * k for n, b in self.collectives.items()}, self.kernels)
+        collectives = {n: b * k for n, b in self.collectives.items()}
+        return Costs(self.flops * k, self.bytes * k, collectives, self.kernels, self.int8_products)
 
 
 def costs_of(compiled) -> Costs:
@@ -61,7 +63,7 @@ def costs_of(compiled) -> Costs:
         flops, accessed = hlo.hlo_counts(text)
     else:
         flops, accessed = float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0))
-    return Costs(flops, accessed, collective_bytes(text), custom_calls(text))
+    return Costs(flops, accessed, collective_bytes(text), custom_calls(text), hlo.int8_products(text))
 
 
 def custom_calls(hlo_text: str) -> dict[str, int]:
@@ -109,7 +111,8 @@ def along(lo: Costs, hi: Costs, line) -> Costs:
     kinds = set(lo.collectives) | set(hi.collectives)
     pick = lambda c, k: c.collectives.get(k, 0.0)
     collectives = {k: line(pick(lo, k), pick(hi, k)) for k in kinds}
-    return Costs(line(lo.flops, hi.flops), line(lo.bytes, hi.bytes), collectives, hi.kernels)
+    int8 = round(line(lo.int8_products, hi.int8_products))
+    return Costs(line(lo.flops, hi.flops), line(lo.bytes, hi.bytes), collectives, hi.kernels, int8)
 
 
 @dataclasses.dataclass(frozen=True)
