@@ -2,6 +2,8 @@
 
     python -m jaxgen.plan --config configs/llama-3.1-8b.yaml --mesh fsdp=8 --device h100-80gb
     python -m jaxgen.plan --config configs/llama-3.2-1b.yaml --mesh data=2,fsdp=4 --device v5p model.remat=full
+    python -m jaxgen.plan --config configs/llama-3.1-8b.yaml --mesh tensor=8 --engine --quantize int8 \
+        serve.slots=64 serve.kv_memory_gb=40 serve.cache_dtype=bfloat16   # the serving engine's steps
     python -m jaxgen.plan --config configs/llama-3.2-1b.yaml --max-seq --mesh fsdp=8 --mesh fsdp=2,context=4 \
         --device h100-80gb,v5p --remat none,full     # the longest sequence that fits (search_longest)
 
@@ -24,6 +26,10 @@ a line from it falls ever lower with depth. Against full compiles of Llama 3.1 8
 layers) at 188k tokens and 3.2 1B at 128k: within 0.01% (24 s against 140 s to compile the 8B); at 8k
 tokens the 1B's full program holds one more buffer: 2.1% under (docs/accelerators.md). It assumes layers
 alike in memory.
+
+Serving: `--engine` plans the serving engine's own steps instead (`engine_programs`: its largest prefill call
+and its decode chunk over the paged cache, with the page pool, grammar table and decode state the engine
+allocates, all from `serve.*`), and `--quantize int8` holds the weights as `serve.quantize=int8` does.
 
 On a mesh with a context axis the prefill planned by `--max-seq` is the Generator's (`inference.decode.
 prefill`: the whole prompt at once, `fresh=True`, ring or allgather attention over the split prompt, the
@@ -426,6 +432,76 @@ def abstract_quantized(params, embedding: bool = False):
     return jax.tree.map(placed, shapes, params, is_leaf=quant.is_q)
 
 
+def engine_programs(cfg, mesh, dtype: str, quantize: str = "none") -> list[Program]:
+    """The serving engine's own steps as `cfg.serve` sets it up (`jaxgen.inference.engine`): its largest
+    prefill call (`steps.admit_rows` at the largest (rows, columns) of `scheduler.call_shapes`) and its decode
+    chunk (`steps.decode_chunk`: `serve.chunk_steps` steps of every slot over the paged cache), with weights in
+    `dtype` (`quantize` as `inference_programs` takes it), the page pool and the rest of the decode state
+    (sampling settings, per-slot token buffers, penalty counts, the grammar table) as the engine allocates
+    them. Extrapolated in depth as `inference_programs` is (`by_depth`)."""
+    return by_depth(lambda m: _engine_programs(dataclasses.replace(cfg, model=m), mesh, dtype, quantize), cfg.model)
+
+
+def _engine_programs(cfg, mesh, dtype: str, quantize: str) -> list[Program]:
+    import jax
+    import numpy as np
+
+    from jaxgen import model
+    from jaxgen.inference import steps
+    from jaxgen.inference.pages import PagePolicy
+    from jaxgen.inference.scheduler import call_shapes
+
+    serve = cfg.serve.for_programs
+    model_cfg = dataclasses.replace(_plannable_model(cfg.model, on=mesh), dtype=dtype)
+    params = abstract_params(model_cfg, mesh, dtype)
+    if quantize != "none":
+        params = abstract_quantized(params, embedding=quantize == "int8+embedding")
+    params = _placed(lambda p: model.decode_params(p, serve.slots, model_cfg), mesh, params)
+    num_pages = steps.pool_pages(model_cfg, cfg.serve)
+    max_pages = PagePolicy(num_pages, serve.page_size, serve.slots, model_cfg.max_seq_len, serve.chunk_steps,
+                           False).max_pages  # fmt: skip
+    state = _placed(lambda: steps.init_state(model_cfg, serve, num_pages, max_pages), mesh)
+    spec = _placed(lambda: steps.init_spec(model_cfg, serve, None, num_pages, max_pages), mesh)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)  # what the host uploads
+    retire = like(np.zeros(serve.slots, bool))
+    longest = min(serve.prefill_chunk, model_cfg.max_seq_len - 2)
+    r, c = max(call_shapes(serve.prefill_chunk, serve.slots, longest), key=lambda shape: shape[0] * shape[1])
+    rows = jax.tree.map(like, steps.pack_rows([], r, c, model_cfg, bool(serve.max_loras)))
+    admit = jax.jit(functools.partial(steps.admit_rows, cfg=model_cfg), donate_argnums=(1, 2))
+    chunk = jax.jit(functools.partial(steps.decode_chunk, cfg=model_cfg), donate_argnums=1)
+    weights = f"parameters ({dtype})" if quantize == "none" else f"parameters (int8 + {dtype})"
+    pool, table = per_device_bytes(state.cache), per_device_bytes(state.grammar_table)
+    parts = {weights: per_device_bytes(params), f"KV pages ({num_pages}, {serve.cache_dtype})": pool,
+             f"grammar table ({state.grammar_table.shape[0]} states)": table,
+             "decode state (the rest)": per_device_bytes(state) + per_device_bytes(spec) - pool - table}  # fmt: skip
+    calls = [
+        (f"engine prefill ({r} rows x {c} tokens)", admit, (params, state, spec, rows, retire)),
+        (f"engine decode chunk ({serve.slots} slots x {serve.chunk_steps} steps)", chunk,
+         (params, state, like(np.int32(0)), retire)),
+    ]  # fmt: skip
+    out = []
+    for name, fn, args in calls:
+        with jax.set_mesh(mesh):
+            mem, costs, _ = _compile(fn, *args)
+        temps, arguments = float(mem.temp_size_in_bytes), float(mem.argument_size_in_bytes)
+        program = Program(name, parts, temps, arguments, "activations, workspace", _new_outputs(mem), costs=costs)
+        out.append(dataclasses.replace(program, oom=_oom(mem)))
+    return out
+
+
+def _placed(fn, mesh, *args):
+    """What `fn(*args)` returns, as ShapeDtypeStructs in the shardings the compiler gives it on `mesh` (the
+    engine makes its state and decode-layout weights by jitted calls under its mesh: `Runner`)."""
+    import jax
+
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(fn).lower(*args).compile()
+    shapes = jax.eval_shape(fn, *args)
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
+                        compiled.output_shardings)  # fmt: skip
+
+
 def _abstract_cache(model_cfg, mesh, slots: int, cache_len: int, dtype: str):
     """The contiguous KV cache as ShapeDtypeStructs, placed as `KVCache.constrain` places it."""
     import jax
@@ -554,16 +630,20 @@ def advice(cfg, program: Program, capacity: float, mesh_sizes: dict) -> list[str
 
 
 def run_plan(cfg, mesh_sizes: dict, device: str, slots: int, cache_len: int, chunk: int, param_dtype: str,
-             target=None, quantize: str = "none"):  # fmt: skip
+             target=None, quantize: str = "none", engine: bool = False):  # fmt: skip
     """(programs, capacity in bytes) for `cfg` on a mesh of `mesh_sizes`: fake CPU devices of `device`'s
     memory, or a `targets.catalog.Target`'s compile-only devices (its compiler's memory analysis, and its
-    counts for the roofline: `Program.costs`)."""
+    counts for the roofline: `Program.costs`). `engine`: the serving engine's steps as `cfg.serve` sets it
+    up (`engine_programs`) in place of a prefill and a decode step over a contiguous cache."""
     from jaxgen.targets.devices import backend_of, target_mesh, traced_for
 
     mesh = target_mesh(target, mesh_sizes)
     with traced_for(backend_of(target)):
         programs = train_programs(cfg, mesh, costs=target is not None)
-        programs += inference_programs(cfg.model, mesh, slots, cache_len, chunk, param_dtype, quantize=quantize)
+        if engine:
+            programs += engine_programs(cfg, mesh, param_dtype, quantize)
+        else:
+            programs += inference_programs(cfg.model, mesh, slots, cache_len, chunk, param_dtype, quantize=quantize)
     memory = DEVICES[device][0] if target is None else target.chip.hbm_bytes
     return programs, memory * HEADROOM
 
@@ -693,12 +773,17 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{', '.join(_target_names())}; the mesh must use all its chips")  # fmt: skip
     parser.add_argument("--slots", type=int, default=None, help="decode slots (rows) for serving (default 64)")
     parser.add_argument("--cache-len", type=int, default=None, help="KV cache length (default: data.seq_len)")
-    parser.add_argument("--prefill-chunk", type=int, default=512, help="prefill tokens per slot per call (512)")
+    parser.add_argument("--prefill-chunk", type=int, default=None, help="prefill tokens per slot per call (512)")
     parser.add_argument("--param-dtype", default="bfloat16", choices=["float32", "bfloat16"],
                         help="weights and KV cache for serving (training keeps float32 master weights)")  # fmt: skip
     parser.add_argument("--quantize", default="none", choices=["none", "int8", "int8+embedding"],
                         help="serving's weights as serve.quantize holds them: int8 matrix products (+embedding: "
                         "the embedding and head too), the rest in --param-dtype (default none)")  # fmt: skip
+    parser.add_argument("--engine", action="store_true",
+                        help="plan the serving engine's own steps (its largest prefill call and its decode chunk over "
+                        "the paged cache) as serve.* sets it up (serve.slots, serve.num_pages or serve.kv_memory_gb, "
+                        "serve.cache_dtype, ...: give them as overrides) instead of a prefill and a decode step over "
+                        "a contiguous cache of --slots x --cache-len")  # fmt: skip
     parser.add_argument(
         "--max-seq", nargs="?", type=int, const=MAX_SEQ_TOP, default=None, metavar="TOP",
         help="instead of one plan, search the longest sequence whose train step (and prefill) fits per device, "
@@ -751,9 +836,15 @@ def check_args(args) -> None:
                             (args.no_prefill, f"--no-prefill {one_plan}")):  # fmt: skip
             if given:
                 raise ValueError(what)
+        settings = {"slots": "serve.slots", "cache_len": "model.max_seq_len", "prefill_chunk": "serve.prefill_chunk"}
+        for name, setting in settings.items():
+            if args.engine and getattr(args, name) is not None:
+                raise ValueError(f"--{name.replace('_', '-')} is not allowed with --engine: the engine's is {setting}")
         return
     if args.quantize != "none":
         raise ValueError(f"--quantize {args.quantize} is not allowed with --max-seq: the search plans float weights")
+    if args.engine:
+        raise ValueError("--engine is not allowed with --max-seq: the search plans the Generator's prefill")
     if not 1 <= args.max_seq <= LIMITS["cache_len"]:
         raise ValueError(f"--max-seq={args.max_seq} is not allowed: an integer from 1 to {LIMITS['cache_len']}")
     for name in ("slots", "cache_len"):
@@ -797,8 +888,8 @@ def main(argv=None) -> int:
         target = catalog.get(args.target)
     try:
         programs, capacity = run_plan(
-            cfg, mesh_sizes, args.device, args.slots or 64, cache_len, args.prefill_chunk, args.param_dtype, target,
-            args.quantize,
+            cfg, mesh_sizes, args.device, args.slots or 64, cache_len, args.prefill_chunk or 512, args.param_dtype,
+            target, args.quantize, args.engine,
         )  # fmt: skip
     except ValueError as e:  # a mesh the target cannot hold
         print(f"error: {e}", file=sys.stderr)
@@ -811,11 +902,11 @@ def _main_max_seq(cfg, args, meshes) -> int:
     remats = args.remat.split(",") if args.remat else [cfg.model.remat]
     log = lambda line: print(line, file=sys.stderr, flush=True)
     capacities = {device: DEVICES[device][0] * HEADROOM for device in args.device.split(",")}
-    probe = lambda run, mesh, program: probe_fn(run, mesh, program, args.prefill_chunk, args.param_dtype, log)
+    probe = lambda run, mesh, program: probe_fn(run, mesh, program, args.prefill_chunk or 512, args.param_dtype, log)
     rows, compiled = max_seq_table(
         cfg, meshes, remats, capacities, args.max_seq, probe, seq_granule, prefill=not args.no_prefill, log=log
     )
-    print(format_max_seq(rows, args.prefill_chunk, args.param_dtype, compiled, HEADROOM))
+    print(format_max_seq(rows, args.prefill_chunk or 512, args.param_dtype, compiled, HEADROOM))
     return 0
 
 

@@ -44,6 +44,30 @@ def test_int8_params_are_planned_as_quantizing_placed_params_makes_them(cfg, emb
     assert sum(quant.is_q(w) for w in jax.tree.leaves(real, is_leaf=quant.is_q)) == 7 + 2 * embedding
 
 
+def test_the_engines_steps_are_planned_as_the_engine_holds_them(cfg):
+    """`--engine`: the parts of the engine's prefill call and decode chunk are, to the byte per device, what a
+    real Engine on the same data x tensor mesh holds (its decode-layout weights, its page pool, its grammar
+    table and the rest of its state), and both programs compile."""
+    from jaxgen.inference.engine import Engine
+    from jaxgen.tokenizer import Tokenizer
+
+    serve = dataclasses.replace(cfg.serve, slots=8, num_pages=40, prefill_chunk=64, grammar_states=16)
+    run = dataclasses.replace(cfg, serve=serve)
+    mesh = make_mesh(MeshConfig(data=2, tensor=2))
+    programs = plan.engine_programs(run, mesh, "float32")
+    names = ["engine prefill (4 rows x 32 tokens)", "engine decode chunk (8 slots x 8 steps)"]
+    assert [p.name for p in programs] == names
+    params = jax.device_put(model.init_params(cfg.model, jax.random.key(0)), model.param_shardings(cfg.model, mesh))
+    runner = Engine(params, cfg.model, Tokenizer.byte_level(), serve, mesh=mesh).runner  # as load_model places them
+    pool, table = plan.per_device_bytes(runner.state.cache), plan.per_device_bytes(runner.state.grammar_table)
+    rest = plan.per_device_bytes(runner.state) + plan.per_device_bytes(runner.spec) - pool - table
+    held = [plan.per_device_bytes(runner.params), pool, table, rest]
+    for program in programs:
+        assert list(program.parts.values()) == held, program.parts
+        assert list(program.parts)[1:3] == ["KV pages (40, float32)", "grammar table (16 states)"]
+        assert program.temporaries > 0 and not program.oom
+
+
 def test_parts_equal_the_analytic_count_and_xla_arguments(cfg):
     one = make_mesh(MeshConfig(data=1))
     train = plan.train_program(cfg, one)
@@ -170,6 +194,9 @@ def test_max_seq_answer_fits_and_one_granule_more_does_not(cfg):
         (["--max-seq", "--remat", "full,some"], "--remat 'some' is not allowed: a comma list of none, full"),
         (["--max-seq", "0"], "--max-seq=0 is not allowed: an integer from 1 to 16777216"),
         (["--max-seq", "--quantize", "int8"], "--quantize int8 is not allowed with --max-seq"),
+        (["--max-seq", "--engine"], "--engine is not allowed with --max-seq"),
+        (["--engine", "--slots", "8"], "--slots is not allowed with --engine: the engine's is serve.slots"),
+        (["--engine", "--prefill-chunk", "64"], "--prefill-chunk is not allowed with --engine"),
         (["--remat", "full"], "--remat is only allowed with --max-seq"),
         (["--mesh", "fsdp=2", "--mesh", "context=2"], "more than one --mesh is only allowed with --max-seq"),
         (["--device", "v5p,h100-80gb"], "more than one --device is only allowed with --max-seq"),

@@ -64,8 +64,10 @@ def test_int8_products_are_read_from_hlo_text():
         "  %c = s32[16,256]{1,0:T(8,128)} convolution(%p0, %p1), dim_labels=bf_io->bf",
         "  %d = s32[16,256]{1,0} dot(s8[16,128]{1,0} %p0, s8[128,256]{1,0} %p1), lhs_contracting_dims={1}",
         "  %f = f32[16,256]{1,0} dot(%p2, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+        '  %r = s32[1024]{0} reduce(%m, %z), dimensions={1}, to_apply=%add, metadata={op_name="jit(f)/dot_general"}',
+        '  %s = s32[] reduce(%n, %z), dimensions={0}, to_apply=%add, metadata={op_name="jit(f)/reduce_sum"}',
     ])  # fmt: skip
-    assert hlo.int8_products(text) == 2  # the bf16 x int8 product is not one
+    assert hlo.int8_products(text) == 3  # not the bf16 x int8 product, nor a sum that was no product
 
 
 def test_flops_and_bytes_are_counted_from_hlo_kernels():
@@ -193,18 +195,26 @@ def test_plan_on_the_tpu_compiler_names_it_and_estimates(capsys):
 
 
 @needs_libtpu
-def test_int8_weights_compile_for_a_tpu_slice_as_int8_products(small_cfg, tpu_mesh, capsys):
+def test_int8_weights_compile_for_a_tpu_slice_as_int8_products(small_cfg, tpu_mesh):
     """`--quantize int8` (serve.quantize's weights): the TPU compiler keeps every matrix product of the
     attention and the MLP in int8 (q, k, v, o, gate, up, down: 7 a layer), in the prefill and the decode
-    step, and the planner says so."""
+    step, and in the engine's prefill call and decode chunk (`--engine`), and the planner says so."""
     with devices.traced_for("tpu"):
-        programs = plan.inference_programs(small_cfg.model, tpu_mesh, 4, 128, 32, "bfloat16", quantize="int8")
-    assert [p.name for p in programs] == ["prefill (32 tokens x 4 slots)", "decode step (4 slots)"]
+        programs = plan.inference_programs(small_cfg.model, tpu_mesh, 1, 128, 32, "bfloat16", quantize="int8")
+    # (one slot: the decode step's products have one row, which libtpu computes as a multiply and an int32 sum)
+    assert [p.name for p in programs] == ["prefill (32 tokens x 1 slots)", "decode step (1 slots)"]
     for program in programs:
         assert program.costs.int8_products >= 7 * small_cfg.model.num_layers, program
         assert "parameters (int8 + bfloat16)" in program.parts
-    lines = plan.roofline_lines(small_cfg, programs[1], TPU, 4)
+    lines = plan.roofline_lines(small_cfg, programs[1], TPU, 4)  # (the line --quantize adds)
     assert f"int8 by int8 in the compiled program: {programs[1].costs.int8_products}" in lines[-1]
+    # the engine's own steps (`--engine`): its prefill call and decode chunk over the paged cache
+    serve = dataclasses.replace(small_cfg.serve, slots=8, num_pages=64, prefill_chunk=256, grammar_states=16)
+    with devices.traced_for("tpu"):
+        engine = plan.engine_programs(dataclasses.replace(small_cfg, serve=serve), tpu_mesh, "bfloat16", "int8")
+    assert [p.name.split(" (")[0] for p in engine] == ["engine prefill", "engine decode chunk"]
+    for program in engine:
+        assert not program.oom and program.costs.int8_products >= 7 * small_cfg.model.num_layers, program
 
 
 @needs_libtpu

@@ -57,17 +57,20 @@ def ops(comps: dict[str, list[str]], name: str) -> collections.Counter:
 
 
 def int8_products(hlo_text: str) -> int:
-    """How many matrix products (`dot`, or `convolution` as the TPU compiler writes them) multiply int8 by
-    int8: the products a compiler kept in int8 (its integer matrix units), not converted to float first."""
-    shapes, products = {}, []
+    """How many matrix products multiply int8 by int8, with int32 sums: a `dot` (or `convolution`, as the
+    TPU compiler writes one) of two int8 operands, or an int32 `reduce` the compiler made of a product
+    (metadata `dot_general`: a product of one row, which XLA computes as a multiply and a sum). The products a
+    compiler kept in int8, not converted to float first."""
+    shapes, products, sums = {}, [], 0
     for line in hlo_text.splitlines():
         if found := _SHAPED.match(line):
             name, shape, op, rest = found.groups()
             shapes[name] = shape
             if op in ("dot", "convolution"):
                 products.append(rest.split(")", 1)[0])
+            sums += op == "reduce" and shape.startswith("s32[") and '/dot_general"' in rest
     int8 = lambda name: shapes.get(name, "").startswith("s8[")
-    return sum(all(map(int8, re.findall(r"%([\w.\-]+)", args))) for args in products)  # "%x" or "s8[4,8] %x"
+    return sums + sum(all(map(int8, re.findall(r"%([\w.\-]+)", args))) for args in products)  # "%x", "s8[4] %x"
 
 
 def shape_bytes(shape_text: str) -> float:
