@@ -438,11 +438,16 @@ def engine_programs(cfg, mesh, dtype: str, quantize: str = "none") -> list[Progr
     chunk (`steps.decode_chunk`: `serve.chunk_steps` steps of every slot over the paged cache), with weights in
     `dtype` (`quantize` as `inference_programs` takes it), the page pool and the rest of the decode state
     (sampling settings, per-slot token buffers, penalty counts, the grammar table) as the engine allocates
-    them. Extrapolated in depth as `inference_programs` is (`by_depth`)."""
-    return by_depth(lambda m: _engine_programs(dataclasses.replace(cfg, model=m), mesh, dtype, quantize), cfg.model)
+    them. Extrapolated in depth as `inference_programs` is (`by_depth`), with the page count of the whole
+    model (`serve.kv_memory_gb` holds fewer pages of more layers)."""
+    from jaxgen.inference import steps
+
+    pages = steps.pool_pages(dataclasses.replace(cfg.model, dtype=dtype), cfg.serve)
+    one = lambda m: _engine_programs(dataclasses.replace(cfg, model=m), mesh, dtype, quantize, pages)
+    return by_depth(one, cfg.model)
 
 
-def _engine_programs(cfg, mesh, dtype: str, quantize: str) -> list[Program]:
+def _engine_programs(cfg, mesh, dtype: str, quantize: str, num_pages: int) -> list[Program]:
     import jax
     import numpy as np
 
@@ -457,7 +462,6 @@ def _engine_programs(cfg, mesh, dtype: str, quantize: str) -> list[Program]:
     if quantize != "none":
         params = abstract_quantized(params, embedding=quantize == "int8+embedding")
     params = _placed(lambda p: model.decode_params(p, serve.slots, model_cfg), mesh, params)
-    num_pages = steps.pool_pages(model_cfg, cfg.serve)
     max_pages = PagePolicy(num_pages, serve.page_size, serve.slots, model_cfg.max_seq_len, serve.chunk_steps,
                            False).max_pages  # fmt: skip
     state = _placed(lambda: steps.init_state(model_cfg, serve, num_pages, max_pages), mesh)

@@ -207,7 +207,40 @@ def test_pallas_paged_decode_kernel_in_interpret_mode_equals_the_xla_loop(softca
     assert "page size >= 16" in kernels.paged_unfit(cfg, "gpu", 8)
 
 
-def test_engine_decodes_the_same_tokens_with_the_pallas_paged_kernel():
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_tpu_paged_decode_kernel_in_interpret_mode_equals_the_xla_loop(softcap):
+    # The TPU kernel over a bfloat16 pool (it loads keys and values as bfloat16): slots of different lengths,
+    # a shared first page, an idle slot; grouped queries. A float32 pool is refused with the reason.
+    from jaxgen.model.kernels import paged_tpu
+    from jaxgen.model.paged import PagedCache
+    from jaxgen.targets.devices import traced_for
+
+    cfg = ModelConfig(num_heads=4, num_kv_heads=2, d_model=64, num_layers=2, attn_softcap=softcap)
+    cache = PagedCache.init(cfg, num_pages=12, page_size=16, slots=4, max_pages=4, dtype="bfloat16")
+    r = np.random.default_rng(1)
+    kv = (*(jnp.asarray(r.normal(size=cache.k.shape), jnp.bfloat16).view(cache.k.dtype) for _ in range(2)), None, None)
+    table = jnp.asarray([[1, 2, 3, 0], [1, 4, 0, 0], [5, 6, 7, 8], [0, 0, 0, 0]], jnp.int32)
+    cache = cache.replace(page_table=table, capacity=jnp.asarray([48, 32, 64, 0], jnp.int32))
+    q = jnp.asarray(r.normal(size=(4, 1, 4, 16)), jnp.float32)
+    pos = jnp.asarray([[40], [17], [63], [-1]], jnp.int32)
+    for layer in (0, 1):
+        xla = dataclasses.replace(cfg, decode_impl="xla")
+        want, _ = attention.cached_attention(q, cache, kv, layer, pos, None, xla)
+        got = paged_tpu.attention(q, cache.decode_inputs(kv, layer), pos, scale=attention.logit_scale(cfg),
+                                  softcap=softcap)  # fmt: skip
+        np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-6)
+    assert not kernels.decode_kernel(cfg, cache, 1, backend="cpu")
+    wide = ModelConfig(num_heads=1, num_kv_heads=1, d_model=128, num_layers=2)  # heads of 128: Mosaic's blocks
+    with traced_for("tpu"):  # the paged cache names the TPU kernel there, and auto runs it over bfloat16 pages
+        assert cache.decode_kernel.name == "paged_tpu" and not kernels.decode_kernel(cfg, cache, 1)  # heads of 16
+        for dtype, runs in (("bfloat16", "paged_tpu"), ("float32", None)):
+            pages = PagedCache.init(wide, num_pages=12, page_size=16, slots=4, max_pages=4, dtype=dtype)
+            assert kernels.decode_kernel(wide, pages, 1) == runs
+    assert "must be bfloat16" in paged_tpu.unfit(wide, "tpu", 16, bfloat16=False)
+    assert "multiple of 128, got 16" in paged_tpu.unfit(cfg, "tpu", 16, bfloat16=True)
+
+
+def test_engine_decodes_the_same_tokens_with_the_pallas_paged_kernel(monkeypatch):
     from jaxgen.config import ServeConfig
     from jaxgen.inference.engine import Engine
     from jaxgen.inference.sampling import SamplingConfig
@@ -225,6 +258,19 @@ def test_engine_decodes_the_same_tokens_with_the_pallas_paged_kernel():
         for impl in ("xla", "pallas")
     }
     for a, b in zip(outs["xla"], outs["pallas"], strict=True):
+        assert a.tokens == b.tokens
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+    # the TPU kernel (in interpret mode) over a bfloat16 pool: the paged cache names it, as on a TPU
+    from jaxgen.model import paged
+
+    bf16 = dataclasses.replace(serve, cache_dtype="bfloat16")
+    xla, pallas = (dataclasses.replace(cfg, decode_impl=impl) for impl in ("xla", "pallas"))
+    want = Engine(params, xla, Tokenizer.byte_level(), bf16).generate(prompts, sampling)
+    monkeypatch.setattr(paged, "paged_kernel", lambda: "paged_tpu")
+    engine = Engine(params, pallas, Tokenizer.byte_level(), bf16)
+    assert kernels.decode_kernel(pallas, engine.runner.state.cache, 1) == "paged_tpu"
+    got = engine.generate(prompts, sampling)
+    for a, b in zip(want, got, strict=True):
         assert a.tokens == b.tokens
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
 

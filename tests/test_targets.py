@@ -7,12 +7,17 @@ import math
 import re
 
 import jax
+import numpy as np
 import pytest
 
 from jaxgen import plan
+from jaxgen.model import kernels
 from jaxgen.targets import catalog, devices, hlo, roofline
 
 TPU = catalog.get("tpu-v5e-4")
+# jax's persistent cache cannot load what a compile-only device's compiler wrote ("PjRtCompiler must be
+# constructed with a Client"): it would only warn and compile again
+SHARED_XLA_CACHE = False
 needs_libtpu = pytest.mark.skipif(devices.unavailable(TPU) is not None, reason=str(devices.unavailable(TPU)))
 
 
@@ -215,6 +220,25 @@ def test_int8_weights_compile_for_a_tpu_slice_as_int8_products(small_cfg, tpu_me
     assert [p.name.split(" (")[0] for p in engine] == ["engine prefill", "engine decode chunk"]
     for program in engine:
         assert not program.oom and program.costs.int8_products >= 7 * small_cfg.model.num_layers, program
+
+
+@needs_libtpu
+def test_the_engines_decode_chunk_runs_the_tpu_paged_kernel_lowered_by_mosaic(small_cfg):
+    """On one TPU chip with a bfloat16 page pool, the engine's decode chunk reads the pages with the TPU Pallas
+    paged-attention kernel (`kernels.paged_tpu`), lowered by Mosaic: a custom call per layer; its prefill
+    call keeps attention's XLA loop. A float32 pool keeps the loop in both."""
+    one = jax.sharding.Mesh(np.array(devices.compile_devices(TPU)[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+    serve = dataclasses.replace(small_cfg.serve, slots=8, num_pages=64, prefill_chunk=256, grammar_states=16)
+    cfg = dataclasses.replace(small_cfg, model=dataclasses.replace(small_cfg.model, num_heads=1, num_kv_heads=1))
+    assert cfg.model.head_size == 128  # what Mosaic lowers the kernel for
+    calls = {}
+    for dtype in ("bfloat16", "float32"):
+        run = dataclasses.replace(cfg, serve=dataclasses.replace(serve, cache_dtype=dtype))
+        with devices.traced_for("tpu"):
+            prefill, chunk = plan.engine_programs(run, one, "bfloat16")
+        calls[dtype] = [p.costs.kernels.get("tpu_custom_call", 0) for p in (prefill, chunk)]
+    assert calls == {"bfloat16": [0, cfg.model.num_layers], "float32": [0, 0]}
+    assert "multiple of 128, got 64" in kernels.paged_tpu.unfit(small_cfg.model, "tpu", 16, bfloat16=True)
 
 
 @needs_libtpu

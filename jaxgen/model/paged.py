@@ -15,8 +15,8 @@ writes into a shared page, because its own tokens go after the shared prefix, in
 
 The pool and tables are device arrays updated by jitted functions; which pages are free, shared or
 cached is host bookkeeping (`jaxgen.inference.pages.PagePool`). Kv heads lead so that the pool seen as
-(K, L * Q, Z, H), a free reshape, is what the GPU Pallas paged-attention kernel reads in place, layer l's
-page p being page l * Q + p (`decode_inputs`, `jaxgen.model.kernels.paged_gpu`); a tensor-parallel shard
+(K, L * Q, Z, H), a free reshape, is what the GPU and TPU Pallas paged-attention kernels read in place,
+layer l's page p being page l * Q + p (`decode_inputs`, `kernels.paged_kernel`); a tensor-parallel shard
 of the kv heads is then one contiguous run of memory.
 
 On a mesh with a context axis of C devices (dividing Z) each page's offsets are split C ways (device r
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from jaxgen.config import ModelConfig
 from jaxgen.model.context import AXIS
-from jaxgen.model.kernels import DecodeKernel, cpu, paged_gpu
+from jaxgen.model.kernels import DecodeKernel, cpu, paged_gpu, paged_kernel
 from jaxgen.model.storage import dequantize_kv, from_storage, quantize_kv, scale_buffer, storage_dtype, to_storage
 from jaxgen.sharding import constrain, context_size, logical_spec
 
@@ -208,8 +208,10 @@ class PagedCache:
 
     @property
     def decode_kernel(self) -> DecodeKernel:
-        """The GPU Pallas paged kernel, which reads float pools of power-of-two pages in place."""
-        return DecodeKernel("paged_gpu", {"page_size": self.page_size, "quantized": self.k_scale is not None})
+        """The backend's Pallas paged kernel (`kernels.paged_kernel`), which reads the pools in place."""
+        bfloat16 = self.k.dtype in (jnp.bfloat16, jnp.uint16)  # (uint16: bfloat16's bits, `storage`)
+        facts = {"page_size": self.page_size, "quantized": self.k_scale is not None, "bfloat16": bfloat16}
+        return DecodeKernel(paged_kernel(), facts)
 
     def decode_inputs(self, kv, layer) -> paged_gpu.Pages:
         """The pools of float pages seen as (K, L * Q, Z, H), a free reshape, and each slot's pages of

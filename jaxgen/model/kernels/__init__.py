@@ -4,6 +4,7 @@
     cudnn.py      cuDNN's fused flash attention for whole sequences (`jax.nn.dot_product_attention`; GPU)
     splash.py     the Pallas splash kernel for whole sequences (TPU; elsewhere in interpret mode)
     paged_gpu.py  the GPU Pallas paged-attention kernel for a decode step over the engine's page pool
+    paged_tpu.py  the TPU Pallas paged-attention kernel for the same step (bfloat16 pools)
     cpu.py        XLA:CPU-only tuning of cached attention's decode step (products as sums, 64-slot parts)
 
 `choose(cfg)` and `fit_length` pick the whole-sequence implementation (`model.attention_impl`);
@@ -26,12 +27,13 @@ from typing import NamedTuple
 import jax
 
 from jaxgen.config import ModelConfig
-from jaxgen.model.kernels import cpu, cudnn, paged_gpu, splash
+from jaxgen.model.kernels import cpu, cudnn, paged_gpu, paged_tpu, splash
 from jaxgen.sharding import context_size
 
 log = logging.getLogger(__name__)
 
-DECODE_KERNELS = {"paged_gpu": paged_gpu}  # name -> module with unfit(cfg, backend, **facts) and attention
+# name -> module with unfit(cfg, backend, **facts) and attention
+DECODE_KERNELS = {"paged_gpu": paged_gpu, "paged_tpu": paged_tpu}
 
 cudnn_unfit, cudnn_mask, cudnn_attention = cudnn.unfit, cudnn.mask, cudnn.attention
 splash_unfit, splash_attention = splash.unfit, splash.attention
@@ -49,6 +51,7 @@ __all__ = [
     "decode_attention",
     "decode_kernel",
     "fit_length",
+    "paged_kernel",
     "paged_unfit",
     "splash_attention",
     "splash_unfit",
@@ -121,11 +124,17 @@ def fit_length(impl: str, t: int, cfg: ModelConfig) -> str:
     return impl
 
 
+def paged_kernel(backend: str | None = None) -> str:
+    """The fused decode kernel a paged cache names on `backend` (default: jax's): TPU's own on a TPU, else
+    the GPU one (which decode_impl=pallas runs in interpret mode off a GPU)."""
+    return "paged_tpu" if (backend or jax.default_backend()) == "tpu" else "paged_gpu"
+
+
 def decode_kernel(cfg: ModelConfig, cache, num_queries: int, backend: str | None = None) -> str | None:
     """The fused decode kernel this cached attention call runs (a key of DECODE_KERNELS), or None for
     attention's XLA block loop: a decode step (one query per row) over a cache that names a kernel
-    (`cache.decode_kernel`; the paged cache: the GPU Pallas kernel), with `model.decode_impl` pallas, or
-    auto on a GPU, and the kernel's constraints met."""
+    (`cache.decode_kernel`; the paged cache: `paged_kernel`), with `model.decode_impl` pallas, or auto on the
+    kernel's backend, and the kernel's constraints met."""
     claim = cache.decode_kernel
     if claim is None or num_queries != 1 or cfg.decode_impl == "xla":
         return None

@@ -2,8 +2,7 @@
 step over the serving engine's page pool, read in place (off a GPU it runs in interpret mode: exact but
 slow, for tests).
 
-The TPU ragged paged-attention kernel is not wired: it reads keys and values interleaved in one
-(pages, Z, 2K, H) pool, where the engine keeps two, and has no interpret mode to test it here.
+On a TPU the TPU's own kernel runs instead (`paged_tpu`).
 """
 
 from __future__ import annotations
@@ -25,10 +24,10 @@ class Pages(NamedTuple):
     tables: jax.Array  # (B, M) int32: each slot's pages of this layer, rows of k and v
 
 
-def unfit(cfg: ModelConfig, backend: str, page_size: int, quantized: bool = False) -> str | None:
-    """Why the kernel cannot run decode for `cfg` over pages of `page_size` (int8 if `quantized`), or
-    None (off a GPU, decode_impl=pallas runs it in interpret mode). Triton loads power-of-two tiles only,
-    and its dot products need at least 16 rows."""
+def unfit(cfg: ModelConfig, backend: str, page_size: int, quantized: bool = False, bfloat16: bool = False):
+    """Why the kernel cannot run decode for `cfg` over pages of `page_size` (int8 if `quantized`; float32
+    or bfloat16 it reads alike), or None (off a GPU, decode_impl=pallas runs it in interpret mode). Triton
+    loads power-of-two tiles only, and its dot products need at least 16 rows."""
     if cfg.decode_impl == "auto" and backend not in ("gpu", "cuda"):
         return f"it is a GPU kernel, the backend is {backend}"
     if cfg.sliding_window is not None:
