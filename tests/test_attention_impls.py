@@ -260,14 +260,19 @@ def test_engine_decodes_the_same_tokens_with_the_pallas_paged_kernel(monkeypatch
     for a, b in zip(outs["xla"], outs["pallas"], strict=True):
         assert a.tokens == b.tokens
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
-    # the TPU kernel (in interpret mode) over a bfloat16 pool: the paged cache names it, as on a TPU
+    # the TPU kernel (in interpret mode) over a bfloat16 pool, on a data x tensor mesh (each device its slots
+    # and kv heads, under shard_map): the paged cache names it, as on a TPU
+    from jaxgen.config import MeshConfig
     from jaxgen.model import paged
+    from jaxgen.sharding import make_mesh
 
+    mesh = make_mesh(MeshConfig(data=2, tensor=2))
+    params = jax.device_put(params, model.param_shardings(cfg, mesh))
     bf16 = dataclasses.replace(serve, cache_dtype="bfloat16")
     xla, pallas = (dataclasses.replace(cfg, decode_impl=impl) for impl in ("xla", "pallas"))
-    want = Engine(params, xla, Tokenizer.byte_level(), bf16).generate(prompts, sampling)
+    want = Engine(params, xla, Tokenizer.byte_level(), bf16, mesh=mesh).generate(prompts, sampling)
     monkeypatch.setattr(paged, "paged_kernel", lambda: "paged_tpu")
-    engine = Engine(params, pallas, Tokenizer.byte_level(), bf16)
+    engine = Engine(params, pallas, Tokenizer.byte_level(), bf16, mesh=mesh)
     assert kernels.decode_kernel(pallas, engine.runner.state.cache, 1) == "paged_tpu"
     got = engine.generate(prompts, sampling)
     for a, b in zip(want, got, strict=True):

@@ -15,9 +15,11 @@ import contextlib
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxgen.config import ModelConfig
 from jaxgen.model.kernels.paged_gpu import Pages
+from jaxgen.sharding import logical_spec
 
 
 def unfit(cfg: ModelConfig, backend: str, page_size: int, quantized: bool = False, bfloat16: bool = False):
@@ -33,26 +35,48 @@ def unfit(cfg: ModelConfig, backend: str, page_size: int, quantized: bool = Fals
         return f"it needs pages of a multiple of 8 tokens, got {page_size}"
     if backend == "tpu" and cfg.head_size % 128:  # Mosaic's blocks: the last dimension a multiple of 128
         return f"Mosaic lowers it for a head size that is a multiple of 128, got {cfg.head_size}"
-    mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and mesh.size > 1:  # a Mosaic kernel is not partitioned by the compiler
-        return "it does not run on a mesh of several devices"
     return None
 
 
 def attention(q_btnh, pages: Pages, q_pos_bt, *, scale: float, softcap: float | None):
     """Attention of one query per slot (B, 1, N, H) over its pages: (B, 1, N, H). A slot sees its keys up
-    to its own position; an idle slot (position -1) gets zeros. `scale` multiplies q . k."""
+    to its own position; an idle slot (position -1) gets zeros. `scale` multiplies q . k. Under a mesh each
+    device runs the kernel on its slots (the batch axes) and kv heads (the tensor axis, where it divides them)
+    inside `shard_map`: the compiler does not partition a Mosaic kernel."""
     from jax.experimental.pallas import tpu as pltpu
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
 
-    m = pages.tables.shape[1]
+    b, _, n, h = q_btnh.shape
+    k, m = pages.k.shape[0], pages.tables.shape[1]
     per_block = next(c for c in (8, 4, 2, 1) if m % c == 0)  # pages a step of the kernel loads
     pos = q_pos_bt[:, 0]
-    q = q_btnh[:, 0].astype(jnp.float32) * scale  # the kernel does not scale
+    q = q_btnh[:, 0].astype(jnp.float32).reshape(b, k, n // k, h) * scale  # the kernel does not scale
+
+    def local(q_bkgh, k_pool, v_pool, lengths, tables):
+        rows, heads, g, _ = q_bkgh.shape
+        out = paged_attention(q_bkgh.reshape(rows, heads * g, h), k_pool, v_pool, lengths, tables,
+                              attn_logits_soft_cap=softcap, pages_per_compute_block=per_block)  # fmt: skip
+        return out.reshape(rows, heads, g, h)
+
     lengths = jnp.maximum(pos + 1, 0).astype(jnp.int32)
     interpret = pltpu.force_tpu_interpret_mode() if jax.default_backend() != "tpu" else contextlib.nullcontext()
-    with interpret:  # (the kernel's pallas_call is traced here: the mode applies to it)
-        out = paged_attention(q, pages.k, pages.v, lengths, pages.tables, attn_logits_soft_cap=softcap,
-                              pages_per_compute_block=per_block)  # fmt: skip
-    out = jnp.where((pos >= 0)[:, None, None], out, 0.0)  # an idle slot saw no key
+    with interpret:  # (the kernel's pallas_call is traced in here: the mode applies to it)
+        out = _per_device(local, q, pages.k, pages.v, lengths, pages.tables)
+    out = jnp.where((pos >= 0)[:, None, None, None], out, 0.0).reshape(b, n, h)  # an idle slot saw no key
     return out[:, None].astype(q_btnh.dtype)
+
+
+def _per_device(local, q_bkgh, k_pool, v_pool, lengths_b, tables_bm):
+    """`local` on each device's slots and kv heads under the current mesh (`shard_map`), or as it is
+    without one (as `splash._per_device`)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return local(q_bkgh, k_pool, v_pool, lengths_b, tables_bm)
+    batch = logical_spec(("batch",), q_bkgh.shape[:1], mesh)[0]
+    heads = "tensor" if k_pool.shape[0] % mesh.shape.get("tensor", 1) == 0 else None  # else all heads each
+    q_spec, pool_spec = P(batch, heads, None, None), P(heads, None, None, None)
+    sharded = jax.shard_map(
+        local, mesh=mesh, in_specs=(q_spec, pool_spec, pool_spec, P(batch), P(batch, None)), out_specs=q_spec,
+        check_vma=False,
+    )  # fmt: skip
+    return sharded(q_bkgh, k_pool, v_pool, lengths_b, tables_bm)
