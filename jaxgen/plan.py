@@ -441,10 +441,27 @@ def engine_programs(cfg, mesh, dtype: str, quantize: str = "none") -> list[Progr
     them. Extrapolated in depth as `inference_programs` is (`by_depth`), with the page count of the whole
     model (`serve.kv_memory_gb` holds fewer pages of more layers)."""
     from jaxgen.inference import steps
+    from jaxgen.inference.budget import check_serving
 
+    check_engine_plan(cfg.serve)
+    check_serving(cfg.model, cfg.serve)  # the engine's own refusals (a pool of fewer than 2 pages); the memory
+    # it would find on the devices is what this plan answers
+    if quantize == "none" and cfg.serve.quantize == "int8":
+        quantize = "int8+embedding" if cfg.serve.quantize_embedding else "int8"
     pages = steps.pool_pages(dataclasses.replace(cfg.model, dtype=dtype), cfg.serve)
     one = lambda m: _engine_programs(dataclasses.replace(cfg, model=m), mesh, dtype, quantize, pages)
     return by_depth(one, cfg.model)
+
+
+def check_engine_plan(serve) -> None:
+    """ValueError (one line) for engine settings `engine_programs` does not plan: a draft model or head, a
+    LoRA bank, and the serving mesh's sizes (the plan's mesh is --mesh)."""
+    unplanned = {"draft": (serve.draft, None), "max_loras": (serve.max_loras, 0),
+                 "data_parallel": (serve.data_parallel, 1), "tensor_parallel": (serve.tensor_parallel, 1)}  # fmt: skip
+    for name, (value, default) in unplanned.items():
+        if value != default:
+            what = "the mesh is --mesh" if name.endswith("parallel") else "not planned yet"
+            raise ValueError(f"serve.{name}={value!r} is not allowed with --engine: {what}")
 
 
 def _engine_programs(cfg, mesh, dtype: str, quantize: str, num_pages: int) -> list[Program]:
@@ -628,6 +645,9 @@ def advice(cfg, program: Program, capacity: float, mesh_sizes: dict) -> list[str
             tips.append("model.attention_impl=auto: no (T, T) score matrix kept for the backward pass")
         tips.append(f"a larger fsdp axis (now {mesh_sizes['fsdp']}): parameters, gradients and moments split further")
         tips.append(f"a smaller training.batch_size (now {cfg.training.batch_size}) with training.grad_accum")
+    elif program.name.startswith("engine"):
+        tips.append("fewer serve.slots, a smaller serve.kv_memory_gb (or serve.num_pages) or serve.prefill_chunk, "
+                    "serve.cache_dtype=bfloat16 or int8, --quantize int8, or a tensor axis")  # fmt: skip
     else:
         tips.append("fewer --slots or a shorter --cache-len, bfloat16 weights and cache, or a tensor axis")
     return tips
@@ -644,8 +664,9 @@ def run_plan(cfg, mesh_sizes: dict, device: str, slots: int, cache_len: int, chu
     mesh = target_mesh(target, mesh_sizes)
     with traced_for(backend_of(target)):
         programs = train_programs(cfg, mesh, costs=target is not None)
-        if engine:
-            programs += engine_programs(cfg, mesh, param_dtype, quantize)
+        if engine:  # serve.param_dtype where it names one
+            dtype = param_dtype if cfg.serve.param_dtype == "auto" else cfg.serve.param_dtype
+            programs += engine_programs(cfg, mesh, dtype, quantize)
         else:
             programs += inference_programs(cfg.model, mesh, slots, cache_len, chunk, param_dtype, quantize=quantize)
     memory = DEVICES[device][0] if target is None else target.chip.hbm_bytes
@@ -756,6 +777,8 @@ def roofline_lines(cfg, program: Program, target, devices: int) -> list[str]:
         floor = sum(program.parts.values()) / chip.hbm_bandwidth
         ratio = est.seconds / floor
         out.append(f"  HBM floor (weights and cache read once): {ms(floor)}; the estimate is {ratio:.2f}x it")
+    elif program.name.startswith("engine decode chunk"):  # a while loop over the chunk's steps
+        out.append("  (the compiler counts the chunk's loop body once: about one decode step of every slot)")
     if any(k.startswith("parameters (int8") for k in program.parts):  # --quantize: did the compiler keep them?
         out.append(f"  matrix products of int8 by int8 in the compiled program: {c.int8_products}")
     return out
@@ -786,8 +809,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--engine", action="store_true",
                         help="plan the serving engine's own steps (its largest prefill call and its decode chunk over "
                         "the paged cache) as serve.* sets it up (serve.slots, serve.num_pages or serve.kv_memory_gb, "
-                        "serve.cache_dtype, ...: give them as overrides) instead of a prefill and a decode step over "
-                        "a contiguous cache of --slots x --cache-len")  # fmt: skip
+                        "serve.cache_dtype, serve.quantize, serve.param_dtype (auto: --param-dtype), ...: give them as "
+                        "overrides) instead of a prefill and a decode step over a contiguous cache of --slots x "
+                        "--cache-len")  # fmt: skip
     parser.add_argument(
         "--max-seq", nargs="?", type=int, const=MAX_SEQ_TOP, default=None, metavar="TOP",
         help="instead of one plan, search the longest sequence whose train step (and prefill) fits per device, "
@@ -878,7 +902,12 @@ def main(argv=None) -> int:
 
     try:
         cfg = load_config(args.config, args.overrides)
-    except (ConfigError, OSError) as e:
+        if args.engine:  # before anything compiles
+            from jaxgen.inference.budget import check_serving
+
+            check_engine_plan(cfg.serve)
+            check_serving(cfg.model, cfg.serve)
+    except (ConfigError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.max_seq is not None:

@@ -229,13 +229,14 @@ def test_tpu_paged_decode_kernel_in_interpret_mode_equals_the_xla_loop(softcap):
         got = paged_tpu.attention(q, cache.decode_inputs(kv, layer), pos, scale=attention.logit_scale(cfg),
                                   softcap=softcap)  # fmt: skip
         np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-6)
-    assert not kernels.decode_kernel(cfg, cache, 1, backend="cpu")
-    wide = ModelConfig(num_heads=1, num_kv_heads=1, d_model=128, num_layers=2)  # heads of 128: Mosaic's blocks
-    with traced_for("tpu"):  # the paged cache names the TPU kernel there, and auto runs it over bfloat16 pages
-        assert cache.decode_kernel.name == "paged_tpu" and not kernels.decode_kernel(cfg, cache, 1)  # heads of 16
-        for dtype, runs in (("bfloat16", "paged_tpu"), ("float32", None)):
+    # on a TPU (auto) the paged cache's kernel is this one, over bfloat16 pages and heads Mosaic lowers
+    wide = ModelConfig(num_heads=1, num_kv_heads=1, d_model=128, num_layers=2)
+    assert not kernels.decode_kernel(cfg, cache, 1, backend="tpu")  # heads of 16
+    for dtype, runs in (("bfloat16", "paged_tpu"), ("float32", None)):
+        with traced_for("tpu"):  # (bfloat16 pages as a TPU stores them)
             pages = PagedCache.init(wide, num_pages=12, page_size=16, slots=4, max_pages=4, dtype=dtype)
-            assert kernels.decode_kernel(wide, pages, 1) == runs
+        assert kernels.decode_kernel(wide, pages, 1, backend="tpu") == runs
+        assert kernels.decode_kernel(wide, pages, 1, backend="cpu") is None
     assert "must be bfloat16" in paged_tpu.unfit(wide, "tpu", 16, bfloat16=False)
     assert "multiple of 128, got 16" in paged_tpu.unfit(cfg, "tpu", 16, bfloat16=True)
 
@@ -261,9 +262,8 @@ def test_engine_decodes_the_same_tokens_with_the_pallas_paged_kernel(monkeypatch
         assert a.tokens == b.tokens
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
     # the TPU kernel (in interpret mode) over a bfloat16 pool, on a data x tensor mesh (each device its slots
-    # and kv heads, under shard_map): the paged cache names it, as on a TPU
+    # and kv heads, under shard_map): the paged cache's kernel, as on a TPU
     from jaxgen.config import MeshConfig
-    from jaxgen.model import paged
     from jaxgen.sharding import make_mesh
 
     mesh = make_mesh(MeshConfig(data=2, tensor=2))
@@ -271,7 +271,7 @@ def test_engine_decodes_the_same_tokens_with_the_pallas_paged_kernel(monkeypatch
     bf16 = dataclasses.replace(serve, cache_dtype="bfloat16")
     xla, pallas = (dataclasses.replace(cfg, decode_impl=impl) for impl in ("xla", "pallas"))
     want = Engine(params, xla, Tokenizer.byte_level(), bf16, mesh=mesh).generate(prompts, sampling)
-    monkeypatch.setattr(paged, "paged_kernel", lambda: "paged_tpu")
+    monkeypatch.setattr(kernels, "paged_kernel", lambda backend=None: "paged_tpu")
     engine = Engine(params, pallas, Tokenizer.byte_level(), bf16, mesh=mesh)
     assert kernels.decode_kernel(pallas, engine.runner.state.cache, 1) == "paged_tpu"
     got = engine.generate(prompts, sampling)

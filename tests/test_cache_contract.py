@@ -87,4 +87,4 @@ def test_paged_cache_keeps_everything_and_counts_room_per_slot():
     assert cache.forget_rejected(cache, keep) is cache
     np.testing.assert_array_equal(cache.room(jnp.asarray([5, 15], jnp.int32)), [27, 1])
     assert int(cache.filled(jnp.asarray([[5], [15]], jnp.int32))) == 16
-    assert cache.decode_kernel.name == "paged_gpu" and KVCache.init(CFG, 1, 16).decode_kernel is None
+    assert cache.decode_kernel.name == "paged" and KVCache.init(CFG, 1, 16).decode_kernel is None

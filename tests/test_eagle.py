@@ -261,3 +261,14 @@ def test_int8_weights_with_the_head_equal_their_plain_decoding(target, trained_h
     got = spec.generate(prompts, [dataclasses.replace(s, num_speculative_tokens=4) for s in settings])
     assert [c.tokens for c in got] == [c.tokens for c in want]
     assert spec.speculation["accepted"] > 0
+    # the head int8 too, as serving holds it with serve.quantize=int8 (`loading.load_for_serving`)
+    from jaxgen.config import ServeConfig
+    from jaxgen.inference.loading import load_for_serving
+
+    served = load_for_serving(target, ServeConfig(quantize="int8", quantize_embedding=True, draft=str(trained_head[0])))
+    int8_head = served.draft
+    assert quant.is_q(int8_head.params["layer"]["w_q_dnh"]) and not quant.is_q(int8_head.params["fc_fd"])
+    spec8 = Generator(served.params, cfg, tok, max_batch=2, draft=int8_head, spec_gate=False)
+    got = spec8.generate(prompts, [dataclasses.replace(s, num_speculative_tokens=4) for s in settings])
+    assert [c.tokens for c in got] == [c.tokens for c in want]
+    assert spec8.speculation["accepted"] > 0

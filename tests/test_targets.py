@@ -71,8 +71,9 @@ def test_int8_products_are_read_from_hlo_text():
         "  %f = f32[16,256]{1,0} dot(%p2, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
         '  %r = s32[1024]{0} reduce(%m, %z), dimensions={1}, to_apply=%add, metadata={op_name="jit(f)/dot_general"}',
         '  %s = s32[] reduce(%n, %z), dimensions={0}, to_apply=%add, metadata={op_name="jit(f)/reduce_sum"}',
+        "  %t = f32[16,256]{1,0} dot(bf16[16,128]{1,0:T(8,128)(2,1)} %p2, s8[128,256]{1,0:T(8,128)(4,1)} %p1)",
     ])  # fmt: skip
-    assert hlo.int8_products(text) == 3  # not the bf16 x int8 product, nor a sum that was no product
+    assert hlo.int8_products(text) == 3  # not the bf16 x int8 products, nor a sum that was no product
 
 
 def test_flops_and_bytes_are_counted_from_hlo_kernels():

@@ -126,8 +126,8 @@ class ModelConfig:
     attention_block: int = 512  # query and key block of blockwise and splash attention
     decode_impl: Literal["auto", "xla", "pallas"] = "auto"  # attention of a decode step over the engine's
     #   paged cache: xla: the blockwise loop over pages (jaxgen.model.attention); pallas: the backend's Pallas
-    #   paged-attention kernel (TPU's on a TPU, else the GPU one, interpret mode off a GPU; not for sliding
-    #   windows); auto: pallas on GPU and TPU (jaxgen.model.kernels.paged_kernel)
+    #   paged-attention kernel (TPU's on a TPU: bfloat16 pages, heads a multiple of 128; else the GPU one,
+    #   interpret mode off a GPU; neither for sliding windows); auto: pallas on GPU and TPU (kernels.paged_kernel)
     cache_layout: Literal["auto", "blocks", "flat"] = "auto"  # how the Generator's contiguous cache holds a
     #   layer's slots (jaxgen.model.kvcache): blocks: up to 16 buffers, each written and read under a lax.cond
     #   (what XLA:CPU runs fastest); flat: one buffer written without a cond and read in one masked pass (a

@@ -47,7 +47,8 @@ class Loaded:
 def load_for_serving(source, serve: ServeConfig, mesh=None, *, cfg=None, tokenizer=None, draft=None) -> Loaded:
     """The model `serve` asks for: `source` a run or Hugging Face folder (`load_model`, held in
     serve.param_dtype) or params given with their `cfg` and `tokenizer`; int8 weights with serve.quantize
-    (a no-op on weights already int8); the draft model of serve.draft unless `draft` is given."""
+    (a no-op on weights already int8), an EAGLE head's too (`eagle.quantized`); the draft model of
+    serve.draft unless `draft` is given."""
     if isinstance(source, str | Path):
         found = model_config(source)
         if found is not None:  # checked before the weights load (and by the engine again, with the draft model)
@@ -62,6 +63,8 @@ def load_for_serving(source, serve: ServeConfig, mesh=None, *, cfg=None, tokeniz
     if serve.draft is not None and draft is None:
         draft = load_draft(serve.draft, tokenizer, mesh, param_dtype=serve.param_dtype, quantize=serve.quantize,
                            quantize_embedding=serve.quantize_embedding)  # fmt: skip
+    if serve.quantize == "int8" and isinstance(draft, eagle.Head):
+        draft = eagle.quantized(draft)
     return Loaded(cfg, tokenizer, source, draft)
 
 

@@ -223,6 +223,13 @@ def check_head(head: Head, cfg: ModelConfig) -> Head:
     return head
 
 
+def quantized(head: Head) -> Head:
+    """The head with its layer's matrix products in int8 (`quant.quantize_params`: q, k, v, o and the MLP, one
+    scale per output channel), as `serve.quantize=int8` holds the target's; the input projection `fc_fd`
+    and the draft vocabulary's `head_dv` stay as they are. Already int8: unchanged."""
+    return head.replace(params=head.params | {"layer": quant.quantize_params(head.params["layer"])})
+
+
 def with_max_len(head: Head, max_seq_len: int) -> Head:
     """The head reaching `max_seq_len` positions (RoPE: any)."""
     return head.replace(cfg=dataclasses.replace(head.cfg, max_seq_len=max_seq_len))

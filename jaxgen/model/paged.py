@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from jaxgen.config import ModelConfig
 from jaxgen.model.context import AXIS
-from jaxgen.model.kernels import DecodeKernel, cpu, paged_gpu, paged_kernel
+from jaxgen.model.kernels import DecodeKernel, cpu, paged_gpu
 from jaxgen.model.storage import dequantize_kv, from_storage, quantize_kv, scale_buffer, storage_dtype, to_storage
 from jaxgen.sharding import constrain, context_size, logical_spec
 
@@ -211,7 +211,7 @@ class PagedCache:
         """The backend's Pallas paged kernel (`kernels.paged_kernel`), which reads the pools in place."""
         bfloat16 = self.k.dtype in (jnp.bfloat16, jnp.uint16)  # (uint16: bfloat16's bits, `storage`)
         facts = {"page_size": self.page_size, "quantized": self.k_scale is not None, "bfloat16": bfloat16}
-        return DecodeKernel(paged_kernel(), facts)
+        return DecodeKernel("paged", facts)
 
     def decode_inputs(self, kv, layer) -> paged_gpu.Pages:
         """The pools of float pages seen as (K, L * Q, Z, H), a free reshape, and each slot's pages of

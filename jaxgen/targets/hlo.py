@@ -67,10 +67,21 @@ def int8_products(hlo_text: str) -> int:
             name, shape, op, rest = found.groups()
             shapes[name] = shape
             if op in ("dot", "convolution"):
-                products.append(rest.split(")", 1)[0])
+                products.append(re.findall(r"%([\w.\-]+)", _operands(rest)))  # "%x" or "s8[4]{0:T(8)} %x"
             sums += op == "reduce" and shape.startswith("s32[") and '/dot_general"' in rest
     int8 = lambda name: shapes.get(name, "").startswith("s8[")
-    return sums + sum(all(map(int8, re.findall(r"%([\w.\-]+)", args))) for args in products)  # "%x", "s8[4] %x"
+    return sums + sum(bool(names) and all(map(int8, names)) for names in products)
+
+
+def _operands(rest: str) -> str:
+    """The operand list of an instruction, from the text after its opening parenthesis to the matching one
+    (operands may carry shapes with parenthesised layouts, e.g. {1,0:T(8,128)(2,1)})."""
+    depth = 0
+    for i, ch in enumerate(rest):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth < 0:
+            return rest[:i]
+    return rest
 
 
 def shape_bytes(shape_text: str) -> float:

@@ -62,7 +62,7 @@ class DecodeKernel(NamedTuple):
     """A cache's claim on a fused decode kernel (`Cache.decode_kernel`): which one, and the facts about the
     cache that kernel's `unfit` checks (its keyword arguments; paged_gpu: page_size, quantized)."""
 
-    name: str  # a key of DECODE_KERNELS
+    name: str  # a key of DECODE_KERNELS, or "paged": the backend's paged kernel (`paged_kernel`)
     facts: dict
 
 
@@ -133,15 +133,18 @@ def paged_kernel(backend: str | None = None) -> str:
 def decode_kernel(cfg: ModelConfig, cache, num_queries: int, backend: str | None = None) -> str | None:
     """The fused decode kernel this cached attention call runs (a key of DECODE_KERNELS), or None for
     attention's XLA block loop: a decode step (one query per row) over a cache that names a kernel
-    (`cache.decode_kernel`; the paged cache: `paged_kernel`), with `model.decode_impl` pallas, or auto on the
-    kernel's backend, and the kernel's constraints met."""
+    (`cache.decode_kernel`; the paged cache names "paged": `paged_kernel(backend)`), with `model.decode_impl`
+    pallas, or auto on the kernel's backend, and the kernel's constraints met (with pallas, a reason it cannot
+    run is logged once; auto falls back to the loop without a word)."""
     claim = cache.decode_kernel
     if claim is None or num_queries != 1 or cfg.decode_impl == "xla":
         return None
-    reason = DECODE_KERNELS[claim.name].unfit(cfg, backend or jax.default_backend(), **claim.facts)
+    backend = backend or jax.default_backend()
+    name = paged_kernel(backend) if claim.name == "paged" else claim.name
+    reason = DECODE_KERNELS[name].unfit(cfg, backend, **claim.facts)
     if reason and cfg.decode_impl == "pallas":
-        _warn_once(f"model.decode_impl=pallas: the {claim.name} kernel cannot run ({reason}); using the XLA loop")
-    return None if reason else claim.name
+        _warn_once(f"model.decode_impl=pallas: the {name} kernel cannot run ({reason}); using the XLA loop")
+    return None if reason else name
 
 
 def decode_attention(name: str, q_btnh, inputs, q_pos_bt, *, scale: float, softcap: float | None):

@@ -1,6 +1,6 @@
 """The TPU Pallas paged-attention kernel (`jax.experimental.pallas.ops.tpu.paged_attention`) for a decode
-step over the serving engine's page pool, read in place (off a TPU in Pallas's TPU interpret mode: exact
-but slow, for tests).
+step over the serving engine's page pool, read in place. `kernels.paged_kernel` picks it on a TPU only; called
+elsewhere (the tests) it runs in Pallas's TPU interpret mode: exact but slow.
 
 Why this kernel and not the ragged paged-attention one jax also ships: it reads keys and values as two
 (K, P, Z, H) pools, the engine's own layout (which the GPU kernel reads too), where the ragged kernel wants
@@ -73,7 +73,7 @@ def _per_device(local, q_bkgh, k_pool, v_pool, lengths_b, tables_bm):
     if mesh.empty or mesh.size == 1:
         return local(q_bkgh, k_pool, v_pool, lengths_b, tables_bm)
     batch = logical_spec(("batch",), q_bkgh.shape[:1], mesh)[0]
-    heads = "tensor" if k_pool.shape[0] % mesh.shape.get("tensor", 1) == 0 else None  # else all heads each
+    heads = logical_spec(("kv_heads",), k_pool.shape[:1], mesh)[0]  # as the pool is split (else every head each)
     q_spec, pool_spec = P(batch, heads, None, None), P(heads, None, None, None)
     sharded = jax.shard_map(
         local, mesh=mesh, in_specs=(q_spec, pool_spec, pool_spec, P(batch), P(batch, None)), out_specs=q_spec,
