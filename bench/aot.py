@@ -10,11 +10,17 @@ at batch 1 with int8 weights (`serve.quantize=int8`; with how many int8 x int8 p
 Every time in the table is an ESTIMATE from the compiler's counts at the chip's published peaks
 (`jaxgen.targets.roofline`: perfect overlap, so a lower bound), never a measurement; the compile
 seconds are measured here. Needs the `tpu-compile` extra for TPU rows and `gpu-compile` for GPU rows.
+
+    python bench/aot.py --rows llama-3.1-8b:tpu-v5p-8:fsdp=4:model.remat=full --peer maxtext --maxtext-python PY
+
+MaxText's own train step for the same TPU rows (its `train_compile`, run in its own environment, PY its
+interpreter) beside jaxgen's: per-device memory from each side's compiler analysis, and the versions.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -50,6 +56,7 @@ def row(spec: str, cache_len: int) -> dict:
         decodes = {b: plan.inference_programs(cfg.model, mesh, b, cache_len, 1, "bfloat16")[1] for b in (1, 64)}
         decodes["1 int8"] = plan.inference_programs(cfg.model, mesh, 1, cache_len, 1, "bfloat16", quantize="int8")[1]
     out["train_gb"] = train.peak / 1e9
+    out["train_args_gb"], out["train_temp_gb"] = train.arguments / 1e9, train.temporaries / 1e9
     out["oom"] = train.oom
     if train.costs is not None:
         est = estimate(train.costs, target.chip)
@@ -66,6 +73,78 @@ def row(spec: str, cache_len: int) -> dict:
         out[f"floor{b}_ms"] = floor * 1e3
     out["int8_products"] = decodes["1 int8"].costs.int8_products if decodes["1 int8"].costs else 0
     return out
+
+
+# jaxgen's configs -> MaxText's model names (its configs/models/*.yml)
+MAXTEXT_MODELS = {"llama-3.1-8b": "llama3.1-8b", "llama-3.1-70b": "llama3.1-70b"}
+
+
+def maxtext_row(spec: str, python: str) -> dict:
+    """MaxText's own train step for the same TPU topology, global batch, sequence length, remat and fsdp axis as
+    row `spec`, compiled by its `train_compile` in its own environment (`python`: that environment's
+    interpreter; MaxText needs Python >= 3.12 and its own jax), its memory analysis per device read from
+    what it prints."""
+    import re
+    import subprocess
+
+    from jaxgen.config import load_config
+    from jaxgen.targets import catalog
+
+    name, target_name, mesh_text, *overrides = spec.split(":")
+    target = catalog.get(target_name)
+    if name not in MAXTEXT_MODELS or target.platform != "tpu":
+        raise ValueError(f"--peer maxtext: no MaxText equivalent of {name} on {target_name} "
+                         f"(models {', '.join(MAXTEXT_MODELS)}, TPU targets)")  # fmt: skip
+    cfg = load_config(ROOT / "configs" / f"{name}.yaml", overrides)
+    fsdp = dict(kv.split("=") for kv in mesh_text.split(",")).get("fsdp", "-1")
+    base = subprocess.run([python, "-c", "import maxtext, os; print(os.path.dirname(maxtext.__file__))"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    remat = {"none": "minimal", "full": "full"}.get(cfg.model.remat, "full")
+    args = [
+        f"{base}/configs/base.yml", f"compile_topology={target_name.removeprefix('tpu-')}",
+        "compile_topology_num_slices=1", f"model_name={MAXTEXT_MODELS[name]}",
+        f"per_device_batch_size={cfg.training.batch_size / target.chips:g}", f"max_target_length={cfg.data.seq_len}",
+        f"remat_policy={remat}", f"ici_fsdp_parallelism={fsdp}", "dataset_type=synthetic",
+        "enable_checkpointing=false", "base_output_directory=/tmp/jaxgen-maxtext", "run_name=aot",
+    ]  # fmt: skip
+    began = time.perf_counter()
+    done = subprocess.run([python, "-m", "maxtext.trainers.pre_train.train_compile", *args], capture_output=True,
+                          text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=3600)  # fmt: skip
+    out = done.stdout + done.stderr
+    memory = re.search(r"Memory analysis: CompiledMemoryStats\((.*?)\)", out)
+    if done.returncode or memory is None:
+        tail = " | ".join(out.strip().splitlines()[-3:])
+        return {"row": spec, "peer": "maxtext", "error": f"exit {done.returncode}: {tail}"}
+    stats = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", memory.group(1))}
+    versions = re.findall(r"(Jax|Jaxlib) Version: (\S+)", out)
+    peak = stats["argument_size_in_bytes"] + stats["temp_size_in_bytes"] + stats["output_size_in_bytes"]
+    return {
+        "row": spec, "peer": "maxtext", "peak_gb": (peak - stats["alias_size_in_bytes"]) / 1e9,
+        "temp_gb": stats["temp_size_in_bytes"] / 1e9, "args_gb": stats["argument_size_in_bytes"] / 1e9,
+        "compile_s": time.perf_counter() - began, "remat": remat, "versions": " ".join(f"{a} {b}" for a, b in versions),
+    }  # fmt: skip
+
+
+def peer_table(rows: list[dict], peers: list[dict]) -> str:
+    """jaxgen's train step beside MaxText's, per device, each compiled by its own jax and libtpu."""
+    import jax
+
+    mine = {r["row"]: r for r in rows}
+    lines = [
+        "| row | jaxgen GB/device (arguments, temporaries) | MaxText GB/device (arguments, temporaries) | "
+        "MaxText remat | MaxText compile s | compiled by |",
+        "|---|---|---|---|---|---|",
+    ]
+    for p in peers:
+        r = mine.get(p["row"], {})
+        ours = f"{r['train_gb']:.1f} ({r['train_args_gb']:.1f}, {r['train_temp_gb']:.1f})" if r else "-"
+        if "error" in p:
+            lines.append(f"| {p['row']} | {ours} | failed: {p['error'][:200]} | - | - | - |")
+            continue
+        theirs = f"{p['peak_gb']:.1f} ({p['args_gb']:.1f}, {p['temp_gb']:.1f})"
+        who = f"jaxgen: jax {jax.__version__}; MaxText: {p['versions']}"
+        lines.append(f"| {p['row']} | {ours} | {theirs} | {p['remat']} | {p['compile_s']:.0f} | {who} |")
+    return "\n".join(lines)
 
 
 def table(rows: list[dict], cache_len: int) -> str:
@@ -92,7 +171,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", action="append", help="CONFIG:TARGET:MESH[:OVERRIDE...] (repeatable)")
     parser.add_argument("--cache-len", type=int, default=8192, help="decode cache slots (8192)")
+    parser.add_argument("--peer", choices=["maxtext"], default=None,
+                        help="also compile MaxText's train step for each TPU row whose model it has, in its own "
+                        "environment (--maxtext-python), and print its memory beside jaxgen's")  # fmt: skip
+    parser.add_argument("--maxtext-python", default=os.environ.get("MAXTEXT_PYTHON"),
+                        help="the interpreter of an environment with maxtext installed (pip install maxtext and "
+                        "its requirements; Python >= 3.12); default $MAXTEXT_PYTHON")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.peer and not args.maxtext_python:
+        parser.error("--peer maxtext needs --maxtext-python (or $MAXTEXT_PYTHON): MaxText runs in its own environment")
     import jax
 
     jax.config.update("jax_platforms", "cpu")  # the compilers' devices come from jax.experimental.topologies
@@ -107,6 +194,14 @@ def main(argv=None) -> int:
         print(f"compiling {spec} ...", file=sys.stderr, flush=True)
         rows.append(row(spec, args.cache_len))
     print(table(rows, args.cache_len))
+    if args.peer:
+        specs = [r["row"] for r in rows if r["row"].split(":")[0] in MAXTEXT_MODELS]
+        peers = []
+        for spec in specs:
+            print(f"compiling MaxText's step for {spec} ...", file=sys.stderr, flush=True)
+            peers.append(maxtext_row(spec, args.maxtext_python))
+        print()
+        print(peer_table(rows, peers))
     return 0
 
 

@@ -227,21 +227,26 @@ def test_int8_weights_compile_for_a_tpu_slice_as_int8_products(small_cfg, tpu_me
 def test_the_engines_decode_chunk_runs_the_tpu_paged_kernel_lowered_by_mosaic(small_cfg):
     """With a bfloat16 page pool, the engine's decode chunk reads the pages with the TPU Pallas paged-attention
     kernel (`kernels.paged_tpu`), lowered by Mosaic: a custom call per layer, on one chip and on a data x
-    tensor mesh of 4 (inside shard_map); its prefill call keeps attention's XLA loop. A float32 pool keeps
-    the loop in both."""
-    one = jax.sharding.Mesh(np.array(devices.compile_devices(TPU)[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+    tensor mesh of 4 (inside shard_map), for v5e and v6e; its prefill call keeps attention's XLA loop. A
+    float32 pool keeps the loop in both."""
+    chip = lambda target: jax.sharding.Mesh(
+        np.array(devices.compile_devices(target)[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor")
+    )  # fmt: skip
+    one, v6e = chip(TPU), chip(catalog.get("tpu-v6e-4"))
     four = devices.target_mesh(TPU, {"data": 2, "fsdp": 1, "tensor": 2})
     serve = dataclasses.replace(small_cfg.serve, slots=8, num_pages=64, prefill_chunk=256, grammar_states=16)
     cfg = dataclasses.replace(small_cfg, model=dataclasses.replace(small_cfg.model, d_model=256, num_heads=2))
     assert (cfg.model.head_size, cfg.model.kv_heads) == (128, 2)  # heads Mosaic lowers it for; 1 a device
     calls = {}
-    for dtype, mesh in (("bfloat16", one), ("float32", one), ("bfloat16", four)):
+    for name, dtype, mesh in (("v5e", "bfloat16", one), ("v5e", "float32", one), ("v5e", "bfloat16", four),
+                              ("v6e", "bfloat16", v6e)):  # fmt: skip
         run = dataclasses.replace(cfg, serve=dataclasses.replace(serve, cache_dtype=dtype))
         with devices.traced_for("tpu"):
             prefill, chunk = plan.engine_programs(run, mesh, "bfloat16")
-        calls[dtype, mesh.size] = [p.costs.kernels.get("tpu_custom_call", 0) for p in (prefill, chunk)]
+        calls[name, dtype, mesh.size] = [p.costs.kernels.get("tpu_custom_call", 0) for p in (prefill, chunk)]
     layers = cfg.model.num_layers
-    assert calls == {("bfloat16", 1): [0, layers], ("float32", 1): [0, 0], ("bfloat16", 4): [0, layers]}
+    assert calls == {("v5e", "bfloat16", 1): [0, layers], ("v5e", "float32", 1): [0, 0],
+                     ("v5e", "bfloat16", 4): [0, layers], ("v6e", "bfloat16", 1): [0, layers]}  # fmt: skip
     assert "multiple of 128, got 64" in kernels.paged_tpu.unfit(small_cfg.model, "tpu", 16, bfloat16=True)
 
 
