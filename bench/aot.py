@@ -88,6 +88,7 @@ def maxtext_row(spec: str, python: str) -> dict:
     import subprocess
 
     from jaxgen.config import load_config
+    from jaxgen.runtime import NO_TPU_VM
     from jaxgen.targets import catalog
 
     name, target_name, mesh_text, *overrides = spec.split(":")
@@ -97,8 +98,8 @@ def maxtext_row(spec: str, python: str) -> dict:
                          f"(models {', '.join(MAXTEXT_MODELS)}, TPU targets)")  # fmt: skip
     cfg = load_config(ROOT / "configs" / f"{name}.yaml", overrides)
     fsdp = dict(kv.split("=") for kv in mesh_text.split(",")).get("fsdp", "-1")
-    base = subprocess.run([python, "-c", "import maxtext, os; print(os.path.dirname(maxtext.__file__))"],
-                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    probe = "import maxtext, os, importlib.metadata as m; print(os.path.dirname(maxtext.__file__), m.version('libtpu'))"
+    base, libtpu = subprocess.run([python, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
     remat = {"none": "minimal", "full": "full"}.get(cfg.model.remat, "full")
     args = [
         f"{base}/configs/base.yml", f"compile_topology={target_name.removeprefix('tpu-')}",
@@ -107,16 +108,20 @@ def maxtext_row(spec: str, python: str) -> dict:
         f"remat_policy={remat}", f"ici_fsdp_parallelism={fsdp}", "dataset_type=synthetic",
         "enable_checkpointing=false", "base_output_directory=/tmp/jaxgen-maxtext", "run_name=aot",
     ]  # fmt: skip
+    # its own libtpu: not the one jax loaded here (TPU_LIBRARY_PATH, which jax sets: MaxText's jax then fed our
+    # older libtpu its Mosaic kernels, "Could not convert JSON string"), nor the TPU-VM defaults set for it
+    unset = {*NO_TPU_VM, "TPU_LIBRARY_PATH"}
+    env = {k: v for k, v in os.environ.items() if k not in unset} | {"JAX_PLATFORMS": "cpu"}
     began = time.perf_counter()
     done = subprocess.run([python, "-m", "maxtext.trainers.pre_train.train_compile", *args], capture_output=True,
-                          text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=3600)  # fmt: skip
+                          text=True, env=env, timeout=3600)  # fmt: skip
     out = done.stdout + done.stderr
     memory = re.search(r"Memory analysis: CompiledMemoryStats\((.*?)\)", out)
     if done.returncode or memory is None:
         tail = " | ".join(out.strip().splitlines()[-3:])
         return {"row": spec, "peer": "maxtext", "error": f"exit {done.returncode}: {tail}"}
     stats = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", memory.group(1))}
-    versions = re.findall(r"(Jax|Jaxlib) Version: (\S+)", out)
+    versions = [*re.findall(r"(Jax|Jaxlib) Version: (\S+)", out), ("libtpu", libtpu)]
     peak = stats["argument_size_in_bytes"] + stats["temp_size_in_bytes"] + stats["output_size_in_bytes"]
     return {
         "row": spec, "peer": "maxtext", "peak_gb": (peak - stats["alias_size_in_bytes"]) / 1e9,
@@ -142,7 +147,9 @@ def peer_table(rows: list[dict], peers: list[dict]) -> str:
             lines.append(f"| {p['row']} | {ours} | failed: {p['error'][:200]} | - | - | - |")
             continue
         theirs = f"{p['peak_gb']:.1f} ({p['args_gb']:.1f}, {p['temp_gb']:.1f})"
-        who = f"jaxgen: jax {jax.__version__}; MaxText: {p['versions']}"
+        import importlib.metadata
+
+        who = f"jaxgen: jax {jax.__version__} libtpu {importlib.metadata.version('libtpu')}; MaxText: {p['versions']}"
         lines.append(f"| {p['row']} | {ours} | {theirs} | {p['remat']} | {p['compile_s']:.0f} | {who} |")
     return "\n".join(lines)
 
