@@ -381,11 +381,7 @@ def _inference_programs(model_cfg, mesh, slots, cache_len, chunk, dtype, decode,
     from jaxgen.sharding import batch_sharding
 
     model_cfg = dataclasses.replace(_plannable_model(model_cfg, on=mesh), dtype=dtype)
-    params = _per_layer(abstract_params(model_cfg, mesh, dtype), mesh)
-    weights = f"parameters ({dtype})"
-    if quantize != "none":
-        params = abstract_quantized(params, embedding=quantize == "int8+embedding")
-        weights = f"parameters (int8 + {dtype})"
+    params, weights = _held(_per_layer(abstract_params(model_cfg, mesh, dtype), mesh), dtype, quantize)
     cache = _abstract_cache(model_cfg, mesh, slots, cache_len, dtype)
 
     def step(params, tokens, positions, cache):  # what the generator and engine run: the head at the last token only
@@ -404,6 +400,14 @@ def _inference_programs(model_cfg, mesh, slots, cache_len, chunk, dtype, decode,
         program = Program(name, parts, temps, args, "activations, workspace", _new_outputs(mem), costs=costs)
         out.append(dataclasses.replace(program, oom=_oom(mem)))
     return out
+
+
+def _held(params, dtype: str, quantize: str):
+    """(abstract params as serving holds them, their part's name): `quantize` "none", "int8" or
+    "int8+embedding" (`abstract_quantized`)."""
+    if quantize == "none":
+        return params, f"parameters ({dtype})"
+    return abstract_quantized(params, embedding=quantize == "int8+embedding"), f"parameters (int8 + {dtype})"
 
 
 def abstract_quantized(params, embedding: bool = False):
@@ -448,7 +452,7 @@ def engine_programs(cfg, mesh, dtype: str, quantize: str = "none") -> list[Progr
     # it would find on the devices is what this plan answers
     if quantize == "none" and cfg.serve.quantize == "int8":
         quantize = "int8+embedding" if cfg.serve.quantize_embedding else "int8"
-    pages = steps.pool_pages(dataclasses.replace(cfg.model, dtype=dtype), cfg.serve)
+    pages = steps.pool_pages(cfg.model, cfg.serve)
     one = lambda m: _engine_programs(dataclasses.replace(cfg, model=m), mesh, dtype, quantize, pages)
     return by_depth(one, cfg.model)
 
@@ -475,9 +479,7 @@ def _engine_programs(cfg, mesh, dtype: str, quantize: str, num_pages: int) -> li
 
     serve = cfg.serve.for_programs
     model_cfg = dataclasses.replace(_plannable_model(cfg.model, on=mesh), dtype=dtype)
-    params = abstract_params(model_cfg, mesh, dtype)
-    if quantize != "none":
-        params = abstract_quantized(params, embedding=quantize == "int8+embedding")
+    params, weights = _held(abstract_params(model_cfg, mesh, dtype), dtype, quantize)
     params = _placed(lambda p: model.decode_params(p, serve.slots, model_cfg), mesh, params)
     max_pages = PagePolicy(num_pages, serve.page_size, serve.slots, model_cfg.max_seq_len, serve.chunk_steps,
                            False).max_pages  # fmt: skip
@@ -491,7 +493,6 @@ def _engine_programs(cfg, mesh, dtype: str, quantize: str, num_pages: int) -> li
     rows = jax.tree.map(like, steps.pack_rows([], r, c, model_cfg, bool(serve.max_loras)))
     admit = jax.jit(functools.partial(steps.admit_rows, cfg=model_cfg), donate_argnums=(1, 2))
     chunk = jax.jit(functools.partial(steps.decode_chunk, cfg=model_cfg), donate_argnums=1)
-    weights = f"parameters ({dtype})" if quantize == "none" else f"parameters (int8 + {dtype})"
     pool, table = per_device_bytes(state.cache), per_device_bytes(state.grammar_table)
     parts = {weights: per_device_bytes(params), f"KV pages ({num_pages}, {serve.cache_dtype})": pool,
              f"grammar table ({state.grammar_table.shape[0]} states)": table,
@@ -864,9 +865,9 @@ def check_args(args) -> None:
                             (args.no_prefill, f"--no-prefill {one_plan}")):  # fmt: skip
             if given:
                 raise ValueError(what)
-        settings = {"slots": "serve.slots", "cache_len": "model.max_seq_len", "prefill_chunk": "serve.prefill_chunk"}
-        for name, setting in settings.items():
-            if args.engine and getattr(args, name) is not None:
+        engine = {"slots": "serve.slots", "cache_len": "model.max_seq_len", "prefill_chunk": "serve.prefill_chunk"}
+        for name, setting in engine.items() if args.engine else ():
+            if getattr(args, name) is not None:
                 raise ValueError(f"--{name.replace('_', '-')} is not allowed with --engine: the engine's is {setting}")
         return
     if args.quantize != "none":

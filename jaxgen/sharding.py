@@ -115,6 +115,16 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, logical_spec(names, x.shape, mesh))
 
 
+def per_device(local, in_specs, out_specs, *args):
+    """`local(*args)` on each device's shards under the current mesh (`shard_map` over `in_specs` and
+    `out_specs`), or as it is without a mesh of several devices: for kernels the compiler does not partition
+    (Mosaic's: `kernels.splash`, `kernels.paged_tpu`)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return local(*args)
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
+
+
 def batch_sharding(mesh: Mesh, shape) -> NamedSharding:
     """Batches: leading axis over data and fsdp, the rest replicated."""
     return named_sharding(mesh, ("batch",) + (None,) * (len(shape) - 1), shape)

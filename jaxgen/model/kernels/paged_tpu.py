@@ -19,12 +19,12 @@ from jax.sharding import PartitionSpec as P
 
 from jaxgen.config import ModelConfig
 from jaxgen.model.kernels.paged_gpu import Pages
-from jaxgen.sharding import logical_spec
+from jaxgen.sharding import logical_spec, per_device
 
 
 def unfit(cfg: ModelConfig, backend: str, page_size: int, quantized: bool = False, bfloat16: bool = False):
     """Why the kernel cannot run decode for `cfg` over pages of `page_size` (int8 if `quantized`, bfloat16
-    if `bfloat16`), or None (off a TPU, decode_impl=pallas runs it in interpret mode)."""
+    if `bfloat16`) on `backend`, or None (`kernels.paged_kernel` names it on a TPU only)."""
     if cfg.decode_impl == "auto" and backend != "tpu":
         return f"it is a TPU kernel, the backend is {backend}"
     if cfg.sliding_window is not None:
@@ -67,16 +67,10 @@ def attention(q_btnh, pages: Pages, q_pos_bt, *, scale: float, softcap: float | 
 
 
 def _per_device(local, q_bkgh, k_pool, v_pool, lengths_b, tables_bm):
-    """`local` on each device's slots and kv heads under the current mesh (`shard_map`), or as it is
-    without one (as `splash._per_device`)."""
+    """`local` on each device's slots and kv heads under the current mesh (`sharding.per_device`)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1:
-        return local(q_bkgh, k_pool, v_pool, lengths_b, tables_bm)
     batch = logical_spec(("batch",), q_bkgh.shape[:1], mesh)[0]
     heads = logical_spec(("kv_heads",), k_pool.shape[:1], mesh)[0]  # as the pool is split (else every head each)
     q_spec, pool_spec = P(batch, heads, None, None), P(heads, None, None, None)
-    sharded = jax.shard_map(
-        local, mesh=mesh, in_specs=(q_spec, pool_spec, pool_spec, P(batch), P(batch, None)), out_specs=q_spec,
-        check_vma=False,
-    )  # fmt: skip
-    return sharded(q_bkgh, k_pool, v_pool, lengths_b, tables_bm)
+    in_specs = (q_spec, pool_spec, pool_spec, P(batch), P(batch, None))
+    return per_device(local, in_specs, q_spec, q_bkgh, k_pool, v_pool, lengths_b, tables_bm)

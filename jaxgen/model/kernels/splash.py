@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxgen.config import ModelConfig
 from jaxgen.model.kernels.masks import by_window, segments
-from jaxgen.sharding import logical_spec
+from jaxgen.sharding import logical_spec, per_device
 
 
 def unfit(cfg: ModelConfig, backend: str) -> str | None:
@@ -71,17 +71,11 @@ def attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, window, cfg:
 
 
 def _per_device(local, q_bkgth, k_bkth, v_bkth, seg_bt, window):
-    """`local` on each device's rows and kv heads under the current mesh (`shard_map`), or as it is
-    without one."""
+    """`local` on each device's rows and kv heads under the current mesh (`sharding.per_device`)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1:
-        return local(q_bkgth, k_bkth, v_bkth, seg_bt, window)
     batch = logical_spec(("batch",), q_bkgth.shape[:1], mesh)[0]
     tensor = mesh.shape.get("tensor", 1)
     heads = "tensor" if k_bkth.shape[1] % tensor == 0 else None  # else every device all heads
     q_spec, kv_spec = P(batch, heads, None, None, None), P(batch, heads, None, None)
-    sharded = jax.shard_map(
-        local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P(batch, None), P()), out_specs=q_spec,
-        check_vma=False,
-    )  # fmt: skip
-    return sharded(q_bkgth, k_bkth, v_bkth, seg_bt, window)
+    in_specs = (q_spec, kv_spec, kv_spec, P(batch, None), P())
+    return per_device(local, in_specs, q_spec, q_bkgth, k_bkth, v_bkth, seg_bt, window)
