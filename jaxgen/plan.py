@@ -444,15 +444,12 @@ def engine_programs(cfg, mesh, dtype: str, quantize: str = "none") -> list[Progr
     (sampling settings, per-slot token buffers, penalty counts, the grammar table) as the engine allocates
     them. Extrapolated in depth as `inference_programs` is (`by_depth`), with the page count of the whole
     model (`serve.kv_memory_gb` holds fewer pages of more layers)."""
-    from jaxgen.inference import steps
-    from jaxgen.inference.budget import check_serving
+    from jaxgen.inference.budget import check_settings
 
     check_engine_plan(cfg.serve)
-    check_serving(cfg.model, cfg.serve)  # the engine's own refusals (a pool of fewer than 2 pages); the memory
-    # it would find on the devices is what this plan answers
+    pages, _ = check_settings(cfg.model, cfg.serve)  # the engine's refusals but memory (this plan's question)
     if quantize == "none" and cfg.serve.quantize == "int8":
         quantize = "int8+embedding" if cfg.serve.quantize_embedding else "int8"
-    pages = steps.pool_pages(cfg.model, cfg.serve)
     one = lambda m: _engine_programs(dataclasses.replace(cfg, model=m), mesh, dtype, quantize, pages)
     return by_depth(one, cfg.model)
 
@@ -904,10 +901,10 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         if args.engine:  # before anything compiles
-            from jaxgen.inference.budget import check_serving
+            from jaxgen.inference.budget import check_settings
 
             check_engine_plan(cfg.serve)
-            check_serving(cfg.model, cfg.serve)
+            check_settings(cfg.model, cfg.serve)
     except (ConfigError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

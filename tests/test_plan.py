@@ -68,6 +68,13 @@ def test_the_engines_steps_are_planned_as_the_engine_holds_them(cfg):
         assert program.temporaries > 0 and not program.oom
 
 
+def test_an_engine_plan_is_not_bounded_by_this_machines_memory(cfg):
+    # 40 GB of pages on this 24 GB machine: planned (the question is the device's memory), not refused
+    run = dataclasses.replace(cfg, serve=dataclasses.replace(cfg.serve, kv_memory_gb=40.0, grammar_states=16))
+    decode = plan.engine_programs(run, make_mesh(MeshConfig(data=1)), "bfloat16")[1]
+    assert decode.parts[next(k for k in decode.parts if k.startswith("KV pages"))] > 39 * 2**30
+
+
 def test_parts_equal_the_analytic_count_and_xla_arguments(cfg):
     one = make_mesh(MeshConfig(data=1))
     train = plan.train_program(cfg, one)

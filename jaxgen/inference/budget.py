@@ -25,7 +25,25 @@ HEADROOM = 0.9  # of the memory found, what the engine's buffers may take: the w
 
 
 def check_serving(cfg: ModelConfig, serve: ServeConfig, draft_cfg: ModelConfig | None = None, mesh=None) -> None:
-    """ConfigError for settings this model cannot serve with, before anything is allocated (see the module)."""
+    """ConfigError for settings this model cannot serve with, before anything is allocated (see the module):
+    `check_settings`, then the engine's buffers against the memory of `mesh`'s devices (or this machine's)."""
+    pages, per_page = check_settings(cfg, serve, draft_cfg)
+    needs = planned_bytes(cfg, serve, pages, per_page)
+    available, where = memory_available(mesh)
+    total = sum(needs.values())
+    if total > HEADROOM * available:
+        key = max(needs, key=needs.get)
+        value = getattr(serve, key.split(".")[1])
+        parts = ", ".join(f"{k} {_gb(v)}" for k, v in needs.items())
+        raise ConfigError(
+            f"{key}={value!r} is not allowed: the engine's buffers would take {_gb(total)} ({parts}) and "
+            f"{where} has {_gb(available)} ({HEADROOM:.0%} of it usable); lower {key}"
+        )
+
+
+def check_settings(cfg: ModelConfig, serve: ServeConfig, draft_cfg: ModelConfig | None = None) -> tuple[int, int]:
+    """ConfigError for serving settings this model cannot take whatever the memory (what the planner checks:
+    fitting is its question); else (pages in the pool, bytes a page)."""
     if serve.max_logprobs > cfg.vocab_size:
         raise ConfigError(
             f"serve.max_logprobs={serve.max_logprobs} is not allowed: at most the model's vocabulary of "
@@ -41,17 +59,7 @@ def check_serving(cfg: ModelConfig, serve: ServeConfig, draft_cfg: ModelConfig |
             f"(serve.page_size={serve.page_size} tokens) and the page pool needs at least 2: at least "
             f"{2 * per_page / 2**30:.3g} GB"
         )
-    needs = planned_bytes(cfg, serve, pages, per_page)
-    available, where = memory_available(mesh)
-    total = sum(needs.values())
-    if total > HEADROOM * available:
-        key = max(needs, key=needs.get)
-        value = getattr(serve, key.split(".")[1])
-        parts = ", ".join(f"{k} {_gb(v)}" for k, v in needs.items())
-        raise ConfigError(
-            f"{key}={value!r} is not allowed: the engine's buffers would take {_gb(total)} ({parts}) and "
-            f"{where} has {_gb(available)} ({HEADROOM:.0%} of it usable); lower {key}"
-        )
+    return pages, per_page
 
 
 def check_deterministic(cfg: ModelConfig, serve: ServeConfig, draft, mesh) -> None:
