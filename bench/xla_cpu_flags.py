@@ -1,13 +1,13 @@
-"""XLA:CPU's compile time against run time under backend flags: what tests/conftest.py's choice of
-`--xla_backend_optimization_level=1` rests on. Each setting runs in a process of its own (XLA reads XLA_FLAGS
-once), on two workloads of the test suite's kind:
+"""XLA:CPU's compile time against run time under backend flags and jaxgen's CPU decode products: what
+tests/conftest.py's settings rest on. Each setting runs in a process of its own (XLA reads XLA_FLAGS once), on
+two workloads of the test suite's kind:
 
 - engine: a tiny Llama (2 layers, d 64) through `LLM` with n-gram speculation and plain decoding (the programs
   the engine tests compile), then the same requests three times more (its run time);
 - train: configs/rl-calculator.yaml's model (2 layers, d 128), a train step on 32 x 160 tokens, then 10 steps.
 
-    python bench/xla_cpu_flags.py                 # the table: compile seconds and run seconds per setting
-    python bench/xla_cpu_flags.py --one "FLAGS"   # one setting, one JSON line (what the table runs)
+    python bench/xla_cpu_flags.py           # the table: compile seconds and run seconds per setting
+    python bench/xla_cpu_flags.py --one     # the setting in this process's environment, one JSON line
 
 Compile seconds are jax's backend_compile events (summed: the engine compiles some programs in threads)."""
 
@@ -22,7 +22,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SETTINGS = ("", "--xla_backend_optimization_level=1", "--xla_backend_optimization_level=0")
+_LEVEL1 = "--xla_backend_optimization_level=1"
+SETTINGS = (
+    {},
+    {"XLA_FLAGS": _LEVEL1},
+    {"XLA_FLAGS": "--xla_backend_optimization_level=0"},
+    {"XLA_FLAGS": f"{_LEVEL1} --xla_cpu_use_fusion_emitters=false"},
+    {"XLA_FLAGS": f"{_LEVEL1} --xla_cpu_use_fusion_emitters=false", "JAXGEN_CPU_DECODE_SUMS": "0"},  # the tests'
+)
 
 
 def measure() -> dict:
@@ -88,20 +95,22 @@ def measure() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--one", metavar="FLAGS", help="measure one XLA_FLAGS setting in this process")
+    parser.add_argument("--one", action="store_true", help="measure the setting of this process's environment")
     args = parser.parse_args()
-    if args.one is not None:
+    if args.one:
         print(json.dumps(measure()))
         return
     rows = []
-    for flags in SETTINGS:
-        env = os.environ | {"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
-        done = subprocess.run([sys.executable, __file__, "--one", flags], env=env, capture_output=True, text=True)
+    for setting in SETTINGS:
+        env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAXGEN_CPU_DECODE_SUMS")}
+        env |= setting | {"JAX_PLATFORMS": "cpu"}
+        label = " ".join(f"{k}={v}" for k, v in setting.items()) or "(the defaults)"
+        done = subprocess.run([sys.executable, __file__, "--one"], env=env, capture_output=True, text=True)
         if done.returncode:
-            sys.exit(f"XLA_FLAGS={flags!r} failed:\n{done.stderr[-2000:]}")
-        rows.append((flags or "(XLA's defaults)", json.loads(done.stdout.strip().splitlines()[-1])))
+            sys.exit(f"{label} failed:\n{done.stderr[-2000:]}")
+        rows.append((label, json.loads(done.stdout.strip().splitlines()[-1])))
     keys = list(rows[0][1])
-    print("| XLA_FLAGS | " + " | ".join(keys) + " |")
+    print("| setting | " + " | ".join(keys) + " |")
     print("|---" * (len(keys) + 1) + "|")
     for flags, got in rows:
         print(f"| {flags} | " + " | ".join(f"{got[k]:.2f}" for k in keys) + " |")

@@ -10,10 +10,10 @@ its executables by what it can read without tracing: its name, the text `key` th
 closes over, the static arguments' reprs, and each array argument's shape, dtype, weak type and sharding.
 That key does not see the code, so every stored entry also carries a fingerprint of everything else that
 changes a program: jaxgen's own source, the versions of jax, jaxlib, flax, optax and numpy, the backend and
-its devices, the process count, jax's numerics flags and XLA_FLAGS. An entry is used only when all of it
-matches; a stale one (another jaxgen, another jax, another device), a foreign one (its signature is not the
-one asked for) or a damaged one (its checksum, or it does not load) is compiled again, with one log line that
-says why, and replaced. Without a store (`use(None)`, the library's default) a Program is `jax.jit`.
+its devices, the process count, jax's numerics flags, XLA_FLAGS and $JAXGEN_CPU_DECODE_SUMS. An entry is used
+only when all of it matches; a stale one (another jaxgen, another jax, another device), a foreign one (its
+signature is not the one asked for) or a damaged one (its checksum, or it does not load) is compiled again, with
+one log line that says why, and replaced. Without a store (`use(None)`, the library's default) a Program is `jax.jit`.
 
 XLA:CPU serializes an executable that jax's persistent cache loaded without its kernels (it loads, then fails
 to run: "Function ... not found"), so a program missing from the store is compiled by XLA in this process,
@@ -106,6 +106,7 @@ def fingerprint(target: tuple[str, list] | None = None) -> dict[str, str]:
         "devices": f"{len(devices)} x {devices[0].device_kind}, {jax.process_count()} process(es)",
         "flags": ", ".join(f"{f}={jax.config.values.get(f)}" for f in flags),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "cpu_decode_sums": os.environ.get("JAXGEN_CPU_DECODE_SUMS", "1"),  # kernels.cpu.products_as_sums
     }
 
 

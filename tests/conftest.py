@@ -9,10 +9,17 @@ import os  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
-# XLA:CPU's backend at optimization level 1 (LLVM's -O1; 2 is XLA's default): the suite is mostly XLA compiling
-# tiny programs, which this makes about a fifth faster while they run about as fast (docs/performance.md, "The
-# test suite"). Read once, when jax makes its CPU client: before any test computes; subprocesses inherit it.
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=1".strip()
+# XLA:CPU's backend at optimization level 1 (LLVM's -O1; 2 is XLA's default) and its older fusion emitters (the
+# MLIR ones set up a context and a pass pipeline per fusion): the suite is mostly XLA compiling tiny programs,
+# which these make faster while the programs run about as fast (docs/performance.md, "The test suite"). Read
+# once, when jax makes its CPU client: before any test computes; subprocesses inherit them.
+_FLAGS = "--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAGS}".strip()
+
+# CPU decoding's products as matrix products, not written-out sums (jaxgen.model.kernels.cpu.products_as_sums):
+# the sums compile into about twice the program, and the suite compiles hundreds of decode programs that run
+# for milliseconds. The sums' own tests ask for them with the `cpu_decode_sums` fixture. Subprocesses inherit.
+os.environ["JAXGEN_CPU_DECODE_SUMS"] = "0"
 
 import jax  # noqa: E402
 
@@ -86,6 +93,17 @@ def tiny_run(tiny_cfg, tmp_path_factory):
     cfg = dataclasses.replace(tiny_cfg, training=dataclasses.replace(tiny_cfg.training, steps=10))
     train(cfg, run_dir, progress=False)
     return run_dir
+
+
+@pytest.fixture
+def cpu_decode_sums(monkeypatch):
+    """CPU decoding as a user's process runs it, its products as written-out sums, for one test: jax's traces
+    are dropped before and after, since the choice is read when a program is traced."""
+    monkeypatch.setenv("JAXGEN_CPU_DECODE_SUMS", "1")
+    jax.clear_caches()
+    yield
+    monkeypatch.setenv("JAXGEN_CPU_DECODE_SUMS", "0")
+    jax.clear_caches()
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -281,7 +281,7 @@ def test_engine_decodes_the_same_tokens_with_the_pallas_paged_kernel(monkeypatch
 
 
 @pytest.mark.parametrize("slots", [16, 80, 256])  # one chunk; 2 chunks of 40; 4 chunks of 64
-def test_decode_products_as_sums_equal_the_matrix_products(slots):
+def test_decode_products_as_sums_equal_the_matrix_products(slots, cpu_decode_sums, monkeypatch):
     # A decode step's two products written out as sums (what CPU decoding runs for grouped queries)
     # against the einsums over the same (H, slots) keys and (slots, H) values.
     r = np.random.default_rng(slots)
@@ -298,3 +298,5 @@ def test_decode_products_as_sums_equal_the_matrix_products(slots):
         kernels.cpu.values_as_sums(p, values), jnp.einsum("bkgts,bksh->bkgth", p, values), rtol=1e-5, atol=1e-5
     )
     assert not kernels.cpu.products_as_sums(q[:, :, :, :1])  # one query per kv head: the matrix products
+    monkeypatch.setenv("JAXGEN_CPU_DECODE_SUMS", "0")
+    assert not kernels.cpu.products_as_sums(q)  # asked for the matrix products

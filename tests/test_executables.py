@@ -75,6 +75,8 @@ def _damage(path: Path, how: str) -> None:
         header["fingerprint"]["versions"] = header["fingerprint"]["versions"].replace("jax ", "jax 0.0.0-")
     elif how == "other source":
         header["fingerprint"]["jaxgen_source"] = "0" * 16
+    elif how == "other decode products":  # written where $JAXGEN_CPU_DECODE_SUMS differs (kernels.cpu)
+        header["fingerprint"]["cpu_decode_sums"] = "sums" + header["fingerprint"]["cpu_decode_sums"]
     elif how == "foreign":
         header["signature"] += "|another program"
     elif how == "damaged":
@@ -84,6 +86,7 @@ def _damage(path: Path, how: str) -> None:
 
 @pytest.mark.parametrize("how, reason", [
     ("stale", "it is stale (versions: 'jax 0.0.0-"), ("other source", "it is stale (jaxgen_source"),
+    ("other decode products", "it is stale (cpu_decode_sums"),
     ("foreign", "another signature"), ("damaged", "checksum"), ("no header", "damaged (no header)"),
 ])  # fmt: skip
 def test_a_stale_foreign_or_damaged_entry_is_compiled_again_saying_why(store, caplog, how, reason):

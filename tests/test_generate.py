@@ -43,7 +43,12 @@ def rollout(gen, prompt, steps):
     return ids[n:]
 
 
-def test_greedy_generate_equals_argmax_rollout_for_ragged_prompts(gen):
+@pytest.mark.parametrize("sums", [False, True], ids=["products", "sums"])
+def test_greedy_generate_equals_argmax_rollout_for_ragged_prompts(gen, sums, request):
+    """Decoding with its attention products as matrix products (the suite's default) and as written-out sums
+    (`kernels.cpu.products_as_sums`, what a user's CPU process runs) both give the rollout's tokens."""
+    if sums:
+        request.getfixturevalue("cpu_decode_sums")
     outs = gen.generate(PROMPTS, GREEDY)
     for prompt, out in zip(PROMPTS, outs):
         assert out.tokens == rollout(gen, prompt, 12)
@@ -174,10 +179,11 @@ def test_score_shared_equals_score(gen):
 @pytest.mark.parametrize(
     "cache_dtype, cache_layout", [("float32", "blocks"), ("bfloat16", "blocks"), ("bfloat16", "flat")]
 )
-def testdecode_loop_updates_the_cache_in_place(gen, cache_dtype, cache_layout):
+def testdecode_loop_updates_the_cache_in_place(gen, cache_dtype, cache_layout, cpu_decode_sums):
     """The compiled loop writes the cache with dynamic-update-slice and never copies a block or writes
     one back as floats (a block is read as floats by the products: that is the one conversion allowed),
-    in either layout of the cache (`kernels.cache_layout`)."""
+    in either layout of the cache (`kernels.cache_layout`), as a user's CPU process compiles it (the
+    products as sums)."""
     cfg = dataclasses.replace(CFG, cache_layout=cache_layout)
     gen = Generator(gen.params, cfg, gen.tokenizer, max_batch=8, chunk_steps=5, cache_dtype=cache_dtype)
     captured = {}

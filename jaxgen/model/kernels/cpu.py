@@ -5,13 +5,15 @@ block's products run on CPU, never what they compute.
                       holding written slots only
     pages_per_block   a paged cache's pages gathered and folded together: PART slots' worth
     products_as_sums  whether a decode step's two products run as written-out sums (scores_as_sums,
-                      values_as_sums) instead of batched matrix products
+                      values_as_sums) instead of batched matrix products ($JAXGEN_CPU_DECODE_SUMS=0: never)
 
 Why: XLA:CPU runs tiny batched matrix products far below its speed on large ones and splits the products
 over a long block into many small fusions (measured: docs/performance.md, "CPU decode attention").
 """
 
 from __future__ import annotations
+
+import os
 
 import jax
 import jax.numpy as jnp
@@ -55,9 +57,15 @@ def products_as_sums(q_btkgh) -> bool:
     There a product is B x K tiny (G, H) x (H, S) matrix products, which XLA:CPU's product kernels run
     far below their speed on large ones, while a sum of H (or S) broadcast products is one fused loop
     that reads each key and value once. For G = 1 (one query per kv head: gpt2-124m) the matrix products
-    won; accelerators run them natively."""
+    won; accelerators run them natively.
+
+    The price is compile time: a sum is H (or S) operations in the program where a product is one, so a
+    decode program compiles in about twice the time (configs/tiny.yaml's decode loop: 5.3 s against 2.5).
+    A process that compiles many programs and runs each briefly (a test suite, a notebook trying shapes)
+    sets $JAXGEN_CPU_DECODE_SUMS=0 and keeps the matrix products. Read when a program is traced."""
     _, t, _, g, h = q_btkgh.shape
-    return jax.default_backend() == "cpu" and t == 1 and g > 1 and h <= MAX_TERMS  # (H = 128: not measured)
+    wanted = os.environ.get("JAXGEN_CPU_DECODE_SUMS", "1") != "0"
+    return wanted and jax.default_backend() == "cpu" and t == 1 and g > 1 and h <= MAX_TERMS  # (H = 128: not measured)
 
 
 def scores_as_sums(q_btkgh, k_bkhs):
