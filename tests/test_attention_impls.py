@@ -300,3 +300,6 @@ def test_decode_products_as_sums_equal_the_matrix_products(slots, cpu_decode_sum
     assert not kernels.cpu.products_as_sums(q[:, :, :, :1])  # one query per kv head: the matrix products
     monkeypatch.setenv("JAXGEN_CPU_DECODE_SUMS", "0")
     assert not kernels.cpu.products_as_sums(q)  # asked for the matrix products
+    monkeypatch.setenv("JAXGEN_CPU_DECODE_SUMS", "no")
+    with pytest.raises(ValueError, match=r"JAXGEN_CPU_DECODE_SUMS='no' is not allowed: 0 .* or 1"):
+        kernels.cpu.products_as_sums(q)

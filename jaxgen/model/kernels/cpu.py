@@ -64,8 +64,17 @@ def products_as_sums(q_btkgh) -> bool:
     A process that compiles many programs and runs each briefly (a test suite, a notebook trying shapes)
     sets $JAXGEN_CPU_DECODE_SUMS=0 and keeps the matrix products. Read when a program is traced."""
     _, t, _, g, h = q_btkgh.shape
-    wanted = os.environ.get("JAXGEN_CPU_DECODE_SUMS", "1") != "0"
-    return wanted and jax.default_backend() == "cpu" and t == 1 and g > 1 and h <= MAX_TERMS  # (H = 128: not measured)
+    on_cpu = jax.default_backend() == "cpu"
+    return _sums_wanted() and on_cpu and t == 1 and g > 1 and h <= MAX_TERMS  # (H = 128: not measured)
+
+
+def _sums_wanted() -> bool:
+    value = os.environ.get("JAXGEN_CPU_DECODE_SUMS", "1")
+    if value not in ("0", "1"):
+        raise ValueError(
+            f"JAXGEN_CPU_DECODE_SUMS={value!r} is not allowed: 0 (matrix products) or 1 (sums, the default)"
+        )
+    return value == "1"
 
 
 def scores_as_sums(q_btkgh, k_bkhs):
