@@ -95,6 +95,8 @@ def fingerprint(target: tuple[str, list] | None = None) -> dict[str, str]:
     import jaxlib
     import optax
 
+    from jaxgen.model.kernels import cpu
+
     backend, devices = _machine(target)
     flags = ("jax_enable_x64", "jax_default_matmul_precision", "jax_threefry_partitionable", "jax_numpy_rank_promotion",
              "jax_disable_most_optimizations", "jax_exec_time_optimization_effort")  # fmt: skip
@@ -106,7 +108,7 @@ def fingerprint(target: tuple[str, list] | None = None) -> dict[str, str]:
         "devices": f"{len(devices)} x {devices[0].device_kind}, {jax.process_count()} process(es)",
         "flags": ", ".join(f"{f}={jax.config.values.get(f)}" for f in flags),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "cpu_decode_sums": os.environ.get("JAXGEN_CPU_DECODE_SUMS", "1"),  # kernels.cpu.products_as_sums
+        "cpu_decode_sums": "1" if cpu.sums_wanted() else "0",
     }
 
 

@@ -17,8 +17,9 @@ _FLAGS = "--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAGS}".strip()
 
 # CPU decoding's products as matrix products, not written-out sums (jaxgen.model.kernels.cpu.products_as_sums):
-# the sums compile into about twice the program, and the suite compiles hundreds of decode programs that run
-# for milliseconds. The sums' own tests ask for them with the `cpu_decode_sums` fixture. Subprocesses inherit.
+# a decode program with the sums takes about twice as long to compile, and the suite compiles hundreds of decode
+# programs that run for milliseconds. The sums' own tests ask for them with the `cpu_decode_sums` fixture.
+# Subprocesses inherit it.
 os.environ["JAXGEN_CPU_DECODE_SUMS"] = "0"
 
 import jax  # noqa: E402

@@ -60,15 +60,16 @@ def products_as_sums(q_btkgh) -> bool:
     won; accelerators run them natively.
 
     The price is compile time: a sum is H (or S) operations in the program where a product is one, so a
-    decode program compiles in about twice the time (configs/tiny.yaml's decode loop: 5.3 s against 2.5).
+    decode program compiles in about twice the time (a 2-layer, d 64 Llama's decode loop: 5.3 s against 2.5).
     A process that compiles many programs and runs each briefly (a test suite, a notebook trying shapes)
     sets $JAXGEN_CPU_DECODE_SUMS=0 and keeps the matrix products. Read when a program is traced."""
     _, t, _, g, h = q_btkgh.shape
     on_cpu = jax.default_backend() == "cpu"
-    return _sums_wanted() and on_cpu and t == 1 and g > 1 and h <= MAX_TERMS  # (H = 128: not measured)
+    return sums_wanted() and on_cpu and t == 1 and g > 1 and h <= MAX_TERMS  # (H = 128: not measured)
 
 
-def _sums_wanted() -> bool:
+def sums_wanted() -> bool:
+    """$JAXGEN_CPU_DECODE_SUMS: 1 (the default) lets `products_as_sums` choose the sums, 0 never."""
     value = os.environ.get("JAXGEN_CPU_DECODE_SUMS", "1")
     if value not in ("0", "1"):
         raise ValueError(
