@@ -6,7 +6,9 @@
 Each row is CONFIG:TARGET:MESH[:OVERRIDE...]. For each: the train step (memory from the target compiler's
 own analysis, or its out-of-memory refusal; counts from compiles with the layers unrolled at 1 and 2
 layers, `plan.train_costs`), and one decode step at batch 1 and 64 over a cache of `--cache-len` slots, and
-at batch 1 with int8 weights (`serve.quantize=int8`; with how many int8 x int8 products the compiler kept).
+at batch 1 with int8 weights (`serve.quantize=int8`; with how many int8 x int8 products the compiler kept),
+on the mesh serving lays out on the target (`serving_mesh`: tensor parallel over the chips), not the row's
+training mesh. `--decode-only` skips the train step.
 Every time in the table is an ESTIMATE from the compiler's counts at the chip's published peaks
 (`jaxgen.targets.roofline`: perfect overlap, so a lower bound), never a measurement; the compile
 seconds are measured here. Needs the `tpu-compile` extra for TPU rows and `gpu-compile` for GPU rows.
@@ -35,8 +37,18 @@ DEFAULT_ROWS = [
 ]
 
 
-def row(spec: str, cache_len: int) -> dict:
-    """The figures of one CONFIG:TARGET:MESH[:OVERRIDES] row."""
+def serving_mesh(target, model_cfg) -> dict:
+    """The mesh a decode step runs on for `target`, as serving lays it out (`serve.tensor_parallel`): the chips
+    on `tensor` as far as the heads divide over them, the rest on `data`. (A training mesh is a poor layout for
+    decoding: on fsdp, batch-1 decode keeps a whole cache per chip and at batch 64 gathers the weights.)"""
+    chips = target.chips
+    tensor = max(d for d in range(1, chips + 1)
+                 if chips % d == 0 and model_cfg.kv_heads % d == 0 and model_cfg.num_heads % d == 0)  # fmt: skip
+    return {"data": chips // tensor, "fsdp": 1, "tensor": tensor}
+
+
+def row(spec: str, cache_len: int, train: bool = True) -> dict:
+    """The figures of one CONFIG:TARGET:MESH[:OVERRIDES] row (`train`: the train step's too)."""
     from jaxgen import plan
     from jaxgen.config import load_config
     from jaxgen.model import count_params, flops_per_token
@@ -46,26 +58,29 @@ def row(spec: str, cache_len: int) -> dict:
     name, target_name, mesh_text, *overrides = spec.split(":")
     target = catalog.get(target_name)
     cfg = load_config(ROOT / "configs" / f"{name}.yaml", overrides)
-    sizes = plan.parse_mesh(mesh_text)
-    mesh = devices.target_mesh(target, sizes)
-    out = {"row": spec, "params": count_params(cfg.model), "device": target.chip.kind}
+    mesh = devices.target_mesh(target, plan.parse_mesh(mesh_text))
+    serving = serving_mesh(target, cfg.model)
+    out = {"row": spec, "params": count_params(cfg.model), "device": target.chip.kind, "oom": None,
+           "serving_mesh": ",".join(f"{k}={v}" for k, v in serving.items() if v > 1) or "one chip"}  # fmt: skip
     began = time.perf_counter()
     with devices.traced_for(devices.backend_of(target)):
-        train = plan.train_program(cfg, mesh, costs=True)
+        trained = plan.train_program(cfg, mesh, costs=True) if train else None
         out["compile_s"] = time.perf_counter() - began
+        mesh = devices.target_mesh(target, serving)
         decodes = {b: plan.inference_programs(cfg.model, mesh, b, cache_len, 1, "bfloat16")[1] for b in (1, 64)}
         decodes["1 int8"] = plan.inference_programs(cfg.model, mesh, 1, cache_len, 1, "bfloat16", quantize="int8")[1]
-    out["train_gb"] = train.peak / 1e9
-    out["train_args_gb"], out["train_temp_gb"] = train.arguments / 1e9, train.temporaries / 1e9
-    out["oom"] = train.oom
-    if train.costs is not None:
-        est = estimate(train.costs, target.chip)
+    if trained is not None:
+        out["train_gb"] = trained.peak / 1e9
+        out["train_args_gb"], out["train_temp_gb"] = trained.arguments / 1e9, trained.temporaries / 1e9
+        out["oom"] = trained.oom
+    if trained is not None and trained.costs is not None:
+        est = estimate(trained.costs, target.chip)
         tokens = cfg.training.batch_size * cfg.data.seq_len
         model_flops = flops_per_token(cfg.model, cfg.data.seq_len) * tokens
         out |= {
             "step_s": est.seconds, "bound": est.bound, "tokens_per_chip": tokens / est.seconds / target.chips,
             "mfu": model_flops / (est.seconds * target.chip.peak_flops * target.chips),
-            "kernels": ",".join(sorted(k for k in train.costs.kernels if not k[0].isupper())) or "-",
+            "kernels": ",".join(sorted(k for k in trained.costs.kernels if not k[0].isupper())) or "-",
         }  # fmt: skip
     for b, p in decodes.items():
         floor = sum(p.parts.values()) / target.chip.hbm_bandwidth
@@ -157,20 +172,21 @@ def peer_table(rows: list[dict], peers: list[dict]) -> str:
 def table(rows: list[dict], cache_len: int) -> str:
     head = (
         "| row | chip | train GB/device | compile s | est. step s | est. tokens/s/chip | est. MFU | bound | "
-        f"kernels | est. decode ms b=1 (floor) | b=64 (floor) | b=1, int8 weights (floor; int8 products) | "
-        f" (cache {cache_len})"
+        "kernels | decode mesh | est. decode ms b=1 (floor) | b=64 (floor) | b=1, int8 weights (floor; int8 "
+        f"products) | (cache {cache_len})"
     )
-    lines = [head, "|" + "---|" * 12]
+    lines = [head, "|" + "---|" * 13]
     for r in rows:
-        train = f"OOM: {r['oom']}" if r["oom"] else f"{r['train_gb']:.1f}"
+        train = f"OOM: {r['oom']}" if r["oom"] else f"{r['train_gb']:.1f}" if "train_gb" in r else "-"
         est = (
             f"{r['step_s']:.3g} | {r['tokens_per_chip']:,.0f} | {r['mfu']:.0%} | {r['bound']} | {r['kernels']}"
             if "step_s" in r
             else "- | - | - | - | -"
         )
+        compiled = f"{r['compile_s']:.0f}" if "train_gb" in r else "-"
         decode = " | ".join(f"{r[f'decode{b}_ms']:.3g} ({r[f'floor{b}_ms']:.3g})" for b in (1, 64))
         decode += f" | {r['decode1 int8_ms']:.3g} ({r['floor1 int8_ms']:.3g}; {r['int8_products']})"
-        lines.append(f"| {r['row']} | {r['device']} | {train} | {r['compile_s']:.0f} | {est} | {decode} |")
+        lines.append(f"| {r['row']} | {r['device']} | {train} | {compiled} | {est} | {r['serving_mesh']} | {decode} |")
     return "\n".join(lines)
 
 
@@ -178,6 +194,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", action="append", help="CONFIG:TARGET:MESH[:OVERRIDE...] (repeatable)")
     parser.add_argument("--cache-len", type=int, default=8192, help="decode cache slots (8192)")
+    parser.add_argument(
+        "--decode-only",
+        action="store_true",
+        help="compile the decode steps only, not the train step (minutes instead of tens of them)",
+    )
     parser.add_argument("--peer", choices=["maxtext"], default=None,
                         help="also compile MaxText's train step for each TPU row whose model it has, in its own "
                         "environment (--maxtext-python), and print its memory beside jaxgen's")  # fmt: skip
@@ -185,6 +206,8 @@ def main(argv=None) -> int:
                         help="the interpreter of an environment with maxtext installed (pip install maxtext and "
                         "its requirements; Python >= 3.12); default $MAXTEXT_PYTHON")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.peer and args.decode_only:
+        parser.error("--peer maxtext compares train steps: it cannot go with --decode-only")
     if args.peer and not args.maxtext_python:
         parser.error("--peer maxtext needs --maxtext-python (or $MAXTEXT_PYTHON): MaxText runs in its own environment")
     import jax
@@ -199,7 +222,7 @@ def main(argv=None) -> int:
             print(f"skipped {spec}: {reason}", file=sys.stderr)
             continue
         print(f"compiling {spec} ...", file=sys.stderr, flush=True)
-        rows.append(row(spec, args.cache_len))
+        rows.append(row(spec, args.cache_len, train=not args.decode_only))
     print(table(rows, args.cache_len))
     if args.peer:
         specs = [r["row"] for r in rows if r["row"].split(":")[0] in MAXTEXT_MODELS]

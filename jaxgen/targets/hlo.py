@@ -3,7 +3,7 @@ a compiler gives no cost analysis: XLA:GPU without a GPU) the flops and bytes it
 
     comps = computations(text)        # {name: instruction lines}, the entry one also as "ENTRY"
     ops(comps, "ENTRY")               # launches by opcode
-    hlo_counts(text)                  # (flops, bytes accessed) counted from the kernels' shapes
+    hlo_counts(text)                  # (flops, HBM bytes accessed) counted from the kernels' shapes
     int8_products(text)               # matrix products of int8 by int8
 """
 
@@ -103,11 +103,14 @@ def _prod(dims) -> int:
 
 
 def hlo_counts(hlo_text: str) -> tuple[float, float]:
-    """(flops, bytes accessed) of one run of a program from its optimised HLO: the flops of every `dot`
+    """(flops, HBM bytes accessed) of one run of a program from its optimised HLO: the flops of every `dot`
     (2 x the result's elements x the contracted size; a cuBLAS gemm call likewise), and for every kernel
-    of a computation that is not fused into another, the bytes of its operands and result (an operand a
-    fusion only slices, the slice's). Each computation counts once (a loop's body once, whatever its trip
-    count: compile layers unrolled)."""
+    of a computation that is not fused into another, the bytes of its operands and result that live in HBM
+    (`hbm_bytes`; an operand a fusion only slices, the slice's). Where the compiler placed buffers in
+    on-chip memory (TPU's memory-space assignment: a `copy-start` or `slice-start` into `S(1)`, then its
+    `-done`), the copy reads what it moves from HBM once and kernels reading the copy read on-chip memory; an in-place
+    `dynamic-update-slice` (a cache write) moves its update only, as XLA's own cost analysis counts it.
+    Each computation counts once (a loop's body once, whatever its trip count: compile layers unrolled)."""
     comps = computations(hlo_text)
     # computations inside a kernel: a fusion's, a reduction's or a sort's (not a `call`'s: command buffers)
     fused = set(re.findall(r"calls=%?([\w.\-]+)", hlo_text))
@@ -127,19 +130,43 @@ def hlo_counts(hlo_text: str) -> tuple[float, float]:
             shapes[inst] = shape
             if op == "dot" or (op == "custom-call" and "__cublas" in rest):
                 flops += _dot_flops(shape, rest, shapes)
-            if name in fused or op in FREE or op in _CONTROL:
+            if name in fused or op in FREE or op in _CONTROL or op in ("copy-done", "slice-done"):
                 continue
-            operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
+            operands = re.findall(r"%([\w.\-]+)", _operands(rest))
+            held = [hbm_bytes(shapes.get(o, "")) for o in operands]
+            if op in _ASYNC_MOVES:  # the destination's bytes, read where the source lives, written where it goes
+                destination, layout = _ARRAYS.findall(shape)[_ASYNC_MOVES[op]]
+                moved = shape_bytes(destination)
+                bytes_ += moved * (held[0] > 0) + moved * (not _ON_CHIP.search(layout))
+                continue
+            if op == "dynamic-update-slice":
+                bytes_ += 2 * held[1]
+                continue
             called = re.search(r"calls=%?([\w.\-]+)", rest)
             sliced = _sliced_parameters(comps.get(called.group(1), [])) if op == "fusion" and called else {}
-            read = [sliced.get(i, shape_bytes(shapes.get(o, ""))) for i, o in enumerate(operands)]
-            bytes_ += shape_bytes(shape) + sum(read)
+            bytes_ += hbm_bytes(shape) + sum(min(sliced.get(i, b), b) for i, b in enumerate(held))
     return flops, bytes_
 
 
+# asynchronous copies the compiler inserts (TPU: into and out of on-chip memory) -> where their destination
+# is among the arrays of their result: copy-start's (destination, source, context), slice-start's
+# ((source), destination, context); the matching -done moves nothing more
+_ASYNC_MOVES = {"copy-start": 0, "slice-start": 1}
+# an array's shape with its layout, e.g. bf16[2048,512]{1,0:T(8,128)(2,1)S(1)}
+_ARRAYS = re.compile(r"(\b[a-z]+\d*[a-z0-9]*\[[\d,]*\](\{[^}]*\})?)")
+_ON_CHIP = re.compile(r"S\([1-9]\d*\)")
+
+
+def hbm_bytes(shape_text: str) -> float:
+    """Bytes of the arrays of an HLO shape that live in HBM: all but those whose layout names another memory
+    space (`S(1)`: on-chip memory, where TPU's memory-space assignment puts buffers; `S(2)`, scalar memory)."""
+    return sum(shape_bytes(array) for array, layout in _ARRAYS.findall(shape_text) if not _ON_CHIP.search(layout))
+
+
 def _sliced_parameters(fused_lines: list[str]) -> dict[int, float]:
-    """{parameter number: bytes read} for a fused computation's parameters that only `dynamic-slice`s or
-    `slice`s read (the kernel reads the slice, not the whole buffer: an embedding row, a cache block)."""
+    """{parameter number: bytes read} for a fused computation's parameters that only `dynamic-slice`s,
+    `slice`s or `gather`s read (the kernel reads what it takes, not the whole buffer: embedding rows, a cache
+    block)."""
     params, uses, sizes = {}, {}, {}
     for line in fused_lines:
         m = _SHAPED.match(line)
@@ -149,9 +176,9 @@ def _sliced_parameters(fused_lines: list[str]) -> dict[int, float]:
         if op == "parameter":
             params[inst] = int(re.match(r"\s*(\d+)", rest).group(1))
             continue
-        for j, o in enumerate(re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])):
+        for j, o in enumerate(re.findall(r"%([\w.\-]+)", _operands(rest))):
             if o in params:
-                slicing = op in ("dynamic-slice", "slice") and j == 0
+                slicing = op in ("dynamic-slice", "slice", "gather") and j == 0
                 uses.setdefault(o, []).append(slicing)
                 sizes[o] = sizes.get(o, 0.0) + shape_bytes(shape)
     return {params[p]: sizes[p] for p, kinds in uses.items() if all(kinds)}

@@ -6,10 +6,11 @@
 
 An estimate, never a measurement: it assumes each part runs at the chip's published peak (`catalog`)
 and that the three overlap perfectly (the step takes as long as the slowest), so it is a lower bound on
-the step time of this program on that chip. The counts are the target compiler's own
-(`compiled.cost_analysis()`: "flops", "bytes accessed"; XLA:GPU without a GPU gives none, so there they
-are counted from its optimised HLO: `hlo.hlo_counts`) plus, for the network, the bytes of every
-collective in the optimised HLO (`collective_bytes`).
+the step time of this program on that chip. The flops are the target compiler's own
+(`compiled.cost_analysis()`); the HBM bytes its "bytes accessed" on XLA:CPU, counted from the optimised
+HLO by memory space on TPU, and both counted from the HLO on XLA:GPU without a GPU, which gives no analysis
+(`hlo.hlo_counts`; `costs_of` says why); for the network, the bytes of every collective in the optimised
+HLO (`collective_bytes`).
 
 XLA's cost analysis counts the body of a loop once, whatever its trip count: a program whose layers run
 in a `lax.scan` (training) is counted from compiles with the layers unrolled at two depths and
@@ -55,7 +56,11 @@ class Costs:
 
 
 def costs_of(compiled) -> Costs:
-    """The counts of a compiled program (`jax.stages.Compiled`), per device."""
+    """The counts of a compiled program (`jax.stages.Compiled`), per device: the compiler's flops, and its
+    HBM bytes. XLA:GPU without a GPU has no cost analysis: both are counted from its optimised HLO. The TPU
+    compiler's "bytes accessed" counts every operand and result wherever it lives: a weight its memory-space
+    assignment prefetches into on-chip memory counts as read from HBM, written, and read again; so on TPU
+    the HBM bytes are counted from the HLO too, by memory space (`hlo.hlo_counts`)."""
     analysis = compiled.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, list) else analysis  # older jax: one dict per program
     text = compiled.as_text()
@@ -63,7 +68,16 @@ def costs_of(compiled) -> Costs:
         flops, accessed = hlo.hlo_counts(text)
     else:
         flops, accessed = float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0))
+        if _platform(compiled) == "tpu":
+            accessed = hlo.hlo_counts(text)[1]
     return Costs(flops, accessed, collective_bytes(text), custom_calls(text), hlo.int8_products(text))
+
+
+def _platform(compiled) -> str:
+    import jax
+
+    (sharding, *_) = jax.tree.leaves(compiled.output_shardings)
+    return next(iter(sharding.device_set)).platform
 
 
 def custom_calls(hlo_text: str) -> dict[str, int]:
