@@ -16,6 +16,8 @@ tensor parallelism), so every config runs on every mesh.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 
@@ -84,11 +86,27 @@ def context_size(mesh=None) -> int:
     return 1 if mesh.empty or "context" not in mesh.axis_names else mesh.shape["context"]
 
 
+# mesh axes an enclosing `jax.vmap(..., spmd_axis_name=...)` splits its mapped axis over: no constraint inside
+# may name them again (`vmapped_over`)
+_VMAPPED = contextvars.ContextVar("jaxgen_vmapped_axes", default=frozenset())
+
+
+@contextlib.contextmanager
+def vmapped_over(*axes: str):
+    """Within: the activations' constraints leave `axes` out, for code traced under `jax.vmap` with
+    `spmd_axis_name=axes` (the mapped axis is split over them; e.g. one data replica's rows per device)."""
+    token = _VMAPPED.set(_VMAPPED.get() | frozenset(axes))
+    try:
+        yield
+    finally:
+        _VMAPPED.reset(token)
+
+
 def logical_spec(names: tuple[str | None, ...], shape: tuple[int, ...] | None = None, mesh=None) -> PartitionSpec:
     """PartitionSpec for logical axis names; drops mesh axes that do not divide the dimension, and a
-    mesh axis an earlier dimension already uses (experts over tensor leave their F axis whole), and one
-    the mesh does not have (context)."""
-    spec, used = [], set()
+    mesh axis an earlier dimension already uses (experts over tensor leave their F axis whole), one
+    the mesh does not have (context), and one an enclosing vmap splits over (`vmapped_over`)."""
+    spec, used = [], set(_VMAPPED.get())
     for i, name in enumerate(names):
         axes = RULES[name] if name is not None else None
         if axes is not None and mesh is not None:

@@ -1,6 +1,8 @@
 """8 fake CPU devices on a (data, fsdp, tensor) = (2, 2, 2) mesh against 1 device."""
 
 import dataclasses
+import functools
+import re
 
 import jax
 import numpy as np
@@ -8,8 +10,9 @@ import pytest
 
 from jaxgen.config import MeshConfig
 from jaxgen.sharding import make_mesh
+from jaxgen.targets import hlo
 from jaxgen.training.checkpoint import Checkpointer
-from jaxgen.training.step import create_train_state, make_train_step, put_batch
+from jaxgen.training.step import create_train_state, make_optimizer, make_train_step, put_batch, train_step
 from tests.test_train import random_batch
 
 
@@ -36,6 +39,52 @@ def test_eight_devices_equal_one(runs):
     for a, b in zip(jax.tree.leaves(single.params), jax.tree.leaves(sharded.params)):
         a, b = np.asarray(a), np.asarray(b)
         assert np.abs(a - b).max() <= 1e-5 * max(np.abs(a).max(), 1e-6)
+
+
+def data_axis_sums(text: str, mesh) -> tuple[list, list]:
+    """(sums across the data axis, all-reduces and reduce-scatters, inside the step's loops; those outside
+    them) of compiled HLO text."""
+    comps = hlo.computations(text)
+    looped = {c for body in re.findall(r"body=%?([\w.\-]+)", text) for c in hlo.reachable(comps, body)}
+    sums = ("all-reduce", "reduce-scatter")
+    found = {n: [op for op, axes in hlo.collective_axes(comps, n, mesh) if "data" in axes and op in sums]
+             for n in comps}  # fmt: skip
+    inside = [op for name, ops in found.items() if name in looped for op in ops]
+    outside = [op for name, ops in found.items() if name not in looped and name != "ENTRY" for op in ops]
+    return inside, outside
+
+
+def test_accumulated_gradients_are_summed_over_data_replicas_once_a_step(runs, tiny_cfg):
+    """With `training.grad_accum` on data x tensor, each data replica adds up its own rows' gradients over
+    the micro-batches and the replicas' sums are added once, after the last: in the compiled step no sum
+    inside a loop runs across the data axis (the accumulation summed over data every micro-batch before),
+    one after does. The steps equal one device's without accumulation."""
+    training = dataclasses.replace(tiny_cfg.training, grad_accum=2)
+    cfg = dataclasses.replace(tiny_cfg, mesh=MeshConfig(data=4, tensor=2), training=training)
+    (single, l1), _ = runs
+    accumulated, l8 = _run(cfg, 8)
+    np.testing.assert_allclose(l8, l1, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(single.params), jax.tree.leaves(accumulated.params)):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.abs(a - b).max() <= 1e-5 * max(np.abs(a).max(), 1e-6)
+    mesh = make_mesh(cfg.mesh, jax.devices()[:8])
+    state = create_train_state(cfg, mesh)
+    step = jax.jit(functools.partial(train_step, cfg=cfg, tx=make_optimizer(cfg.optimizer, cfg.training.steps)))
+    with jax.set_mesh(mesh):
+        text = step.lower(state, put_batch(random_batch(cfg), mesh)).compile().as_text()
+    inside, outside = data_axis_sums(text, mesh)
+    assert not inside and "all-reduce" in outside, (inside, outside)
+
+
+def test_replica_groups_are_read_in_every_form_xla_prints():
+    expected = [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert hlo.replica_groups("x = f32[] all-reduce(y), replica_groups={{0,4},{1,5},{2,6},{3,7}}") == expected
+    assert hlo.replica_groups("x = f32[] all-reduce(y), replica_groups=[4,2]<=[2,4]T(1,0), to_apply=f") == expected
+    by_mesh = "replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, use_global_device_ids=true"
+    assert hlo.replica_groups(f"x = f32[] all-reduce(y), {by_mesh}") == expected
+    by_ids = "replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_1'}, use_global"
+    assert hlo.replica_groups(f"x = f32[] all-reduce(y), {by_ids}") == expected
+    assert hlo.replica_groups("x = f32[] all-reduce(y), to_apply=f") is None
 
 
 def test_parameters_and_optimizer_state_are_really_sharded(runs):

@@ -204,6 +204,20 @@ def test_the_train_step_compiles_for_a_tpu_slice_with_splash_inside_shard_map(sm
 
 
 @needs_libtpu
+def test_accumulated_gradients_are_summed_over_data_once_a_step_on_the_tpu_compiler(small_cfg):
+    """Gradient accumulation on a data x tensor v5e slice: libtpu's program sums nothing across the data
+    axis inside its loops (micro-batches, layers) and the gradients once after them."""
+    from tests.test_sharding import data_axis_sums
+
+    cfg = dataclasses.replace(small_cfg, training=dataclasses.replace(small_cfg.training, grad_accum=2))
+    mesh = devices.target_mesh(TPU, {"data": 2, "fsdp": 1, "tensor": 2})
+    with devices.traced_for("tpu"):
+        *_, text = plan._train_step(cfg, mesh)
+    inside, outside = data_axis_sums(text, mesh)
+    assert not inside and "all-reduce" in outside, (inside, outside)
+
+
+@needs_libtpu
 def test_a_mixture_of_experts_train_step_compiles_for_a_tpu_slice_with_megablox(small_cfg, tpu_mesh):
     """moe_impl auto is megablox on TPU, a Mosaic kernel the compiler does not partition: on a mesh it runs
     per device under shard_map (before, libtpu refused the step: "Mosaic kernels cannot be automatically

@@ -5,6 +5,7 @@ a compiler gives no cost analysis: XLA:GPU without a GPU) the flops and bytes it
     ops(comps, "ENTRY")               # launches by opcode
     hlo_counts(text)                  # (flops, HBM bytes accessed) counted from the kernels' shapes
     int8_products(text)               # matrix products of int8 by int8
+    collective_axes(comps, name, mesh)  # the mesh axes each collective of a computation runs across
 """
 
 from __future__ import annotations
@@ -205,3 +206,57 @@ def reachable(comps: dict[str, list[str]], name: str) -> list[str]:
         for line in comps[current]:
             todo += re.findall(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-]+)", line)
     return seen
+
+
+_COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def replica_groups(line: str) -> list[list[int]] | None:
+    """The device groups of a collective instruction, from any of the forms XLA prints: explicit
+    ({{0,4},{1,5}}), iota ([4,2]<=[2,4]T(1,0)) or by mesh axes (mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, with
+    or without device_ids=([2,4]T(1,0))). None if it names none (a collective over every device)."""
+    if m := re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line):
+        return [[int(d) for d in g.split(",")] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+    if m := re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line):
+        ids = _iota(m.group(3), m.group(4))
+        return ids.reshape(int(m.group(1)), int(m.group(2))).tolist()
+    pattern = r"replica_groups=mesh\[([^\]]*)\],? (?:device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\) )?\{([^}]*)\}"
+    if m := re.search(pattern, line):
+        axes = re.findall(r"'(\w+)'=(\d+)", m.group(1))
+        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+        ids = _iota(m.group(2) or ",".join(map(str, sizes)), m.group(3)).reshape(sizes)
+        over = [names.index(a) for a in re.findall(r"'(\w+)'", m.group(4))]
+        kept = [i for i in range(len(sizes)) if i not in over]
+        return ids.transpose(kept + over).reshape(-1, _prod([sizes[i] for i in over])).tolist()
+    return None
+
+
+def _iota(dims: str, perm: str | None):
+    import numpy as np
+
+    ids = np.arange(_prod(dims)).reshape([int(d) for d in dims.split(",")])
+    return ids.transpose([int(p) for p in perm.split(",")]) if perm else ids
+
+
+def collective_axes(comps: dict[str, list[str]], name: str, mesh) -> list[tuple[str, frozenset]]:
+    """(opcode, the axes of `mesh` its devices differ along) of every collective computation `name` runs
+    (of a program compiled on `mesh`'s devices, in their order): e.g. ("all-reduce", {"data"}) for gradients
+    summed over data replicas. A collective over every device spans every axis of size > 1."""
+    import numpy as np
+
+    shape = mesh.devices.shape  # a group names devices by their place in the program's devices: the mesh's, flat
+    where = {i: np.unravel_index(i, shape) for i in range(mesh.devices.size)}
+    out = []
+    for line in comps[name]:
+        op = _INSTRUCTION.match(line).group(1).removesuffix("-start")
+        if op not in _COLLECTIVE_OPS:
+            continue
+        groups = replica_groups(line) or [sorted(where)]
+        spanned = {
+            mesh.axis_names[k]
+            for group in groups
+            for k in range(len(shape))
+            if len({where[d][k] for d in group}) > 1
+        }  # fmt: skip
+        out.append((op, frozenset(spanned)))
+    return out
