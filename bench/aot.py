@@ -38,9 +38,10 @@ DEFAULT_ROWS = [
 
 
 def serving_mesh(target, model_cfg) -> dict:
-    """The mesh a decode step runs on for `target`, as serving lays it out (`serve.tensor_parallel`): the chips
-    on `tensor` as far as the heads divide over them, the rest on `data`. (A training mesh is a poor layout for
-    decoding: on fsdp, batch-1 decode keeps a whole cache per chip and at batch 64 gathers the weights.)"""
+    """The mesh a decode step runs on here for `target`: the chips on `tensor` as far as the heads divide
+    over them (what `serve.tensor_parallel` sets, 1 by default), the rest on `data`. (A training mesh is a
+    poor layout for decoding: on fsdp, batch-1 decode keeps a whole cache per chip and at batch 64 gathers
+    the weights.)"""
     chips = target.chips
     tensor = max(d for d in range(1, chips + 1)
                  if chips % d == 0 and model_cfg.kv_heads % d == 0 and model_cfg.num_heads % d == 0)  # fmt: skip
@@ -66,9 +67,9 @@ def row(spec: str, cache_len: int, train: bool = True) -> dict:
     with devices.traced_for(devices.backend_of(target)):
         trained = plan.train_program(cfg, mesh, costs=True) if train else None
         out["compile_s"] = time.perf_counter() - began
-        mesh = devices.target_mesh(target, serving)
-        decodes = {b: plan.inference_programs(cfg.model, mesh, b, cache_len, 1, "bfloat16")[1] for b in (1, 64)}
-        decodes["1 int8"] = plan.inference_programs(cfg.model, mesh, 1, cache_len, 1, "bfloat16", quantize="int8")[1]
+        served = devices.target_mesh(target, serving)
+        decodes = {b: plan.inference_programs(cfg.model, served, b, cache_len, 1, "bfloat16")[1] for b in (1, 64)}
+        decodes["1 int8"] = plan.inference_programs(cfg.model, served, 1, cache_len, 1, "bfloat16", quantize="int8")[1]
     if trained is not None:
         out["train_gb"] = trained.peak / 1e9
         out["train_args_gb"], out["train_temp_gb"] = trained.arguments / 1e9, trained.temporaries / 1e9

@@ -64,7 +64,12 @@ def _axis_size(mesh, axes) -> int:
 
 def _present(axes, mesh):
     """`axes` less those `mesh` lacks (None when none is left; one axis as its name)."""
-    kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if a in mesh.axis_names)
+    return _kept(axes, lambda a: a in mesh.axis_names)
+
+
+def _kept(axes, keep):
+    """The mesh axes of `axes` that `keep` accepts: None when none is left, one axis as its name."""
+    kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if keep(a))
     if not kept:
         return None
     return kept[0] if len(kept) == 1 else kept
@@ -82,8 +87,13 @@ def _dividing(axes, size: int, mesh):
 
 def context_size(mesh=None) -> int:
     """The size of the `context` axis of `mesh` (default: the current mesh); 1 without one."""
+    return axis_size("context", mesh)
+
+
+def axis_size(axis: str, mesh=None) -> int:
+    """The size of mesh axis `axis` of `mesh` (default: the current mesh); 1 without one."""
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-    return 1 if mesh.empty or "context" not in mesh.axis_names else mesh.shape["context"]
+    return 1 if mesh.empty or axis not in mesh.axis_names else mesh.shape[axis]
 
 
 # mesh axes an enclosing `jax.vmap(..., spmd_axis_name=...)` splits its mapped axis over: no constraint inside
@@ -105,10 +115,14 @@ def vmapped_over(*axes: str):
 def logical_spec(names: tuple[str | None, ...], shape: tuple[int, ...] | None = None, mesh=None) -> PartitionSpec:
     """PartitionSpec for logical axis names; drops mesh axes that do not divide the dimension, and a
     mesh axis an earlier dimension already uses (experts over tensor leave their F axis whole), one
-    the mesh does not have (context), and one an enclosing vmap splits over (`vmapped_over`)."""
-    spec, used = [], set(_VMAPPED.get())
+    the mesh does not have (context), and one an enclosing vmap splits over (`vmapped_over`: "batch" is
+    then split over fsdp alone)."""
+    vmapped = _VMAPPED.get()
+    spec, used = [], set(vmapped)
     for i, name in enumerate(names):
         axes = RULES[name] if name is not None else None
+        if axes is not None and vmapped:
+            axes = _kept(axes, lambda a: a not in vmapped)
         if axes is not None and mesh is not None:
             axes = _present(axes, mesh)
         if axes is not None and mesh is not None and shape[i] % _axis_size(mesh, axes) != 0:

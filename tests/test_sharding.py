@@ -2,7 +2,6 @@
 
 import dataclasses
 import functools
-import re
 
 import jax
 import numpy as np
@@ -13,6 +12,7 @@ from jaxgen.sharding import make_mesh
 from jaxgen.targets import hlo
 from jaxgen.training.checkpoint import Checkpointer
 from jaxgen.training.step import create_train_state, make_optimizer, make_train_step, put_batch, train_step
+from tests.conftest import data_axis_sums
 from tests.test_train import random_batch
 
 
@@ -41,26 +41,13 @@ def test_eight_devices_equal_one(runs):
         assert np.abs(a - b).max() <= 1e-5 * max(np.abs(a).max(), 1e-6)
 
 
-def data_axis_sums(text: str, mesh) -> tuple[list, list]:
-    """(sums across the data axis, all-reduces and reduce-scatters, inside the step's loops; those outside
-    them) of compiled HLO text."""
-    comps = hlo.computations(text)
-    looped = {c for body in re.findall(r"body=%?([\w.\-]+)", text) for c in hlo.reachable(comps, body)}
-    sums = ("all-reduce", "reduce-scatter")
-    found = {n: [op for op, axes in hlo.collective_axes(comps, n, mesh) if "data" in axes and op in sums]
-             for n in comps}  # fmt: skip
-    inside = [op for name, ops in found.items() if name in looped for op in ops]
-    outside = [op for name, ops in found.items() if name not in looped and name != "ENTRY" for op in ops]
-    return inside, outside
-
-
 def test_accumulated_gradients_are_summed_over_data_replicas_once_a_step(runs, tiny_cfg):
-    """With `training.grad_accum` on data x tensor, each data replica adds up its own rows' gradients over
-    the micro-batches and the replicas' sums are added once, after the last: in the compiled step no sum
-    inside a loop runs across the data axis (the accumulation summed over data every micro-batch before),
-    one after does. The steps equal one device's without accumulation."""
+    """With `training.grad_accum` on data x fsdp x tensor, each data replica adds up its own rows' gradients
+    over the micro-batches (2 rows each: one per fsdp device) and the replicas' sums are added once, after
+    the last: in the compiled step no sum inside a loop runs across the data axis (the accumulation summed
+    over data every micro-batch before), one after does. The steps equal one device's without accumulation."""
     training = dataclasses.replace(tiny_cfg.training, grad_accum=2)
-    cfg = dataclasses.replace(tiny_cfg, mesh=MeshConfig(data=4, tensor=2), training=training)
+    cfg = dataclasses.replace(tiny_cfg, mesh=MeshConfig(data=2, fsdp=2, tensor=2), training=training)
     (single, l1), _ = runs
     accumulated, l8 = _run(cfg, 8)
     np.testing.assert_allclose(l8, l1, rtol=1e-5)
@@ -85,6 +72,11 @@ def test_replica_groups_are_read_in_every_form_xla_prints():
     by_ids = "replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_1'}, use_global"
     assert hlo.replica_groups(f"x = f32[] all-reduce(y), {by_ids}") == expected
     assert hlo.replica_groups("x = f32[] all-reduce(y), to_apply=f") is None
+    assert hlo.replica_groups("x = f32[] all-reduce(y), replica_groups={}, to_apply=f") is None
+    pairs = "x = f32[4] collective-permute(y), channel_id=3, source_target_pairs={{0,1},{1,0},{2,3},{3,2}}"
+    assert hlo.replica_groups(pairs) == [[0, 1], [1, 0], [2, 3], [3, 2]]
+    with pytest.raises(ValueError, match=r"a form not read here: '\{0,2\}"):
+        hlo.replica_groups("x = f32[] all-reduce(y), replica_groups={0,2}<=unknown")
 
 
 def test_parameters_and_optimizer_state_are_really_sharded(runs):

@@ -14,6 +14,7 @@ from jaxgen import plan
 from jaxgen.config import ModelConfig
 from jaxgen.model import kernels
 from jaxgen.targets import catalog, devices, hlo, roofline
+from tests.conftest import data_axis_sums
 
 TPU = catalog.get("tpu-v5e-4")
 # jax's persistent cache cannot load what a compile-only device's compiler wrote ("PjRtCompiler must be
@@ -153,13 +154,17 @@ ENTRY %main () -> (f32[384], bf16[64,512]) {
   %x = bf16[512]{0:T(512)S(1)} bitcast(%row)
   %y = f32[384]{0:T(512)} fusion(%cd, %x), kind=kOutput, calls=%fused_mv
   %kw = bf16[64,512]{1,0:T(8,128)(2,1)} dynamic-update-slice(%k, %u, %j, %j)
-  ROOT %out = (f32[384]{0:T(512)}, bf16[64,512]{1,0:T(8,128)(2,1)}) tuple(%y, %kw)
+  %ev = (bf16[512,384]{1,0:T(8,128)(2,1)}, bf16[512,384]{1,0:T(8,128)(2,1)S(1)}, u32[]{:S(2)}) copy-start(%cd)
+  %evd = bf16[512,384]{1,0:T(8,128)(2,1)} copy-done(%ev)
+  ROOT %out = (f32[384]{0:T(512)}, bf16[64,512]{1,0:T(8,128)(2,1)}, bf16[512,384]{1,0}) tuple(%y, %kw, %evd)
 }
 """
-    _, accessed = hlo.hlo_counts(text)
+    _, accessed = hlo.hlo_counts(text, memory_spaces=True)
     weight, sliced, row, cache_write = 512 * 384 * 2, 131072, 512 * 2, 512 * 2
     gathered = row + 4 + row  # the row and its index read, the row written
-    assert accessed == weight + sliced + gathered + 384 * 4 + 2 * cache_write
+    evicted = weight  # the copy back to HBM: written there, read on chip
+    assert accessed == weight + sliced + gathered + 384 * 4 + 2 * cache_write + evicted
+    assert hlo.hlo_counts(text)[1] > accessed + 2 * weight  # every array as HBM: the copies count again
     assert hlo.hbm_bytes("(bf16[8,128]{1,0:T(8,128)(2,1)S(1)}, f32[4]{0}, u32[]{:S(2)})") == 16
 
 
@@ -205,12 +210,10 @@ def test_the_train_step_compiles_for_a_tpu_slice_with_splash_inside_shard_map(sm
 
 @needs_libtpu
 def test_accumulated_gradients_are_summed_over_data_once_a_step_on_the_tpu_compiler(small_cfg):
-    """Gradient accumulation on a data x tensor v5e slice: libtpu's program sums nothing across the data
-    axis inside its loops (micro-batches, layers) and the gradients once after them."""
-    from tests.test_sharding import data_axis_sums
-
+    """Gradient accumulation on a data x fsdp v5e slice: libtpu's program sums nothing across the data axis
+    inside its loops (micro-batches, layers) and the gradients once after them."""
     cfg = dataclasses.replace(small_cfg, training=dataclasses.replace(small_cfg.training, grad_accum=2))
-    mesh = devices.target_mesh(TPU, {"data": 2, "fsdp": 1, "tensor": 2})
+    mesh = devices.target_mesh(TPU, {"data": 2, "fsdp": 2, "tensor": 1})
     with devices.traced_for("tpu"):
         *_, text = plan._train_step(cfg, mesh)
     inside, outside = data_axis_sums(text, mesh)

@@ -22,7 +22,7 @@ import numpy as np
 from jaxgen.config import ModelConfig
 from jaxgen.model import attention, kernels, layers, layout, lora, moe, quant
 from jaxgen.model.cache import Cache
-from jaxgen.sharding import constrain
+from jaxgen.sharding import axis_size, constrain
 
 # --- forward ---------------------------------------------------------------------------------------
 
@@ -156,13 +156,15 @@ def _run(params, tokens, positions, cache, cfg: ModelConfig, segment_ids, fresh=
 def _embed(params, tokens, positions, cfg: ModelConfig):
     """(B, T, D): token embeddings, scaled (Gemma) and with learned positions (GPT-2) where configured."""
     embedding = params["embed_vd"]
-    # One token in all (decoding at batch 1) is looked up twice: XLA:GPU makes a gather of one row a
-    # dynamic-slice, and its partitioner then gathers a vocabulary-sharded table whole on every device, every
-    # step (Llama 3.2 1B on 8 GPUs: 525 MB a step); a gather of two rows is partitioned as a lookup per shard
-    # and a sum (docs/accelerators.md, "Decode against the HBM floor").
-    ids = jnp.concatenate([tokens, tokens]) if tokens.size == 1 else tokens
-    x = quant.embed(embedding, ids, cfg.dtype) if quant.is_q(embedding) else embedding[ids]
-    x = x[: tokens.shape[0]]
+    rows = lambda ids: quant.embed(embedding, ids, cfg.dtype) if quant.is_q(embedding) else embedding[ids]
+    if tokens.size == 1 and axis_size("tensor") > 1:
+        # one token in all (decoding at batch 1) over a vocabulary split over devices is looked up twice:
+        # XLA:GPU makes a gather of one row a dynamic-slice, and its partitioner then gathers the table whole
+        # on every device, every step (Llama 3.2 1B on 8 GPUs: 525 MB a step); a gather of two rows is
+        # partitioned as a lookup per shard and a sum (docs/accelerators.md, "Decode against the HBM floor")
+        x = rows(jnp.concatenate([tokens, tokens]))[:1]
+    else:
+        x = rows(tokens)
     if cfg.embed_scale:
         x = x * jnp.asarray(cfg.d_model**0.5, x.dtype)
     if cfg.position == "learned":

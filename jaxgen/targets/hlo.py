@@ -103,21 +103,23 @@ def _prod(dims) -> int:
     return n
 
 
-def hlo_counts(hlo_text: str) -> tuple[float, float]:
+def hlo_counts(hlo_text: str, memory_spaces: bool = False) -> tuple[float, float]:
     """(flops, HBM bytes accessed) of one run of a program from its optimised HLO: the flops of every `dot`
     (2 x the result's elements x the contracted size; a cuBLAS gemm call likewise), and for every kernel
-    of a computation that is not fused into another, the bytes of its operands and result that live in HBM
-    (`hbm_bytes`; an operand a fusion only slices, the slice's). Where the compiler placed buffers in
-    on-chip memory (TPU's memory-space assignment: a `copy-start` or `slice-start` into `S(1)`, then its
-    `-done`), the copy reads what it moves from HBM once and kernels reading the copy read on-chip memory; an in-place
-    `dynamic-update-slice` (a cache write) moves its update only, as XLA's own cost analysis counts it.
-    Each computation counts once (a loop's body once, whatever its trip count: compile layers unrolled)."""
+    of a computation that is not fused into another, the bytes of its operands and result (an operand a
+    fusion only slices or gathers from, what it takes). An unfused in-place `dynamic-update-slice` (a cache
+    write) moves its update only, as XLA's own cost analysis counts it. `memory_spaces` (TPU): arrays that
+    the compiler's memory-space assignment put in on-chip memory (`S(1)`, `S(2)` in their layout) are not
+    HBM traffic; a `copy-start` or `slice-start` into them reads what it moves from HBM once, and kernels
+    reading the copy read on-chip memory. Each computation counts once (a loop's body once, whatever its
+    trip count: compile layers unrolled)."""
     comps = computations(hlo_text)
     # computations inside a kernel: a fusion's, a reduction's or a sort's (not a `call`'s: command buffers)
     fused = set(re.findall(r"calls=%?([\w.\-]+)", hlo_text))
     for line in hlo_text.splitlines():
         if " call(" not in line:
             fused.update(re.findall(r"to_apply=%?([\w.\-]+)", line))
+    size = hbm_bytes if memory_spaces else shape_bytes
     flops = bytes_ = 0.0
     for name, lines in comps.items():
         if name == "ENTRY":
@@ -134,18 +136,19 @@ def hlo_counts(hlo_text: str) -> tuple[float, float]:
             if name in fused or op in FREE or op in _CONTROL or op in ("copy-done", "slice-done"):
                 continue
             operands = re.findall(r"%([\w.\-]+)", _operands(rest))
-            held = [hbm_bytes(shapes.get(o, "")) for o in operands]
+            held = [size(shapes.get(o, "")) for o in operands]
             if op in _ASYNC_MOVES:  # the destination's bytes, read where the source lives, written where it goes
-                destination, layout = _ARRAYS.findall(shape)[_ASYNC_MOVES[op]]
+                destination = _ARRAYS.findall(shape)[_ASYNC_MOVES[op]][0]
                 moved = shape_bytes(destination)
-                bytes_ += moved * (held[0] > 0) + moved * (not _ON_CHIP.search(layout))
+                bytes_ += moved * (held[0] > 0) + moved * (size(destination) > 0)
                 continue
-            if op == "dynamic-update-slice":
-                bytes_ += 2 * held[1]
+            if op == "dynamic-update-slice":  # the update read where it lives, written where the buffer is
+                update = shape_bytes(shapes.get(operands[1], ""))
+                bytes_ += held[1] + update * (size(shape) > 0)
                 continue
             called = re.search(r"calls=%?([\w.\-]+)", rest)
             sliced = _sliced_parameters(comps.get(called.group(1), [])) if op == "fusion" and called else {}
-            bytes_ += hbm_bytes(shape) + sum(min(sliced.get(i, b), b) for i, b in enumerate(held))
+            bytes_ += size(shape) + sum(min(sliced.get(i, b), b) for i, b in enumerate(held))
     return flops, bytes_
 
 
@@ -155,12 +158,12 @@ def hlo_counts(hlo_text: str) -> tuple[float, float]:
 _ASYNC_MOVES = {"copy-start": 0, "slice-start": 1}
 # an array's shape with its layout, e.g. bf16[2048,512]{1,0:T(8,128)(2,1)S(1)}
 _ARRAYS = re.compile(r"(\b[a-z]+\d*[a-z0-9]*\[[\d,]*\](\{[^}]*\})?)")
-_ON_CHIP = re.compile(r"S\([1-9]\d*\)")
+_ON_CHIP = re.compile(r"S\([12]\)")  # TPU: 1 its on-chip vector memory, 2 its scalar memory
 
 
 def hbm_bytes(shape_text: str) -> float:
-    """Bytes of the arrays of an HLO shape that live in HBM: all but those whose layout names another memory
-    space (`S(1)`: on-chip memory, where TPU's memory-space assignment puts buffers; `S(2)`, scalar memory)."""
+    """Bytes of the arrays of an HLO shape (TPU's) that live in HBM: all but those whose layout names
+    memory space 1 (on-chip memory, where TPU's memory-space assignment puts buffers) or 2 (scalar memory)."""
     return sum(shape_bytes(array) for array, layout in _ARRAYS.findall(shape_text) if not _ON_CHIP.search(layout))
 
 
@@ -214,7 +217,12 @@ _COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "
 def replica_groups(line: str) -> list[list[int]] | None:
     """The device groups of a collective instruction, from any of the forms XLA prints: explicit
     ({{0,4},{1,5}}), iota ([4,2]<=[2,4]T(1,0)) or by mesh axes (mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, with
-    or without device_ids=([2,4]T(1,0))). None if it names none (a collective over every device)."""
+    or without device_ids=([2,4]T(1,0))); a collective-permute's source-target pairs as groups of two. None
+    if it names none (a collective over every device); a form not read here is refused, naming it."""
+    if m := re.search(r"source_target_pairs=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line):
+        return [[int(d) for d in g.split(",")] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+    if re.search(r"replica_groups=\{\}", line) or "replica_groups=" not in line:
+        return None
     if m := re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line):
         return [[int(d) for d in g.split(",")] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
     if m := re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line):
@@ -228,7 +236,7 @@ def replica_groups(line: str) -> list[list[int]] | None:
         over = [names.index(a) for a in re.findall(r"'(\w+)'", m.group(4))]
         kept = [i for i in range(len(sizes)) if i not in over]
         return ids.transpose(kept + over).reshape(-1, _prod([sizes[i] for i in over])).tolist()
-    return None
+    raise ValueError(f"replica groups in a form not read here: {line.split('replica_groups=')[1][:120]!r}")
 
 
 def _iota(dims: str, perm: str | None):

@@ -69,15 +69,16 @@ def costs_of(compiled) -> Costs:
     else:
         flops, accessed = float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0))
         if _platform(compiled) == "tpu":
-            accessed = hlo.hlo_counts(text)[1]
+            accessed = hlo.hlo_counts(text, memory_spaces=True)[1]
     return Costs(flops, accessed, collective_bytes(text), custom_calls(text), hlo.int8_products(text))
 
 
 def _platform(compiled) -> str:
+    """The platform a compiled program's devices are ("tpu", "gpu", "cpu"); "" when it names none."""
     import jax
 
-    (sharding, *_) = jax.tree.leaves(compiled.output_shardings)
-    return next(iter(sharding.device_set)).platform
+    shardings = jax.tree.leaves((compiled.output_shardings, compiled.input_shardings))
+    return next(iter(shardings[0].device_set)).platform if shardings else ""
 
 
 def custom_calls(hlo_text: str) -> dict[str, int]:

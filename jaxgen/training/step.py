@@ -182,9 +182,10 @@ def _accumulate_grads(params, batch, cfg: Config, base: dict | None = None):
     language-model loss sum, the token count, the gradients and the router losses (micro-batch mean).
     base: LoRA's frozen weights (`params` are then the adapters, the only thing differentiated).
 
-    On a mesh of data replicas (data, or data x tensor: `_replicas` says where), each replica sums the
-    gradients of its own rows over the micro-batches and the replicas' sums are added once, after the last
-    micro-batch: one all-reduce over `data` a step, not one per micro-batch."""
+    On a mesh with a data axis (`_replicas` says where not), each data replica sums the gradients of its own
+    rows over the micro-batches and the replicas' sums are added once, after the last micro-batch: one
+    all-reduce over `data` a step, not one per micro-batch. (Within a replica, fsdp still reduce-scatters
+    each micro-batch's gradient onto the parameters' shards: holding it whole would undo what fsdp saves.)"""
     a = cfg.training.grad_accum
     objective = loss_sum if base is None else lambda adapters, b, c: loss_sum(lora.attach(base, adapters), b, c)
     grad_fn = jax.value_and_grad(objective, has_aux=True)
@@ -218,14 +219,10 @@ def _replicas(cfg: Config, micro_rows: int) -> int:
     """The data replicas that accumulate their own gradients (`_accumulate_grads`): the current mesh's `data`
     axis, or 1 (everything as one, summed over data every micro-batch) where it has none; where the
     micro-batch's rows do not split evenly over it; for a mixture of experts (its load-balancing loss is a
-    function of a whole micro-batch's routing, which per-replica sums would change); and on a mesh with fsdp
-    or context axes. (On data x fsdp the vmapped step made XLA all-reduce activations over fsdp instead of
-    gathering each layer's weights: 3.4x the collective bytes per micro-batch, tiny model on TPU v5e; context
-    parallelism's shard_map under the vmap is untried.)"""
-    mesh = jax.sharding.get_abstract_mesh()
-    size = lambda axis: 1 if mesh.empty or axis not in mesh.axis_names else mesh.shape[axis]
-    data = size("data")
-    if data == 1 or micro_rows % data or cfg.model.num_experts or size("fsdp") > 1 or size("context") > 1:
+    function of a whole micro-batch's routing, which per-replica sums would change); and on a context mesh
+    (ring attention's shard_map under the vmap is untried)."""
+    data = sharding.axis_size("data")
+    if data == 1 or micro_rows % data or cfg.model.num_experts or sharding.context_size() > 1:
         return 1
     return data
 
@@ -233,8 +230,8 @@ def _replicas(cfg: Config, micro_rows: int) -> int:
 def _per_replica(grad_fn, params, micro, cfg: Config, replicas: int):
     """`grad_fn` of each data replica's own rows of `micro` ((B', T) -> R x (B' / R, T): replica r's rows are
     those its devices hold), vmapped over the replicas with the mapped axis split over `data`: the loss and
-    token sums (R,) and the gradients (R, ...), nothing added across replicas (the router losses averaged).
-    Same structure as `grad_fn`'s result."""
+    token sums (R,) and the gradients (R, ...), nothing added across replicas. Same structure as `grad_fn`'s
+    result (its router losses, zeros here: `_replicas` leaves mixtures of experts out, averaged)."""
     rows = jax.tree.map(lambda x: x.reshape(replicas, x.shape[0] // replicas, *x.shape[1:]), micro)
     with sharding.vmapped_over("data"):
         (_, (t, c, r)), g = jax.vmap(lambda m: grad_fn(params, m, cfg), spmd_axis_name="data")(rows)
