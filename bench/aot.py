@@ -218,7 +218,15 @@ def main(argv=None) -> int:
 
     rows = []
     for spec in args.rows or DEFAULT_ROWS:
-        target = catalog.get(spec.split(":")[1])
+        parts = spec.split(":")
+        if len(parts) < 3:
+            parser.error(f"--rows {spec!r}: expected CONFIG:TARGET:MESH[:OVERRIDE...], e.g. {DEFAULT_ROWS[0]}")
+        if not (ROOT / "configs" / f"{parts[0]}.yaml").exists():
+            parser.error(f"--rows {spec!r}: no configs/{parts[0]}.yaml")
+        try:
+            target = catalog.get(parts[1])
+        except ValueError as e:
+            parser.error(f"--rows {spec!r}: {e}")
         if reason := devices.unavailable(target):
             print(f"skipped {spec}: {reason}", file=sys.stderr)
             continue
