@@ -7,8 +7,8 @@ Each row is CONFIG:TARGET:MESH[:OVERRIDE...]. For each: the train step (memory f
 own analysis, or its out-of-memory refusal; counts from compiles with the layers unrolled at 1 and 2
 layers, `plan.train_costs`), and one decode step at batch 1 and 64 over a cache of `--cache-len` slots, and
 at batch 1 with int8 weights (`serve.quantize=int8`; with how many int8 x int8 products the compiler kept),
-on the mesh serving lays out on the target (`serving_mesh`: tensor parallel over the chips), not the row's
-training mesh. `--decode-only` skips the train step.
+on a tensor-parallel serving mesh (`serving_mesh`: the chips on tensor as far as the heads divide), not the
+row's training mesh. `--decode-only` skips the train step.
 Every time in the table is an ESTIMATE from the compiler's counts at the chip's published peaks
 (`jaxgen.targets.roofline`: perfect overlap, so a lower bound), never a measurement; the compile
 seconds are measured here. Needs the `tpu-compile` extra for TPU rows and `gpu-compile` for GPU rows.

@@ -219,12 +219,12 @@ def replica_groups(line: str) -> list[list[int]] | None:
     ({{0,4},{1,5}}), iota ([4,2]<=[2,4]T(1,0)) or by mesh axes (mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, with
     or without device_ids=([2,4]T(1,0))); a collective-permute's source-target pairs as groups of two. None
     if it names none (a collective over every device); a form not read here is refused, naming it."""
-    if m := re.search(r"source_target_pairs=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line):
-        return [[int(d) for d in g.split(",")] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+    if m := re.search(r"source_target_pairs=" + _BRACED, line):
+        return _braced(m.group(1))
     if re.search(r"replica_groups=\{\}", line) or "replica_groups=" not in line:
         return None
-    if m := re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line):
-        return [[int(d) for d in g.split(",")] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+    if m := re.search(r"replica_groups=" + _BRACED, line):
+        return _braced(m.group(1))
     if m := re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line):
         ids = _iota(m.group(3), m.group(4))
         return ids.reshape(int(m.group(1)), int(m.group(2))).tolist()
@@ -237,6 +237,13 @@ def replica_groups(line: str) -> list[list[int]] | None:
         kept = [i for i in range(len(sizes)) if i not in over]
         return ids.transpose(kept + over).reshape(-1, _prod([sizes[i] for i in over])).tolist()
     raise ValueError(f"replica groups in a form not read here: {line.split('replica_groups=')[1][:120]!r}")
+
+
+_BRACED = r"\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}"  # {{0,4},{1,5}}
+
+
+def _braced(groups: str) -> list[list[int]]:
+    return [[int(d) for d in g.split(",")] for g in re.findall(r"\{([\d,]*)\}", groups)]
 
 
 def _iota(dims: str, perm: str | None):
