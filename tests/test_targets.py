@@ -168,6 +168,48 @@ ENTRY %main () -> (f32[384], bf16[64,512]) {
     assert hlo.hbm_bytes("(bf16[8,128]{1,0:T(8,128)(2,1)S(1)}, f32[4]{0}, u32[]{:S(2)})") == 16
 
 
+def test_a_fusion_updating_its_parameter_in_place_moves_the_update():
+    # a cache write fused with what computes the entry (XLA:GPU's decode step: rotary embedding, then the
+    # write): the fusion's output is its buffer parameter's, so it reads its inputs and writes the update
+    text = """
+%fused_write (p0: bf16[64,8192,128], p1: f32[64,128], p2: s32[]) -> bf16[64,8192,128] {
+  %p0 = bf16[64,8192,128]{2,1,0} parameter(0)
+  %p1 = f32[64,128]{1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  %cv = bf16[64,128]{1,0} convert(%p1)
+  %u = bf16[64,1,128]{2,1,0} bitcast(%cv)
+  %z = s32[] constant(0)
+  %buf = bf16[64,8192,128]{2,1,0} bitcast(%p0)
+  ROOT %w = bf16[64,8192,128]{2,1,0} dynamic-update-slice(%buf, %u, %z, %p2, %z)
+}
+
+%fused_copy (q0: bf16[64,8192,128], q1: f32[64,128], q2: s32[]) -> bf16[64,8192,128] {
+  %q0 = bf16[64,8192,128]{2,1,0} parameter(0)
+  %q1 = f32[64,128]{1,0} parameter(1)
+  %q2 = s32[] parameter(2)
+  %n = bf16[64,8192,128]{2,1,0} negate(%q0)
+  %cv = bf16[64,128]{1,0} convert(%q1)
+  %u = bf16[64,1,128]{2,1,0} bitcast(%cv)
+  %z = s32[] constant(0)
+  ROOT %w = bf16[64,8192,128]{2,1,0} dynamic-update-slice(%n, %u, %z, %q2, %z)
+}
+
+ENTRY %main (k: bf16[64,8192,128], e: f32[64,128], j: s32[]) -> (bf16[64,8192,128], bf16[64,8192,128]) {
+  %k = bf16[64,8192,128]{2,1,0} parameter(0)
+  %e = f32[64,128]{1,0} parameter(1)
+  %j = s32[] parameter(2)
+  %kw = bf16[64,8192,128]{2,1,0} fusion(%k, %e, %j), kind=kLoop, calls=%fused_write
+  %kn = bf16[64,8192,128]{2,1,0} fusion(%k, %e, %j), kind=kLoop, calls=%fused_copy
+  ROOT %out = (bf16[64,8192,128]{2,1,0}, bf16[64,8192,128]{2,1,0}) tuple(%kw, %kn)
+}
+"""
+    _, accessed = hlo.hlo_counts(text)
+    cache, entry = 64 * 8192 * 128 * 2, 64 * 128
+    in_place = entry * 4 + 4 + entry * 2  # the new entries (f32) and the index read, the update written
+    rewritten = cache + entry * 4 + 4 + cache  # a buffer computed anew (negated) is read and written whole
+    assert accessed == in_place + rewritten
+
+
 @pytest.fixture(scope="module")
 def tpu_mesh():
     return devices.target_mesh(TPU, {"data": 1, "fsdp": 2, "tensor": 2})

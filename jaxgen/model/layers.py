@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen.config import ModelConfig
-from jaxgen.model import layout, lora, quant
+from jaxgen.model import kernels, layout, lora, quant
 
 TILE = 8  # tokens per tile in deterministic mode (`per_tile`)
 
@@ -105,8 +105,16 @@ def dense(x, w, in_axes: int = 1):
         return layout.product(x.reshape(-1, n_in), w).reshape(*lead, *w.shape[in_axes:])
     if quant.is_q(w):  # int8 weights (inference): an int8 x int8 product
         return quant.dense(x.reshape(-1, n_in), w, x.dtype).reshape(*lead, *w.shape[in_axes:])
-    y = x.reshape(-1, n_in) @ w.reshape(n_in, -1)
+    y = of_rows(lambda x2: x2 @ w.reshape(n_in, -1), x.reshape(-1, n_in))
     return y.reshape(*lead, *w.shape[in_axes:])
+
+
+def of_rows(product, x2):
+    """product(x2) for x2 (R, I), a matrix product's rows; one row as two (the row and zeros) where
+    `kernels.pads_one_row` says (XLA:GPU: a gemm that reads the weight once, not a multiply written out)."""
+    if x2.shape[0] == 1 and kernels.pads_one_row():
+        return product(jnp.pad(x2, ((0, 1), (0, 0))))[:1]
+    return product(x2)
 
 
 def norm(x_btd, p: dict, cfg: ModelConfig):

@@ -230,11 +230,12 @@ def lm_head(params, x_btd, cfg: ModelConfig):
         logits = quant.head(x, w, cfg.tie_embeddings)
     elif cfg.tie_embeddings:  # contract with the embedding's rows as stored: `.T` made XLA copy it each step
         contract_d = (((1,), (1,)), ((), ()))
-        logits = jax.lax.dot_general(x, params["embed_vd"], contract_d, preferred_element_type=jnp.float32)
+        head = lambda x2: jax.lax.dot_general(x2, params["embed_vd"], contract_d, preferred_element_type=jnp.float32)
+        logits = layers.of_rows(head, x)
     elif layout.is_out_major(w):  # decoding's (V, D) head: see jaxgen.model.layout
         logits = layout.product(x, w, jnp.float32)
     else:
-        logits = jnp.matmul(x, params["head_dv"], preferred_element_type=jnp.float32)
+        logits = layers.of_rows(lambda x2: jnp.matmul(x2, params["head_dv"], preferred_element_type=jnp.float32), x)
     logits = layers.softcap(logits.reshape(*x_btd.shape[:-1], -1), cfg.final_softcap)
     return constrain(logits, ("batch", "seq", "vocab"))
 

@@ -112,7 +112,8 @@ def hlo_counts(hlo_text: str, memory_spaces: bool = False) -> tuple[float, float
     the compiler's memory-space assignment put in on-chip memory (`S(1)`, `S(2)` in their layout) are not
     HBM traffic; a `copy-start` or `slice-start` into them reads what it moves from HBM once, and kernels
     reading the copy read on-chip memory. Each computation counts once (a loop's body once, whatever its
-    trip count: compile layers unrolled)."""
+    trip count: compile layers unrolled). A fusion whose root updates a parameter in place (a cache write
+    fused with what computes the new entry, `_updated_in_place`) likewise writes its update, not the buffer."""
     comps = computations(hlo_text)
     # computations inside a kernel: a fusion's, a reduction's or a sort's (not a `call`'s: command buffers)
     fused = set(re.findall(r"calls=%?([\w.\-]+)", hlo_text))
@@ -147,8 +148,15 @@ def hlo_counts(hlo_text: str, memory_spaces: bool = False) -> tuple[float, float
                 bytes_ += held[1] + update * (size(shape) > 0)
                 continue
             called = re.search(r"calls=%?([\w.\-]+)", rest)
-            sliced = _sliced_parameters(comps.get(called.group(1), [])) if op == "fusion" and called else {}
-            bytes_ += size(shape) + sum(min(sliced.get(i, b), b) for i, b in enumerate(held))
+            fused_lines = comps.get(called.group(1), []) if op == "fusion" and called else []
+            sliced = _sliced_parameters(fused_lines)
+            updated = _updated_in_place(fused_lines)
+            if updated is not None:  # the buffer parameter neither read nor written whole: its update written
+                buffer, update = updated
+                held[buffer], written = 0.0, update * (size(shape) > 0)
+            else:
+                written = size(shape)
+            bytes_ += written + sum(min(sliced.get(i, b), b) for i, b in enumerate(held))
     return flops, bytes_
 
 
@@ -186,6 +194,31 @@ def _sliced_parameters(fused_lines: list[str]) -> dict[int, float]:
                 uses.setdefault(o, []).append(slicing)
                 sizes[o] = sizes.get(o, 0.0) + shape_bytes(shape)
     return {params[p]: sizes[p] for p, kinds in uses.items() if all(kinds)}
+
+
+def _updated_in_place(fused_lines: list[str]) -> tuple[int, float] | None:
+    """(parameter number, update bytes) when a fused computation's root is a `dynamic-update-slice` of one
+    of its parameters (through bitcasts): XLA emits such a fusion in place, its output the parameter's
+    buffer, so the kernel writes the update and never reads or writes the rest (a cache write at decode)."""
+    shapes, params, source = {}, {}, {}
+    for line in fused_lines:
+        m = _SHAPED.match(line)
+        if not m:
+            continue
+        inst, shape, op, rest = m.groups()
+        shapes[inst] = shape
+        operands = re.findall(r"%([\w.\-]+)", _operands(rest))
+        if op == "parameter":
+            params[inst] = int(re.match(r"\s*(\d+)", rest).group(1))
+        elif op == "bitcast" and operands:
+            source[inst] = operands[0]
+        if line.lstrip().startswith("ROOT") and op == "dynamic-update-slice" and len(operands) > 1:
+            buffer = operands[0]
+            while buffer in source:
+                buffer = source[buffer]
+            if buffer in params:
+                return params[buffer], shape_bytes(shapes.get(operands[1], ""))
+    return None
 
 
 def _dot_flops(shape: str, rest: str, shapes: dict) -> float:

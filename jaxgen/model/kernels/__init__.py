@@ -9,6 +9,7 @@
 
 `choose(cfg)` and `fit_length` pick the whole-sequence implementation (`model.attention_impl`);
 `cache_layout(cfg)` how the contiguous cache holds a layer's slots (`model.cache_layout`);
+`pads_one_row()` whether a one-row matrix product runs as two rows (XLA:GPU's batch-1 decode);
 `decode_kernel(cfg, cache, T)` says whether a cached call runs the fused decode kernel its cache names
 (`Cache.decode_kernel`, a key of `DECODE_KERNELS`: the one registration a decode kernel needs) or
 attention's XLA block loop (`model.decode_impl`). A reason a kernel cannot run is logged once.
@@ -28,7 +29,7 @@ import jax
 
 from jaxgen.config import ModelConfig
 from jaxgen.model.kernels import cpu, cudnn, paged_gpu, paged_tpu, splash
-from jaxgen.sharding import context_size
+from jaxgen.sharding import axis_size, context_size
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ __all__ = [
     "decode_attention",
     "decode_kernel",
     "fit_length",
+    "pads_one_row",
     "paged_kernel",
     "paged_unfit",
     "splash_attention",
@@ -122,6 +124,18 @@ def fit_length(impl: str, t: int, cfg: ModelConfig) -> str:
         _warn_once(f"{reason}; using blockwise for this length")
         return "blockwise"
     return impl
+
+
+def pads_one_row(backend: str | None = None) -> bool:
+    """Whether a matrix product of one row (decoding at batch 1) runs as a product of two rows, the row and
+    zeros, on `backend` (default: jax's). On a GPU: XLA:GPU turns a vector-matrix product into a multiply and
+    a sum, and writes the weight-sized multiply to memory before summing it (the whole weight read twice and
+    written once) where the vector comes out of a norm, an activation or attention, which is nearly every
+    product of a decode step; two rows make it a gemm that reads the weight once (docs/accelerators.md,
+    "Decode against the HBM floor"). Not under an fsdp axis: XLA:GPU 0.10.2's partitioner fails on the
+    padded product over fsdp=8, and a batch-1 step there gathers each weight anyway. Elsewhere one row stays
+    one row (XLA:CPU and TPU read a weight once either way)."""
+    return (backend or jax.default_backend()) == "gpu" and axis_size("fsdp") == 1
 
 
 def paged_kernel(backend: str | None = None) -> str:
