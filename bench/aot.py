@@ -16,7 +16,9 @@ seconds are measured here. Needs the `tpu-compile` extra for TPU rows and `gpu-c
     python bench/aot.py --rows llama-3.1-8b:tpu-v5p-8:fsdp=4:model.remat=full --peer maxtext --maxtext-python PY
 
 MaxText's own train step for the same TPU rows (its `train_compile`, run in its own environment, PY its
-interpreter) beside jaxgen's: per-device memory from each side's compiler analysis, and the versions.
+interpreter) beside jaxgen's: per-device memory from each side's compiler analysis, and the versions; and
+jaxgen's step compiled again by PY (MaxText's jax and libtpu), so that one column pair differs by the
+programs alone.
 """
 
 from __future__ import annotations
@@ -104,7 +106,6 @@ def maxtext_row(spec: str, python: str) -> dict:
     import subprocess
 
     from jaxgen.config import load_config
-    from jaxgen.runtime import NO_TPU_VM
     from jaxgen.targets import catalog
 
     name, target_name, mesh_text, *overrides = spec.split(":")
@@ -124,13 +125,9 @@ def maxtext_row(spec: str, python: str) -> dict:
         f"remat_policy={remat}", f"ici_fsdp_parallelism={fsdp}", "dataset_type=synthetic",
         "enable_checkpointing=false", "base_output_directory=/tmp/jaxgen-maxtext", "run_name=aot",
     ]  # fmt: skip
-    # its own libtpu: not the one jax loaded here (TPU_LIBRARY_PATH, which jax sets: MaxText's jax then fed our
-    # older libtpu its Mosaic kernels, "Could not convert JSON string"), nor the TPU-VM defaults set for it
-    unset = {*NO_TPU_VM, "TPU_LIBRARY_PATH"}
-    env = {k: v for k, v in os.environ.items() if k not in unset} | {"JAX_PLATFORMS": "cpu"}
     began = time.perf_counter()
     done = subprocess.run([python, "-m", "maxtext.trainers.pre_train.train_compile", *args], capture_output=True,
-                          text=True, env=env, timeout=3600)  # fmt: skip
+                          text=True, env=_peer_env(), timeout=3600)  # fmt: skip
     out = done.stdout + done.stderr
     memory = re.search(r"Memory analysis: CompiledMemoryStats\((.*?)\)", out)
     if done.returncode or memory is None:
@@ -146,27 +143,77 @@ def maxtext_row(spec: str, python: str) -> dict:
     }  # fmt: skip
 
 
-def peer_table(rows: list[dict], peers: list[dict]) -> str:
-    """jaxgen's train step beside MaxText's, per device, each compiled by its own jax and libtpu."""
+def _peer_env() -> dict:
+    """The environment a peer's interpreter compiles in: its own libtpu, not the one jax loaded here
+    (TPU_LIBRARY_PATH, which jax sets: MaxText's jax then fed our older libtpu its Mosaic kernels, "Could not
+    convert JSON string"), nor the TPU-VM defaults set for it."""
+    from jaxgen.runtime import NO_TPU_VM
+
+    unset = {*NO_TPU_VM, "TPU_LIBRARY_PATH"}
+    return {k: v for k, v in os.environ.items() if k not in unset} | {"JAX_PLATFORMS": "cpu"}
+
+
+def train_memory(spec: str) -> dict:
+    """The memory per device of row `spec`'s train step (no counts), and which jax and libtpu compiled it."""
+    import importlib.metadata
+
     import jax
 
+    from jaxgen import plan
+    from jaxgen.config import load_config
+    from jaxgen.targets import catalog, devices
+
+    jax.config.update("jax_platforms", "cpu")
+    name, target_name, mesh_text, *overrides = spec.split(":")
+    target = catalog.get(target_name)
+    cfg = load_config(ROOT / "configs" / f"{name}.yaml", overrides)
+    with devices.traced_for(devices.backend_of(target)):
+        trained = plan.train_program(cfg, devices.target_mesh(target, plan.parse_mesh(mesh_text)))
+    return {"train_gb": trained.peak / 1e9, "train_args_gb": trained.arguments / 1e9,
+            "train_temp_gb": trained.temporaries / 1e9,
+            "versions": f"jax {jax.__version__}, libtpu {importlib.metadata.version('libtpu')}"}  # fmt: skip
+
+
+def jaxgen_under(spec: str, python: str) -> dict:
+    """`train_memory(spec)` run by `python` (MaxText's environment): jaxgen's step compiled by the same jax and
+    libtpu as MaxText's, so the two differ by their programs alone. An error dict where jaxgen cannot run
+    there (jaxgen needs jax 0.10.2 to 0.12 and its own dependencies importable in that environment)."""
+    import json
+    import subprocess
+
+    code = f"import json, bench.aot as a; print(json.dumps(a.train_memory({spec!r})))"
+    env = _peer_env() | {"PYTHONPATH": str(ROOT)}
+    done = subprocess.run([python, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env, timeout=3600)
+    if done.returncode:
+        return {"error": " | ".join((done.stdout + done.stderr).strip().splitlines()[-2:])}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def peer_table(rows: list[dict], peers: list[dict]) -> str:
+    """jaxgen's train step beside MaxText's, per device: jaxgen's compiled by this environment's jax and libtpu
+    and again by MaxText's (`jaxgen_under`, the like-for-like column), MaxText's by its own."""
+    import importlib.metadata
+
+    import jax
+
+    gb = lambda r: f"{r['train_gb']:.1f} ({r['train_args_gb']:.1f}, {r['train_temp_gb']:.1f})"
     mine = {r["row"]: r for r in rows}
+    here = f"jax {jax.__version__}, libtpu {importlib.metadata.version('libtpu')}"
     lines = [
-        "| row | jaxgen GB/device (arguments, temporaries) | MaxText GB/device (arguments, temporaries) | "
-        "MaxText remat | MaxText compile s | compiled by |",
-        "|---|---|---|---|---|---|",
+        f"| row | jaxgen GB/device (arguments, temporaries), {here} | jaxgen, MaxText's jax | MaxText GB/device "
+        "(arguments, temporaries) | MaxText remat | MaxText compile s | MaxText's jax |",
+        "|---|---|---|---|---|---|---|",
     ]
     for p in peers:
-        r = mine.get(p["row"], {})
-        ours = f"{r['train_gb']:.1f} ({r['train_args_gb']:.1f}, {r['train_temp_gb']:.1f})" if r else "-"
+        r, under = mine.get(p["row"], {}), p.get("jaxgen_under", {})
+        ours = gb(r) if r else "-"
+        again = f"failed: {under['error'][:120]}" if "error" in under else gb(under) if under else "-"
         if "error" in p:
-            lines.append(f"| {p['row']} | {ours} | failed: {p['error'][:200]} | - | - | - |")
+            lines.append(f"| {p['row']} | {ours} | {again} | failed: {p['error'][:200]} | - | - | - |")
             continue
         theirs = f"{p['peak_gb']:.1f} ({p['args_gb']:.1f}, {p['temp_gb']:.1f})"
-        import importlib.metadata
-
-        who = f"jaxgen: jax {jax.__version__} libtpu {importlib.metadata.version('libtpu')}; MaxText: {p['versions']}"
-        lines.append(f"| {p['row']} | {ours} | {theirs} | {p['remat']} | {p['compile_s']:.0f} | {who} |")
+        lines.append(f"| {p['row']} | {ours} | {again} | {theirs} | {p['remat']} | {p['compile_s']:.0f} | "
+                     f"{p['versions']} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -238,7 +285,9 @@ def main(argv=None) -> int:
         peers = []
         for spec in specs:
             print(f"compiling MaxText's step for {spec} ...", file=sys.stderr, flush=True)
-            peers.append(maxtext_row(spec, args.maxtext_python))
+            peer = maxtext_row(spec, args.maxtext_python)
+            print(f"compiling jaxgen's step for {spec} with MaxText's jax ...", file=sys.stderr, flush=True)
+            peers.append(peer | {"jaxgen_under": jaxgen_under(spec, args.maxtext_python)})
         print()
         print(peer_table(rows, peers))
     return 0

@@ -63,6 +63,33 @@ def test_accumulated_gradients_are_summed_over_data_replicas_once_a_step(runs, t
     assert not inside and "all-reduce" in outside, (inside, outside)
 
 
+def test_accumulating_whole_gradients_sums_over_fsdp_once_a_step(runs, tiny_cfg):
+    """`training.accumulate_whole`: the weights gathered once a step, every device sums its own row's whole
+    gradient over the micro-batches, and the sum over data and fsdp runs once, after the last: no all-reduce
+    or reduce-scatter inside a loop spans fsdp (the default reduce-scatters each micro-batch's gradient onto
+    the fsdp shards, which is checked too, so the test can tell the two apart). Equal to one device."""
+    training = dataclasses.replace(tiny_cfg.training, grad_accum=2, accumulate_whole=True)
+    cfg = dataclasses.replace(tiny_cfg, mesh=MeshConfig(data=2, fsdp=2, tensor=2), training=training)
+    (single, l1), _ = runs
+    accumulated, l8 = _run(cfg, 8)
+    np.testing.assert_allclose(l8, l1, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(single.params), jax.tree.leaves(accumulated.params)):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.abs(a - b).max() <= 1e-5 * max(np.abs(a).max(), 1e-6)
+    mesh = make_mesh(cfg.mesh, jax.devices()[:8])
+    for whole in (True, False):
+        c = dataclasses.replace(cfg, training=dataclasses.replace(training, accumulate_whole=whole))
+        state = create_train_state(c, mesh)
+        step = jax.jit(functools.partial(train_step, cfg=c, tx=make_optimizer(c.optimizer, c.training.steps)))
+        with jax.set_mesh(mesh):
+            text = step.lower(state, put_batch(random_batch(c), mesh)).compile().as_text()
+        inside, outside = data_axis_sums(text, mesh, axis="fsdp")
+        if whole:
+            assert not inside and outside, (inside, outside)
+        else:
+            assert "reduce-scatter" in inside or "all-reduce" in inside, inside
+
+
 def test_replica_groups_are_read_in_every_form_xla_prints():
     expected = [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert hlo.replica_groups("x = f32[] all-reduce(y), replica_groups={{0,4},{1,5},{2,6},{3,7}}") == expected

@@ -253,13 +253,21 @@ def test_the_train_step_compiles_for_a_tpu_slice_with_splash_inside_shard_map(sm
 @needs_libtpu
 def test_accumulated_gradients_are_summed_over_data_once_a_step_on_the_tpu_compiler(small_cfg):
     """Gradient accumulation on a data x fsdp v5e slice: libtpu's program sums nothing across the data axis
-    inside its loops (micro-batches, layers) and the gradients once after them."""
+    inside its loops (micro-batches, layers) and the gradients once after them; with
+    `training.accumulate_whole`, nothing across fsdp either."""
     cfg = dataclasses.replace(small_cfg, training=dataclasses.replace(small_cfg.training, grad_accum=2))
     mesh = devices.target_mesh(TPU, {"data": 2, "fsdp": 2, "tensor": 1})
     with devices.traced_for("tpu"):
         *_, text = plan._train_step(cfg, mesh)
     inside, outside = data_axis_sums(text, mesh)
     assert not inside and "all-reduce" in outside, (inside, outside)
+    # training.accumulate_whole: the weights gathered once, nothing summed across fsdp inside the loops either
+    whole = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, accumulate_whole=True))
+    with devices.traced_for("tpu"):
+        *_, text = plan._train_step(whole, mesh)
+    for axis in ("data", "fsdp"):
+        inside, outside = data_axis_sums(text, mesh, axis)
+        assert not inside and outside, (axis, inside, outside)
 
 
 @needs_libtpu

@@ -63,6 +63,12 @@ class TrainingConfig:
     steps: int = 200  # total optimizer steps of the run
     batch_size: int = 8  # sequences per optimizer step (global, all devices)
     grad_accum: int = 1  # micro-batches per step; batch_size must divide by it
+    # under grad_accum on an fsdp mesh: False, each micro-batch's gradient is reduce-scattered onto the weights'
+    # fsdp shards (ZeRO-3: nothing whole is held); True, the weights are gathered (in model.dtype) once a step
+    # and every device sums its own rows' whole gradient, reduced over fsdp once a step (ZeRO-1's trade: a
+    # float32 gradient and the gathered weights on every device, one reduction a step). Data replicas sum
+    # once a step either way (jaxgen.training.step._accumulate_grads)
+    accumulate_whole: bool = False
     eval_every: int = 50
     log_every: int = 10
     seed: int = 0
@@ -91,6 +97,8 @@ class TrainingConfig:
         )
         check(self.steps_per_run >= 0, "training.steps_per_run", self.steps_per_run, "an integer >= 0")
         check(self.loss_chunk >= 0, "training.loss_chunk", self.loss_chunk, "an integer >= 0 (0 = no chunks)")
+        check(isinstance(self.accumulate_whole, bool), "training.accumulate_whole", self.accumulate_whole,
+              "true or false")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

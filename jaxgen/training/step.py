@@ -184,8 +184,10 @@ def _accumulate_grads(params, batch, cfg: Config, base: dict | None = None):
 
     On a mesh with a data axis (`_replicas` says where not), each data replica sums the gradients of its own
     rows over the micro-batches and the replicas' sums are added once, after the last micro-batch: one
-    all-reduce over `data` a step, not one per micro-batch. (Within a replica, fsdp still reduce-scatters
-    each micro-batch's gradient onto the parameters' shards: holding it whole would undo what fsdp saves.)"""
+    all-reduce over `data` a step, not one per micro-batch. Within a replica, fsdp reduce-scatters each
+    micro-batch's gradient onto the parameters' shards (holding it whole would undo what fsdp saves), unless
+    `training.accumulate_whole`: then the weights are gathered once, each device is a replica of its own rows
+    over data x fsdp, and the sum over both runs once a step (`_gathered_once`)."""
     a = cfg.training.grad_accum
     objective = loss_sum if base is None else lambda adapters, b, c: loss_sum(lora.attach(base, adapters), b, c)
     grad_fn = jax.value_and_grad(objective, has_aux=True)
@@ -196,55 +198,107 @@ def _accumulate_grads(params, batch, cfg: Config, base: dict | None = None):
     def split(x):  # (B, T) -> (A, B/A, T), micro-batch j = rows j, A + j, ... (spread over devices)
         return x.reshape(x.shape[0] // a, a, *x.shape[1:]).swapaxes(0, 1)
 
-    replicas = _replicas(cfg, batch["inputs"].shape[0] // a)
-    sums = grad_fn if replicas == 1 else functools.partial(_per_replica, grad_fn, replicas=replicas)
+    axes = _replica_axes(cfg, batch["inputs"].shape[0] // a)
+    replicas = int(np.prod([sharding.axis_size(x) for x in axes]))
+    if "fsdp" in axes:
+        params = _gathered_once(params, cfg, base)
+    sums = grad_fn if not axes else functools.partial(_per_replica, grad_fn, axes=axes)
 
     def body(carry, micro):
         total, count, grads, router = carry
         (_, (t, c, r)), g = sums(params, micro, cfg)
         router = jax.tree.map(lambda x, y: x + y / a, router, r)
-        return (total + t, count + c, jax.tree.map(jnp.add, grads, g), router), None
+        return (total + t, count + c, jax.tree.map(lambda s, x: s + x.astype(s.dtype), grads, g), router), None
 
-    lead = (replicas,) if replicas > 1 else ()
-    zero = lambda shape, dtype=jnp.float32: _split_over_data(jnp.zeros((*lead, *shape), dtype), replicas)
-    carry = (zero(()), zero(()), jax.tree.map(lambda p: zero(p.shape, p.dtype), params))
+    lead = (replicas,) if axes else ()
+    zero = lambda shape, dtype=jnp.float32: _split_over(jnp.zeros((*lead, *shape), dtype), axes)
+    carry = (zero(()), zero(()), jax.tree.map(lambda p: zero(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params))
     no_router = {"router_aux": jnp.zeros(()), "router_z": jnp.zeros(())}
     (total, count, grads, router), _ = jax.lax.scan(body, (*carry, no_router), jax.tree.map(split, batch))
-    if replicas > 1:  # the step's one sum over the data replicas
-        total, count, grads = jax.tree.map(lambda x: x.sum(0), (total, count, grads))
+    if "fsdp" in axes:  # summed straight onto the weights' shards
+        grads = jax.tree.map(functools.partial(_onto_shards, axes=axes), grads, _param_names(cfg, base))
+    elif axes:
+        grads = jax.tree.map(lambda x: x.sum(0), grads)
+    if axes:  # the step's one sum over the replicas
+        total, count = total.sum(0), count.sum(0)
     return total, count, grads, router
 
 
-def _replicas(cfg: Config, micro_rows: int) -> int:
-    """The data replicas that accumulate their own gradients (`_accumulate_grads`): the current mesh's `data`
-    axis, or 1 (everything as one, summed over data every micro-batch) where it has none; where the
-    micro-batch's rows do not split evenly over it; for a mixture of experts (its load-balancing loss is a
-    function of a whole micro-batch's routing, which per-replica sums would change); and on a context mesh
-    (ring attention's shard_map under the vmap is untried)."""
-    data = sharding.axis_size("data")
-    if data == 1 or micro_rows % data or cfg.model.num_experts or sharding.context_size() > 1:
-        return 1
-    return data
+def _replica_axes(cfg: Config, micro_rows: int) -> tuple[str, ...]:
+    """The mesh axes whose devices accumulate their own gradients (`_accumulate_grads`): `data` (and `fsdp`
+    with `training.accumulate_whole`), those of size > 1; none (everything as one, summed every micro-batch)
+    where the micro-batch's rows do not split evenly over them; for a mixture of experts (its load-balancing
+    loss is a function of a whole micro-batch's routing, which per-replica sums would change); and on a
+    context mesh (ring attention's shard_map under the vmap is untried)."""
+    wanted = ("data", "fsdp") if cfg.training.accumulate_whole else ("data",)
+    axes = tuple(a for a in wanted if sharding.axis_size(a) > 1)
+    replicas = int(np.prod([sharding.axis_size(a) for a in axes]))
+    if not axes or micro_rows % replicas or cfg.model.num_experts or sharding.context_size() > 1:
+        return ()
+    return axes
 
 
-def _per_replica(grad_fn, params, micro, cfg: Config, replicas: int):
-    """`grad_fn` of each data replica's own rows of `micro` ((B', T) -> R x (B' / R, T): replica r's rows are
-    those its devices hold), vmapped over the replicas with the mapped axis split over `data`: the loss and
-    token sums (R,) and the gradients (R, ...), nothing added across replicas. Same structure as `grad_fn`'s
-    result (its router losses, zeros here: `_replicas` leaves mixtures of experts out, averaged)."""
+def _gathered_once(params, cfg: Config, base: dict | None):
+    """`params` cast to model.dtype and gathered over fsdp, once, outside the micro-batch loop (for
+    `training.accumulate_whole`), to be differentiated in their place: the gradient with respect to the cast
+    copy is the one with respect to the float32 weights (the cast's transpose casts it back), added up in
+    float32 by `_accumulate_grads`."""
+    dtype = jnp.dtype(cfg.model.dtype)
+    cast = lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p
+    with sharding.vmapped_over("fsdp"):  # each weight's rule with fsdp left out: whole over fsdp
+        return jax.tree.map(lambda p, n: sharding.constrain(cast(p), n), params, _param_names(cfg, base))
+
+
+def _onto_shards(g, names, axes: tuple[str, ...]):
+    """Per-device whole gradients g (R, ...) (R over `axes`: data and fsdp) summed onto the weight's shards
+    (`names` its logical axes): a sum over data and a reduce-scatter over fsdp along the dimension fsdp
+    splits (an all-reduce where it splits none), each device's block in and the weight's shard out. Written
+    out (shard_map): left to the partitioner, the sum was an all-reduce of the whole float32 gradient
+    followed by a slice, twice the bytes (libtpu 0.0.42.1)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    spec = sharding.logical_spec(names, g.shape[1:], mesh)
+    split = lambda entry: entry == "fsdp" or (isinstance(entry, tuple) and "fsdp" in entry)
+    dim = next((i for i, entry in enumerate(spec) if split(entry)), None)
+    block = jax.sharding.PartitionSpec(axes, *(None if split(entry) else entry for entry in spec))
+
+    def local(x):  # (1, ...): this device's whole gradient (split over tensor as the weight is)
+        x = x[0]
+        if "data" in axes:
+            x = jax.lax.psum(x, "data")
+        if dim is None:
+            return jax.lax.psum(x, "fsdp")
+        return jax.lax.psum_scatter(x, spec[dim], scatter_dimension=dim, tiled=True)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=block, out_specs=spec, check_vma=False)(g)
+
+
+def _param_names(cfg: Config, base: dict | None):
+    """The logical axis names of each trained array: the model's weights, or LoRA's adapters (`base` given)."""
+    specs = lora.lora_specs(cfg.model) if base is not None else model.param_specs(cfg.model)
+    return jax.tree.map(lambda s: s.names, specs, is_leaf=lambda x: isinstance(x, model.ParamSpec))
+
+
+def _per_replica(grad_fn, params, micro, cfg: Config, axes: tuple[str, ...]):
+    """`grad_fn` of each replica's own rows of `micro` ((B', T) -> R x (B' / R, T): replica r's rows are those
+    its devices hold), vmapped over the replicas with the mapped axis split over `axes` (data, and fsdp with
+    `training.accumulate_whole`): the loss and token sums (R,) and the gradients (R, ...), nothing added across
+    replicas. Same structure as `grad_fn`'s result (its router losses, zeros here: `_replica_axes` leaves
+    mixtures of experts out, averaged)."""
+    replicas = int(np.prod([sharding.axis_size(a) for a in axes]))
     rows = jax.tree.map(lambda x: x.reshape(replicas, x.shape[0] // replicas, *x.shape[1:]), micro)
-    with sharding.vmapped_over("data"):
-        (_, (t, c, r)), g = jax.vmap(lambda m: grad_fn(params, m, cfg), spmd_axis_name="data")(rows)
-    t, c, g = jax.tree.map(lambda x: _split_over_data(x, replicas), (t, c, g))
+    spmd = axes if len(axes) > 1 else axes[0]
+    with sharding.vmapped_over(*axes):
+        (_, (t, c, r)), g = jax.vmap(lambda m: grad_fn(params, m, cfg), spmd_axis_name=spmd)(rows)
+    t, c, g = jax.tree.map(lambda x: _split_over(x, axes), (t, c, g))
     return (None, (t, c, jax.tree.map(lambda x: x.mean(0), r))), g
 
 
-def _split_over_data(x, replicas: int):
-    """A per-replica array (R, ...) held a replica per data index (the rest as the compiler places it)."""
-    if replicas == 1:
+def _split_over(x, axes: tuple[str, ...]):
+    """A per-replica array (R, ...) held a replica per index of `axes` (the rest as the compiler places it)."""
+    if not axes:
         return x
     rest = (jax.sharding.PartitionSpec.UNCONSTRAINED,) * (x.ndim - 1)
-    return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec("data", *rest))
+    return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(axes, *rest))
 
 
 def apply_grads(state: TrainState, grads, loss, tx: optax.GradientTransformation):
