@@ -122,18 +122,17 @@ def _free_compiled_programs(request):
     _use_the_shared_xla_cache(True)
 
 
-def data_axis_sums(text: str, mesh, axis: str = "data") -> tuple[list, list]:
-    """(sums across mesh axis `axis`, all-reduces and reduce-scatters, inside a compiled step's loops; those
-    outside them) of its optimised HLO text, compiled on `mesh`'s devices."""
+def axis_collectives(text: str, mesh, axis: str = "data", ops=("all-reduce", "reduce-scatter")) -> tuple[list, list]:
+    """(collectives of kinds `ops` across mesh axis `axis` inside a compiled step's loops; those outside them)
+    of its optimised HLO text, compiled on `mesh`'s devices. By default the sums: all-reduces, reduce-scatters."""
     import re
 
     from jaxgen.targets import hlo
 
     comps = hlo.computations(text)
     looped = {c for body in re.findall(r"body=%?([\w.\-]+)", text) for c in hlo.reachable(comps, body)}
-    sums = ("all-reduce", "reduce-scatter")
-    found = {n: [op for op, axes in hlo.collective_axes(comps, n, mesh) if axis in axes and op in sums]
+    found = {n: [op for op, axes in hlo.collective_axes(comps, n, mesh) if axis in axes and op in ops]
              for n in comps}  # fmt: skip
-    inside = [op for name, ops in found.items() if name in looped for op in ops]
-    outside = [op for name, ops in found.items() if name not in looped and name != "ENTRY" for op in ops]
+    inside = [op for name, kinds in found.items() if name in looped for op in kinds]
+    outside = [op for name, kinds in found.items() if name not in looped and name != "ENTRY" for op in kinds]
     return inside, outside

@@ -14,7 +14,7 @@ from jaxgen import plan
 from jaxgen.config import ModelConfig
 from jaxgen.model import kernels
 from jaxgen.targets import catalog, devices, hlo, roofline
-from tests.conftest import data_axis_sums
+from tests.conftest import axis_collectives
 
 TPU = catalog.get("tpu-v5e-4")
 # jax's persistent cache cannot load what a compile-only device's compiler wrote ("PjRtCompiler must be
@@ -194,20 +194,34 @@ def test_a_fusion_updating_its_parameter_in_place_moves_the_update():
   ROOT %w = bf16[64,8192,128]{2,1,0} dynamic-update-slice(%n, %u, %z, %q2, %z)
 }
 
-ENTRY %main (k: bf16[64,8192,128], e: f32[64,128], j: s32[]) -> (bf16[64,8192,128], bf16[64,8192,128]) {
+%fused_read (r0: bf16[64,8192,128], r1: f32[64,128], r2: s32[]) -> bf16[64,8192,128] {
+  %r0 = bf16[64,8192,128]{2,1,0} parameter(0)
+  %r1 = f32[64,128]{1,0} parameter(1)
+  %r2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  %old = bf16[64,1,128]{2,1,0} dynamic-slice(%r0, %z, %r2, %z), dynamic_slice_sizes={64,1,128}
+  %cv = bf16[64,128]{1,0} convert(%r1)
+  %u = bf16[64,1,128]{2,1,0} bitcast(%cv)
+  %sum = bf16[64,1,128]{2,1,0} add(%old, %u)
+  ROOT %w = bf16[64,8192,128]{2,1,0} dynamic-update-slice(%r0, %sum, %z, %r2, %z)
+}
+
+ENTRY %main () -> (bf16[64,8192,128], bf16[64,8192,128], bf16[64,8192,128]) {
   %k = bf16[64,8192,128]{2,1,0} parameter(0)
   %e = f32[64,128]{1,0} parameter(1)
   %j = s32[] parameter(2)
   %kw = bf16[64,8192,128]{2,1,0} fusion(%k, %e, %j), kind=kLoop, calls=%fused_write
   %kn = bf16[64,8192,128]{2,1,0} fusion(%k, %e, %j), kind=kLoop, calls=%fused_copy
-  ROOT %out = (bf16[64,8192,128]{2,1,0}, bf16[64,8192,128]{2,1,0}) tuple(%kw, %kn)
+  %kr = bf16[64,8192,128]{2,1,0} fusion(%k, %e, %j), kind=kLoop, calls=%fused_read
+  ROOT %out = (bf16[64,8192,128]{2,1,0}, bf16[64,8192,128]{2,1,0}, bf16[64,8192,128]{2,1,0}) tuple(%kw, %kn, %kr)
 }
 """
     _, accessed = hlo.hlo_counts(text)
     cache, entry = 64 * 8192 * 128 * 2, 64 * 128
     in_place = entry * 4 + 4 + entry * 2  # the new entries (f32) and the index read, the update written
     rewritten = cache + entry * 4 + 4 + cache  # a buffer computed anew (negated) is read and written whole
-    assert accessed == in_place + rewritten
+    read_too = cache + entry * 4 + 4 + cache  # a buffer the fusion also reads: counted whole, as before
+    assert accessed == in_place + rewritten + read_too
 
 
 @pytest.fixture(scope="module")
@@ -259,15 +273,16 @@ def test_accumulated_gradients_are_summed_over_data_once_a_step_on_the_tpu_compi
     mesh = devices.target_mesh(TPU, {"data": 2, "fsdp": 2, "tensor": 1})
     with devices.traced_for("tpu"):
         *_, text = plan._train_step(cfg, mesh)
-    inside, outside = data_axis_sums(text, mesh)
+    inside, outside = axis_collectives(text, mesh)
     assert not inside and "all-reduce" in outside, (inside, outside)
     # training.accumulate_whole: the weights gathered once, nothing summed across fsdp inside the loops either
     whole = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, accumulate_whole=True))
     with devices.traced_for("tpu"):
         *_, text = plan._train_step(whole, mesh)
     for axis in ("data", "fsdp"):
-        inside, outside = data_axis_sums(text, mesh, axis)
+        inside, outside = axis_collectives(text, mesh, axis)
         assert not inside and outside, (axis, inside, outside)
+    assert not axis_collectives(text, mesh, "fsdp", ops=("all-gather",))[0]
 
 
 @needs_libtpu

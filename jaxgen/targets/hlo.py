@@ -198,9 +198,10 @@ def _sliced_parameters(fused_lines: list[str]) -> dict[int, float]:
 
 def _updated_in_place(fused_lines: list[str]) -> tuple[int, float] | None:
     """(parameter number, update bytes) when a fused computation's root is a `dynamic-update-slice` of one
-    of its parameters (through bitcasts): XLA emits such a fusion in place, its output the parameter's
-    buffer, so the kernel writes the update and never reads or writes the rest (a cache write at decode)."""
-    shapes, params, source = {}, {}, {}
+    of its parameters (through bitcasts) that nothing else in it reads: XLA emits such a fusion in place, its
+    output the parameter's buffer, so the kernel writes the update and never reads or writes the rest (a
+    cache write at decode)."""
+    shapes, params, source, users, root = {}, {}, {}, collections.Counter(), None
     for line in fused_lines:
         m = _SHAPED.match(line)
         if not m:
@@ -208,17 +209,21 @@ def _updated_in_place(fused_lines: list[str]) -> tuple[int, float] | None:
         inst, shape, op, rest = m.groups()
         shapes[inst] = shape
         operands = re.findall(r"%([\w.\-]+)", _operands(rest))
+        users.update(operands)
         if op == "parameter":
             params[inst] = int(re.match(r"\s*(\d+)", rest).group(1))
         elif op == "bitcast" and operands:
             source[inst] = operands[0]
-        if line.lstrip().startswith("ROOT") and op == "dynamic-update-slice" and len(operands) > 1:
-            buffer = operands[0]
-            while buffer in source:
-                buffer = source[buffer]
-            if buffer in params:
-                return params[buffer], shape_bytes(shapes.get(operands[1], ""))
-    return None
+        if line.lstrip().startswith("ROOT"):
+            root = (op, operands)
+    if root is None or root[0] != "dynamic-update-slice" or len(root[1]) < 2:
+        return None
+    buffer = root[1][0]
+    while buffer in source and users[buffer] == 1:
+        buffer = source[buffer]
+    if buffer not in params or users[buffer] != 1:
+        return None
+    return params[buffer], shape_bytes(shapes.get(root[1][1], ""))
 
 
 def _dot_flops(shape: str, rest: str, shapes: dict) -> float:

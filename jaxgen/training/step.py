@@ -18,6 +18,7 @@ so the optimizer state and the checkpoints are the adapters' only; the frozen ba
 from __future__ import annotations
 
 import functools
+import logging
 
 import flax.struct
 import jax
@@ -31,6 +32,8 @@ from jaxgen.executables import Program
 from jaxgen.model import lora, param_shardings, quant
 from jaxgen.sharding import batch_sharding, with_mesh
 from jaxgen.training.loss import head_cross_entropy
+
+log = logging.getLogger(__name__)
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 
@@ -182,13 +185,17 @@ def _accumulate_grads(params, batch, cfg: Config, base: dict | None = None):
     language-model loss sum, the token count, the gradients and the router losses (micro-batch mean).
     base: LoRA's frozen weights (`params` are then the adapters, the only thing differentiated).
 
-    On a mesh with a data axis (`_replicas` says where not), each data replica sums the gradients of its own
-    rows over the micro-batches and the replicas' sums are added once, after the last micro-batch: one
+    On a mesh with a data axis (`_replica_axes` says where not), each data replica sums the gradients of its
+    own rows over the micro-batches and the replicas' sums are added once, after the last micro-batch: one
     all-reduce over `data` a step, not one per micro-batch. Within a replica, fsdp reduce-scatters each
     micro-batch's gradient onto the parameters' shards (holding it whole would undo what fsdp saves), unless
-    `training.accumulate_whole`: then the weights are gathered once, each device is a replica of its own rows
-    over data x fsdp, and the sum over both runs once a step (`_gathered_once`)."""
+    `training.accumulate_whole`: then the weights are gathered once (`_gathered_once`), each device is a
+    replica of its own rows over data x fsdp, and the sum over both runs once a step (`_onto_shards`)."""
     a = cfg.training.grad_accum
+    axes = _replica_axes(cfg, batch["inputs"].shape[0] // a) if a > 1 else ()
+    if "fsdp" in axes:
+        params = _gathered_once(params, _param_names(cfg, base is not None), cfg)
+        base = None if base is None else _gathered_once(base, _param_names(cfg, False), cfg)
     objective = loss_sum if base is None else lambda adapters, b, c: loss_sum(lora.attach(base, adapters), b, c)
     grad_fn = jax.value_and_grad(objective, has_aux=True)
     if a == 1:
@@ -198,10 +205,6 @@ def _accumulate_grads(params, batch, cfg: Config, base: dict | None = None):
     def split(x):  # (B, T) -> (A, B/A, T), micro-batch j = rows j, A + j, ... (spread over devices)
         return x.reshape(x.shape[0] // a, a, *x.shape[1:]).swapaxes(0, 1)
 
-    axes = _replica_axes(cfg, batch["inputs"].shape[0] // a)
-    replicas = int(np.prod([sharding.axis_size(x) for x in axes]))
-    if "fsdp" in axes:
-        params = _gathered_once(params, cfg, base)
     sums = grad_fn if not axes else functools.partial(_per_replica, grad_fn, axes=axes)
 
     def body(carry, micro):
@@ -210,71 +213,92 @@ def _accumulate_grads(params, batch, cfg: Config, base: dict | None = None):
         router = jax.tree.map(lambda x, y: x + y / a, router, r)
         return (total + t, count + c, jax.tree.map(lambda s, x: s + x.astype(s.dtype), grads, g), router), None
 
-    lead = (replicas,) if axes else ()
+    lead = (_size(axes),) if axes else ()
     zero = lambda shape, dtype=jnp.float32: _split_over(jnp.zeros((*lead, *shape), dtype), axes)
     carry = (zero(()), zero(()), jax.tree.map(lambda p: zero(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params))
     no_router = {"router_aux": jnp.zeros(()), "router_z": jnp.zeros(())}
     (total, count, grads, router), _ = jax.lax.scan(body, (*carry, no_router), jax.tree.map(split, batch))
-    if "fsdp" in axes:  # summed straight onto the weights' shards
-        grads = jax.tree.map(functools.partial(_onto_shards, axes=axes), grads, _param_names(cfg, base))
-    elif axes:
-        grads = jax.tree.map(lambda x: x.sum(0), grads)
     if axes:  # the step's one sum over the replicas
         total, count = total.sum(0), count.sum(0)
+    if "fsdp" in axes:  # straight onto the weights' shards
+        names = _param_names(cfg, base is not None)
+        grads = jax.tree.map(functools.partial(_onto_shards, axes=axes), grads, names)
+    elif axes:
+        grads = jax.tree.map(lambda x: x.sum(0), grads)
     return total, count, grads, router
 
 
+def _size(axes: tuple[str, ...]) -> int:
+    return int(np.prod([sharding.axis_size(a) for a in axes]))
+
+
 def _replica_axes(cfg: Config, micro_rows: int) -> tuple[str, ...]:
-    """The mesh axes whose devices accumulate their own gradients (`_accumulate_grads`): `data` (and `fsdp`
-    with `training.accumulate_whole`), those of size > 1; none (everything as one, summed every micro-batch)
-    where the micro-batch's rows do not split evenly over them; for a mixture of experts (its load-balancing
-    loss is a function of a whole micro-batch's routing, which per-replica sums would change); and on a
-    context mesh (ring attention's shard_map under the vmap is untried)."""
-    wanted = ("data", "fsdp") if cfg.training.accumulate_whole else ("data",)
-    axes = tuple(a for a in wanted if sharding.axis_size(a) > 1)
-    replicas = int(np.prod([sharding.axis_size(a) for a in axes]))
-    if not axes or micro_rows % replicas or cfg.model.num_experts or sharding.context_size() > 1:
-        return ()
-    return axes
+    """The mesh axes whose devices accumulate their own gradients (`_accumulate_grads`): `data` and, with
+    `training.accumulate_whole`, `fsdp` (those of size > 1; data alone where the micro-batch's rows do not
+    split over both); none (everything as one, summed every micro-batch) where the rows do not split over
+    them, for a mixture of experts (its load-balancing loss is a function of a whole micro-batch's routing,
+    which per-replica sums would change), and on a context mesh (ring attention's shard_map under the vmap
+    is untried). Where accumulate_whole cannot apply, it says why, once."""
+    whole = cfg.training.accumulate_whole and sharding.axis_size("fsdp") > 1
+    for wanted in [("data", "fsdp"), ("data",)] if whole else [("data",)]:
+        axes = tuple(a for a in wanted if sharding.axis_size(a) > 1)
+        if axes and not micro_rows % _size(axes) and not cfg.model.num_experts and sharding.context_size() == 1:
+            return axes
+        if "fsdp" in wanted:
+            _say_once(f"training.accumulate_whole: not applied (micro-batches of {micro_rows} rows over "
+                      f"{_size(axes)} data x fsdp devices, num_experts={cfg.model.num_experts}, context "
+                      f"{sharding.context_size()}): each micro-batch's gradient is reduce-scattered "
+                      "over fsdp")  # fmt: skip
+    return ()
 
 
-def _gathered_once(params, cfg: Config, base: dict | None):
-    """`params` cast to model.dtype and gathered over fsdp, once, outside the micro-batch loop (for
-    `training.accumulate_whole`), to be differentiated in their place: the gradient with respect to the cast
-    copy is the one with respect to the float32 weights (the cast's transpose casts it back), added up in
-    float32 by `_accumulate_grads`."""
+@functools.cache
+def _say_once(message: str) -> None:
+    log.warning(message)
+
+
+def _gathered_once(params, names, cfg: Config):
+    """`params` (or LoRA's frozen base) cast to model.dtype and gathered over fsdp once, outside the micro-batch
+    loop (`training.accumulate_whole`), to be used in their place: the gradient with respect to the cast copy
+    is the one with respect to the float32 weights (the cast's transpose casts it back), added up in float32
+    by `_accumulate_grads`. Quantized weights (`quant.is_q`) stay as they are placed."""
     dtype = jnp.dtype(cfg.model.dtype)
-    cast = lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p
+
+    def whole(p, n):
+        if quant.is_q(p):  # int8 or NF4 (a LoRA base): left as placed, gathered where it is used
+            return p
+        return sharding.constrain(p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, n)
+
     with sharding.vmapped_over("fsdp"):  # each weight's rule with fsdp left out: whole over fsdp
-        return jax.tree.map(lambda p, n: sharding.constrain(cast(p), n), params, _param_names(cfg, base))
+        return jax.tree.map(whole, params, names, is_leaf=quant.is_q)
 
 
 def _onto_shards(g, names, axes: tuple[str, ...]):
     """Per-device whole gradients g (R, ...) (R over `axes`: data and fsdp) summed onto the weight's shards
-    (`names` its logical axes): a sum over data and a reduce-scatter over fsdp along the dimension fsdp
-    splits (an all-reduce where it splits none), each device's block in and the weight's shard out. Written
-    out (shard_map): left to the partitioner, the sum was an all-reduce of the whole float32 gradient
-    followed by a slice, twice the bytes (libtpu 0.0.42.1)."""
+    (`names` its logical axes): a reduce-scatter over fsdp along the dimension fsdp splits (an all-reduce
+    where it splits none), then a sum of the shard over data; each device's block in, the weight's shard
+    out. Written out (shard_map): left to the partitioner, the sum was an all-reduce of the whole float32
+    gradient followed by a slice, twice the bytes (libtpu 0.0.42.1)."""
     mesh = jax.sharding.get_abstract_mesh()
     spec = sharding.logical_spec(names, g.shape[1:], mesh)
+    # an entry may name fsdp with another axis ("embed": fsdp and context); context is 1 here (_replica_axes)
     split = lambda entry: entry == "fsdp" or (isinstance(entry, tuple) and "fsdp" in entry)
     dim = next((i for i, entry in enumerate(spec) if split(entry)), None)
     block = jax.sharding.PartitionSpec(axes, *(None if split(entry) else entry for entry in spec))
 
     def local(x):  # (1, ...): this device's whole gradient (split over tensor as the weight is)
-        x = x[0]
-        if "data" in axes:
-            x = jax.lax.psum(x, "data")
         if dim is None:
-            return jax.lax.psum(x, "fsdp")
-        return jax.lax.psum_scatter(x, spec[dim], scatter_dimension=dim, tiled=True)
+            return jax.lax.psum(x[0], axes)
+        x = jax.lax.psum_scatter(x[0], spec[dim], scatter_dimension=dim, tiled=True)
+        return jax.lax.psum(x, "data") if "data" in axes else x
 
     return jax.shard_map(local, mesh=mesh, in_specs=block, out_specs=spec, check_vma=False)(g)
 
 
-def _param_names(cfg: Config, base: dict | None):
-    """The logical axis names of each trained array: the model's weights, or LoRA's adapters (`base` given)."""
-    specs = lora.lora_specs(cfg.model) if base is not None else model.param_specs(cfg.model)
+def _param_names(cfg: Config, adapters: bool):
+    """The logical axis names of each trained array, a tuple per array: LoRA's adapters (`adapters`) or the
+    model's weights."""
+    specs = lora.lora_specs(cfg.model) if adapters else model.param_specs(cfg.model)
     return jax.tree.map(lambda s: s.names, specs, is_leaf=lambda x: isinstance(x, model.ParamSpec))
 
 
@@ -284,11 +308,9 @@ def _per_replica(grad_fn, params, micro, cfg: Config, axes: tuple[str, ...]):
     `training.accumulate_whole`): the loss and token sums (R,) and the gradients (R, ...), nothing added across
     replicas. Same structure as `grad_fn`'s result (its router losses, zeros here: `_replica_axes` leaves
     mixtures of experts out, averaged)."""
-    replicas = int(np.prod([sharding.axis_size(a) for a in axes]))
-    rows = jax.tree.map(lambda x: x.reshape(replicas, x.shape[0] // replicas, *x.shape[1:]), micro)
-    spmd = axes if len(axes) > 1 else axes[0]
+    rows = jax.tree.map(lambda x: x.reshape(_size(axes), x.shape[0] // _size(axes), *x.shape[1:]), micro)
     with sharding.vmapped_over(*axes):
-        (_, (t, c, r)), g = jax.vmap(lambda m: grad_fn(params, m, cfg), spmd_axis_name=spmd)(rows)
+        (_, (t, c, r)), g = jax.vmap(lambda m: grad_fn(params, m, cfg), spmd_axis_name=axes)(rows)
     t, c, g = jax.tree.map(lambda x: _split_over(x, axes), (t, c, g))
     return (None, (t, c, jax.tree.map(lambda x: x.mean(0), r))), g
 
