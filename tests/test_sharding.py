@@ -33,12 +33,17 @@ def runs(tiny_cfg):
     return _run(tiny_cfg, 1), _run(sharded_cfg, 8)
 
 
-def test_eight_devices_equal_one(runs):
-    (single, l1), (sharded, l8) = runs
+def _assert_equal(one, other):
+    """Two `_run`s' losses, gradient norms and weights within float32 rounding of each other."""
+    (single, l1), (state, l8) = one, other
     np.testing.assert_allclose(l8, l1, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(single.params), jax.tree.leaves(sharded.params)):
+    for a, b in zip(jax.tree.leaves(single.params), jax.tree.leaves(state.params)):
         a, b = np.asarray(a), np.asarray(b)
         assert np.abs(a - b).max() <= 1e-5 * max(np.abs(a).max(), 1e-6)
+
+
+def test_eight_devices_equal_one(runs):
+    _assert_equal(*runs)
 
 
 def test_accumulated_gradients_are_summed_over_data_replicas_once_a_step(runs, tiny_cfg):
@@ -48,12 +53,7 @@ def test_accumulated_gradients_are_summed_over_data_replicas_once_a_step(runs, t
     over data every micro-batch before), one after does. The steps equal one device's without accumulation."""
     training = dataclasses.replace(tiny_cfg.training, grad_accum=2)
     cfg = dataclasses.replace(tiny_cfg, mesh=MeshConfig(data=2, fsdp=2, tensor=2), training=training)
-    (single, l1), _ = runs
-    accumulated, l8 = _run(cfg, 8)
-    np.testing.assert_allclose(l8, l1, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(single.params), jax.tree.leaves(accumulated.params)):
-        a, b = np.asarray(a), np.asarray(b)
-        assert np.abs(a - b).max() <= 1e-5 * max(np.abs(a).max(), 1e-6)
+    _assert_equal(runs[0], _run(cfg, 8))
     mesh = make_mesh(cfg.mesh, jax.devices()[:8])
     state = create_train_state(cfg, mesh)
     step = jax.jit(functools.partial(train_step, cfg=cfg, tx=make_optimizer(cfg.optimizer, cfg.training.steps)))
@@ -71,12 +71,7 @@ def test_accumulating_whole_gradients_sums_over_fsdp_once_a_step(runs, tiny_cfg)
     Equal to one device, in float32 and (the weights cast to bfloat16 before the gather) in bfloat16."""
     training = dataclasses.replace(tiny_cfg.training, grad_accum=2, accumulate_whole=True)
     cfg = dataclasses.replace(tiny_cfg, mesh=MeshConfig(data=2, fsdp=2, tensor=2), training=training)
-    (single, l1), _ = runs
-    accumulated, l8 = _run(cfg, 8)
-    np.testing.assert_allclose(l8, l1, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(single.params), jax.tree.leaves(accumulated.params)):
-        a, b = np.asarray(a), np.asarray(b)
-        assert np.abs(a - b).max() <= 1e-5 * max(np.abs(a).max(), 1e-6)
+    _assert_equal(runs[0], _run(cfg, 8))
     # bfloat16: losses and gradient norms (the weights differ by Adam's first steps on near-zero gradients)
     bf16 = lambda c: dataclasses.replace(c, model=dataclasses.replace(c.model, dtype="bfloat16"))
     np.testing.assert_allclose(_run(bf16(cfg), 8, steps=2)[1], _run(bf16(tiny_cfg), 1, steps=2)[1], rtol=2e-3)
