@@ -286,6 +286,30 @@ def test_accumulated_gradients_are_summed_over_data_once_a_step_on_the_tpu_compi
 
 
 @needs_libtpu
+def test_on_a_context_mesh_no_activation_holds_the_whole_sequence_on_the_tpu_compiler(small_cfg):
+    """The train step on a v5e context=4 slice (ring attention), rows of 3072 tokens (a length no other axis
+    has): no array in libtpu's partitioned program has a dimension of the whole sequence but the batch's own
+    (B, T) token ids, positions and masks, where each chip's quarter is everywhere. The products once
+    flattened (B, T) into one axis and the partitioner gathered the whole sequence for them (queries, keys,
+    values, the MLP's activations and the layer scan's stacks of them); on one chip it is there too, so
+    the test can tell."""
+    b, t = 2, 3072
+    model = dataclasses.replace(small_cfg.model, max_seq_len=t, attention_impl="ring")
+    cfg = dataclasses.replace(small_cfg, model=model, data=dataclasses.replace(small_cfg.data, seq_len=t),
+                              training=dataclasses.replace(small_cfg.training, batch_size=b))  # fmt: skip
+    whole = {}
+    for context in (4, 1):
+        mesh = devices.target_mesh(TPU, {"data": 1, "fsdp": 4 // context, "tensor": 1, "context": context})
+        with devices.traced_for("tpu"):
+            *_, text = plan._train_step(cfg, mesh)
+        shapes = {tuple(int(d) for d in dims.split(",") if d) for _, dims in hlo.ARRAY.findall(text)}
+        whole[context] = {s for s in shapes if t in s and s != (b, t)}
+        assert any(t // context in s for s in shapes)
+    assert not whole[4], whole[4]
+    assert whole[1]
+
+
+@needs_libtpu
 def test_a_mixture_of_experts_train_step_compiles_for_a_tpu_slice_with_megablox(small_cfg, tpu_mesh):
     """moe_impl auto is megablox on TPU, a Mosaic kernel the compiler does not partition: on a mesh it runs
     per device under shard_map (before, libtpu refused the step: "Mosaic kernels cannot be automatically

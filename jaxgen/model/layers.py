@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxgen.config import ModelConfig
 from jaxgen.model import kernels, layout, lora, quant
+from jaxgen.sharding import constrain, context_size
 
 TILE = 8  # tokens per tile in deterministic mode (`per_tile`)
 
@@ -105,7 +106,13 @@ def dense(x, w, in_axes: int = 1):
         return layout.product(x.reshape(-1, n_in), w).reshape(*lead, *w.shape[in_axes:])
     if quant.is_q(w):  # int8 weights (inference): an int8 x int8 product
         return quant.dense(x.reshape(-1, n_in), w, x.dtype).reshape(*lead, *w.shape[in_axes:])
-    y = of_rows(lambda x2: x2 @ w.reshape(n_in, -1), x.reshape(-1, n_in))
+    if len(lead) > 1 and context_size() > 1:
+        # (B, T) kept apart on a context mesh: flattened, the context-split T merged into B x T, and the
+        # partitioner gathered the whole sequence's activations for the product (and the layer scan kept
+        # them), where each device should hold its chunk (tests/test_targets.py)
+        y = jnp.matmul(x.reshape(*lead, n_in), w.reshape(n_in, -1))
+    else:
+        y = of_rows(lambda x2: x2 @ w.reshape(n_in, -1), x.reshape(-1, n_in))
     return y.reshape(*lead, *w.shape[in_axes:])
 
 
@@ -227,6 +234,8 @@ def mlp(x_btd, p: dict, cfg: ModelConfig, adapters: dict | None = None):
         hidden = gated(gate, up, cfg.mlp)
     else:
         hidden = gelu(up)
+    if hidden.ndim == 3 and context_size() > 1:  # each token's activations on the device of its chunk (`dense`)
+        hidden = constrain(hidden, ("batch", "seq", "mlp"))
     out = lora.add(dense(hidden, p["w_down_fd"]), hidden, adapters, "down", cfg, w=p["w_down_fd"])
     if "b_down_d" in p:
         out = out + p["b_down_d"]

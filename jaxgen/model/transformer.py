@@ -22,7 +22,7 @@ import numpy as np
 from jaxgen.config import ModelConfig
 from jaxgen.model import attention, kernels, layers, layout, lora, moe, quant
 from jaxgen.model.cache import Cache
-from jaxgen.sharding import axis_size, constrain
+from jaxgen.sharding import axis_size, constrain, context_size
 
 # --- forward ---------------------------------------------------------------------------------------
 
@@ -272,6 +272,9 @@ def _qkv(x, p, positions, consts, cfg: ModelConfig):
     q = lora.add(layers.dense(h, p["w_q_dnh"]), h, adapters, "q", cfg, w=p["w_q_dnh"])  # (B, T, N, H)
     k = lora.add(layers.dense(h, p["w_k_dkh"]), h, adapters, "k", cfg, w=p["w_k_dkh"])  # (B, T, K, H)
     v = lora.add(layers.dense(h, p["w_v_dkh"]), h, adapters, "v", cfg, w=p["w_v_dkh"])
+    if context_size() > 1:  # each token's activations on the device of its chunk (see layers.dense)
+        q = constrain(q, ("batch", "seq", "heads", "head_dim"))
+        k, v = (constrain(a, ("batch", "seq", "kv_heads", "head_dim")) for a in (k, v))
     if "b_q_nh" in p:
         q, k, v = q + p["b_q_nh"], k + p["b_k_kh"], v + p["b_v_kh"]
     if cfg.qk_norm != "none":
