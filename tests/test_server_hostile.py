@@ -315,7 +315,7 @@ def test_health_answers_while_the_heaviest_requests_are_handled(stack):
     answers throughout. Work on the event loop would hold /health for about the whole heavy request (on a
     busy 2-core machine: 1.6 s for this echo request, 1.2 s for the chat one, 4 s and more for /tokenize);
     off it, /health waits a small part of it. The bound is relative, so a slow machine does not fail it:
-    /health waits at most half the heavy request's time (or a second), in one of three tries: a
+    /health waits at most two thirds of the heavy request's time (or a second), in one of three tries: a
     burst of other work on a shared machine can stall one try, not the design. (Validating a 4 MB body holds
     the GIL in pydantic's compiled code, so /health waits for part of it: 40-55% of the chat request with
     four processes on two cores.)"""
@@ -337,7 +337,7 @@ def test_health_answers_while_the_heaviest_requests_are_handled(stack):
             assert r.status_code == status, r.text[:300]
             seen.append(f"{worst:.2f} s during {took:.2f} s")
             print(f"/health at worst {worst:.2f} s during {path} ({took:.2f} s)")  # (pytest -s shows the figures)
-            if worst < max(took / 2, 1.0):
+            if worst < max(2 * took / 3, 1.0):
                 break
         else:
             raise AssertionError(f"/health waited most of {path}'s time in three tries: {seen}")

@@ -289,7 +289,8 @@ def test_accumulated_gradients_are_summed_over_data_once_a_step_on_the_tpu_compi
 def test_on_a_context_mesh_no_activation_holds_the_whole_sequence_on_the_tpu_compiler(small_cfg):
     """The train step on a v5e context=4 slice (ring attention), rows of 3072 tokens (a length no other axis
     has): no array in libtpu's partitioned program has a dimension of the whole sequence but the batch's own
-    (B, T) token ids, positions and masks, where each chip's quarter is everywhere. The products once
+    (B, T) token ids, positions and loss mask (replicated over context: a few bytes a token), where each
+    chip's quarter is everywhere. The products once
     flattened (B, T) into one axis and the partitioner gathered the whole sequence for them (queries, keys,
     values, the MLP's activations and the layer scan's stacks of them); on one chip it is there too, so
     the test can tell."""
@@ -302,9 +303,10 @@ def test_on_a_context_mesh_no_activation_holds_the_whole_sequence_on_the_tpu_com
         mesh = devices.target_mesh(TPU, {"data": 1, "fsdp": 4 // context, "tensor": 1, "context": context})
         with devices.traced_for("tpu"):
             *_, text = plan._train_step(cfg, mesh)
-        shapes = {tuple(int(d) for d in dims.split(",") if d) for _, dims in hlo.ARRAY.findall(text)}
-        whole[context] = {s for s in shapes if t in s and s != (b, t)}
-        assert any(t // context in s for s in shapes)
+        arrays = {(dtype, tuple(int(d) for d in dims.split(",") if d)) for dtype, dims in hlo.ARRAY.findall(text)}
+        ids = lambda dtype, shape: shape == (b, t) and dtype in ("s32", "pred", "f32")  # the batch's, its mask
+        whole[context] = {(d, s) for d, s in arrays if t in s and not ids(d, s)}
+        assert any(t // context in s for _, s in arrays)
     assert not whole[4], whole[4]
     assert whole[1]
 

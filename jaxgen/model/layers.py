@@ -94,7 +94,8 @@ def over_rows(fn, x, axes: int = 1, consts: tuple = ()):
 
 
 def dense(x, w, in_axes: int = 1):
-    """x (..., *w.shape[:in_axes]) times w -> (..., *w.shape[in_axes:]), as one 2-D matrix product.
+    """x (..., *w.shape[:in_axes]) times w -> (..., *w.shape[in_axes:]), as one 2-D matrix product (on a
+    context mesh, with the leading (B, T) axes kept apart: `split_tokens`).
 
     Flattening first matters on XLA:CPU: the backward pass of a multi-axis einsum such as
     "btd,dnh->btnh" inside the layer scan turned into slow transposing copies (a SwiGLU layer's
@@ -102,18 +103,27 @@ def dense(x, w, in_axes: int = 1):
     """
     n_in = math.prod(w.shape[:in_axes])
     lead = x.shape[: x.ndim - in_axes]
+    keep = split_tokens(lead)
     if layout.is_out_major(w):  # decoding's (O, I) layout: see jaxgen.model.layout
+        if keep:
+            return jax.lax.dot_general(x.reshape(*lead, n_in), w.w, (((len(lead),), (1,)), ((), ()))).reshape(
+                *lead, *w.shape[in_axes:])  # fmt: skip
         return layout.product(x.reshape(-1, n_in), w).reshape(*lead, *w.shape[in_axes:])
     if quant.is_q(w):  # int8 weights (inference): an int8 x int8 product
         return quant.dense(x.reshape(-1, n_in), w, x.dtype).reshape(*lead, *w.shape[in_axes:])
-    if len(lead) > 1 and context_size() > 1:
-        # (B, T) kept apart on a context mesh: flattened, the context-split T merged into B x T, and the
-        # partitioner gathered the whole sequence's activations for the product (and the layer scan kept
-        # them), where each device should hold its chunk (tests/test_targets.py)
+    if keep:
         y = jnp.matmul(x.reshape(*lead, n_in), w.reshape(n_in, -1))
     else:
         y = of_rows(lambda x2: x2 @ w.reshape(n_in, -1), x.reshape(-1, n_in))
     return y.reshape(*lead, *w.shape[in_axes:])
+
+
+def split_tokens(lead: tuple[int, ...]) -> bool:
+    """Whether activations of leading axes `lead` ((B, T)) keep their tokens apart from their rows: on a
+    context mesh, for more than one token a row. Flattened, the context-split T merged into B x T and the
+    partitioner gathered the whole sequence's activations for each product (and the layer scan kept them),
+    where each device should hold its chunk (tests/test_targets.py). int8 weights still flatten."""
+    return len(lead) > 1 and lead[-1] > 1 and context_size() > 1
 
 
 def of_rows(product, x2):
@@ -234,7 +244,7 @@ def mlp(x_btd, p: dict, cfg: ModelConfig, adapters: dict | None = None):
         hidden = gated(gate, up, cfg.mlp)
     else:
         hidden = gelu(up)
-    if hidden.ndim == 3 and context_size() > 1:  # each token's activations on the device of its chunk (`dense`)
+    if hidden.ndim == 3 and split_tokens(hidden.shape[:2]):  # each token's activations on its chunk's device
         hidden = constrain(hidden, ("batch", "seq", "mlp"))
     out = lora.add(dense(hidden, p["w_down_fd"]), hidden, adapters, "down", cfg, w=p["w_down_fd"])
     if "b_down_d" in p:

@@ -22,7 +22,7 @@ import numpy as np
 from jaxgen.config import ModelConfig
 from jaxgen.model import attention, kernels, layers, layout, lora, moe, quant
 from jaxgen.model.cache import Cache
-from jaxgen.sharding import axis_size, constrain, context_size
+from jaxgen.sharding import axis_size, constrain
 
 # --- forward ---------------------------------------------------------------------------------------
 
@@ -140,7 +140,10 @@ def _run(params, tokens, positions, cache, cfg: ModelConfig, segment_ids, fresh=
         return (x, kv, tapped), aux
 
     if cache is None and cfg.remat != "none":  # recompute in the backward pass what the policy does not keep
-        layer_step = jax.checkpoint(layer_step, policy=remat_policy(cfg.remat), prevent_cse=False)
+        # layers unrolled (the planner's counting compiles) need the recompute kept apart from the forward it
+        # repeats, or the compiler merges the two and counts no recompute; a scan's body is apart already
+        unrolled = isinstance(params["layers"], list)
+        layer_step = jax.checkpoint(layer_step, policy=remat_policy(cfg.remat), prevent_cse=unrolled)
     consts = layer_constants(cfg)
     if cache is not None:  # caches index their layers statically (one buffer each): a Python loop
         params = unstack_layers(params)  # a no-op on what decoding holds (`decode_params`)
@@ -272,7 +275,7 @@ def _qkv(x, p, positions, consts, cfg: ModelConfig):
     q = lora.add(layers.dense(h, p["w_q_dnh"]), h, adapters, "q", cfg, w=p["w_q_dnh"])  # (B, T, N, H)
     k = lora.add(layers.dense(h, p["w_k_dkh"]), h, adapters, "k", cfg, w=p["w_k_dkh"])  # (B, T, K, H)
     v = lora.add(layers.dense(h, p["w_v_dkh"]), h, adapters, "v", cfg, w=p["w_v_dkh"])
-    if context_size() > 1:  # each token's activations on the device of its chunk (see layers.dense)
+    if layers.split_tokens(q.shape[:2]):  # each token's activations on the device of its chunk
         q = constrain(q, ("batch", "seq", "heads", "head_dim"))
         k, v = (constrain(a, ("batch", "seq", "kv_heads", "head_dim")) for a in (k, v))
     if "b_q_nh" in p:
