@@ -104,17 +104,15 @@ def dense(x, w, in_axes: int = 1):
     n_in = math.prod(w.shape[:in_axes])
     lead = x.shape[: x.ndim - in_axes]
     keep = split_tokens(lead)
+    rows = x.reshape(*lead, n_in) if keep else x.reshape(-1, n_in)
     if layout.is_out_major(w):  # decoding's (O, I) layout: see jaxgen.model.layout
-        if keep:
-            return jax.lax.dot_general(x.reshape(*lead, n_in), w.w, (((len(lead),), (1,)), ((), ()))).reshape(
-                *lead, *w.shape[in_axes:])  # fmt: skip
-        return layout.product(x.reshape(-1, n_in), w).reshape(*lead, *w.shape[in_axes:])
-    if quant.is_q(w):  # int8 weights (inference): an int8 x int8 product
-        return quant.dense(x.reshape(-1, n_in), w, x.dtype).reshape(*lead, *w.shape[in_axes:])
-    if keep:
-        y = jnp.matmul(x.reshape(*lead, n_in), w.reshape(n_in, -1))
+        y = layout.product(rows, w)
+    elif quant.is_q(w):  # int8 weights (inference): an int8 x int8 product
+        y = quant.dense(x.reshape(-1, n_in), w, x.dtype)
+    elif keep:
+        y = rows @ w.reshape(n_in, -1)
     else:
-        y = of_rows(lambda x2: x2 @ w.reshape(n_in, -1), x.reshape(-1, n_in))
+        y = of_rows(lambda x2: x2 @ w.reshape(n_in, -1), rows)
     return y.reshape(*lead, *w.shape[in_axes:])
 
 

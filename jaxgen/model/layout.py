@@ -51,9 +51,9 @@ def is_out_major(x) -> bool:
     return isinstance(x, OutMajor)
 
 
-def product(x2, w: OutMajor, preferred=None):
-    """x2 (R, I) times the weight: (R, O), contracting both operands along their minor axis."""
-    return jax.lax.dot_general(x2, w.w, (((1,), (1,)), ((), ())), preferred_element_type=preferred)
+def product(x, w: OutMajor, preferred=None):
+    """x (..., I) times the weight: (..., O), contracting both operands along their minor axis."""
+    return jax.lax.dot_general(x, w.w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=preferred)
 
 
 def decode_layout(params: dict, rows: int) -> dict:

@@ -63,13 +63,11 @@ def int8_products(hlo_text: str) -> int:
     (metadata `dot_general`: a product of one row, which XLA computes as a multiply and a sum). The products a
     compiler kept in int8, not converted to float first."""
     shapes, products, sums = {}, [], 0
-    for line in hlo_text.splitlines():
-        if found := _SHAPED.match(line):
-            name, shape, op, rest = found.groups()
-            shapes[name] = shape
-            if op in ("dot", "convolution"):
-                products.append(re.findall(r"%([\w.\-]+)", _operands(rest)))  # "%x" or "s8[4]{0:T(8)} %x"
-            sums += op == "reduce" and shape.startswith("s32[") and '/dot_general"' in rest
+    for name, shape, op, rest, _ in _instructions(hlo_text.splitlines()):
+        shapes[name] = shape
+        if op in ("dot", "convolution"):
+            products.append(_operand_names(rest))
+        sums += op == "reduce" and shape.startswith("s32[") and '/dot_general"' in rest
     int8 = lambda name: shapes.get(name, "").startswith("s8[")
     return sums + sum(bool(names) and all(map(int8, names)) for names in products)
 
@@ -83,6 +81,19 @@ def _operands(rest: str) -> str:
         if depth < 0:
             return rest[:i]
     return rest
+
+
+def _instructions(lines):
+    """(name, shape, opcode, the text after the opcode's parenthesis, whether it is the ROOT) of each
+    instruction among HLO text `lines`."""
+    for line in lines:
+        if found := _SHAPED.match(line):
+            yield (*found.groups(), line.lstrip().startswith("ROOT"))
+
+
+def _operand_names(rest: str) -> list[str]:
+    """The names of an instruction's operands (each "%x", or "s8[4]{0:T(8)} %x" with its shape)."""
+    return re.findall(r"%([\w.\-]+)", _operands(rest))
 
 
 def shape_bytes(shape_text: str) -> float:
@@ -126,17 +137,13 @@ def hlo_counts(hlo_text: str, memory_spaces: bool = False) -> tuple[float, float
         if name == "ENTRY":
             continue
         shapes = {}
-        for line in lines:
-            m = _SHAPED.match(line)
-            if not m:
-                continue
-            inst, shape, op, rest = m.groups()
+        for inst, shape, op, rest, _ in _instructions(lines):
             shapes[inst] = shape
             if op == "dot" or (op == "custom-call" and "__cublas" in rest):
                 flops += _dot_flops(shape, rest, shapes)
             if name in fused or op in FREE or op in _CONTROL or op in ("copy-done", "slice-done"):
                 continue
-            operands = re.findall(r"%([\w.\-]+)", _operands(rest))
+            operands = _operand_names(rest)
             held = [size(shapes.get(o, "")) for o in operands]
             if op in _ASYNC_MOVES:  # the destination's bytes, read where the source lives, written where it goes
                 destination = _ARRAYS.findall(shape)[_ASYNC_MOVES[op]][0]
@@ -180,15 +187,11 @@ def _sliced_parameters(fused_lines: list[str]) -> dict[int, float]:
     `slice`s or `gather`s read (the kernel reads what it takes, not the whole buffer: embedding rows, a cache
     block)."""
     params, uses, sizes = {}, {}, {}
-    for line in fused_lines:
-        m = _SHAPED.match(line)
-        if not m:
-            continue
-        inst, shape, op, rest = m.groups()
+    for inst, shape, op, rest, _ in _instructions(fused_lines):
         if op == "parameter":
             params[inst] = int(re.match(r"\s*(\d+)", rest).group(1))
             continue
-        for j, o in enumerate(re.findall(r"%([\w.\-]+)", _operands(rest))):
+        for j, o in enumerate(_operand_names(rest)):
             if o in params:
                 slicing = op in ("dynamic-slice", "slice", "gather") and j == 0
                 uses.setdefault(o, []).append(slicing)
@@ -202,19 +205,15 @@ def _updated_in_place(fused_lines: list[str]) -> tuple[int, float] | None:
     output the parameter's buffer, so the kernel writes the update and never reads or writes the rest (a
     cache write at decode)."""
     shapes, params, source, users, root = {}, {}, {}, collections.Counter(), None
-    for line in fused_lines:
-        m = _SHAPED.match(line)
-        if not m:
-            continue
-        inst, shape, op, rest = m.groups()
+    for inst, shape, op, rest, is_root in _instructions(fused_lines):
         shapes[inst] = shape
-        operands = re.findall(r"%([\w.\-]+)", _operands(rest))
+        operands = _operand_names(rest)
         users.update(operands)
         if op == "parameter":
             params[inst] = int(re.match(r"\s*(\d+)", rest).group(1))
         elif op == "bitcast" and operands:
             source[inst] = operands[0]
-        if line.lstrip().startswith("ROOT"):
+        if is_root:
             root = (op, operands)
     if root is None or root[0] != "dynamic-update-slice" or len(root[1]) < 2:
         return None

@@ -193,8 +193,9 @@ def _accumulate_grads(params, batch, cfg: Config, base: dict | None = None):
     replica of its own rows over data x fsdp, and the sum over both runs once a step (`_onto_shards`)."""
     a = cfg.training.grad_accum
     axes = _replica_axes(cfg, batch["inputs"].shape[0] // a) if a > 1 else ()
+    names = _param_names(cfg, base is not None) if "fsdp" in axes else None
     if "fsdp" in axes:
-        params = _gathered_once(params, _param_names(cfg, base is not None), cfg)
+        params = _gathered_once(params, names, cfg)
         base = None if base is None else _gathered_once(base, _param_names(cfg, False), cfg)
     objective = loss_sum if base is None else lambda adapters, b, c: loss_sum(lora.attach(base, adapters), b, c)
     grad_fn = jax.value_and_grad(objective, has_aux=True)
@@ -221,7 +222,6 @@ def _accumulate_grads(params, batch, cfg: Config, base: dict | None = None):
     if axes:  # the step's one sum over the replicas
         total, count = total.sum(0), count.sum(0)
     if "fsdp" in axes:  # straight onto the weights' shards
-        names = _param_names(cfg, base is not None)
         grads = jax.tree.map(functools.partial(_onto_shards, axes=axes), grads, names)
     elif axes:
         grads = jax.tree.map(lambda x: x.sum(0), grads)
