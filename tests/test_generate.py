@@ -55,6 +55,19 @@ def test_greedy_generate_equals_argmax_rollout_for_ragged_prompts(gen, sums, req
         assert out.finish_reason == "length" and len(out.logprobs) == 12
 
 
+def test_float32_weights_of_a_bfloat16_model_are_held_in_bfloat16(stacked):
+    """A bfloat16 model given its float32 master weights (a run folder served on a GPU) holds them in
+    bfloat16 once (`model.decode_params`), so the decode loop casts no weight at any step, and generates
+    what a Generator given the bfloat16 weights generates."""
+    cfg = dataclasses.replace(CFG, dtype="bfloat16")
+    halves = jax.tree.map(lambda w: w.astype(jnp.bfloat16), stacked)
+    held, given = (Generator(p, cfg, Tokenizer.byte_level(), max_batch=2, chunk_steps=4) for p in (stacked, halves))
+    assert {w.dtype for w in jax.tree.leaves(stacked)} == {jnp.dtype(jnp.float32)}
+    assert {w.dtype for w in jax.tree.leaves(held.params)} == {jnp.dtype(jnp.bfloat16)}
+    few = dataclasses.replace(GREEDY, max_new_tokens=6)
+    assert [o.tokens for o in held.generate(PROMPTS[:2], few)] == [o.tokens for o in given.generate(PROMPTS[:2], few)]
+
+
 def test_batch_invariance_greedy_and_sampled(gen):
     sampled = SamplingConfig(temperature=1.0, top_p=0.95, max_new_tokens=10, seed=11, ignore_eos=True)
     for sc in (GREEDY, sampled):

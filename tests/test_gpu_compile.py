@@ -40,6 +40,18 @@ def test_flat_layout_runs_no_cond_per_layer_and_blocks_one_per_block():
 
 
 @pytest.mark.skipif(gpu_target.unavailable() is not None, reason=str(gpu_target.unavailable()))
+def test_a_bfloat16_model_given_float32_weights_casts_none_in_the_decode_step():
+    """The tiny model in bfloat16 given its float32 master weights (what `targets.gpu` draws): the Generator
+    holds them in bfloat16 (`model.decode_params`), so a layer launches what the float32 model's does.
+    Before, the loop cast each weight at every step: 24 kernels a layer at 128 slots."""
+    cmd = [sys.executable, "-m", "jaxgen.targets.gpu", "--slots", "128", "--layouts", "flat"]
+    out = subprocess.run([*cmd, "--set", "model.dtype=bfloat16"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    flat = json.loads(out.stdout.strip().splitlines()[-1])["flat"]
+    assert flat["conditional"] == 0 and 0 < flat["kernels"] <= MAX_KERNELS_PER_LAYER, flat
+
+
+@pytest.mark.skipif(gpu_target.unavailable() is not None, reason=str(gpu_target.unavailable()))
 def test_the_engines_paged_decode_step_runs_no_cond_per_layer():
     """The serving engine's decode chunk (paged cache, 64 slots live, bfloat16 pages) compiled for sm_90: a
     layer adds no conditional and at most 15 kernels (issue 50's goal), the paged attention one Pallas kernel."""

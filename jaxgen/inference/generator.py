@@ -113,7 +113,7 @@ class Generator:
             self.head = eagle.check_head(draft, cfg)
         elif draft is not None:
             self.draft_cfg = speculative.check_draft(draft[1], cfg)
-            self.draft_params = model.decode_params(draft[0], config.max_batch)
+            self.draft_params = model.decode_params(draft[0], config.max_batch, draft[1])
         # per-layer weights, output-major from 8 rows on: see model.decode_params
         self.params = model.decode_params(params, config.max_batch, cfg)
         self.cfg, self.tokenizer, self.config = cfg, tokenizer, config

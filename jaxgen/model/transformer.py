@@ -205,8 +205,25 @@ def decode_params(params: dict, rows: int, cfg: ModelConfig | None = None) -> di
     """The params as decoding reads them: per-layer (`unstack_layers`) and, for products of at least
     `layout.OUT_MAJOR_ROWS` rows (`rows`: the batch decoded together), output-major weights
     (`layout.decode_layout`). Idempotent; `layout.train_layout` undoes the second step. A deterministic
-    `cfg` keeps the weights as trained: its tiled products are the training forward's (`_block_tiled`)."""
-    return layout.decode_layout(unstack_layers(params), 1 if cfg is not None and cfg.deterministic else rows)
+    `cfg` keeps the weights as trained: its tiled products are the training forward's (`_block_tiled`).
+    With `cfg`, float weights wider than its compute dtype are held in it (`held_as_computed`)."""
+    params = unstack_layers(params) if cfg is None else held_as_computed(unstack_layers(params), cfg)
+    return layout.decode_layout(params, 1 if cfg is not None and cfg.deterministic else rows)
+
+
+def held_as_computed(params: dict, cfg: ModelConfig) -> dict:
+    """The float weights wider than `cfg.dtype` (float32 master weights of a bfloat16 model) cast to it once,
+    as `forward` would at every call (`_cast`: the same values). Inside a decode loop that cast runs at
+    every step, on a GPU a kernel per weight moving three times its bfloat16 bytes (the float32 read, the
+    copy written and read again). Quantized weights, integers and narrower floats stay as they are."""
+    dtype = jnp.dtype(cfg.dtype)
+
+    def cast(p):
+        if quant.is_q(p) or not jnp.issubdtype(p.dtype, jnp.floating) or p.dtype.itemsize <= dtype.itemsize:
+            return p
+        return p.astype(dtype)
+
+    return jax.tree.map(cast, params, is_leaf=quant.is_q)
 
 
 def stack_layers(params: dict) -> dict:

@@ -4,9 +4,9 @@
     text = decode_loop_text(generator, prompts, sampling, device)
     loop_ops(text)                                   # the decode loop body's operations, by opcode
 
-    python -m jaxgen.targets.gpu [--config configs/tiny.yaml] [--slots 512] [--rows 1] [--engine]
+    python -m jaxgen.targets.gpu [--config configs/tiny.yaml] [--slots 512] [--rows 1] [--engine] [--set K=V]
         # JSON: per cache layout, the conditionals and kernels a layer adds to a decode step (sm_90);
-        # --engine: also the serving engine's paged decode chunk
+        # --engine: also the serving engine's paged decode chunk; --set: a dotted override of the config
 
 The CUDA plugin (`pip install '.[gpu-compile]'`) compiles for a GPU described by a target config, a
 `GpuTargetConfigProto` text (targets/specs/), under `JAX_PLATFORMS=cpu` and without a device:
@@ -166,6 +166,13 @@ def main(argv=None) -> int:
         action="store_true",
         help="also the engine's paged decode chunk, every slot of --rows live (page size 16)",
     )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a dotted override of --config (repeatable), e.g. --set model.dtype=bfloat16",
+    )
     args = parser.parse_args(argv)
     jax.config.update("jax_platforms", "cpu")  # before any backend starts: the plugin then registers
     reason = unavailable()
@@ -174,7 +181,7 @@ def main(argv=None) -> int:
         return 2
     from jaxgen.config import load_config
 
-    cfg = load_config(args.config).model
+    cfg = load_config(args.config, args.set).model
     device = cuda_device(Path(args.spec).read_text())
     out = {layout: per_layer(layout, cfg, args.slots, args.rows, device) for layout in args.layouts}
     if args.engine:

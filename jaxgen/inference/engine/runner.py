@@ -56,7 +56,7 @@ class Runner:
         if isinstance(draft, eagle.Head):  # an EAGLE head: its pool is the spec's draft cache
             self.head = draft
         elif draft is not None:
-            self.draft_params, self.draft_cfg = model.decode_params(draft[0], serve.slots), draft[1]
+            self.draft_params, self.draft_cfg = model.decode_params(draft[0], serve.slots, draft[1]), draft[1]
         self._to_decode = None  # update_params' jitted layout conversion
         self.gate = SpecGate()  # whether a chunk speculates, per batch size, from measured tokens/s
         self._clock, self._last_results = time.perf_counter, 0.0
