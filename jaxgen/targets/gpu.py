@@ -5,7 +5,7 @@
     loop_ops(text)                                   # the decode loop body's operations, by opcode
 
     python -m jaxgen.targets.gpu [--config configs/tiny.yaml] [--slots 512] [--rows 1] [--engine] [--set K=V]
-        # JSON: per cache layout, the conditionals and kernels a layer adds to a decode step (sm_90);
+        # JSON: per cache layout, the conditionals, kernels and HBM megabytes a layer adds to a decode step (sm_90);
         # --engine: also the serving engine's paged decode chunk; --set: a dotted override of the config
 
 The CUDA plugin (`pip install '.[gpu-compile]'`) compiles for a GPU described by a target config, a
@@ -31,7 +31,7 @@ import jax
 
 from jaxgen.targets.catalog import SPECS
 from jaxgen.targets.devices import traced_for
-from jaxgen.targets.hlo import computations, ops
+from jaxgen.targets.hlo import computations, hlo_counts, ops
 
 
 def unavailable() -> str | None:
@@ -109,17 +109,20 @@ def per_layer(layout: str, cfg, slots: int, rows: int, device) -> dict:
     from jaxgen.tokenizer import Tokenizer
 
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=4, ignore_eos=True)
-    steps = []
+    steps, moved = [], []
     for layers in (1, 2):
         c = dataclasses.replace(cfg, num_layers=layers, cache_layout=layout, max_seq_len=max(cfg.max_seq_len, slots))
         gen = Generator(model.init_params(c, jax.random.key(0)), c, Tokenizer.byte_level(), max_batch=rows,
                         chunk_steps=8, min_cache_len=slots)  # fmt: skip
-        steps.append(loop_ops(decode_loop_text(gen, [[1, 2, 3]] * rows, greedy, device)))
+        text = decode_loop_text(gen, [[1, 2, 3]] * rows, greedy, device)
+        steps.append(loop_ops(text))
+        moved.append(hlo_counts(text)[1])
     one, two = steps
     return {
         "step": dict(one),
         "conditional": two["conditional"] - one["conditional"],
         "kernels": two["total"] - one["total"],
+        "layer_mb": round((moved[1] - moved[0]) / 1e6, 3),  # HBM bytes a layer adds to a step (`hlo_counts`)
     }
 
 
