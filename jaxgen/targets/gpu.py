@@ -135,7 +135,7 @@ def engine_per_layer(cfg, slots: int, page_size: int, device) -> dict:
     from jaxgen.inference import steps
 
     one = jax.sharding.SingleDeviceSharding(device)
-    counts = []
+    counts, moved = [], []
     for layers in (1, 2):
         c = dataclasses.replace(cfg, num_layers=layers, max_seq_len=max(cfg.max_seq_len, slots))
         serve = ServeConfig(slots=slots, page_size=page_size, num_pages=4 * slots, cache_dtype="bfloat16")
@@ -150,10 +150,12 @@ def engine_per_layer(cfg, slots: int, page_size: int, device) -> dict:
             lowered = jax.jit(steps.decode_chunk, static_argnames="cfg").lower(
                 placed(params, device), placed(state, device), limit, retire, cfg=c
             )
-        counts.append(loop_ops(lowered.compile().as_text()))
+        text = lowered.compile().as_text()
+        counts.append(loop_ops(text))
+        moved.append(hlo_counts(text)[1])
     one_layer, two = counts
     return {"step": dict(one_layer), "conditional": two["conditional"] - one_layer["conditional"],
-            "kernels": two["total"] - one_layer["total"]}  # fmt: skip
+            "kernels": two["total"] - one_layer["total"], "layer_mb": round((moved[1] - moved[0]) / 1e6, 3)}  # fmt: skip
 
 
 def main(argv=None) -> int:
