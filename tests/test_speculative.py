@@ -384,6 +384,28 @@ def test_the_gate_speculates_while_it_pays_and_probes_the_other_side():
     assert spec_gate.bucket(5) == 8 and spec_gate.bucket(1) == 1
 
 
+def test_a_generators_group_runs_plainly_where_its_gate_says_speculation_does_not_pay():
+    """The Generator's gate learns plain decoding's rate from plain requests' chunks; a group that asks for
+    drafts where speculation measured slower runs the plain requests' programs from its prefill on: nothing
+    compiles, nothing speculates, and the output is plain decoding's."""
+    from jaxgen.inference import spec_gate
+
+    gen = _generator("llama")
+    gated = Generator(gen.params, gen.cfg, gen.tokenizer, dataclasses.replace(gen.config, spec_gate=True))
+    plain = SamplingConfig(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    want = gated.generate(PROMPTS[:2], plain)  # compiles
+    gated.generate(PROMPTS[:2], plain)
+    rates = gated.gate.rates[spec_gate.bucket(2)]
+    assert rates.plain is not None and rates.spec is None, rates  # plain's figure, from plain requests
+    rates.spec = rates.plain / 10  # as if a speculating group had measured ten times slower
+    compiled = gated.compilations
+    got = gated.generate(PROMPTS[:2], dataclasses.replace(plain, num_speculative_tokens=4))
+    assert gated.compilations == compiled and gated.speculation["target_steps"] == 0
+    assert gated.gate.skipped == 1
+    for a, b in zip(got, want, strict=True):
+        _same(a, b)
+
+
 def test_chunks_the_gate_runs_plain_keep_the_output_and_the_ngram_history():
     """An engine whose gate alternates speculative and plain chunks: the output is plain decoding's, and
     the n-gram history takes the plain chunks' tokens (drafts found after them are kept)."""

@@ -139,7 +139,6 @@ class Generator:
             jax.jit(counted(self, speculative.prefill_with_head), static_argnames=("cfg", "cache_len", "cache_dtype")),
             mesh,
         )
-        self._after_plain = jax.jit(counted(self, speculative.after_plain), donate_argnums=0)
         self.gate = SpecGate()  # per batch size: whether a chunk speculates, from measured tokens/s
         # speculative decoding so far: target steps and drafts proposed and kept, summed over rows
         self.speculation = {"target_steps": 0, "tokens": 0, "proposed": 0, "accepted": 0, "kept_at": np.zeros(8, int)}
@@ -189,8 +188,9 @@ class Generator:
         """The token automaton of `c.structured` (None when free), compiled once per constraint."""
         return self.constraints.automaton(c.structured)
 
-    def _sizes(self, ids, configs, group, prompt_idx) -> tuple[int, int, int, int]:
-        """A group's static sizes: prompt bucket T, new tokens, cache slots and draft window W."""
+    def _sizes(self, ids, configs, group, prompt_idx, speculate: bool = True) -> tuple[int, int, int, int]:
+        """A group's static sizes: prompt bucket T, new tokens, cache slots and draft window W (0 when
+        not `speculate`: the group decodes as plain requests do)."""
         t = bucket(max(len(ids[p]) for p in prompt_idx))
         # no row can generate past the context, whatever max_new_tokens asks (it ends with "length")
         # (at least 1: the buffers need a column even when every row asks none, max_new_tokens=0)
@@ -198,17 +198,25 @@ class Generator:
         # Slots for the padded prompts plus every new token: the padding (up to the bucket t) takes slots
         # too, so capping at the context length would leave no room when t reaches it.
         cache_len = max(bucket(t + min(longest_new, self.cfg.max_seq_len)), self.min_cache_len)
-        w = speculative.window([configs[p].num_speculative_tokens for p, _ in group])
+        w = speculative.window([configs[p].num_speculative_tokens for p, _ in group]) if speculate else 0
         if w:  # every step writes W + 1 slots (rejected drafts' slots are not reused)
             cache_len = max(bucket(speculative.cache_len_needed(t, longest_new, w)), self.min_cache_len)
         return t, longest_new, cache_len, w
 
     def _stream_group(self, ids, configs, automata, group):
         cfg = self.cfg
+        started, compiled = time.perf_counter(), self.compilations  # the group's setup counts in its first chunk
         prompt_idx = sorted({p for p, _ in group})
         b = bucket(len(group), minimum=1)
         p_count = bucket(len(prompt_idx), minimum=1)
+        gated = self.config.spec_gate and self.config.spec_rule == "exact"  # "standard": a residual may be pending
         t, longest_new, cache_len, w = self._sizes(ids, configs, group, prompt_idx)
+        # The gate chooses once for the group (`spec_gate`, its chunks its "chunks"): where speculation does not
+        # pay at this batch size, the group runs as plain requests do, from its prefill on (no drafter's
+        # prefill, no speculative state, the plain requests' programs). Its setup is part of what a group
+        # pays, so a group's choice covers all of it, and a group never switches programs halfway.
+        if w and gated and not self.gate.choose(len(group)):
+            t, longest_new, cache_len, w = self._sizes(ids, configs, group, prompt_idx, speculate=False)
         tokens, positions, lengths = padded([ids[p] for p in prompt_idx], p_count, t)
         where = {p: i for i, p in enumerate(prompt_idx)}
         batch_rows = group + [group[0]] * (b - len(group))  # filler rows, finished from the start
@@ -228,27 +236,22 @@ class Generator:
         if w:
             spec = self._spec_state(ids, configs, batch_rows, (tokens, positions, rows, lengths), cache_len,
                                     bucket(t + longest_new + w + 1), eagle_start and (*eagle_start, w))  # fmt: skip
-        step, made, spec_made = 0, np.zeros((b,), np.int32), 0  # tokens of each row so far; in speculative chunks
-        gated = self.config.spec_gate and self.config.spec_rule == "exact"  # "standard": a residual may be pending
+        step, made = 0, np.zeros((b,), np.int32)  # tokens of each row so far
         while True:
             state = state.replace(limit=np.int32(min(step + self.chunk_steps, longest_new)))
-            speculate = spec is not None and (not gated or self.gate.choose(len(group)))
-            started, compiled = time.perf_counter(), self.compilations
-            if speculate:
+            if spec is not None:
                 state, spec = self._spec_loop(
                     self.params, state, spec, cfg=cfg, w=w, draft_params=self.draft_params,
                     draft_cfg=self.draft_cfg, head=self.head, rule=self.config.spec_rule,
                 )  # fmt: skip
             else:
                 state = self._loop(self.params, state, cfg=cfg)
-                if spec is not None:  # speculation does not pay at this batch size (spec_gate)
-                    spec = self._after_plain(spec, state.tokens, made, state.generated, np.zeros_like(made))
             host = HostRows.of(state)
             step = int(host.step)
             new = int((host.generated - made)[: len(group)].sum())
-            spec_made += new if speculate else 0
-            if spec is not None and compiled == self.compilations:
-                self.gate.observe(len(group), speculate, new, time.perf_counter() - started)
+            if gated and compiled == self.compilations:  # plain requests' chunks tell the gate plain's rate too
+                self.gate.observe(len(group), spec is not None, new, time.perf_counter() - started)
+            started, compiled = time.perf_counter(), self.compilations
             made = host.generated
             done = np.pad(self._check_stop_strings(host, configs, group, stop_at), (0, b - len(group)))
             if done.any():
@@ -258,7 +261,7 @@ class Generator:
                 self._table = (*self._table[:1], state.grammar_table, *self._table[2:])
             if np.all(host.done | done):
                 if spec is not None:
-                    self._count_speculation(spec, spec_made, len(group))
+                    self._count_speculation(spec, int(made[: len(group)].sum()), len(group))
                 return
 
     def _spec_state(self, ids, configs, batch_rows, prompts_in, cache_len: int, history: int, eagle_start=None):
@@ -276,7 +279,7 @@ class Generator:
                                           eagle=eagle_start, vocab=vocab)  # fmt: skip
 
     def _count_speculation(self, spec, tokens: int, live: int) -> None:
-        """Adds a batch's counters; `tokens`: those its speculative chunks made (not the gate's plain ones)."""
+        """Adds a speculating group's counters; `tokens`: those it made."""
         steps, proposed, accepted, kept_at = jax.device_get(
             (spec.target_steps, spec.proposed, spec.accepted, spec.kept_at)
         )  # fmt: skip

@@ -1,4 +1,6 @@
-"""When speculation pays: the engine's per-chunk choice between a speculative and a plain decode chunk.
+"""When speculation pays: the engine's per-chunk choice between a speculative and a plain decode chunk, and
+the Generator's per-group one (a group of requests decoded together: its drafter's prefill and speculative
+state are part of its cost, so it chooses once, before its prefill, and its chunks all run the one way).
 
 A speculative step feeds W + 1 tokens per row (and runs the drafter); it pays while the tokens it keeps per
 step outweigh what the wider step costs. Both sides move with the batch: at batch 1 a step is bound by
@@ -13,7 +15,8 @@ drafts) and of its recent plain ones (a token per row and step), and
 with the unfavoured side run once every PROBE_EVERY chunks of that batch size to keep its figure current.
 Rows that asked for drafts decode plainly in a plain chunk, exactly as they would have: speculation never
 changes the output, only the time. The gate is the engine's only clock-dependent decision, and its clock is
-injectable (tests set the figures).
+injectable (tests set the figures). The Generator tells its gate the rate of every chunk it runs, plain
+requests' included, so a batch size's plain figure is known before its first speculating group.
 """
 
 from __future__ import annotations

@@ -154,8 +154,12 @@ def engine_per_layer(cfg, slots: int, page_size: int, device) -> dict:
         counts.append(loop_ops(text))
         moved.append(hlo_counts(text)[1])
     one_layer, two = counts
-    return {"step": dict(one_layer), "conditional": two["conditional"] - one_layer["conditional"],
-            "kernels": two["total"] - one_layer["total"], "layer_mb": round((moved[1] - moved[0]) / 1e6, 3)}  # fmt: skip
+    return {
+        "step": dict(one_layer),
+        "conditional": two["conditional"] - one_layer["conditional"],
+        "kernels": two["total"] - one_layer["total"],
+        "layer_mb": round((moved[1] - moved[0]) / 1e6, 3),
+    }
 
 
 def main(argv=None) -> int:
