@@ -106,11 +106,13 @@ def test_grpo_raises_the_built_in_tasks_reward_one_version_behind_and_the_sample
     assert loop.run_rl(cfg, run_dir, progress=False).status == "already finished"
 
 
-def test_in_deterministic_mode_the_trainer_scores_the_samplers_log_probabilities_bitwise(tmp_path, overrides):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_in_deterministic_mode_the_trainer_scores_the_samplers_log_probabilities_bitwise(tmp_path, overrides, dtype):
     """model.deterministic (docs/rl.md): the trainer's log-probabilities of the rollouts are the engine's to the
     bit, so the importance ratio of the first update is exactly 1 (the warm start, a run folder without the
-    setting, gets it from the RL config)."""
-    bitwise = ["training.steps=2", "model.deterministic=true", "model.attention_block=8", "rl.max_staleness=0"]
+    setting, gets it from the RL config). In bfloat16 the rollout engine's pages are bfloat16 too."""
+    bitwise = ["training.steps=2", "model.deterministic=true", "model.attention_block=8", "rl.max_staleness=0",
+               f"model.dtype={dtype}"]  # fmt: skip
     cfg = load_config(ROOT / "configs" / "rl-arithmetic.yaml", [*overrides, *bitwise])
     assert loop.run_rl(cfg, tmp_path / "run", progress=False).status == "finished"
     records = read_metrics(tmp_path / "run")

@@ -70,7 +70,8 @@ def check_deterministic(cfg: ModelConfig, serve: ServeConfig, draft, mesh) -> No
     refused = [
         (serve.page_size % cfg.attention_block != 0, "serve.page_size", serve.page_size,
          f"a multiple of model.attention_block={cfg.attention_block} (key blocks align to pages)"),
-        (serve.cache_dtype != "float32", "serve.cache_dtype", serve.cache_dtype, "float32"),
+        (serve.cache_dtype != cfg.dtype, "serve.cache_dtype", serve.cache_dtype,
+         f"model.dtype={cfg.dtype} (the keys and values as the training forward computes them)"),
         (serve.quantize != "none", "serve.quantize", serve.quantize, "none"),
         (draft is not None, "draft", "a draft model", "none (speculative decoding)"),
         (serve.max_loras > 0, "serve.max_loras", serve.max_loras, "0 (no adapters)"),

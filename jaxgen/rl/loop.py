@@ -174,7 +174,7 @@ def run_rl(cfg: Config, run_dir: str | Path, progress: bool = True, stop_after: 
         from jaxgen.config import ServeConfig
         from jaxgen.inference.budget import check_deterministic
 
-        check_deterministic(cfg.model, ServeConfig(), None, None)
+        check_deterministic(cfg.model, ServeConfig(cache_dtype=cfg.model.dtype), None, None)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = dataclasses.replace(
@@ -309,8 +309,9 @@ def _loop(cfg, run_dir, mesh, tokenizer, records, reward_fn, state, start_params
     # like the update; the rewards are gathered so that every process forms the same advantages.
     rows = rollout_rows(cfg, mesh)
     place = sampler_place(cfg, mesh)
+    pool = {"cache_dtype": cfg.model.dtype} if cfg.model.deterministic else {}  # its keys as the trainer's
     llm = policy.engine(state, tokenizer, place, slots=rows.stop - rows.start, data_parallel=max(r.sampler_devices, 1),
-                        num_pages=rollout_pages(cfg, rows=rows.stop - rows.start), max_logprobs=0)  # fmt: skip
+                        num_pages=rollout_pages(cfg, rows=rows.stop - rows.start), max_logprobs=0, **pool)  # fmt: skip
     sent = sum(x.nbytes for x in jax.tree.leaves(state.params))  # bytes a swap: each engine gets them whole
     workers = concurrent.futures.ThreadPoolExecutor(r.reward_workers, thread_name_prefix="reward")
     sampler = rollouts.Sampler(cfg, llm, policy, records, reward_fn, workers, rows)
