@@ -3,6 +3,7 @@ flag off and on, on the same weights in one process.
 
     python bench/deterministic.py                  # both models below, medians
     python bench/deterministic.py --repeats 9 --models tiny
+    python bench/deterministic.py --dtype bfloat16       # a bfloat16 model with a bfloat16 page pool
 
 Train step: forward and backward of the RL loss's `token_logprobs` (jitted, one compiled shape), seconds
 a call. Engine: `Engine.generate` of one request a slot, each a fixed number of sampled tokens (end-of-text
@@ -63,7 +64,8 @@ def _engine_rounds(params, cfgs, slots: int, prompt: int, new: int) -> list:
     prompts = [rng.integers(0, 256, prompt).tolist() for _ in range(slots)]
     calls = []
     for cfg in cfgs:
-        engine = Engine(params, cfg, Tokenizer.byte_level(), ServeConfig(slots=slots, page_size=16, num_pages=pages))
+        serve = ServeConfig(slots=slots, page_size=16, num_pages=pages, cache_dtype=cfg.dtype)  # the pool as the model
+        engine = Engine(params, cfg, Tokenizer.byte_level(), serve)
         seeds = itertools.count()
 
         def round_(engine=engine, seeds=seeds):
@@ -97,6 +99,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
     parser.add_argument("--repeats", type=int, default=7, help="engine rounds (train steps: 3x as many); median")
     parser.add_argument("--block", type=int, default=16, help="model.attention_block (a divisor of the pages' 16)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="model.dtype, the pool too")
     args = parser.parse_args()
 
     from jaxgen.runtime import quiet_libtpu_off_tpu
@@ -112,7 +115,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for name in args.models:
         path, batch, slots, prompt, new = MODELS[name]
-        cfg = load_config(ROOT / path, [f"model.attention_block={args.block}"]).model
+        cfg = load_config(ROOT / path, [f"model.attention_block={args.block}", f"model.dtype={args.dtype}"]).model
         params = model.init_params(cfg, jax.random.key(0))
         cfgs = [dataclasses.replace(cfg, deterministic=on) for on in (False, True)]
         (t0, t1), train = _interleaved(_train_steps(params, cfgs, batch), 3 * args.repeats)
