@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from jaxgen import model
-from jaxgen.config import ConfigError, ModelConfig, ServeConfig
+from jaxgen.config import ConfigError, MeshConfig, ModelConfig, ServeConfig
 from jaxgen.inference.engine import Engine
 from jaxgen.inference.sampling import SamplingConfig
 from jaxgen.rl.objectives import token_logprobs
+from jaxgen.sharding import make_mesh
 from jaxgen.tokenizer import Tokenizer
 
 # post-norms (OLMo 2) and a final softcap (Gemma 2): each broke the bits once (see docs/rl.md)
@@ -97,6 +98,22 @@ def test_in_bfloat16_with_a_bfloat16_pool_too(params):
     assert preempted > 0 and ours.size > 300 and np.isfinite(ours).all()
     differ = int((ours != ref).sum())
     assert differ == 0, f"{differ} of {ours.size} differ, max {np.abs(ours - ref).max()}"
+
+
+def test_an_engine_on_a_data_parallel_mesh_keeps_the_bits_and_a_tensor_mesh_is_refused(params):
+    """Rows split over two devices: each device's tiles are a one-device run's, so the engine's log-probabilities
+    equal the one-device training forward's bitwise. On a tensor-parallel mesh a product's halves are summed
+    in another order (348 of 393 differed by up to 3e-5 when this was written): refused before compiling."""
+    mesh = make_mesh(MeshConfig(data=2), jax.devices()[:2])
+    placed = jax.device_put(params, model.param_shardings(CFG, mesh))
+    engine = Engine(placed, CFG, Tokenizer.byte_level(), SERVE, mesh=mesh)
+    ours, ref, preempted = _engine_and_training(engine, params, CFG)
+    assert preempted > 0 and ours.size > 300
+    differ = int((ours != ref).sum())
+    assert differ == 0, f"{differ} of {ours.size} differ, max {np.abs(ours - ref).max()}"
+    tensor = make_mesh(MeshConfig(data=1, tensor=2), jax.devices()[:2])
+    with pytest.raises(ConfigError, match=r"mesh=tensor=2 is not allowed with model.deterministic=true: data parallel"):
+        Engine(params, CFG, Tokenizer.byte_level(), SERVE, mesh=tensor)
 
 
 def _alone_and_in_a_full_batch(one_slot, engine):

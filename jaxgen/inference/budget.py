@@ -63,10 +63,12 @@ def check_settings(cfg: ModelConfig, serve: ServeConfig, draft_cfg: ModelConfig 
 
 
 def check_deterministic(cfg: ModelConfig, serve: ServeConfig, draft, mesh) -> None:
-    """ConfigError, before anything compiles, for serving settings deterministic mode cannot keep bitwise."""
+    """ConfigError, before anything compiles, for serving settings deterministic mode cannot keep bitwise (the
+    RL loop asks it of its trainer's mesh too)."""
     if not cfg.deterministic:
         return
     why = "with model.deterministic=true"
+    split = {} if mesh is None else {a: n for a, n in mesh.shape.items() if a != "data" and n > 1}
     refused = [
         (serve.page_size % cfg.attention_block != 0, "serve.page_size", serve.page_size,
          f"a multiple of model.attention_block={cfg.attention_block} (key blocks align to pages)"),
@@ -75,7 +77,9 @@ def check_deterministic(cfg: ModelConfig, serve: ServeConfig, draft, mesh) -> No
         (serve.quantize != "none", "serve.quantize", serve.quantize, "none"),
         (draft is not None, "draft", "a draft model", "none (speculative decoding)"),
         (serve.max_loras > 0, "serve.max_loras", serve.max_loras, "0 (no adapters)"),
-        (mesh is not None and mesh.size > 1, "mesh", f"{mesh.size if mesh else 1} devices", "one device"),
+        (bool(split), "mesh", ", ".join(f"{a}={n}" for a, n in split.items()),
+         "data parallel only (rows split over devices: each device's tiles are a one-device run's; products split "
+         "over devices sum in another order)"),
     ]  # fmt: skip
     for bad, field, value, allowed in refused:
         if bad:
