@@ -4,6 +4,7 @@ flag off and on, on the same weights in one process.
     python bench/deterministic.py                  # both models below, medians
     python bench/deterministic.py --repeats 9 --models tiny
     python bench/deterministic.py --dtype bfloat16       # a bfloat16 model with a bfloat16 page pool
+    python bench/deterministic.py --block 64 --page-size 64
 
 Train step: forward and backward of the RL loss's `token_logprobs` (jitted, one compiled shape), seconds
 a call. Engine: `Engine.generate` of one request a slot, each a fixed number of sampled tokens (end-of-text
@@ -47,7 +48,7 @@ def _train_steps(params, cfgs, batch: tuple[int, int]) -> list:
     return calls
 
 
-def _engine_rounds(params, cfgs, slots: int, prompt: int, new: int) -> list:
+def _engine_rounds(params, cfgs, slots: int, prompt: int, new: int, page_size: int) -> list:
     """For each config an engine, warmed up, and a callable generating one round (one request a slot, `new`
     tokens each, other seeds every round) that returns the tokens it generated."""
     import itertools
@@ -59,12 +60,12 @@ def _engine_rounds(params, cfgs, slots: int, prompt: int, new: int) -> list:
     from jaxgen.inference.sampling import SamplingConfig
     from jaxgen.tokenizer import Tokenizer
 
-    pages = slots * (-(-(prompt + new) // 16) + 1)
+    pages = slots * (-(-(prompt + new) // page_size) + 1)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, prompt).tolist() for _ in range(slots)]
     calls = []
     for cfg in cfgs:
-        serve = ServeConfig(slots=slots, page_size=16, num_pages=pages, cache_dtype=cfg.dtype)  # the pool as the model
+        serve = ServeConfig(slots=slots, page_size=page_size, num_pages=pages, cache_dtype=cfg.dtype)  # pool as model
         engine = Engine(params, cfg, Tokenizer.byte_level(), serve)
         seeds = itertools.count()
 
@@ -98,7 +99,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
     parser.add_argument("--repeats", type=int, default=7, help="engine rounds (train steps: 3x as many); median")
-    parser.add_argument("--block", type=int, default=16, help="model.attention_block (a divisor of the pages' 16)")
+    parser.add_argument("--block", type=int, default=16, help="model.attention_block (a divisor of --page-size)")
+    parser.add_argument("--page-size", type=int, default=16, help="the engine's serve.page_size (both sides)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="model.dtype, the pool too")
     args = parser.parse_args()
 
@@ -119,7 +121,7 @@ def main() -> None:
         params = model.init_params(cfg, jax.random.key(0))
         cfgs = [dataclasses.replace(cfg, deterministic=on) for on in (False, True)]
         (t0, t1), train = _interleaved(_train_steps(params, cfgs, batch), 3 * args.repeats)
-        (e0, e1), engine = _interleaved(_engine_rounds(params, cfgs, slots, prompt, new), args.repeats)
+        (e0, e1), engine = _interleaved(_engine_rounds(params, cfgs, slots, prompt, new, args.page_size), args.repeats)
         print(f"| {name} | {batch[0]} x {batch[1]} | {t0 * 1e3:.1f} ms | {t1 * 1e3:.1f} ms | {train:.2f}x "
               f"| {slots} x {new} | {e0:.0f} | {e1:.0f} | {engine:.2f}x |", flush=True)  # fmt: skip
 
