@@ -112,7 +112,7 @@ def test_an_engine_on_a_data_parallel_mesh_keeps_the_bits_and_a_tensor_mesh_is_r
     differ = int((ours != ref).sum())
     assert differ == 0, f"{differ} of {ours.size} differ, max {np.abs(ours - ref).max()}"
     tensor = make_mesh(MeshConfig(data=1, tensor=2), jax.devices()[:2])
-    with pytest.raises(ConfigError, match=r"mesh=tensor=2 is not allowed with model.deterministic=true: data parallel"):
+    with pytest.raises(ConfigError, match=r"mesh.tensor=2 is not allowed with model.deterministic=true: 1: data"):
         Engine(params, CFG, Tokenizer.byte_level(), SERVE, mesh=tensor)
 
 

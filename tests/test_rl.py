@@ -206,6 +206,12 @@ def test_deterministic_rollouts_with_blocks_that_do_not_divide_the_pages_are_ref
     with pytest.raises(ConfigError, match=r"serve.page_size=16 is not allowed with model.deterministic=true"):
         loop.run_rl(cfg, tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()  # no warm start trained, no folder made
+    # the trainer's mesh: data parallel only (an fsdp-split product sums in another order than one device's)
+    split = ["model.deterministic=true", "model.attention_block=16", "mesh.data=2", "mesh.fsdp=2"]
+    cfg = load_config(ROOT / "configs" / "rl-arithmetic.yaml", split)
+    with pytest.raises(ConfigError, match=r"mesh.fsdp=2 is not allowed with model.deterministic=true: 1: data"):
+        loop.run_rl(cfg, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_saved_rollout_comes_back_only_whole_and_of_this_config(tmp_path):

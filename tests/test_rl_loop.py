@@ -107,13 +107,15 @@ def test_grpo_raises_the_built_in_tasks_reward_one_version_behind_and_the_sample
 
 
 @pytest.mark.parametrize(
-    "more", [[], ["model.dtype=bfloat16"], ["rl.sampler_devices=2"]], ids=["float32", "bfloat16", "two-sampler-devices"]
+    "more",
+    [[], ["model.dtype=bfloat16"], ["mesh.data=2"], ["rl.sampler_devices=2"]],
+    ids=["float32", "bfloat16", "trainer-data-2", "two-sampler-devices"],
 )
 def test_in_deterministic_mode_the_trainer_scores_the_samplers_log_probabilities_bitwise(tmp_path, overrides, more):
     """model.deterministic (docs/rl.md): the trainer's log-probabilities of the rollouts are the engine's to the
     bit, so the importance ratio of the first update is exactly 1 (the warm start, a run folder without the
-    setting, gets it from the RL config). The trainer runs on a data-parallel mesh of the devices; in bfloat16
-    the rollout engine's pages are bfloat16 too; with two sampler devices the engine is data parallel as well."""
+    setting, gets it from the RL config). In bfloat16 the rollout engine's pages are bfloat16 too; the trainer
+    on a data mesh of two devices, or the engine on two sampler devices, keeps the bits as well."""
     bitwise = ["training.steps=2", "model.deterministic=true", "model.attention_block=8", "rl.max_staleness=0", *more]
     cfg = load_config(ROOT / "configs" / "rl-arithmetic.yaml", [*overrides, *bitwise])
     assert loop.run_rl(cfg, tmp_path / "run", progress=False).status == "finished"

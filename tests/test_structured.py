@@ -94,7 +94,8 @@ def parts():
     params = model.init_params(CFG, jax.random.key(3))
     params = jax.tree.map(lambda w: w * 3 if w.ndim > 1 else w, params)  # peaked: the mask has work to do
     tok = Tokenizer.byte_level()
-    return params, tok, Generator(params, CFG, tok, max_batch=16, chunk_steps=16)
+    # spec_gate off: the speculative tests speculate whatever the gate would measure on this machine
+    return params, tok, Generator(params, CFG, tok, max_batch=16, chunk_steps=16, spec_gate=False)
 
 
 def _configs(**kw):

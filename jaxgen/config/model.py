@@ -115,7 +115,8 @@ class ModelConfig:
     #   megablox: the Pallas TPU grouped matmul (interpret mode elsewhere); dense: every expert on
     #   every token (the reference); auto: megablox on TPU, ragged_dot on GPU, grouped on CPU
     family: str | None = None  # the Hugging Face family imported from, kept for export (None: from the fields)
-    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; params stay float32
+    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; trained params stay float32 (decoding
+    #   holds wider floats in this dtype: model.decode_params)
     attention_impl: Literal["auto", "dense", "blockwise", "cudnn", "splash", "ring", "allgather"] = "auto"
     #   attention over whole sequences (training, scoring): blockwise: flash-style over key blocks with a
     #   recomputing backward, O(T x block) memory (jaxgen.model.blockwise); cudnn: cuDNN's fused kernel

@@ -52,7 +52,8 @@ class ServeConfig:
     # and kv head beside the int8 values)
     cache_dtype: Literal["float32", "bfloat16", "int8"] = "float32"
     # how the weights are held: auto = the checkpoint's dtype on GPU/TPU (bfloat16 for most Hugging Face
-    # folders), float32 on CPU (XLA:CPU's bfloat16 products are slow); bfloat16 weights compute in bfloat16
+    # folders), float32 on CPU (XLA:CPU's bfloat16 products are slow); bfloat16 weights compute in bfloat16;
+    # float32 weights of a bfloat16 model (model.dtype) are held in bfloat16 for decoding
     param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # int8: every attention and MLP weight held as int8 with a scale per output channel, its products int8 x int8
     # (`jaxgen.model.quant`); quantize_embedding: the embedding and the head too

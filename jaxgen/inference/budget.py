@@ -77,9 +77,9 @@ def check_deterministic(cfg: ModelConfig, serve: ServeConfig, draft, mesh) -> No
         (serve.quantize != "none", "serve.quantize", serve.quantize, "none"),
         (draft is not None, "draft", "a draft model", "none (speculative decoding)"),
         (serve.max_loras > 0, "serve.max_loras", serve.max_loras, "0 (no adapters)"),
-        (bool(split), "mesh", ", ".join(f"{a}={n}" for a, n in split.items()),
-         "data parallel only (rows split over devices: each device's tiles are a one-device run's; products split "
-         "over devices sum in another order)"),
+        (bool(split), f"mesh.{next(iter(split), '')}", next(iter(split.values()), 0),
+         "1: data parallel only (rows split over devices: each device's tiles are a one-device run's; products "
+         "split over devices sum in another order)"),
     ]  # fmt: skip
     for bad, field, value, allowed in refused:
         if bad:

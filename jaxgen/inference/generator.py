@@ -66,8 +66,8 @@ class GeneratorConfig:
     # float32, bfloat16 (kept as uint16 bits on CPU: updated in place) or int8 (a scale per token and kv head)
     cache_dtype: str = "float32"
     min_cache_len: int = 0  # preallocate at least this many cache slots (a power of two)
-    # speculation only where it pays: per batch size, a chunk speculates while measured tokens/s of speculative
-    # chunks reach 0.95 of plain ones (jaxgen.inference.spec_gate); False: whenever a row asks
+    # speculation only where it pays: per batch size, a group of requests speculates while measured tokens/s of
+    # speculating groups reach 0.95 of plain decoding's (jaxgen.inference.spec_gate); False: whenever a row asks
     spec_gate: bool = True
     # how drafts are checked: "exact", token for token what plain decoding gives; "standard", standard
     # speculative sampling (exact in distribution, keeps more sampled drafts; jaxgen.inference.speculative).
@@ -139,7 +139,7 @@ class Generator:
             jax.jit(counted(self, speculative.prefill_with_head), static_argnames=("cfg", "cache_len", "cache_dtype")),
             mesh,
         )
-        self.gate = SpecGate()  # per batch size: whether a chunk speculates, from measured tokens/s
+        self.gate = SpecGate()  # per batch size: whether a group speculates, from measured tokens/s
         # speculative decoding so far: target steps and drafts proposed and kept, summed over rows
         self.speculation = {"target_steps": 0, "tokens": 0, "proposed": 0, "accepted": 0, "kept_at": np.zeros(8, int)}
         self.scorer = scoring.Scorer(
@@ -251,12 +251,12 @@ class Generator:
             new = int((host.generated - made)[: len(group)].sum())
             if gated and compiled == self.compilations:  # plain requests' chunks tell the gate plain's rate too
                 self.gate.observe(len(group), spec is not None, new, time.perf_counter() - started)
-            started, compiled = time.perf_counter(), self.compilations
             made = host.generated
             done = np.pad(self._check_stop_strings(host, configs, group, stop_at), (0, b - len(group)))
             if done.any():
                 state = state.replace(done=state.done | done)
             yield self._completions(host, configs, group, stop_at, prompt_scores)
+            started, compiled = time.perf_counter(), self.compilations  # (the caller's time between chunks is not)
             if self._table is not None:  # the donated table lives on in the state
                 self._table = (*self._table[:1], state.grammar_table, *self._table[2:])
             if np.all(host.done | done):

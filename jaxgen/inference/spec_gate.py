@@ -12,7 +12,8 @@ drafts) and of its recent plain ones (a token per row and step), and
 
     a chunk speculates  iff  never measured plain at this batch,  or  spec tokens/s >= KEEP x plain tokens/s
 
-with the unfavoured side run once every PROBE_EVERY chunks of that batch size to keep its figure current.
+with the unfavoured side run once every PROBE_EVERY chunks (the Generator's: groups) of that batch size to
+keep its figure current.
 Rows that asked for drafts decode plainly in a plain chunk, exactly as they would have: speculation never
 changes the output, only the time. The gate is the engine's only clock-dependent decision, and its clock is
 injectable (tests set the figures). The Generator tells its gate the rate of every chunk it runs, plain
@@ -41,11 +42,12 @@ def bucket(rows: int) -> int:
 
 
 class SpecGate:
-    """The rule of the module, per batch-size bucket; `choose` before a chunk, `observe` once its results are in."""
+    """The rule of the module, per batch-size bucket; `choose` before a chunk (the Generator: a group), `observe`
+    once its results are in."""
 
     def __init__(self):
         self.rates: dict[int, _Rates] = {}
-        self.skipped = 0  # chunks that ran plain although rows asked for drafts
+        self.skipped = 0  # chunks (the Generator's: groups) that ran plain although rows asked for drafts
 
     def choose(self, rows: int) -> bool:
         """Whether the next chunk, with `rows` running rows of which some asked for drafts, speculates."""

@@ -356,7 +356,7 @@ def speculative_loop(params, state: DecodeState, spec: SpecState, cfg: ModelConf
 
 
 def after_plain(spec: SpecState, tokens_bm, before_b, after_b, base_b) -> SpecState:
-    """The rows' speculative state after a plain chunk (the engine's and the Generator's `spec_gate` choice)
+    """The rows' speculative state after a plain chunk (the engine's `spec_gate` choice)
     made their tokens [before, after) (at buffer columns index - base): the n-gram history takes them, and an
     EAGLE head's pending features are dropped (none is of the last token; its keys of these positions are
     never written, which costs acceptance, never exactness)."""

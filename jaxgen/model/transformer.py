@@ -207,7 +207,7 @@ def decode_params(params: dict, rows: int, cfg: ModelConfig | None = None) -> di
     (`layout.decode_layout`). Idempotent; `layout.train_layout` undoes the second step. A deterministic
     `cfg` keeps the weights as trained: its tiled products are the training forward's (`_block_tiled`).
     With `cfg`, float weights wider than its compute dtype are held in it (`held_as_computed`)."""
-    params = unstack_layers(params) if cfg is None else held_as_computed(unstack_layers(params), cfg)
+    params = unstack_layers(params if cfg is None else held_as_computed(params, cfg))  # cast first: less held
     return layout.decode_layout(params, 1 if cfg is not None and cfg.deterministic else rows)
 
 
@@ -215,7 +215,8 @@ def held_as_computed(params: dict, cfg: ModelConfig) -> dict:
     """The float weights wider than `cfg.dtype` (float32 master weights of a bfloat16 model) cast to it once,
     as `forward` would at every call (`_cast`: the same values). Inside a decode loop that cast runs at
     every step, on a GPU a kernel per weight moving three times its bfloat16 bytes (the float32 read, the
-    copy written and read again). Quantized weights, integers and narrower floats stay as they are."""
+    copy written and read again). Quantized weights, integers and floats no wider than `cfg.dtype` stay as
+    they are."""
     dtype = jnp.dtype(cfg.dtype)
 
     def cast(p):

@@ -172,8 +172,10 @@ def run_rl(cfg: Config, run_dir: str | Path, progress: bool = True, stop_after: 
     from jaxgen.inference.budget import check_deterministic
     from jaxgen.sharding import make_mesh
 
-    if cfg.model.deterministic:  # the rollout engine's settings, refused before the warm start trains
-        check_deterministic(cfg.model, ServeConfig(cache_dtype=cfg.model.dtype), None, None)
+    mesh = make_mesh(cfg.mesh, trainer_devices(cfg.rl.sampler_devices))
+    if cfg.model.deterministic:  # the rollout engine's settings and the trainer's mesh (data parallel only),
+        # refused before the warm start trains
+        check_deterministic(cfg.model, ServeConfig(cache_dtype=cfg.model.dtype), None, mesh)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = dataclasses.replace(
@@ -181,9 +183,6 @@ def run_rl(cfg: Config, run_dir: str | Path, progress: bool = True, stop_after: 
     )
     records = tasks.load_prompts(cfg.rl, cfg.training.seed)
     reward_fn = tasks.load_reward(cfg.rl)
-    mesh = make_mesh(cfg.mesh, trainer_devices(cfg.rl.sampler_devices))
-    if cfg.model.deterministic:  # the trainer's mesh too: data parallel only
-        check_deterministic(cfg.model, ServeConfig(cache_dtype=cfg.model.dtype), None, mesh)
     check_spans_processes(mesh, f"the mesh {dict(mesh.shape)}")
     if cfg.rl.sampler_devices and is_main():
         print(f"the engine on {cfg.rl.sampler_devices} device(s) of each process, the trainer on the mesh "

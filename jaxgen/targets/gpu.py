@@ -183,6 +183,9 @@ def main(argv=None) -> int:
         help="a dotted override of --config (repeatable), e.g. --set model.dtype=bfloat16",
     )
     args = parser.parse_args(argv)
+    for setting in args.set:  # only the model is read: anything else would be ignored without a word
+        if not setting.startswith("model."):
+            parser.error(f"--set {setting} is not allowed: model.KEY=VALUE only (the model is what this compiles)")
     jax.config.update("jax_platforms", "cpu")  # before any backend starts: the plugin then registers
     reason = unavailable()
     if reason:

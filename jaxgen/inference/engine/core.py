@@ -216,16 +216,17 @@ class Engine(AdapterControl):
 
     def update_params(self, params, *, donate: bool = False) -> None:
         """Replaces the weights between steps, without recompiling. `params`: a pytree of the structure,
-        shapes and dtypes the engine was built with, in the training layout (stacked layers) or the decode
+        shapes and dtypes the engine was built with (floats wider than `model.dtype` are cast to it, as at
+        construction), in the training layout (stacked layers) or the decode
         layout (`model.decode_params`); laid out for decoding as at construction and placed in the current
         weights' shardings. A mismatch raises ValueError naming the first leaf that differs, before
         anything changes. Sequences in flight are preempted and recomputed on the new weights, keeping the
         tokens (and log-probabilities) they emitted; the prefix cache is emptied, so no page computed with
         the old weights is read again. Copies: the engine holds one copy of the weights in its layout (the
         per-layer slices, output-major matrices); `donate=True` hands the caller's arrays over where the
-        layout keeps them (decode-layout params: no copy at all), and the caller must then neither change
-        nor donate them; by default the engine shares no buffer with the caller (a trainer may donate its
-        params to its next step)."""
+        layout keeps them (decode-layout params in the engine's dtypes: no copy at all), and the caller must
+        then neither change nor donate them; by default the engine shares no buffer with the caller (a
+        trainer may donate its params to its next step)."""
         new = self.runner.checked_params(params, donate)
         with self._exclusive:
             self._preempt_all(same_weights=False)

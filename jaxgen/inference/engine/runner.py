@@ -374,7 +374,8 @@ class Runner:
             a, b = want[path], have[path]
             if a.shape != b.shape or a.dtype != b.dtype:
                 seen, held = f"{b.dtype}{list(b.shape)}", f"{a.dtype}{list(a.shape)}"
-                raise ValueError(f"update_params: params{name} is {seen}; the engine holds {held}")
+                as_decoded = f"laid out for decoding, floats in model.dtype={self.cfg.dtype}"
+                raise ValueError(f"update_params: params{name} is {seen} ({as_decoded}); the engine holds {held}")
         if not donate:  # one program lays them out into new buffers in the engine's shardings (no aliasing)
             if self._to_decode is None:  # made once: compiled at the first swap of each layout, then reused
                 shardings = jax.tree.map(lambda x: x.sharding, current)
