@@ -209,7 +209,7 @@ class Generator:
         prompt_idx = sorted({p for p, _ in group})
         b = bucket(len(group), minimum=1)
         p_count = bucket(len(prompt_idx), minimum=1)
-        gated = self.config.spec_gate and self.config.spec_rule == "exact"  # "standard": a residual may be pending
+        gated = self.config.spec_gate and self.config.spec_rule == "exact"  # "standard": never gated, as in the engine
         t, longest_new, cache_len, w = self._sizes(ids, configs, group, prompt_idx)
         # The gate chooses once for the group (`spec_gate`, its chunks its "chunks"): where speculation does not
         # pay at this batch size, the group runs as plain requests do, from its prefill on (no drafter's

@@ -206,25 +206,11 @@ def decode_params(params: dict, rows: int, cfg: ModelConfig | None = None) -> di
     `layout.OUT_MAJOR_ROWS` rows (`rows`: the batch decoded together), output-major weights
     (`layout.decode_layout`). Idempotent; `layout.train_layout` undoes the second step. A deterministic
     `cfg` keeps the weights as trained: its tiled products are the training forward's (`_block_tiled`).
-    With `cfg`, float weights wider than its compute dtype are held in it (`held_as_computed`)."""
-    params = unstack_layers(params if cfg is None else held_as_computed(params, cfg))  # cast first: less held
+    With `cfg`, float weights wider than its compute dtype are held in it, cast once (`_cast`): inside a
+    decode loop `forward`'s own cast ran at every step, on a GPU a kernel per weight moving three times its
+    bfloat16 bytes (the float32 read, the copy written and read again)."""
+    params = unstack_layers(params if cfg is None else _cast(params, cfg, wider_only=True))  # cast first: less held
     return layout.decode_layout(params, 1 if cfg is not None and cfg.deterministic else rows)
-
-
-def held_as_computed(params: dict, cfg: ModelConfig) -> dict:
-    """The float weights wider than `cfg.dtype` (float32 master weights of a bfloat16 model) cast to it once,
-    as `forward` would at every call (`_cast`: the same values). Inside a decode loop that cast runs at
-    every step, on a GPU a kernel per weight moving three times its bfloat16 bytes (the float32 read, the
-    copy written and read again). Quantized weights, integers and floats no wider than `cfg.dtype` stay as
-    they are."""
-    dtype = jnp.dtype(cfg.dtype)
-
-    def cast(p):
-        if quant.is_q(p) or not jnp.issubdtype(p.dtype, jnp.floating) or p.dtype.itemsize <= dtype.itemsize:
-            return p
-        return p.astype(dtype)
-
-    return jax.tree.map(cast, params, is_leaf=quant.is_q)
 
 
 def stack_layers(params: dict) -> dict:
@@ -274,13 +260,15 @@ def _head_tiles(x, w, cfg: ModelConfig):
     return layers.per_tile(head, x, consts=(w,))
 
 
-def _cast(params, cfg: ModelConfig):
-    """The params in the compute dtype; int8 weights (`jaxgen.model.quant`) stay int8, and integer arrays
-    (a LoRA bank's row slots, `jaxgen.model.lora.Bank`) stay integers."""
+def _cast(params, cfg: ModelConfig, wider_only: bool = False):
+    """The params in the compute dtype (`wider_only`: those floats wider than it, the rest as they are); int8
+    weights (`jaxgen.model.quant`) stay int8, and integer arrays (a LoRA bank's row slots,
+    `jaxgen.model.lora.Bank`) stay integers."""
     dtype = jnp.dtype(cfg.dtype)
 
     def cast(p):
-        return p if quant.is_q(p) or not jnp.issubdtype(p.dtype, jnp.floating) else p.astype(dtype)
+        kept = quant.is_q(p) or not jnp.issubdtype(p.dtype, jnp.floating)
+        return p if kept or (wider_only and p.dtype.itemsize <= dtype.itemsize) else p.astype(dtype)
 
     return jax.tree.map(cast, params, is_leaf=quant.is_q)
 

@@ -109,20 +109,24 @@ def per_layer(layout: str, cfg, slots: int, rows: int, device) -> dict:
     from jaxgen.tokenizer import Tokenizer
 
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=4, ignore_eos=True)
-    steps, moved = [], []
+    texts = []
     for layers in (1, 2):
         c = dataclasses.replace(cfg, num_layers=layers, cache_layout=layout, max_seq_len=max(cfg.max_seq_len, slots))
         gen = Generator(model.init_params(c, jax.random.key(0)), c, Tokenizer.byte_level(), max_batch=rows,
                         chunk_steps=8, min_cache_len=slots)  # fmt: skip
-        text = decode_loop_text(gen, [[1, 2, 3]] * rows, greedy, device)
-        steps.append(loop_ops(text))
-        moved.append(hlo_counts(text)[1])
-    one, two = steps
+        texts.append(decode_loop_text(gen, [[1, 2, 3]] * rows, greedy, device))
+    return _layer_adds(*texts)
+
+
+def _layer_adds(one_layer: str, two_layers: str) -> dict:
+    """From a decode program's HLO at 1 and 2 layers: a step's operations at 1 layer, and what the second
+    layer adds: conditionals, kernels (every operation but the free ones) and HBM megabytes (`hlo_counts`)."""
+    one, two = loop_ops(one_layer), loop_ops(two_layers)
     return {
         "step": dict(one),
         "conditional": two["conditional"] - one["conditional"],
         "kernels": two["total"] - one["total"],
-        "layer_mb": round((moved[1] - moved[0]) / 1e6, 3),  # HBM bytes a layer adds to a step (`hlo_counts`)
+        "layer_mb": round((hlo_counts(two_layers)[1] - hlo_counts(one_layer)[1]) / 1e6, 3),
     }
 
 
@@ -135,7 +139,7 @@ def engine_per_layer(cfg, slots: int, page_size: int, device) -> dict:
     from jaxgen.inference import steps
 
     one = jax.sharding.SingleDeviceSharding(device)
-    counts, moved = [], []
+    texts = []
     for layers in (1, 2):
         c = dataclasses.replace(cfg, num_layers=layers, max_seq_len=max(cfg.max_seq_len, slots))
         serve = ServeConfig(slots=slots, page_size=page_size, num_pages=4 * slots, cache_dtype="bfloat16")
@@ -150,16 +154,8 @@ def engine_per_layer(cfg, slots: int, page_size: int, device) -> dict:
             lowered = jax.jit(steps.decode_chunk, static_argnames="cfg").lower(
                 placed(params, device), placed(state, device), limit, retire, cfg=c
             )
-        text = lowered.compile().as_text()
-        counts.append(loop_ops(text))
-        moved.append(hlo_counts(text)[1])
-    one_layer, two = counts
-    return {
-        "step": dict(one_layer),
-        "conditional": two["conditional"] - one_layer["conditional"],
-        "kernels": two["total"] - one_layer["total"],
-        "layer_mb": round((moved[1] - moved[0]) / 1e6, 3),
-    }
+        texts.append(lowered.compile().as_text())
+    return _layer_adds(*texts)
 
 
 def main(argv=None) -> int:
@@ -191,9 +187,12 @@ def main(argv=None) -> int:
     if reason:
         print(f"error: {reason}", file=sys.stderr)
         return 2
-    from jaxgen.config import load_config
+    from jaxgen.config import ConfigError, load_config
 
-    cfg = load_config(args.config, args.set).model
+    try:
+        cfg = load_config(args.config, args.set).model
+    except ConfigError as e:  # a bad --set or config: one line, not a traceback
+        parser.error(str(e))
     device = cuda_device(Path(args.spec).read_text())
     out = {layout: per_layer(layout, cfg, args.slots, args.rows, device) for layout in args.layouts}
     if args.engine:
